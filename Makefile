@@ -1,0 +1,33 @@
+# One-word targets. `make test` and `make demo` work on a fresh machine: they create .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+EXTRAS := dev,eval,deepspeed
+
+.PHONY: install test test-fast lint demo bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check ddp_rank tests benchmarks
+	$(BIN)/ruff format --check ddp_rank
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/loss.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

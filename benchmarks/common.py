@@ -1,0 +1,43 @@
+"""Helpers shared by the benchmark scripts: the machine's description and dated markdown output."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{cpu}, {os.cpu_count()} logical cores, {gpu}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} intra-op threads; Python {platform.python_version()}"
+    )
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_result(name: str, title: str, body: str) -> Path:
+    """Write ``results/<name>-<YYYY-MM-DD>.md`` and return its path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    today = _dt.date.today().isoformat()
+    path = RESULTS_DIR / f"{name}-{today}.md"
+    path.write_text(f"# {title}\n\nDate: {today}  \nMachine: {machine_description()}\n\n{body}\n")
+    return path

@@ -1,0 +1,37 @@
+"""The ``ddp-rank`` command: a thin dispatcher over the sub-commands each layer registers.
+
+Each sub-command lives beside the code it drives and exposes ``register(subparsers)``, which adds its
+parser and sets ``func`` (a callable taking the parsed namespace and returning an exit code). This file holds
+no logic of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Modules that provide a ``register(subparsers)`` function, in the order they appear in ``--help``.
+_COMMAND_MODULES: tuple[str, ...] = ("ddp_rank.data.shards_cli", "ddp_rank.train.cli", "ddp_rank.eval.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddp-rank",
+        description="Distributed deep metric learning with global-batch listwise ranking losses.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in _COMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

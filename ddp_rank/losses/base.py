@@ -1,0 +1,224 @@
+"""``ListwiseLoss``: input checks, the chunked row driver and the single-process autograd wrapper.
+
+A loss family subclasses ``ListwiseLoss`` and implements:
+
+- ``_similarity_affine()``: ``(scale, shift)``; the driver hands the family ``B = shift + scale * S`` straight
+  out of ``addmm`` (FastAP wants distances in bin units, the rank losses want ``S / tau``), which saves one
+  or two passes over every ``[c, N]`` block, and multiplies the gradient matmuls by ``scale`` in return;
+- ``_score_chunk(B_cn, chunk, need_grad)`` turns that block into per-query losses, validity and
+  ``G_cn = d(sum of losses)/dB_cn`` (it may overwrite ``B_cn``);
+- ``_bytes_per_query_row(n_database, max_positives, itemsize)``: the work space one query row costs, so the
+  driver can size chunks from the memory budget.
+
+Everything else (validation, normalisation, chunking, the two gradient matmuls, autograd) lives here.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ddp_rank.losses.rows import ChunkInputs, LabelIndex, RowsOutput, chunk_rows, compute_dtype
+
+# How far from 1 a row norm may be when ``normalize=False`` promises unit rows.
+_UNIT_NORM_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+_DEFAULT_UNIT_NORM_TOLERANCE = 1e-3
+
+
+class ListwiseLoss(nn.Module, abc.ABC):
+    """Base of the listwise losses: ``loss(embeddings [N, d], labels [N]) -> 0-d tensor``.
+
+    Args:
+        normalize: L2-normalise the embeddings inside (the gradient flows through the normalisation). With
+            ``False`` the rows must already be unit vectors; this is checked.
+        memory_budget: bytes of work space one chunk of query rows may use. ``None`` picks 64 MiB on CPU and
+            1 GiB on CUDA. Results do not depend on it.
+        chunk_rows: force a number of query rows per chunk (tests, tuning); overrides ``memory_budget``.
+    """
+
+    def __init__(
+        self, *, normalize: bool = True, memory_budget: int | None = None, chunk_rows: int | None = None
+    ) -> None:
+        super().__init__()
+        if memory_budget is not None and memory_budget <= 0:
+            raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
+        if chunk_rows is not None and chunk_rows <= 0:
+            raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+        self.normalize = normalize
+        self.memory_budget = memory_budget
+        self.chunk_rows = chunk_rows
+
+    # ----------------------------------------------------------------------------------------- family API
+    @abc.abstractmethod
+    def _similarity_affine(self) -> tuple[float, float]:
+        """``(scale, shift)`` such that ``_score_chunk`` receives ``shift + scale * S``."""
+
+    @abc.abstractmethod
+    def _score_chunk(
+        self, block: Tensor, chunk: ChunkInputs, need_grad: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``B_cn [c, N]`` -> ``(losses [c], valid [c], dl/dB_cn [c, N] or None)``."""
+
+    @abc.abstractmethod
+    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
+        """Peak work space of one query row inside ``_score_chunk``."""
+
+    # ------------------------------------------------------------------------------------------ public API
+    def prepare(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """Check the inputs and bring the embeddings to unit rows in the compute dtype.
+
+        Returns ``(x, labels)``: ``x`` is differentiable with respect to ``embeddings`` (normalisation and the
+        cast to float32 for half inputs happen under autograd), ``labels`` is int64.
+        Raises ``ValueError`` naming the problem for wrong shapes or dtypes, NaN / Inf values, or rows that
+        are not unit vectors when ``normalize=False``.
+        """
+        labels = check_labels(labels)
+        check_embeddings(embeddings, expected_rows=labels.shape[0])
+        x = embeddings.to(compute_dtype(embeddings.dtype))
+        if self.normalize:
+            return F.normalize(x, dim=1), labels
+        if x.shape[0]:
+            norms = x.detach().norm(dim=1)
+            tolerance = _UNIT_NORM_TOLERANCE.get(embeddings.dtype, _DEFAULT_UNIT_NORM_TOLERANCE)
+            worst = int((norms - 1).abs().argmax())
+            if abs(float(norms[worst]) - 1) > tolerance:
+                raise ValueError(
+                    f"normalize=False needs unit-length embedding rows, but row {worst} has norm "
+                    f"{float(norms[worst]):.4g}; L2-normalise the embeddings or use normalize=True"
+                )
+        return x, labels
+
+    @torch.no_grad()
+    def rows(
+        self,
+        queries: Tensor,
+        query_index: Tensor,
+        database: Tensor,
+        database_labels: Tensor,
+        *,
+        need_grad: bool = True,
+    ) -> RowsOutput:
+        """Per-query losses of ``queries`` (rows ``query_index`` of ``database``) and their gradients.
+
+        Args:
+            queries: ``[q, d]`` unit rows (from ``prepare``), no autograd.
+            query_index: ``[q]`` int64, the database row of each query (the query is excluded from its own
+                positives and negatives by this index, never by value).
+            database: ``[N, d]`` unit rows, no autograd.
+            database_labels: ``[N]`` int64 class ids.
+            need_grad: compute the gradients (two matmuls per chunk and the family's backward maths).
+        """
+        _check_rows_inputs(queries, query_index, database, database_labels)
+        dtype = compute_dtype(database.dtype)
+        queries, database = queries.to(dtype), database.to(dtype)
+        n_queries, n_database = queries.shape[0], database.shape[0]
+        labels = LabelIndex(database_labels)
+        query_labels = database_labels[query_index]
+
+        losses = queries.new_zeros(n_queries)
+        valid = torch.zeros(n_queries, dtype=torch.bool, device=queries.device)
+        grad_queries = torch.zeros_like(queries) if need_grad else None
+        grad_database = torch.zeros_like(database) if need_grad else None
+
+        row_bytes = self._bytes_per_query_row(n_database, labels.max_class_size(query_labels), dtype.itemsize)
+        step = chunk_rows(row_bytes, self.memory_budget, queries.device, self.chunk_rows)
+        scale, shift = self._similarity_affine()
+        shift_11 = queries.new_full((1, 1), shift)
+        for start in range(0, n_queries, step):
+            rows_c = slice(start, start + step)
+            q_c = queries[rows_c]
+            chunk = ChunkInputs(query_labels[rows_c], query_index[rows_c], labels)
+            b_cn = torch.addmm(shift_11, q_c, database.T, alpha=scale)
+            losses[rows_c], valid[rows_c], g_cn = self._score_chunk(b_cn, chunk, need_grad)
+            if need_grad:
+                assert g_cn is not None and grad_queries is not None and grad_database is not None
+                torch.mm(g_cn, database, out=grad_queries[rows_c]).mul_(scale)
+                grad_database.addmm_(g_cn.T, q_c, alpha=scale)
+        return RowsOutput(losses, valid, grad_queries, grad_database)
+
+    def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        """Mean per-query loss over the queries that have a positive (0 with a zero gradient if none)."""
+        x, labels = self.prepare(embeddings, labels)
+        return _ListwiseLossFunction.apply(x, labels, self)
+
+
+class _ListwiseLossFunction(torch.autograd.Function):
+    """Single-process loss on prepared rows: every row is a query against the whole batch.
+
+    The gradient is computed with the loss (it costs the same chunked pass) and kept for backward, which
+    only scales it by ``grad_output``.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, labels: Tensor, loss: ListwiseLoss) -> Tensor:
+        x_rows = x.detach()
+        everyone = torch.arange(x.shape[0], device=x.device)
+        out = loss.rows(x_rows, everyone, x_rows, labels, need_grad=ctx.needs_input_grad[0])
+        n_valid = out.n_valid
+        scale = 1.0 / n_valid if n_valid else 0.0
+        if out.grad_database is not None and out.grad_queries is not None:
+            ctx.save_for_backward(out.grad_database.add_(out.grad_queries).mul_(scale))
+        return out.loss_sum * scale
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, None, None]:
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output.to(grad.dtype), None, None
+
+
+def check_labels(labels: Tensor) -> Tensor:
+    """Labels must be a 1-D integer tensor; returned as int64."""
+    if not isinstance(labels, Tensor):
+        raise ValueError(f"labels must be a torch.Tensor of integer class ids, got {type(labels).__name__}")
+    if labels.dim() != 1:
+        raise ValueError(f"labels must be 1-D [N], got shape {tuple(labels.shape)}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(
+            f"labels must be integer class ids (int64), got dtype {labels.dtype}; convert with labels.long() "
+            "after checking they hold whole numbers"
+        )
+    return labels.long()
+
+
+def check_embeddings(embeddings: Tensor, expected_rows: int) -> None:
+    """Embeddings must be a finite floating ``[N, d]`` tensor with one row per label."""
+    if not isinstance(embeddings, Tensor):
+        raise ValueError(f"embeddings must be a torch.Tensor, got {type(embeddings).__name__}")
+    if embeddings.dim() != 2:
+        raise ValueError(f"embeddings must be 2-D [N, d], got shape {tuple(embeddings.shape)}")
+    if not embeddings.is_floating_point():
+        raise ValueError(f"embeddings must be floating point, got dtype {embeddings.dtype}")
+    if embeddings.shape[0] != expected_rows:
+        raise ValueError(
+            f"embeddings have {embeddings.shape[0]} rows but labels have {expected_rows}: one label per row"
+        )
+    finite = torch.isfinite(embeddings.detach()).all(dim=1)
+    if not bool(finite.all()):
+        bad = torch.nonzero(~finite).flatten()[:5].tolist()
+        raise ValueError(
+            f"embeddings contain NaN or Inf (rows {bad}{'...' if (~finite).sum() > 5 else ''}); "
+            "the network diverged or its input is broken (lower the learning rate, check the data)"
+        )
+
+
+def _check_rows_inputs(queries: Tensor, query_index: Tensor, database: Tensor, labels: Tensor) -> None:
+    if queries.dim() != 2 or database.dim() != 2 or queries.shape[1] != database.shape[1]:
+        raise ValueError(
+            f"queries [q, d] and database [N, d] must share d, got {tuple(queries.shape)} and "
+            f"{tuple(database.shape)}"
+        )
+    if query_index.shape != (queries.shape[0],) or query_index.dtype != torch.int64:
+        raise ValueError(
+            f"query_index must be int64 of shape [{queries.shape[0]}], got {query_index.dtype} "
+            f"{tuple(query_index.shape)}"
+        )
+    if labels.shape != (database.shape[0],) or labels.dtype != torch.int64:
+        raise ValueError(
+            f"database_labels must be int64 of shape [{database.shape[0]}], got {labels.dtype} "
+            f"{tuple(labels.shape)}"
+        )
+    if query_index.numel() and (int(query_index.min()) < 0 or int(query_index.max()) >= database.shape[0]):
+        raise ValueError("query_index points outside the database")

@@ -1,0 +1,150 @@
+"""PNP (Li et al., AAAI 2022): penalise only the negatives ranked before each positive.
+
+For a query ``a`` with positives ``P_a`` and negatives ``N_a``, and similarities ``s = x . x``:
+
+    R[a, i] = sum_{j in N_a} sigmoid((s_aj - s_ai) / tau)        (a smoothed count of negatives above i)
+    loss    = mean over queries with a positive of (1 / |P_a|) sum_{i in P_a} f(R[a, i])
+
+with the five variants of the paper (eqs. 5-13):
+
+    O:  f = R                      Iu: f = (1 + R) log(1 + R)      Ib: f = (b R - log(1 + b R)) / b^2
+    Ds: f = log(1 + R)             Dq: f = -(1 + R)^-alpha, loss = 1 - mean (1 + R)^-alpha
+
+``count_self=True`` reproduces the authors' code, which counts the query in its own ``P_a`` (its R is about 0,
+so with classes of size g the loss is scaled by (g - 1)/g against the paper); ``count_self=False`` is the
+paper's definition. A query without a positive besides itself is left out of the mean either way.
+
+Memory: only (query, positive) pairs need a rank, so a chunk of c queries builds ``[c, P, N]`` (P the largest
+positive set in the batch) instead of the authors' ``[N, N, N]``. With ``c_ai = f'(R_ai) / |P_a|`` and
+``sigma'_aij = sigma(1 - sigma) / tau``, the similarity gradient is
+
+    G[a, j in N_a] =  sum_i c_ai sigma'_aij            G[a, i in P_a] -= c_ai sum_j sigma'_aij
+
+one batched matmul and one scatter-add. The authors clamp the sigmoid's argument to [-50, 50]; this only
+guards their exp against overflow (``torch.sigmoid`` needs no guard) and changes values by < 2e-22.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ddp_rank.losses.base import ListwiseLoss
+from ddp_rank.losses.rows import ChunkInputs
+
+VARIANTS = ("O", "Iu", "Ib", "Ds", "Dq")
+
+
+class PNPLoss(ListwiseLoss):
+    """PNP loss in its five variants, from the labels (any class sizes, any order).
+
+    Args:
+        variant: "O", "Iu", "Ib", "Ds" or "Dq" (the paper's best is "Dq").
+        tau: sigmoid temperature.
+        b: the slope of variant "Ib".
+        alpha: the exponent of variant "Dq".
+        count_self: count the query among its own positives, as the authors' code does.
+        normalize, memory_budget, chunk_rows: see ``ListwiseLoss``.
+    """
+
+    def __init__(
+        self,
+        variant: str = "Dq",
+        tau: float = 0.01,
+        b: float = 2.0,
+        alpha: float = 1.0,
+        count_self: bool = True,
+        *,
+        normalize: bool = True,
+        memory_budget: int | None = None,
+        chunk_rows: int | None = None,
+    ) -> None:
+        super().__init__(normalize=normalize, memory_budget=memory_budget, chunk_rows=chunk_rows)
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown PNP variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+        for name, value in (("tau", tau), ("b", b), ("alpha", alpha)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value}")
+        self.variant, self.tau, self.b, self.alpha = variant, float(tau), float(b), float(alpha)
+        self.count_self = count_self
+
+    def extra_repr(self) -> str:
+        return (
+            f"variant={self.variant!r}, tau={self.tau}, b={self.b}, alpha={self.alpha}, "
+            f"count_self={self.count_self}, normalize={self.normalize}"
+        )
+
+    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
+        # The [P, N] sigmoid block, the row of scores with positives removed, and G.
+        return max(1, max_positives) * n_database * itemsize + 3 * n_database * itemsize
+
+    def _similarity_affine(self) -> tuple[float, float]:
+        return 1.0 / self.tau, 0.0
+
+    def _score_chunk(
+        self, block: Tensor, chunk: ChunkInputs, need_grad: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        same_index, same_mask = chunk.same_class()
+        pos_mask = counted_positives(same_index, same_mask, chunk.self_columns, self.count_self)
+        valid = same_mask.sum(1) > 1  # a positive besides the query itself
+        weights = pos_mask.to(block.dtype)
+        weights *= valid[:, None] / weights.sum(1, keepdim=True).clamp(min=1)  # [c, P]
+
+        sigma_cpn, ranks = negative_ranks(block, same_index)
+        f, f_prime = self._penalty(ranks)
+        losses = (f * weights).sum(1)
+        if self.variant == "Dq":  # 1 - mean (1 + R)^-alpha, with f = -(1 + R)^-alpha
+            losses += valid
+        if not need_grad:
+            return losses, valid, None
+        g_cn = block.new_zeros(block.shape)
+        add_rank_gradient(g_cn, sigma_cpn, same_index, f_prime * weights)
+        return losses, valid, g_cn
+
+    def _penalty(self, ranks: Tensor) -> tuple[Tensor, Tensor]:
+        """``(f(R), df/dR)`` of the variant ("Dq": ``f = -(1 + R)^-alpha``, its loss adds 1 to valid queries)."""
+        if self.variant == "O":
+            return ranks, torch.ones_like(ranks)
+        if self.variant == "Iu":
+            log1p = torch.log1p(ranks)
+            return (1 + ranks) * log1p, log1p + 1
+        if self.variant == "Ib":
+            b = self.b
+            return (b * ranks - torch.log1p(b * ranks)) / b**2, ranks / (1 + b * ranks)
+        if self.variant == "Ds":
+            return torch.log1p(ranks), 1 / (1 + ranks)
+        power = (1 + ranks) ** -self.alpha
+        return -power, self.alpha * power / (1 + ranks)
+
+
+def counted_positives(
+    same_index: Tensor, same_mask: Tensor, self_columns: Tensor, count_self: bool
+) -> Tensor:
+    """[c, P] mask of the same-class columns that count as positives (the query only with ``count_self``)."""
+    return same_mask if count_self else same_mask & (same_index != self_columns[:, None])
+
+
+def negative_ranks(scores: Tensor, same_index: Tensor) -> tuple[Tensor, Tensor]:
+    """Sigmoids of every (query, same-class item, negative) triple, and their sums over the negatives.
+
+    ``scores`` are ``S / tau`` ``[c, N]``; returns ``(sigma [c, P, N], R [c, P])`` with
+    ``sigma[a, i, j] = sigmoid(scores[a, j] - scores[a, same_index[a, i]])``. Same-class columns are set to
+    -inf first, so their sigmoid and its derivative are exactly 0 and no mask pass is needed.
+    """
+    s_same = scores.gather(1, same_index)  # [c, P]
+    s_neg = scores.scatter(1, same_index, -math.inf)  # [c, N]
+    sigma_cpn = torch.sub(s_neg[:, None, :], s_same[:, :, None]).sigmoid_()
+    return sigma_cpn, sigma_cpn.sum(2)
+
+
+def add_rank_gradient(g_cn: Tensor, sigma_cpn: Tensor, index: Tensor, dloss_dranks: Tensor) -> None:
+    """Add ``d(loss)/d scores`` for ``R[a, i] = sum_j sigma(scores[a, j] - scores[a, index[a, i]])``.
+
+    Given ``d(loss)/dR [c, P]``: every j gets ``sum_i dloss/dR_ai sigma'_aij``, every ``index[a, i]`` loses
+    ``dloss/dR_ai sum_j sigma'_aij``. Consumes ``sigma_cpn`` (turned into its derivative in place).
+    """
+    dsigma_cpn = sigma_cpn.addcmul_(sigma_cpn, sigma_cpn, value=-1.0)  # sigma (1 - sigma)
+    g_cn += torch.bmm(dloss_dranks[:, None, :], dsigma_cpn).squeeze(1)
+    g_cn.scatter_add_(1, index, -dloss_dranks * dsigma_cpn.sum(2))

@@ -1,0 +1,94 @@
+"""Smooth-AP (Brown et al., ECCV 2020): AP with the rank indicator replaced by a sigmoid.
+
+For a query ``a`` with positives ``P_a`` and ``sigma_aij = sigmoid((s_aj - s_ai) / tau)``:
+
+    Rp[a, i] = 1 + sum_{j in P_a, j != i} sigma_aij          (smoothed rank of i among the positives)
+    Ra[a, i] = Rp[a, i] + sum_{j in N_a} sigma_aij            (smoothed rank of i among everything)
+    loss     = 1 - mean over valid queries of (1 / |P_a|) sum_{i in P_a} Rp[a, i] / Ra[a, i]
+
+``count_self=True`` follows the authors' code (and ROADMAP's): the query is one of its own positives and of
+the ranked items, so every query is valid; ``count_self=False`` leaves the query out of its ranking and a
+query with no other positive out of the mean.
+
+Memory: ``[c, P, N]`` for the negatives and ``[c, P, P]`` among the positives, never ``[N, N, N]``. With
+``Rn = Ra - Rp``, ``dT/dRp = Rn / Ra^2`` and ``dT/dRn = -Rp / Ra^2`` for ``T = Rp / Ra``; both sums are
+sigmoid ranks, whose similarity gradient ``add_rank_gradient`` (shared with PNP) applies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ddp_rank.losses.base import ListwiseLoss
+from ddp_rank.losses.pnp import add_rank_gradient, counted_positives, negative_ranks
+from ddp_rank.losses.rows import ChunkInputs
+
+
+class SmoothAPLoss(ListwiseLoss):
+    """Smooth-AP, exact and memory-linear (the authors' code builds ``[N, N, N]``).
+
+    Args:
+        tau: sigmoid temperature.
+        count_self: count the query among its own positives, as the authors' code does.
+        normalize, memory_budget, chunk_rows: see ``ListwiseLoss``.
+    """
+
+    def __init__(
+        self,
+        tau: float = 0.01,
+        count_self: bool = True,
+        *,
+        normalize: bool = True,
+        memory_budget: int | None = None,
+        chunk_rows: int | None = None,
+    ) -> None:
+        super().__init__(normalize=normalize, memory_budget=memory_budget, chunk_rows=chunk_rows)
+        if not (math.isfinite(tau) and tau > 0):
+            raise ValueError(f"tau must be a positive number, got {tau}")
+        self.tau, self.count_self = float(tau), count_self
+
+    def extra_repr(self) -> str:
+        return f"tau={self.tau}, count_self={self.count_self}, normalize={self.normalize}"
+
+    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
+        p = max(1, max_positives)
+        return p * n_database * itemsize + 2 * p * p * itemsize + 3 * n_database * itemsize
+
+    def _similarity_affine(self) -> tuple[float, float]:
+        return 1.0 / self.tau, 0.0
+
+    def _score_chunk(
+        self, block: Tensor, chunk: ChunkInputs, need_grad: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        same_index, same_mask = chunk.same_class()
+        pos_mask = counted_positives(same_index, same_mask, chunk.self_columns, self.count_self)
+        n_pos = pos_mask.sum(1)
+        valid = n_pos > 0
+        weights = pos_mask.to(block.dtype) / n_pos.clamp(min=1)[:, None]  # [c, P]; 0 if invalid
+
+        sigma_cpn, ranks_neg = negative_ranks(block, same_index)
+        # Ranks among the positives: the same sigmoids on the [c, P, P] block of positive scores.
+        s_pos = block.gather(1, same_index)
+        others = pos_mask[:, None, :] & ~torch.eye(same_index.shape[1], dtype=torch.bool, device=block.device)
+        sigma_cpp = torch.sub(s_pos[:, None, :], s_pos[:, :, None]).sigmoid_().mul_(others)
+        ranks_pos = 1 + sigma_cpp.sum(2)
+        ranks_all = ranks_pos + ranks_neg
+
+        precision = ranks_pos / ranks_all
+        losses = valid.to(precision.dtype) - (precision * weights).sum(1)  # 1 - mean precision; 0 if invalid
+        if not need_grad:
+            return losses, valid, None
+
+        # loss = 1 - sum_i w_i Rp_i / Ra_i with Ra = Rp + Rn.
+        dloss_dranks_pos = -weights * ranks_neg / ranks_all**2
+        dloss_dranks_neg = weights * ranks_pos / ranks_all**2
+        g_cn = block.new_zeros(block.shape)
+        add_rank_gradient(g_cn, sigma_cpn, same_index, dloss_dranks_neg)
+        g_cp = block.new_zeros(s_pos.shape)
+        within = torch.arange(same_index.shape[1], device=block.device).expand_as(same_index)
+        add_rank_gradient(g_cp, sigma_cpp, within, dloss_dranks_pos)
+        g_cn.scatter_add_(1, same_index, g_cp)
+        return losses, valid, g_cn
