@@ -123,14 +123,15 @@ class ListwiseLoss(nn.Module, abc.ABC):
         grad_queries = torch.zeros_like(queries) if need_grad else None
         grad_database = torch.zeros_like(database) if need_grad else None
 
-        row_bytes = self._bytes_per_query_row(n_database, labels.max_class_size(query_labels), dtype.itemsize)
+        max_class_size = labels.max_class_size(query_labels)
+        row_bytes = self._bytes_per_query_row(n_database, max_class_size, dtype.itemsize)
         step = chunk_rows(row_bytes, self.memory_budget, queries.device, self.chunk_rows)
         scale, shift = self._similarity_affine()
         shift_11 = queries.new_full((1, 1), shift)
         for start in range(0, n_queries, step):
             rows_c = slice(start, start + step)
             q_c = queries[rows_c]
-            chunk = ChunkInputs(query_labels[rows_c], query_index[rows_c], labels)
+            chunk = ChunkInputs(query_labels[rows_c], query_index[rows_c], labels, max_class_size)
             b_cn = torch.addmm(shift_11, q_c, database.T, alpha=scale)
             losses[rows_c], valid[rows_c], g_cn = self._score_chunk(b_cn, chunk, need_grad)
             if need_grad:

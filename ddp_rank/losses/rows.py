@@ -54,10 +54,11 @@ class ChunkInputs:
     query_labels: Tensor  # [c] int64
     self_columns: Tensor  # [c] int64: the column of each query in the database
     labels: LabelIndex
+    max_class_size: int  # P: the largest class among all the queries of this ``rows`` call
 
     def same_class(self) -> tuple[Tensor, Tensor]:
         """``(index [c, P], mask [c, P])``: the columns sharing each query's label, the query included."""
-        return self.labels.same_class(self.query_labels, self.self_columns)
+        return self.labels.same_class(self.query_labels, self.self_columns, self.max_class_size)
 
 
 class LabelIndex:
@@ -81,15 +82,16 @@ class LabelIndex:
     def max_class_size(self, labels: Tensor) -> int:
         return int(self.class_sizes_of(labels).max()) if labels.numel() else 0
 
-    def same_class(self, query_labels: Tensor, self_columns: Tensor) -> tuple[Tensor, Tensor]:
-        """Columns sharing each query's label, padded: ``(index [c, P], mask [c, P])``.
+    def same_class(self, query_labels: Tensor, self_columns: Tensor, width: int) -> tuple[Tensor, Tensor]:
+        """Columns sharing each query's label, padded to ``width``: ``(index [c, P], mask [c, P])``.
 
-        Padding entries repeat the query's own column (always a same-class column), so that writing a value
-        to every indexed column never touches another class; weights must still be multiplied by the mask.
+        ``width`` must be at least the largest class of these queries (known once per call, so no device
+        sync per chunk). Padding entries repeat the query's own column (always a same-class column), so that
+        writing a value to every indexed column never touches another class; weights must still be
+        multiplied by the mask.
         """
         group = torch.searchsorted(self.classes, query_labels)
         sizes = self.class_sizes[group]
-        width = int(sizes.max()) if sizes.numel() else 0
         offsets = torch.arange(width, device=query_labels.device)
         mask = offsets[None, :] < sizes[:, None]
         slots = (self.class_starts[group][:, None] + offsets[None, :]).clamp_(max=self.order.numel() - 1)
