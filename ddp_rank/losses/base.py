@@ -3,7 +3,7 @@
 A loss family subclasses ``ListwiseLoss`` and implements:
 
 - ``_similarity_affine()``: ``(scale, shift)``; the driver hands the family ``B = shift + scale * S`` straight
-  out of ``addmm`` (FastAP wants distances in bin units, the rank losses want ``S / tau``), which saves one
+  out of one matmul (FastAP wants distances in bin units, the rank losses want ``S / tau``), which saves one
   or two passes over every ``[c, N]`` block, and multiplies the gradient matmuls by ``scale`` in return;
 - ``_score_chunk(B_cn, chunk, need_grad)`` turns that block into per-query losses, validity and
   ``G_cn = d(sum of losses)/dB_cn`` (it may overwrite ``B_cn``);
@@ -127,12 +127,12 @@ class ListwiseLoss(nn.Module, abc.ABC):
         row_bytes = self._bytes_per_query_row(n_database, max_class_size, dtype.itemsize)
         step = chunk_rows(row_bytes, self.memory_budget, queries.device, self.chunk_rows)
         scale, shift = self._similarity_affine()
-        shift_11 = queries.new_full((1, 1), shift)
+        scaled_queries, block_database = _affine_operands(queries, database, scale, shift)
         for start in range(0, n_queries, step):
             rows_c = slice(start, start + step)
             q_c = queries[rows_c]
             chunk = ChunkInputs(query_labels[rows_c], query_index[rows_c], labels, max_class_size)
-            b_cn = torch.addmm(shift_11, q_c, database.T, alpha=scale)
+            b_cn = scaled_queries[rows_c] @ block_database.T
             losses[rows_c], valid[rows_c], g_cn = self._score_chunk(b_cn, chunk, need_grad)
             if need_grad:
                 assert g_cn is not None and grad_queries is not None and grad_database is not None
@@ -168,6 +168,16 @@ class _ListwiseLossFunction(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, None, None]:
         (grad,) = ctx.saved_tensors
         return grad * grad_output.to(grad.dtype), None, None
+
+
+def _affine_operands(queries: Tensor, database: Tensor, scale: float, shift: float) -> tuple[Tensor, Tensor]:
+    """Operands whose product is ``shift + scale * Q E^T``: the scale goes into the queries and the shift
+    into an extra column of ones, so each block comes out of one plain matmul with no pass of its own."""
+    scaled = queries * scale
+    if shift == 0.0:
+        return scaled, database
+    scaled = torch.cat([scaled, scaled.new_full((scaled.shape[0], 1), shift)], dim=1)
+    return scaled, torch.cat([database, database.new_ones(database.shape[0], 1)], dim=1)
 
 
 def check_labels(labels: Tensor) -> Tensor:
