@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-EXTRAS := dev,eval,deepspeed
+EXTRAS := dev,eval,demo,deepspeed
 
 .PHONY: install test test-fast lint demo bench clean
 

@@ -1,0 +1,35 @@
+"""The data layer: shard format and build, the category schedule, the distributed stream, the eval reader.
+
+It knows nothing of losses or training. Public names are imported lazily, so the shard tools (and the worker
+processes they start) do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Manifest": "ddp_rank.data.manifest",
+    "BuildOptions": "ddp_rank.data.build",
+    "build_shards": "ddp_rank.data.build",
+    "Record": "ddp_rank.data.listing",
+    "read_image_folder": "ddp_rank.data.listing",
+    "read_csv_listing": "ddp_rank.data.listing",
+    "verify_shards": "ddp_rank.data.verify",
+    "format_info": "ddp_rank.data.info",
+    "ScheduleConfig": "ddp_rank.data.schedule",
+    "CategorySchedule": "ddp_rank.data.schedule",
+    "ShardStream": "ddp_rank.data.stream",
+    "StreamLoader": "ddp_rank.data.loader",
+    "EvalShards": "ddp_rank.data.eval_reader",
+    "TransformConfig": "ddp_rank.data.transforms",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ddp_rank.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

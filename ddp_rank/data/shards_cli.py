@@ -1,0 +1,174 @@
+"""``ddp-rank shards ...``: build, verify, info, and the dataset recipes (``listing``). Thin: parse and call.
+
+Examples::
+
+    ddp-rank shards listing emoji ~/.cache/ddp_rank/emoji emoji.csv --size 64
+    ddp-rank shards build emoji.csv data/emoji-shards --workers 2 --max-samples 500
+    ddp-rank shards build photos/ data/photos --test-fraction 0.5 --resize 256
+    ddp-rank shards verify data/emoji-shards
+    ddp-rank shards info data/emoji-shards
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddp_rank.data.build import BuildOptions, build_shards
+from ddp_rank.data.info import format_info
+from ddp_rank.data.listing import (
+    ListingError,
+    Record,
+    Report,
+    read_csv_listing,
+    read_image_folder,
+    write_csv_listing,
+)
+from ddp_rank.data.recipes import RECIPES, run_recipe
+from ddp_rank.data.verify import verify_shards
+
+
+def register(subparsers: Any) -> None:
+    shards = subparsers.add_parser("shards", help="prepare, check and describe WebDataset shards")
+    sub = shards.add_subparsers(dest="shards_command", metavar="SUBCOMMAND", required=True)
+    _add_build(sub)
+    verify = sub.add_parser("verify", help="check checksums, counts and that every image decodes")
+    verify.add_argument("directory")
+    verify.add_argument("--no-decode", action="store_true", help="skip decoding the images (faster)")
+    verify.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    verify.set_defaults(func=_verify)
+    info = sub.add_parser("info", help="table of classes, images, shards and size per split and category")
+    info.add_argument("directory")
+    info.set_defaults(func=_info)
+    _add_listing(sub)
+
+
+def _add_build(sub: Any) -> None:
+    p = sub.add_parser("build", help="write shards + manifest.json from an image folder or a CSV/TSV listing")
+    p.add_argument(
+        "source", help="image folder (root/<category>/<class>/<img> or root/<class>/<img>) or .csv/.tsv"
+    )
+    p.add_argument("out", help="output directory (must be new or empty, see --overwrite)")
+    p.add_argument("--test-fraction", type=float, default=0.0, help="fraction of classes held out as test")
+    p.add_argument("--split-seed", type=int, default=0)
+    p.add_argument("--max-samples", type=int, default=1000, help="most samples per shard")
+    p.add_argument("--max-mb", type=float, default=256.0, help="most MB of images per shard")
+    p.add_argument("--resize", type=int, default=None, help="shrink the shorter side to this (re-encodes)")
+    p.add_argument("--format", dest="image_format", choices=("jpg", "png", "webp"), default=None)
+    p.add_argument("--quality", type=int, default=90)
+    p.add_argument("--min-class-size", type=int, default=2)
+    p.add_argument(
+        "--on-bad",
+        choices=("error", "skip"),
+        default="error",
+        help="stop on bad input (default) or skip it and list what was skipped",
+    )
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing shard directory")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_build)
+
+
+def _add_listing(sub: Any) -> None:
+    p = sub.add_parser("listing", help="write a listing CSV from a public dataset's own files (a recipe)")
+    p.add_argument("recipe", choices=sorted(RECIPES))
+    p.add_argument("root", help="the dataset folder (emoji: the download cache folder)")
+    p.add_argument("out", help="listing CSV to write")
+    p.add_argument("--size", type=int, default=64, help="emoji: render size of the openmoji SVGs")
+    p.add_argument("--test-fraction", type=float, default=0.5, help="emoji: fraction of classes held out")
+    p.add_argument("--seed", type=int, default=0, help="emoji: split seed")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="emoji: render workers")
+    p.set_defaults(func=_listing)
+
+
+def _print_report(report: Report) -> None:
+    if report.skipped:
+        print(f"skipped {len(report.skipped)} item(s):", file=sys.stderr)
+        for line in report.skipped:
+            print(f"  {line}", file=sys.stderr)
+    for note in report.notes:
+        print(note, file=sys.stderr)
+
+
+def load_records(source: str, on_bad: str, report: Report) -> list[Record]:
+    path = Path(source)
+    if path.is_dir():
+        return read_image_folder(path)
+    if path.suffix.lower() in (".csv", ".tsv"):
+        return read_csv_listing(path, on_bad=on_bad, report=report)  # type: ignore[arg-type]
+    raise ListingError(f"{source} is neither a directory nor a .csv/.tsv listing")
+
+
+def _build(args: argparse.Namespace) -> int:
+    report = Report()
+    try:
+        records = load_records(args.source, args.on_bad, report)
+        options = BuildOptions(
+            max_samples=args.max_samples,
+            max_bytes=int(args.max_mb * 2**20),
+            test_fraction=args.test_fraction,
+            split_seed=args.split_seed,
+            resize=args.resize,
+            image_format=args.image_format,
+            quality=args.quality,
+            min_class_size=args.min_class_size,
+            on_bad=args.on_bad,
+            workers=args.workers,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
+        result = build_shards(records, args.out, options)
+    except (ValueError, OSError) as exc:  # ListingError is a ValueError; FileExistsError an OSError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report.extend(result.report)
+    _print_report(report)
+    print(format_info(args.out))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    try:
+        problems = verify_shards(args.directory, decode=not args.no_decode, workers=args.workers)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for p in problems:
+        print(p, file=sys.stderr)
+    if problems:
+        print(f"FAILED: {len(problems)} problem(s) in {args.directory}", file=sys.stderr)
+        return 1
+    print(f"OK: {args.directory}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    try:
+        print(format_info(args.directory))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _listing(args: argparse.Namespace) -> int:
+    options: dict[str, Any] = {}
+    if args.recipe == "emoji":
+        options = {
+            "size": args.size,
+            "test_fraction": args.test_fraction,
+            "seed": args.seed,
+            "workers": args.workers,
+        }
+    try:
+        records = run_recipe(args.recipe, args.root, **options)
+    except (ListingError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    n = write_csv_listing(records, args.out)
+    classes = len({r.cls for r in records})
+    print(f"wrote {args.out}: {n} images, {classes} classes, {len({r.category for r in records})} categories")
+    return 0

@@ -1,0 +1,211 @@
+"""Shard building: layout, determinism, atomicity, and the messages for bad input."""
+
+from __future__ import annotations
+
+import csv
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from ddp_rank.data import build as build_module
+from ddp_rank.data.build import BuildOptions, build_shards
+from ddp_rank.data.listing import ListingError, Record, Report, read_csv_listing, read_image_folder
+from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.synthetic import write_image_folder
+
+QUIET = {"progress": False}
+
+
+def _folder(tmp_path: Path, sizes: list[list[int]] | None = None, fmt: str = "png") -> Path:
+    root = tmp_path / "images"
+    write_image_folder(root, sizes or [[2, 3, 4, 5, 6], [3, 3, 3], [2, 7]], image_size=8, image_format=fmt)
+    return root
+
+
+def _csv(path: Path, header: list[str], rows: list[list[str]]) -> Path:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+    return path
+
+
+def test_layout_one_category_per_shard_whole_contiguous_classes(tmp_path: Path) -> None:
+    result = build_shards(
+        read_image_folder(_folder(tmp_path)),
+        tmp_path / "out",
+        BuildOptions(max_samples=7, test_fraction=0.4, split_seed=1, **QUIET),
+    )
+    manifest = Manifest.load(tmp_path / "out")
+    assert manifest.categories == ("cat0", "cat1", "cat2")
+    assert set(manifest.splits) == {"train", "test"}
+    train_classes = set(manifest.split("train").class_counts)
+    assert not train_classes & set(manifest.split("test").class_counts), "splits are by class"
+    seen_classes: set[int] = set()
+    for split in manifest.splits.values():
+        for shard in split.shards:
+            assert shard.samples <= 7 or len(shard.classes) == 1
+            assert {manifest.classes[c].category for c, _ in shard.classes} == {shard.category}
+            ids = [c for c, _ in shard.classes]
+            assert not seen_classes & set(ids), "a class split across shards"
+            seen_classes.update(ids)
+            with tarfile.open(manifest.shard_path(shard)) as tar:
+                names = tar.getnames()
+            assert len(names) == 3 * shard.samples
+            stored = [int(n.split("_")[0][1:]) for n in names[::3]]
+            assert stored == sorted(stored), "classes stored contiguously"
+    assert result.manifest.split("train").samples + result.manifest.split("test").samples == 20 + 9 + 9
+
+
+def test_same_input_same_bytes_whatever_the_workers(tmp_path: Path) -> None:
+    records = read_image_folder(_folder(tmp_path))
+    build_shards(records, tmp_path / "a", BuildOptions(max_samples=6, test_fraction=0.3, workers=1, **QUIET))
+    build_shards(
+        records[::-1], tmp_path / "b", BuildOptions(max_samples=6, test_fraction=0.3, workers=2, **QUIET)
+    )
+    files_a = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
+    assert files_a == files_b and len(files_a) > 3
+    for rel in files_a:
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
+
+
+def test_interrupted_build_leaves_no_shard_under_its_final_name(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    records = read_image_folder(_folder(tmp_path))
+    real = build_module.image_bytes
+    calls = {"n": 0}
+
+    def failing(path: str, options: BuildOptions) -> tuple[bytes, str]:
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise KeyboardInterrupt("simulated interruption")
+        return real(path, options)
+
+    monkeypatch.setattr(build_module, "image_bytes", failing)
+    with pytest.raises(KeyboardInterrupt):
+        build_shards(records, tmp_path / "out", BuildOptions(max_samples=5, **QUIET))
+    out = tmp_path / "out"
+    finished = sorted(p.name for p in out.rglob("*.tar"))
+    assert not list(out.rglob("*.partial")), "partial file left behind"
+    assert not (out / "manifest.json").exists()
+    for name in finished:  # shards completed before the interruption are whole
+        with tarfile.open(next(out.rglob(name))) as tar:
+            assert len(tar.getnames()) % 3 == 0
+    assert len(finished) == 1  # 8 images written = shard 0 (5: classes 2+3), shard 1 interrupted
+
+
+def test_resize_and_reencode(tmp_path: Path) -> None:
+    root = tmp_path / "big"
+    write_image_folder(root, [[2, 2]], image_size=40, image_format="png")
+    build_shards(
+        read_image_folder(root), tmp_path / "out", BuildOptions(resize=16, image_format="jpg", **QUIET)
+    )
+    manifest = Manifest.load(tmp_path / "out")
+    with tarfile.open(manifest.shard_path(manifest.split("train").shards[0])) as tar:
+        images = [n for n in tar.getnames() if n.endswith(".jpg")]
+        from PIL import Image
+
+        member = tar.extractfile(images[0])
+        assert member is not None
+        assert Image.open(member).size == (16, 16)
+    assert len(images) == 4
+
+
+def test_csv_listing_with_splits_and_subsets(tmp_path: Path) -> None:
+    paths = write_image_folder(tmp_path / "img", [[2, 2], [3]], image_size=8)
+    rows = [
+        [
+            str(p.relative_to(tmp_path)),
+            p.parent.name,
+            p.parent.parent.name,
+            "test" if i < 4 else "train",
+            "query" if i % 2 else "gallery",
+        ]
+        for i, p in enumerate(paths)
+    ]
+    listing = _csv(tmp_path / "list.csv", ["path", "class", "category", "split", "subset"], rows)
+    build_shards(read_csv_listing(listing), tmp_path / "out", BuildOptions(**QUIET))
+    manifest = Manifest.load(tmp_path / "out")
+    assert manifest.split("test").samples == 4 and manifest.split("train").samples == 3
+
+
+def test_folder_without_categories_and_mixed_depths(tmp_path: Path) -> None:
+    write_image_folder(tmp_path / "x", [[2, 3]], image_size=8)
+    flat = tmp_path / "x" / "cat0"
+    records = read_image_folder(flat)
+    assert {r.category for r in records} == {None} and {r.cls for r in records} == {"cls0_0", "cls0_1"}
+    (tmp_path / "x" / "stray.png").write_bytes((flat / "cls0_0" / "0000.png").read_bytes())
+    with pytest.raises(ListingError, match="depths"):
+        read_image_folder(tmp_path / "x")
+
+
+def test_duplicate_paths(tmp_path: Path) -> None:
+    paths = write_image_folder(tmp_path / "img", [[3]], image_size=8)
+    rows = [[str(p), "a"] for p in paths] + [[str(paths[0]), "a"]]
+    listing = _csv(tmp_path / "l.csv", ["path", "class"], rows)
+    with pytest.raises(ListingError, match=r"duplicate path .*0000\.png"):
+        build_shards(read_csv_listing(listing), tmp_path / "out", BuildOptions(**QUIET))
+    result = build_shards(read_csv_listing(listing), tmp_path / "out2", BuildOptions(on_bad="skip", **QUIET))
+    assert result.manifest.split("train").samples == 3
+    assert any("duplicate" in s for s in result.report.skipped)
+
+
+def test_unreadable_image_with_and_without_skip(tmp_path: Path) -> None:
+    root = _folder(tmp_path, [[3, 2]])
+    broken = root / "cat0" / "cls0_0" / "0001.png"
+    broken.write_bytes(b"not an image at all")
+    with pytest.raises(ListingError, match=r"unreadable image .*0001\.png"):
+        build_shards(read_image_folder(root), tmp_path / "out", BuildOptions(**QUIET))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    result = build_shards(read_image_folder(root), tmp_path / "out2", BuildOptions(on_bad="skip", **QUIET))
+    assert result.manifest.split("train").samples == 4
+    assert any("0001.png" in s for s in result.report.skipped)
+
+
+def test_class_with_one_image(tmp_path: Path) -> None:
+    root = _folder(tmp_path, [[1, 3]])
+    with pytest.raises(ListingError, match="class 'cls0_0' has 1 image"):
+        build_shards(read_image_folder(root), tmp_path / "out", BuildOptions(**QUIET))
+    skipped = build_shards(read_image_folder(root), tmp_path / "o2", BuildOptions(on_bad="skip", **QUIET))
+    assert skipped.manifest.split("train").samples == 3
+    kept = build_shards(read_image_folder(root), tmp_path / "o3", BuildOptions(min_class_size=1, **QUIET))
+    assert kept.manifest.split("train").samples == 4
+
+
+def test_unknown_and_missing_columns(tmp_path: Path) -> None:
+    paths = write_image_folder(tmp_path / "img", [[2]], image_size=8)
+    listing = _csv(tmp_path / "l.csv", ["path", "class", "colour"], [[str(p), "a", "red"] for p in paths])
+    with pytest.raises(ListingError, match=r"(?s)unknown column 'colour'.*known columns: path, class"):
+        read_csv_listing(listing)
+    report = Report()
+    assert len(read_csv_listing(listing, on_bad="skip", report=report)) == 2
+    assert report.skipped == [f"{listing}: unknown column 'colour'"]
+    bad = _csv(tmp_path / "m.csv", ["file", "class"], [["x", "a"]])
+    with pytest.raises(ListingError, match=r"missing column\(s\) \['path'\]"):
+        read_csv_listing(bad)
+
+
+def test_class_in_two_categories_and_existing_output(tmp_path: Path) -> None:
+    paths = write_image_folder(tmp_path / "img", [[2]], image_size=8)
+    records = [Record(str(paths[0]), "a", "x"), Record(str(paths[1]), "a", "y")]
+    with pytest.raises(ListingError, match="more than one category"):
+        build_shards(records, tmp_path / "out", BuildOptions(**QUIET))
+    good = [Record(str(p), "a", "x") for p in paths]
+    build_shards(good, tmp_path / "out2", BuildOptions(**QUIET))
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        build_shards(good, tmp_path / "out2", BuildOptions(**QUIET))
+    build_shards(good, tmp_path / "out2", BuildOptions(overwrite=True, **QUIET))
+
+
+def test_webdataset_reads_the_shards(tmp_path: Path) -> None:
+    """The shards are plain WebDataset tars: the webdataset library groups their members into samples."""
+    import webdataset as wds
+
+    build_shards(read_image_folder(_folder(tmp_path)), tmp_path / "out", BuildOptions(max_samples=6, **QUIET))
+    manifest = Manifest.load(tmp_path / "out")
+    shard = manifest.split("train").shards[0]
+    samples = list(wds.WebDataset(str(manifest.shard_path(shard)), shardshuffle=False, nodesplitter=None))
+    assert len(samples) == shard.samples
+    assert {k for k in samples[0] if not k.startswith("__")} == {"png", "cls", "json"}
+    assert [int(s["cls"]) for s in samples] == [c for c, n in shard.classes for _ in range(n)]

@@ -1,0 +1,129 @@
+"""``shards verify`` / ``shards info`` and the CLI around them."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from ddp_rank.cli import main
+from ddp_rank.data.build import BuildOptions, build_shards
+from ddp_rank.data.info import format_info
+from ddp_rank.data.listing import read_image_folder
+from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.synthetic import write_image_folder
+from ddp_rank.data.verify import verify_shards
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Path:
+    write_image_folder(tmp_path / "img", [[2, 3, 4], [3, 3]], image_size=8)
+    build_shards(
+        read_image_folder(tmp_path / "img"), tmp_path / "s", BuildOptions(max_samples=5, progress=False)
+    )
+    return tmp_path / "s"
+
+
+def test_sound_directory_has_no_problem(shards: Path) -> None:
+    assert verify_shards(shards) == []
+    assert verify_shards(shards, workers=2) == []
+
+
+def test_checksum_mismatch_is_named(shards: Path) -> None:
+    shard = Manifest.load(shards).split("train").shards[1]
+    path = shards / shard.path
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # inside the end-of-archive padding: the tar still reads
+    path.write_bytes(bytes(data))
+    problems = verify_shards(shards)
+    assert [p.shard for p in problems] == [shard.path]
+    assert "sha256" in problems[0].message
+
+
+def test_missing_shard_is_named(shards: Path) -> None:
+    shard = Manifest.load(shards).split("train").shards[0]
+    (shards / shard.path).unlink()
+    assert [str(p) for p in verify_shards(shards)] == [f"{shard.path}: missing file"]
+
+
+def test_undecodable_image_is_named(shards: Path) -> None:
+    shard = Manifest.load(shards).split("train").shards[2]
+    path = shards / shard.path
+    with tarfile.open(path) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith(".png"))
+    data = bytearray(path.read_bytes())
+    data[member.offset_data : member.offset_data + member.size] = b"\x00" * member.size  # same size, garbage
+    path.write_bytes(bytes(data))
+    messages = [p.message for p in verify_shards(shards)]
+    assert any(f"image {member.name} does not decode" in m for m in messages), messages
+    assert any("sha256" in m for m in messages)
+
+
+def test_truncated_shard_is_named(shards: Path) -> None:
+    shard = Manifest.load(shards).split("train").shards[0]
+    path = shards / shard.path
+    path.write_bytes(path.read_bytes()[:2048])
+    messages = " ".join(p.message for p in verify_shards(shards) if p.shard == shard.path)
+    assert "size 2048 bytes" in messages and "truncated" in messages
+
+
+def test_info_table(shards: Path) -> None:
+    lines = format_info(shards).splitlines()
+    assert lines[0].split() == ["split", "category", "classes", "images", "shards", "MB"]
+    assert lines[1].split()[:5] == ["train", "cat0", "3", "9", "2"]
+    assert lines[2].split()[:5] == ["train", "cat1", "2", "6", "2"]
+    assert lines[3].split()[:5] == ["train", "TOTAL", "5", "15", "4"]
+
+
+def test_cli_build_verify_info(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_image_folder(tmp_path / "img", [[2, 3], [2, 2]], image_size=8)
+    out = tmp_path / "s"
+    assert (
+        main(
+            [
+                "shards",
+                "build",
+                str(tmp_path / "img"),
+                str(out),
+                "--workers",
+                "1",
+                "--no-progress",
+                "--test-fraction",
+                "0.5",
+            ]
+        )
+        == 0
+    )
+    assert main(["shards", "verify", str(out)]) == 0
+    assert main(["shards", "info", str(out)]) == 0
+    assert "TOTAL" in capsys.readouterr().out
+    shard = Manifest.load(out).split("test").shards[0]
+    (out / shard.path).unlink()
+    assert main(["shards", "verify", str(out), "--no-decode"]) == 1
+    assert f"{shard.path}: missing file" in capsys.readouterr().err
+    assert main(["shards", "build", str(tmp_path / "img"), str(out), "--no-progress"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    shutil.rmtree(out)
+    assert main(["shards", "info", str(out)]) == 2
+
+
+def test_scan_reads_tars_from_other_writers(tmp_path: Path) -> None:
+    """Shards written by another tool (pax headers, long names) are indexed through tarfile instead."""
+    from ddp_rank.data.tario import scan_shard
+
+    write_image_folder(tmp_path / "img", [[2]], image_size=8)
+    image = next((tmp_path / "img").rglob("*.png")).read_bytes()
+    path = tmp_path / "pax.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for key in ("a" * 120, "b"):  # a name over 100 bytes needs a pax header
+            for ext, data in (("png", image), ("cls", b"7"), ("json", b"{}")):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                info.pax_headers = {"comment": "from elsewhere"}
+                tar.addfile(info, io.BytesIO(data))
+    scan = scan_shard(path, expected=2)
+    assert scan.error is None
+    assert [(s.key, s.class_id) for s in scan.samples] == [("a" * 120, 7), ("b", 7)]
