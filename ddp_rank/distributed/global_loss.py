@@ -1,0 +1,206 @@
+"""The loss of the GLOBAL batch across ranks, with exact gradients, at N_local x N cost per rank.
+
+Every listwise loss here is a mean over queries of a per-query term, so rank r only computes the rows of its
+own queries against the gathered database and the ranks share one normaliser:
+
+    L = (1 / V) * sum_r sum_{q local to r, valid} l_q(E)          V = number of valid queries, all ranks
+
+Gradient convention (stated once for the package)
+--------------------------------------------------
+The loss value returned on every rank is the global ``L``. The gradient each rank hands to its embeddings is
+``dL/de_r`` (the rows of the single-process gradient that rank r owns) multiplied by the world size W when
+``grad_reduction="mean"``. Why: the parameter gradient of the global loss is a sum over ranks,
+``dL/dtheta = sum_r (dL/de_r)(de_r/dtheta)``, rank r back-propagates only its term, and DDP and DeepSpeed ZeRO
+AVERAGE parameter gradients over ranks: ``(1/W) sum_r W (dL/de_r)(de_r/dtheta) = dL/dtheta``. With
+``grad_reduction="sum"`` (engines that sum) no factor is applied. Under that rule the averaged (or summed) parameter gradients of a W-process step equal the
+gradients of one process computing the same loss on the concatenated global batch, for uneven local sizes and
+ranks with no sample too, provided every rank back-propagates the returned loss with the same
+``grad_output`` (``loss.backward()`` or the same loss scale on every rank) and the model itself is
+batch-independent (no BatchNorm in train mode: its statistics are per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from ddp_rank.distributed.collectives import (
+    CommCounter,
+    all_gather_ints,
+    all_reduce_sum,
+    padded_all_gather,
+    padded_reduce_scatter,
+)
+from ddp_rank.distributed.process_group import ProcessGroup, is_distributed, rank, world_size
+from ddp_rank.losses import ListwiseLoss
+
+GradReduction = Literal["mean", "sum"]
+
+# Fixed codes so that ranks can compare dtypes through an integer all-gather.
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+@dataclass(frozen=True)
+class GlobalLayout:
+    """Where each rank's rows sit in the gathered database: rank r owns rows offsets[r]:offsets[r]+sizes[r]."""
+
+    sizes: tuple[int, ...]
+    rank: int
+
+    @property
+    def offset(self) -> int:
+        return sum(self.sizes[: self.rank])
+
+    @property
+    def local_rows(self) -> slice:
+        return slice(self.offset, self.offset + self.sizes[self.rank])
+
+
+class GlobalBatchLossFunction(torch.autograd.Function):
+    """Global-batch listwise loss: local prepared rows in, the global loss out, a reduce-scatter backward.
+
+    Shapes on rank r (W ranks, n_r local rows, N = sum_r n_r, d embedding width):
+
+        | tensor                   | shape    | note                                                   |
+        |--------------------------|----------|--------------------------------------------------------|
+        | x_r (input)              | [n_r, d] | prepared (unit) rows, compute dtype                    |
+        | y_r (input)              | [n_r]    | int64 class ids, global meaning                        |
+        | E = all_gather(x)        | [N, d]   | detached; rank r's rows at layout.local_rows           |
+        | G_Q = d(sum l)/dQ_r      | [n_r, d] | local queries' side of the local loss rows             |
+        | G_E = d(sum l)/dE        | [N, d]   | database side of rank r's loss rows, for every rank    |
+        | output                   | []       | global loss L, identical on every rank                 |
+        | grad x_r                 | [n_r, d] | c * (reduce_scatter_SUM(G_E)_r + G_Q) / V              |
+
+    Forward: gather E and y (padded, uneven sizes allowed), compute the rows of the local queries
+    (``loss.rows``), all-reduce ``[sum of local losses, local valid count]`` into ``[S, V]`` and return
+    ``S / max(V, 1)``.
+
+    Backward: the local loss rows depend on every rank's embeddings through E, so rank r holds a piece of the
+    gradient of every rank's rows. Reduce-scatter(SUM) sends each piece to its owner, which adds its query-side
+    rows: that is exactly the owner's rows of ``dL/dE`` (times V). ``c = grad_output * grad_scale`` where
+    ``grad_scale`` is W for ``grad_reduction="mean"`` and 1 for ``"sum"`` (see the module docstring).
+    ``grad_output`` is applied on the sending side, so it must be equal on all ranks.
+
+    Why the gradient is computed in forward: ``loss.rows`` produces the loss and both gradients in the same
+    chunked pass for little more than the loss alone, and it keeps backward to one collective.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        x_local: Tensor,
+        labels_local: Tensor,
+        loss: ListwiseLoss,
+        layout: GlobalLayout,
+        grad_scale: float,
+        group: ProcessGroup | None,
+        counter: CommCounter | None,
+    ) -> Tensor:
+        database = padded_all_gather(x_local.detach(), layout.sizes, group, counter)
+        database_labels = padded_all_gather(labels_local, layout.sizes, group, counter)
+        rows = layout.local_rows
+        query_index = torch.arange(rows.start, rows.stop, device=database.device)
+        out = loss.rows(database[rows], query_index, database, database_labels,
+                        need_grad=ctx.needs_input_grad[0])
+        local = torch.stack([out.loss_sum, out.losses.new_tensor(float(out.n_valid))])
+        loss_sum, n_valid = all_reduce_sum(local, group, counter).unbind()
+        normaliser = max(float(n_valid), 1.0)
+        ctx.layout, ctx.group, ctx.counter = layout, group, counter
+        ctx.scale = grad_scale / normaliser
+        ctx.input_dtype = x_local.dtype
+        if out.grad_queries is not None and out.grad_database is not None:
+            ctx.save_for_backward(out.grad_queries, out.grad_database)
+        return loss_sum / normaliser
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        grad_queries, grad_database = ctx.saved_tensors
+        factor = grad_output.to(grad_database.dtype) * ctx.scale
+        owned = padded_reduce_scatter(grad_database * factor, ctx.layout.sizes, ctx.group, ctx.counter)
+        grad_x = owned + grad_queries * factor
+        return grad_x.to(ctx.input_dtype), None, None, None, None, None, None
+
+
+class GlobalBatchLoss(nn.Module):
+    """Wrap a listwise loss so that it is computed over the global batch of all ranks of `group`.
+
+    ``global_loss(local_embeddings [n_r, d], local_labels [n_r]) -> 0-d global loss`` on every rank; local sizes
+    may differ between ranks and may be 0. Labels must be global class ids (the same class has the same id on
+    every rank). Without a process group, or with world size 1, this is exactly ``loss(embeddings, labels)``.
+
+    Args:
+        loss: the listwise loss (FastAP, PNP, Smooth-AP), used through its ``prepare`` and ``rows`` methods.
+        group: the process group to span (default: the default group).
+        grad_reduction: ``"mean"`` when the engine averages parameter gradients over ranks (DDP, DeepSpeed
+            ZeRO, accelerate), ``"sum"`` when it sums them. See the module docstring for the convention.
+        comm_counter: optional ``CommCounter`` that records the bytes this module's collectives send.
+
+    Every rank must call it at the same step (it runs collectives), in the same grad mode, and call
+    ``backward`` on the result if any rank does. Invalid inputs on one rank raise on every rank (the ranks
+    exchange a small status vector first), so a bad batch fails the job instead of hanging it.
+    """
+
+    def __init__(self, loss: ListwiseLoss, group: ProcessGroup | None = None,
+                 grad_reduction: GradReduction = "mean", comm_counter: CommCounter | None = None) -> None:
+        super().__init__()
+        if grad_reduction not in ("mean", "sum"):
+            raise ValueError(f"grad_reduction must be 'mean' (DDP, ZeRO) or 'sum', got {grad_reduction!r}")
+        self.loss = loss
+        self.group = group
+        self.grad_reduction = grad_reduction
+        self.comm_counter = comm_counter
+
+    def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        if not is_distributed(self.group):
+            return self.loss(embeddings, labels)
+        x, labels, problem = _prepare_or_report(self.loss, embeddings, labels)
+        layout = exchange_layout(x, problem, self.group, self.comm_counter)
+        grad_scale = float(world_size(self.group)) if self.grad_reduction == "mean" else 1.0
+        return GlobalBatchLossFunction.apply(x, labels, self.loss, layout, grad_scale, self.group,
+                                             self.comm_counter)
+
+    def extra_repr(self) -> str:
+        return f"grad_reduction={self.grad_reduction!r}"
+
+
+def global_batch_loss(loss: ListwiseLoss, embeddings: Tensor, labels: Tensor, group: ProcessGroup | None = None,
+                      grad_reduction: GradReduction = "mean") -> Tensor:
+    """Functional form of ``GlobalBatchLoss(loss, group, grad_reduction)(embeddings, labels)``."""
+    return GlobalBatchLoss(loss, group, grad_reduction)(embeddings, labels)
+
+
+def _prepare_or_report(loss: ListwiseLoss, embeddings: Tensor,
+                       labels: Tensor) -> tuple[Tensor, Tensor, ValueError | None]:
+    """``loss.prepare``, but a rejected input is returned instead of raised, to be reported on every rank."""
+    try:
+        x, labels = loss.prepare(embeddings, labels)
+    except ValueError as error:
+        return embeddings, labels, error
+    return x, labels, None
+
+
+def exchange_layout(x: Tensor, problem: ValueError | None, group: ProcessGroup | None,
+                    counter: CommCounter | None = None) -> GlobalLayout:
+    """All-gather ``[rows, width, dtype, requires_grad, failed]`` and check the ranks agree.
+
+    Raises ``ValueError`` on every rank when a rank rejected its inputs, or when ranks disagree on the
+    embedding width, dtype or grad mode (any of which would otherwise hang or corrupt the collectives).
+    """
+    me = rank(group)
+    if problem is None:
+        mine = [x.shape[0], x.shape[1], _DTYPE_CODES.get(x.dtype, 0), int(x.requires_grad), 0]
+    else:
+        mine = [0, 0, 0, 0, 1]
+    meta = all_gather_ints(mine, group, counter)
+    failed = [r for r in range(meta.shape[0]) if meta[r, 4]]
+    if problem is not None:
+        raise ValueError(f"rank {me}: {problem}") from problem
+    if failed:
+        raise ValueError(f"rank(s) {failed} rejected their inputs to the global-batch loss (see their errors)")
+    for column, what in ((1, "embedding width d"), (2, "embedding dtype"), (3, "grad mode (requires_grad)")):
+        if len(set(meta[:, column].tolist())) > 1:
+            raise ValueError(f"ranks disagree on the {what}: {meta[:, column].tolist()} (rank order)")
+    return GlobalLayout(sizes=tuple(meta[:, 0].tolist()), rank=me)

@@ -1,0 +1,50 @@
+"""Process-group queries that also answer for a single process.
+
+The training math calls these instead of `torch.distributed` directly so that the same code runs with no
+process group at all (one process, world size 1, rank 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+
+def is_distributed(group: ProcessGroup | None = None) -> bool:
+    """True when a process group is initialised and `group` spans more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def world_size(group: ProcessGroup | None = None) -> int:
+    """Number of processes in `group` (1 when there is no process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    return 1
+
+
+def rank(group: ProcessGroup | None = None) -> int:
+    """Rank of this process inside `group` (0 when there is no process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group)
+    return 0
+
+
+def collective_device(group: ProcessGroup | None = None) -> torch.device:
+    """Where small bookkeeping tensors (row counts, flags) must live for `group`'s backend.
+
+    NCCL only moves CUDA tensors; gloo (and mixed "cpu:gloo,cuda:nccl" groups) take CPU tensors.
+    """
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def max_over_ranks(value: int, group: ProcessGroup | None = None) -> int:
+    """The largest `value` over the ranks of `group` (`value` itself without a process group)."""
+    if not is_distributed(group):
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return int(tensor.item())

@@ -1,0 +1,24 @@
+"""Training: the engine backends and the direct / chunked forward-backward of one step."""
+
+from ddp_rank.train.backends import (
+    AccelerateBackend,
+    DDPBackend,
+    DeepSpeedBackend,
+    PlainBackend,
+    StepBackend,
+    backend_for_accelerator,
+    frozen_batchnorm,
+)
+from ddp_rank.train.chunked import StepOutput, forward_backward
+
+__all__ = [
+    "AccelerateBackend",
+    "DDPBackend",
+    "DeepSpeedBackend",
+    "PlainBackend",
+    "StepBackend",
+    "StepOutput",
+    "backend_for_accelerator",
+    "forward_backward",
+    "frozen_batchnorm",
+]
