@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
+	# DeepSpeed compiles its shared-memory communication op the first time it starts (about 100 s of CPU);
+	# build it now, once, rather than inside the first test that initialises DeepSpeed.
+	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $(STAMP)
 
 install: $(STAMP)

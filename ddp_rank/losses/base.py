@@ -16,6 +16,7 @@ Everything else (validation, normalisation, chunking, the two gradient matmuls, 
 from __future__ import annotations
 
 import abc
+import math
 
 import torch
 import torch.nn.functional as F
@@ -178,6 +179,13 @@ def _affine_operands(queries: Tensor, database: Tensor, scale: float, shift: flo
         return scaled, database
     scaled = torch.cat([scaled, scaled.new_full((scaled.shape[0], 1), shift)], dim=1)
     return scaled, torch.cat([database, database.new_ones(database.shape[0], 1)], dim=1)
+
+
+def check_positive(name: str, value: float) -> float:
+    """A hyper-parameter that must be a finite positive number (temperatures, slopes, exponents)."""
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def check_labels(labels: Tensor) -> Tensor:

@@ -31,7 +31,7 @@ import math
 import torch
 from torch import Tensor
 
-from ddp_rank.losses.base import ListwiseLoss
+from ddp_rank.losses.base import ListwiseLoss, check_positive
 from ddp_rank.losses.rows import ChunkInputs
 
 VARIANTS = ("O", "Iu", "Ib", "Ds", "Dq")
@@ -64,10 +64,12 @@ class PNPLoss(ListwiseLoss):
         super().__init__(normalize=normalize, memory_budget=memory_budget, chunk_rows=chunk_rows)
         if variant not in VARIANTS:
             raise ValueError(f"unknown PNP variant {variant!r}; choose one of {', '.join(VARIANTS)}")
-        for name, value in (("tau", tau), ("b", b), ("alpha", alpha)):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number, got {value}")
-        self.variant, self.tau, self.b, self.alpha = variant, float(tau), float(b), float(alpha)
+        self.variant = variant
+        self.tau, self.b, self.alpha = (
+            check_positive("tau", tau),
+            check_positive("b", b),
+            check_positive("alpha", alpha),
+        )
         self.count_self = count_self
 
     def extra_repr(self) -> str:

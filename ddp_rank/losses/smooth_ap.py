@@ -17,12 +17,10 @@ sigmoid ranks, whose similarity gradient ``add_rank_gradient`` (shared with PNP)
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from ddp_rank.losses.base import ListwiseLoss
+from ddp_rank.losses.base import ListwiseLoss, check_positive
 from ddp_rank.losses.pnp import add_rank_gradient, counted_positives, negative_ranks
 from ddp_rank.losses.rows import ChunkInputs
 
@@ -46,9 +44,7 @@ class SmoothAPLoss(ListwiseLoss):
         chunk_rows: int | None = None,
     ) -> None:
         super().__init__(normalize=normalize, memory_budget=memory_budget, chunk_rows=chunk_rows)
-        if not (math.isfinite(tau) and tau > 0):
-            raise ValueError(f"tau must be a positive number, got {tau}")
-        self.tau, self.count_self = float(tau), count_self
+        self.tau, self.count_self = check_positive("tau", tau), count_self
 
     def extra_repr(self) -> str:
         return f"tau={self.tau}, count_self={self.count_self}, normalize={self.normalize}"
