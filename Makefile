@@ -29,6 +29,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check ddp_rank
 	$(BIN)/mypy
 
+# Builds the emoji shards (npm pack), trains FastAP on 2 CPU processes, evaluates; outputs in runs/demo/.
+demo: $(STAMP)
+	$(BIN)/python -m ddp_rank.train.demo
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/loss.py
 

@@ -72,12 +72,20 @@ def peak_rss() -> Any:
 
 
 def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor() or "unknown CPU")
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown CPU",
+    )
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{model}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
-            f"torch {torch.__version__}, Python {platform.python_version()}; load average at start {load} "
-            "(other jobs share the machine: wall times include waiting for a core, CPU times do not)")
+    return (
+        f"{model}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
+        f"torch {torch.__version__}, Python {platform.python_version()}; load average at start {load} "
+        "(other jobs share the machine: wall times include waiting for a core, CPU times do not)"
+    )
 
 
 # ----------------------------------------------------------------------------------------- part 1: losses
@@ -130,8 +138,9 @@ def time_loss(method: str, n_global: int, dim: int, repeats: int, rank: int) -> 
     return {"time": min(times), "cpu": min(cpu), "peak": max(peaks), "bytes": sent}
 
 
-def loss_worker(rank: int, port: int, sizes: list[int], pml_max: int, dim: int, repeats: int,
-                queue: Any) -> None:
+def loss_worker(
+    rank: int, port: int, sizes: list[int], pml_max: int, dim: int, repeats: int, queue: Any
+) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(minutes=10))
@@ -157,8 +166,10 @@ def run_loss_benchmark(sizes: list[int], pml_max: int, dim: int, repeats: int) -
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, wait_for_workers=False)
     queue = ctx.Queue()
-    procs = [ctx.Process(target=loss_worker, args=(r, store.port, sizes, pml_max, dim, repeats, queue))
-             for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=loss_worker, args=(r, store.port, sizes, pml_max, dim, repeats, queue))
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     rows = queue.get()
@@ -172,10 +183,18 @@ def small_cnn(dim: int) -> nn.Module:
     """A small CNN without BatchNorm (frozen in the chunked path anyway), with dropout to exercise RNG replay."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        nn.Dropout(0.1), nn.Linear(128, dim),
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(0.1),
+        nn.Linear(128, dim),
     )
 
 
@@ -220,30 +239,49 @@ def mib(n: float) -> str:
 
 
 def loss_table(rows: list[dict[str, Any]], dim: int) -> list[str]:
-    lines = ["| global N | method | step wall (s) | step CPU / rank (s) | peak extra memory / rank (MiB) "
-             "| sent / rank (MiB) |", "|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| global N | method | step wall (s) | step CPU / rank (s) | peak extra memory / rank (MiB) "
+        "| sent / rank (MiB) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     for row in rows:
         name = "GlobalBatchLoss (ours)" if row["method"] == "ours" else "PML DistributedLossWrapper"
         if row.get("skipped"):
             estimate = PML_NN_BUFFERS * row["n"] ** 2 * 4
-            lines.append(f"| {row['n']:,} | {name} | not run: needs about {estimate / 2**30:,.1f} GiB per "
-                         f"rank | - | - | {mib(pml_bytes(row['n'], dim))} |")
+            lines.append(
+                f"| {row['n']:,} | {name} | not run: needs about {estimate / 2**30:,.1f} GiB per "
+                f"rank | - | - | {mib(pml_bytes(row['n'], dim))} |"
+            )
         else:
-            lines.append(f"| {row['n']:,} | {name} | {row['time']:.3f} | {row['cpu']:.3f} | {mib(row['peak'])} | "
-                         f"{mib(row['bytes'])} |")
+            lines.append(
+                f"| {row['n']:,} | {name} | {row['time']:.3f} | {row['cpu']:.3f} | {mib(row['peak'])} | "
+                f"{mib(row['bytes'])} |"
+            )
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
-                        help="global batch sizes N (split evenly over 2 processes)")
-    parser.add_argument("--pml-max", type=int, default=2048,
-                        help="largest N to run PML at (its memory grows as N^2 per rank)")
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[1024, 2048, 4096, 8192, 16384],
+        help="global batch sizes N (split evenly over 2 processes)",
+    )
+    parser.add_argument(
+        "--pml-max", type=int, default=2048, help="largest N to run PML at (its memory grows as N^2 per rank)"
+    )
     parser.add_argument("--dim", type=int, default=128, help="embedding width d")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed repetitions; the best is reported (the machine may be shared)")
-    parser.add_argument("--cnn-batch", type=int, default=256, help="images per step for the chunked benchmark")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed repetitions; the best is reported (the machine may be shared)",
+    )
+    parser.add_argument(
+        "--cnn-batch", type=int, default=256, help="images per step for the chunked benchmark"
+    )
     parser.add_argument("--cnn-chunk", type=int, default=64, help="chunk size for the chunked benchmark")
     parser.add_argument("--cnn-image", type=int, default=32, help="image side in pixels")
     parser.add_argument("--skip-loss", action="store_true", help="only run the chunked-step benchmark")
@@ -258,17 +296,29 @@ def main() -> None:
     if not args.skip_loss:
         print(f"GlobalBatchLoss vs PML, {WORLD} gloo processes x 1 thread, d = {args.dim}")
         rows = run_loss_benchmark(sorted(args.sizes), args.pml_max, args.dim, args.repeats)
-        lines += [f"## FastAP over the global batch: {WORLD} gloo processes, 1 thread each, d = {args.dim}, "
-                  f"float32, forward + backward, best of {args.repeats} (slowest rank)", ""]
+        lines += [
+            f"## FastAP over the global batch: {WORLD} gloo processes, 1 thread each, d = {args.dim}, "
+            f"float32, forward + backward, best of {args.repeats} (slowest rank)",
+            "",
+        ]
         lines += [*loss_table(rows, args.dim), ""]
     print(f"chunked vs direct step, small CNN, batch {args.cnn_batch}, chunk {args.cnn_chunk}, 1 thread")
     cnn = run_chunked_benchmark(args.cnn_batch, args.cnn_chunk, args.cnn_image, args.dim, args.repeats)
-    lines += [f"## Chunked vs direct step: small CNN (3 conv + linear, dropout), {args.cnn_batch} images of "
-              f"{args.cnn_image}x{args.cnn_image}, chunk {args.cnn_chunk}, FastAP, 1 process, 1 thread, best of "
-              f"{args.repeats}", "", "| step | wall (s) | CPU (s) | peak extra memory (MiB) |", "|---|---:|---:|---:|"]
+    lines += [
+        f"## Chunked vs direct step: small CNN (3 conv + linear, dropout), {args.cnn_batch} images of "
+        f"{args.cnn_image}x{args.cnn_image}, chunk {args.cnn_chunk}, FastAP, 1 process, 1 thread, best of "
+        f"{args.repeats}",
+        "",
+        "| step | wall (s) | CPU (s) | peak extra memory (MiB) |",
+        "|---|---:|---:|---:|",
+    ]
     lines += [f"| {name} | {r['time']:.3f} | {r['cpu']:.3f} | {mib(r['peak'])} |" for name, r in cnn.items()]
-    lines += ["", f"Chunked / direct: {cnn['chunked']['time'] / cnn['direct']['time']:.2f}x wall, "
-              f"{cnn['chunked']['cpu'] / cnn['direct']['cpu']:.2f}x CPU (goal: at most 1.4x).", ""]
+    lines += [
+        "",
+        f"Chunked / direct: {cnn['chunked']['time'] / cnn['direct']['time']:.2f}x wall, "
+        f"{cnn['chunked']['cpu'] / cnn['direct']['cpu']:.2f}x CPU (goal: at most 1.4x).",
+        "",
+    ]
     text = "\n".join(lines)
     print(text)
     out = args.out or RESULTS / f"distributed-{today}.md"

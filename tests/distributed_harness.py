@@ -39,14 +39,23 @@ def _dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: Sequence[Any], results: Any) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR=_HOST, MASTER_PORT=str(port))
+def _child(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: Sequence[Any], results: Any
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR=_HOST,
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore(_HOST, port, world_size=None, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         try:
             value = fn(rank, world, *args)
         finally:
@@ -56,14 +65,17 @@ def _child(rank: int, world: int, port: int, fn: Callable[..., Any], args: Seque
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
-                    timeout: float = 120.0) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 120.0
+) -> list[Any]:
     """Run `fn(rank, world_size, *args)` in `world_size` gloo processes; return the results in rank order."""
     ctx = mp.get_context("spawn")
     store = dist.TCPStore(_HOST, 0, world_size=None, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, world_size, store.port, fn, tuple(args), results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_child, args=(r, world_size, store.port, fn, tuple(args), results), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     try:
@@ -87,8 +99,9 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
             if dead:
                 raise ChildProcessError_(f"a rank died without reporting (exit codes {dead})") from None
             if time.monotonic() > deadline:
-                raise TimeoutError(f"distributed run did not finish in {timeout:.0f} s; ranks done: "
-                                   f"{sorted(outcome)}") from None
+                raise TimeoutError(
+                    f"distributed run did not finish in {timeout:.0f} s; ranks done: {sorted(outcome)}"
+                ) from None
             continue
         if not ok:
             raise ChildProcessError_(f"rank {rank} of {world_size} failed:\n{payload}")

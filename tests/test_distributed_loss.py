@@ -87,8 +87,13 @@ def test_global_loss_matches_single_process(distributed_results, name: str, redu
         value, grad = result[f"{name}/{reduction}"]
         assert_close(value, expected_loss, rtol=1e-10, atol=1e-12, msg=f"loss on rank {rank}")
         assert grad.shape == (sizes[rank], 8)
-        assert_close(grad, factor * expected_grad[local_rows(sizes, rank)], rtol=1e-9, atol=1e-12,
-                     msg=f"gradient on rank {rank}")
+        assert_close(
+            grad,
+            factor * expected_grad[local_rows(sizes, rank)],
+            rtol=1e-9,
+            atol=1e-12,
+            msg=f"gradient on rank {rank}",
+        )
 
 
 def test_single_process_is_the_plain_loss() -> None:
@@ -181,7 +186,11 @@ def _subgroup_worker(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
 def test_process_subgroups_and_world_size_one() -> None:
     results = run_distributed(_subgroup_worker, 3)
     expected_loss, expected_grad = single_process("pnp-Ds", SUBGROUP_N)
-    for rank, factor, rows in ((0, 2, slice(0, 6)), (1, 1, slice(0, SUBGROUP_N)), (2, 2, slice(6, SUBGROUP_N))):
+    for rank, factor, rows in (
+        (0, 2, slice(0, 6)),
+        (1, 1, slice(0, SUBGROUP_N)),
+        (2, 2, slice(6, SUBGROUP_N)),
+    ):
         value, grad = results[rank]
         assert_close(value, expected_loss, rtol=1e-10, atol=1e-12)
         assert_close(grad, factor * expected_grad[rows], rtol=1e-9, atol=1e-12)

@@ -41,11 +41,18 @@ def step_batch(step: int, n: int, dtype: torch.dtype = torch.float64) -> tuple[t
 
 def local(sizes: tuple[int, ...], rank: int, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     start = sum(sizes[:rank])
-    return tuple(t[start:start + sizes[rank]] for t in tensors)
+    return tuple(t[start : start + sizes[rank]] for t in tensors)
 
 
-def train(backend: StepBackend, optimizer_step: Callable[[], None], loss_fn: nn.Module, sizes: tuple[int, ...],
-          rank: int, chunk_size: int | None, dtype: torch.dtype = torch.float64) -> None:
+def train(
+    backend: StepBackend,
+    optimizer_step: Callable[[], None],
+    loss_fn: nn.Module,
+    sizes: tuple[int, ...],
+    rank: int,
+    chunk_size: int | None,
+    dtype: torch.dtype = torch.float64,
+) -> None:
     """STEPS steps on this rank's rows of each global batch: forward_backward, then the optimizer step."""
     for step in range(STEPS):
         inputs, labels = local(sizes, rank, step_batch(step, sum(sizes), dtype))
@@ -67,8 +74,9 @@ def stepper(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     return step
 
 
-def single_process_reference(sizes: tuple[int, ...], loss: nn.Module, dtype: torch.dtype = torch.float64,
-                             steps: int = STEPS) -> list[torch.Tensor]:
+def single_process_reference(
+    sizes: tuple[int, ...], loss: nn.Module, dtype: torch.dtype = torch.float64, steps: int = STEPS
+) -> list[torch.Tensor]:
     model = mlp(dtype)
     optimizer_step = stepper(torch.optim.Adam(model.parameters(), lr=0.01))
     for step in range(steps):
@@ -83,7 +91,14 @@ def _ddp_worker(rank: int, world: int, sizes: tuple[int, ...]) -> dict[str, list
     for mode, chunk_size in (("direct", None), ("chunked", CHUNK)):
         model = DistributedDataParallel(mlp())
         optimizer_step = stepper(torch.optim.Adam(model.parameters(), lr=0.01))
-        train(DDPBackend(model), optimizer_step, GlobalBatchLoss(PNPLoss("Dq", tau=0.1)), sizes, rank, chunk_size)
+        train(
+            DDPBackend(model),
+            optimizer_step,
+            GlobalBatchLoss(PNPLoss("Dq", tau=0.1)),
+            sizes,
+            rank,
+            chunk_size,
+        )
         results[mode] = params(model)
     results["accelerate-chunked"] = _train_with_accelerate(rank, sizes)
     return results
@@ -111,8 +126,13 @@ def test_ddp_training_matches_single_process(world: int) -> None:
     for rank, result in enumerate(run_distributed(_ddp_worker, world, args=(sizes,))):
         for mode, final in result.items():
             for got, want in zip(final, expected):
-                assert_close(got, want, rtol=1e-9, atol=1e-11,
-                             msg=lambda m, mode=mode, rank=rank: f"{mode} path, rank {rank}: {m}")
+                assert_close(
+                    got,
+                    want,
+                    rtol=1e-9,
+                    atol=1e-11,
+                    msg=lambda m, mode=mode, rank=rank: f"{mode} path, rank {rank}: {m}",
+                )
 
 
 def _deepspeed_worker(rank: int, world: int, sizes: tuple[int, ...]) -> dict[str, list[torch.Tensor]]:
@@ -121,16 +141,28 @@ def _deepspeed_worker(rank: int, world: int, sizes: tuple[int, ...]) -> dict[str
 
     loss = GlobalBatchLoss(FastAPLoss(num_bins=10))
     model = DistributedDataParallel(mlp(torch.float32))
-    train(DDPBackend(model), stepper(torch.optim.SGD(model.parameters(), lr=0.5)), loss, sizes, rank, None,
-          torch.float32)
+    train(
+        DDPBackend(model),
+        stepper(torch.optim.SGD(model.parameters(), lr=0.5)),
+        loss,
+        sizes,
+        rank,
+        None,
+        torch.float32,
+    )
     results = {"ddp": params(model)}
     for stage in (1, 2):
         model = mlp(torch.float32)
-        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-                  "gradient_clipping": 0.0}  # explicit: DeepSpeed would clip the norm to 1 here otherwise
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-                                          config=config)
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,
+        }  # explicit: DeepSpeed would clip the norm to 1 here otherwise
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), config=config
+        )
         train(DeepSpeedBackend(engine), engine.step, loss, sizes, rank, CHUNK, torch.float32)
         results[f"zero{stage}"] = params(engine.module)
     return results
@@ -146,4 +178,6 @@ def test_deepspeed_zero_chunked_step_matches_ddp() -> None:
         assert not torch.allclose(result["ddp"][0], mlp(torch.float32)[0].weight)
         for stage in ("zero1", "zero2"):
             for got, want in zip(result[stage], result["ddp"]):
-                assert_close(got, want, rtol=1e-4, atol=2e-5, msg=lambda m, s=stage, r=rank: f"{s}, rank {r}: {m}")
+                assert_close(
+                    got, want, rtol=1e-4, atol=2e-5, msg=lambda m, s=stage, r=rank: f"{s}, rank {r}: {m}"
+                )

@@ -52,8 +52,9 @@ def _count(counter: CommCounter | None, kind: str, nbytes: int, world: int, fact
         counter.add(kind, factor * (world - 1) / world * nbytes)
 
 
-def all_gather_ints(values: Sequence[int], group: ProcessGroup | None = None,
-                    counter: CommCounter | None = None) -> Tensor:
+def all_gather_ints(
+    values: Sequence[int], group: ProcessGroup | None = None, counter: CommCounter | None = None
+) -> Tensor:
     """Gather a short vector of Python ints from every rank: returns int64 [W, len(values)] on CPU.
 
     Used to exchange row counts and shape/dtype metadata before the real collectives, so that every rank can
@@ -67,8 +68,9 @@ def all_gather_ints(values: Sequence[int], group: ProcessGroup | None = None,
     return out.view(world, local.numel()).cpu()
 
 
-def padded_all_gather(local: Tensor, sizes: Sequence[int], group: ProcessGroup | None = None,
-                      counter: CommCounter | None = None) -> Tensor:
+def padded_all_gather(
+    local: Tensor, sizes: Sequence[int], group: ProcessGroup | None = None, counter: CommCounter | None = None
+) -> Tensor:
     """All-gather row blocks of uneven length: returns `cat([block_0, ..., block_{W-1}])`, [sum(sizes), ...].
 
     `sizes[r]` is the number of rows of rank r (from `all_gather_ints`); `local` is this rank's block with
@@ -88,8 +90,9 @@ def padded_all_gather(local: Tensor, sizes: Sequence[int], group: ProcessGroup |
     return torch.cat([blocks[r, : sizes[r]] for r in range(world)])
 
 
-def padded_reduce_scatter(rows: Tensor, sizes: Sequence[int], group: ProcessGroup | None = None,
-                          counter: CommCounter | None = None) -> Tensor:
+def padded_reduce_scatter(
+    rows: Tensor, sizes: Sequence[int], group: ProcessGroup | None = None, counter: CommCounter | None = None
+) -> Tensor:
     """Sum `rows` [sum(sizes), ...] over ranks and return this rank's block, [sizes[rank], ...].
 
     This is the adjoint of `padded_all_gather`: rank r receives the SUM over all ranks of the rows that
@@ -103,13 +106,16 @@ def padded_reduce_scatter(rows: Tensor, sizes: Sequence[int], group: ProcessGrou
     for r, block in enumerate(torch.split(rows, list(sizes))):
         padded[r, : sizes[r]] = block
     out = rows.new_empty((width, *rows.shape[1:]))
-    _reduce_scatter_single(out, padded.view(world * width, *rows.shape[1:]), op=dist.ReduceOp.SUM, group=group)
+    _reduce_scatter_single(
+        out, padded.view(world * width, *rows.shape[1:]), op=dist.ReduceOp.SUM, group=group
+    )
     _count(counter, "reduce_scatter", padded.numel() * padded.element_size(), world)
     return out[: sizes[me]]
 
 
-def all_reduce_sum(tensor: Tensor, group: ProcessGroup | None = None,
-                   counter: CommCounter | None = None) -> Tensor:
+def all_reduce_sum(
+    tensor: Tensor, group: ProcessGroup | None = None, counter: CommCounter | None = None
+) -> Tensor:
     """Return the sum of `tensor` over ranks (a new tensor; the input is left untouched)."""
     out = tensor.clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)

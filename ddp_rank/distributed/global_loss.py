@@ -103,8 +103,9 @@ class GlobalBatchLossFunction(torch.autograd.Function):
         database_labels = padded_all_gather(labels_local, layout.sizes, group, counter)
         rows = layout.local_rows
         query_index = torch.arange(rows.start, rows.stop, device=database.device)
-        out = loss.rows(database[rows], query_index, database, database_labels,
-                        need_grad=ctx.needs_input_grad[0])
+        out = loss.rows(
+            database[rows], query_index, database, database_labels, need_grad=ctx.needs_input_grad[0]
+        )
         local = torch.stack([out.loss_sum, out.losses.new_tensor(float(out.n_valid))])
         loss_sum, n_valid = all_reduce_sum(local, group, counter).unbind()
         normaliser = max(float(n_valid), 1.0)
@@ -143,8 +144,13 @@ class GlobalBatchLoss(nn.Module):
     exchange a small status vector first), so a bad batch fails the job instead of hanging it.
     """
 
-    def __init__(self, loss: ListwiseLoss, group: ProcessGroup | None = None,
-                 grad_reduction: GradReduction = "mean", comm_counter: CommCounter | None = None) -> None:
+    def __init__(
+        self,
+        loss: ListwiseLoss,
+        group: ProcessGroup | None = None,
+        grad_reduction: GradReduction = "mean",
+        comm_counter: CommCounter | None = None,
+    ) -> None:
         super().__init__()
         if grad_reduction not in ("mean", "sum"):
             raise ValueError(f"grad_reduction must be 'mean' (DDP, ZeRO) or 'sum', got {grad_reduction!r}")
@@ -159,21 +165,28 @@ class GlobalBatchLoss(nn.Module):
         x, labels, problem = _prepare_or_report(self.loss, embeddings, labels)
         layout = exchange_layout(x, problem, self.group, self.comm_counter)
         grad_scale = float(world_size(self.group)) if self.grad_reduction == "mean" else 1.0
-        return GlobalBatchLossFunction.apply(x, labels, self.loss, layout, grad_scale, self.group,
-                                             self.comm_counter)
+        return GlobalBatchLossFunction.apply(
+            x, labels, self.loss, layout, grad_scale, self.group, self.comm_counter
+        )
 
     def extra_repr(self) -> str:
         return f"grad_reduction={self.grad_reduction!r}"
 
 
-def global_batch_loss(loss: ListwiseLoss, embeddings: Tensor, labels: Tensor, group: ProcessGroup | None = None,
-                      grad_reduction: GradReduction = "mean") -> Tensor:
+def global_batch_loss(
+    loss: ListwiseLoss,
+    embeddings: Tensor,
+    labels: Tensor,
+    group: ProcessGroup | None = None,
+    grad_reduction: GradReduction = "mean",
+) -> Tensor:
     """Functional form of ``GlobalBatchLoss(loss, group, grad_reduction)(embeddings, labels)``."""
     return GlobalBatchLoss(loss, group, grad_reduction)(embeddings, labels)
 
 
-def _prepare_or_report(loss: ListwiseLoss, embeddings: Tensor,
-                       labels: Tensor) -> tuple[Tensor, Tensor, ValueError | None]:
+def _prepare_or_report(
+    loss: ListwiseLoss, embeddings: Tensor, labels: Tensor
+) -> tuple[Tensor, Tensor, ValueError | None]:
     """``loss.prepare``, but a rejected input is returned instead of raised, to be reported on every rank."""
     try:
         x, labels = loss.prepare(embeddings, labels)
@@ -182,8 +195,9 @@ def _prepare_or_report(loss: ListwiseLoss, embeddings: Tensor,
     return x, labels, None
 
 
-def exchange_layout(x: Tensor, problem: ValueError | None, group: ProcessGroup | None,
-                    counter: CommCounter | None = None) -> GlobalLayout:
+def exchange_layout(
+    x: Tensor, problem: ValueError | None, group: ProcessGroup | None, counter: CommCounter | None = None
+) -> GlobalLayout:
     """All-gather ``[rows, width, dtype, requires_grad, failed]`` and check the ranks agree.
 
     Raises ``ValueError`` on every rank when a rank rejected its inputs, or when ranks disagree on the
@@ -199,7 +213,9 @@ def exchange_layout(x: Tensor, problem: ValueError | None, group: ProcessGroup |
     if problem is not None:
         raise ValueError(f"rank {me}: {problem}") from problem
     if failed:
-        raise ValueError(f"rank(s) {failed} rejected their inputs to the global-batch loss (see their errors)")
+        raise ValueError(
+            f"rank(s) {failed} rejected their inputs to the global-batch loss (see their errors)"
+        )
     for column, what in ((1, "embedding width d"), (2, "embedding dtype"), (3, "grad mode (requires_grad)")):
         if len(set(meta[:, column].tolist())) > 1:
             raise ValueError(f"ranks disagree on the {what}: {meta[:, column].tolist()} (rank order)")

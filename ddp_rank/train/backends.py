@@ -62,8 +62,12 @@ class StepBackend(Protocol):
 class PlainBackend:
     """One process, plain PyTorch; optional AMP (``autocast_dtype``) and ``torch.amp.GradScaler``."""
 
-    def __init__(self, model: nn.Module, scaler: torch.amp.GradScaler | None = None,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        scaler: torch.amp.GradScaler | None = None,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
         self._model = model
         self.scaler = scaler
         self.autocast_dtype = autocast_dtype
@@ -101,8 +105,12 @@ class PlainBackend:
 class DDPBackend(PlainBackend):
     """``DistributedDataParallel``: ``no_sync`` skips the all-reduce; the bare module skips buffer broadcast."""
 
-    def __init__(self, model: DistributedDataParallel, scaler: torch.amp.GradScaler | None = None,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        scaler: torch.amp.GradScaler | None = None,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"DDPBackend needs a DistributedDataParallel model, got {type(model).__name__}")
         super().__init__(model, scaler, autocast_dtype)

@@ -70,8 +70,9 @@ class RngState:
             yield
 
 
-def forward_backward(backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossFn,
-                     chunk_size: int | None = None) -> StepOutput:
+def forward_backward(
+    backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossFn, chunk_size: int | None = None
+) -> StepOutput:
     """One step's forward and backward; gradients end up where the engine's optimizer step expects them.
 
     Args:
@@ -105,8 +106,9 @@ def _direct(backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossF
     return StepOutput(loss.detach(), chunks=1)
 
 
-def _chunked(backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossFn,
-             chunk_size: int) -> StepOutput:
+def _chunked(
+    backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossFn, chunk_size: int
+) -> StepOutput:
     chunks = inputs.split(chunk_size)
     with frozen_batchnorm(backend.bare_module):
         embeddings, states = _forward_no_grad(backend, chunks)
@@ -133,8 +135,9 @@ def _build_cache(embeddings: Tensor, labels: Tensor, loss_fn: LossFn) -> tuple[T
     return loss.detach(), grad
 
 
-def _forward_backward(backend: StepBackend, chunks: tuple[Tensor, ...], states: list[RngState],
-                      grads: tuple[Tensor, ...]) -> None:
+def _forward_backward(
+    backend: StepBackend, chunks: tuple[Tensor, ...], states: list[RngState], grads: tuple[Tensor, ...]
+) -> None:
     """Pass 2: re-embed each chunk from its recorded RNG state and backpropagate its slice of G.
 
     Gradient reduction is skipped for every chunk but the last, forward included (DDP decides at forward

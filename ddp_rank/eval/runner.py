@@ -1,0 +1,178 @@
+"""Evaluate a model on a test split of a shard directory: read (by rank), embed, gather, search, score.
+
+Used by the trainer (periodic evaluation) and by ``ddp-rank eval``. Every rank reads and embeds its contiguous
+part of the split (``ddp_rank.data.eval_reader.EvalShards``); the embeddings are gathered (padded) onto every
+rank; rank 0 runs the exact search and the protocol and broadcasts the numbers, so all ranks return the same
+dict (the trainer's best-checkpoint decision must be the same on every rank).
+
+The images reach the model in [0, 1]: the model applies its backbone's own input normalisation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ddp_rank.config import Config
+from ddp_rank.data.eval_reader import EvalShards
+from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.transforms import TransformConfig
+from ddp_rank.distributed.process_group import is_distributed, rank, world_size
+from ddp_rank.eval.embed import EvalBatch, embed_batches, gather_embedded
+from ddp_rank.eval.protocols import (
+    SUBSET_TOKENS,
+    VEHICLEID_SIZES,
+    EmbeddedSet,
+    EvalError,
+    evaluate,
+    subsets_to_bits,
+)
+
+__all__ = ["evaluate_model", "key_index", "model_transform", "read_eval_batches", "score", "vehicleid_splits"]
+
+
+def model_transform(cfg: Config, *, augment: bool = False) -> TransformConfig:
+    """The data layer's transform for our models: the papers' resize/crop, pixels left in [0, 1]."""
+    return TransformConfig(
+        resize=cfg.data.resize_size,
+        crop=cfg.data.image_size,
+        crop_scale=(cfg.data.crop_scale_min, 1.0),
+        flip=augment,
+        mean=(0.0, 0.0, 0.0),
+        std=(1.0, 1.0, 1.0),
+    )
+
+
+def key_index(key: str) -> int:
+    """A stable 63-bit integer for a sample key (unique within a split): the sort key of gathered rows.
+
+    Why a hash: the reader's workers interleave their batches, so a running position would depend on the worker
+    count; the key does not, and sorting by its hash gives the same row order for any world size.
+    """
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "big") >> 1
+
+
+def read_eval_batches(
+    cfg: Config,
+    split: str,
+    num_workers: int | None = None,
+    rank_: int | None = None,
+    world: int | None = None,
+) -> Iterator[EvalBatch]:
+    """This rank's batches of ``split`` as :class:`EvalBatch` (images in [0, 1])."""
+    reader = EvalShards(
+        cfg.data.shards,
+        split=split,
+        batch_size=cfg.eval.batch_size,
+        transform=model_transform(cfg),
+        rank=rank() if rank_ is None else rank_,
+        world_size=world_size() if world is None else world,
+    )
+    workers = cfg.data.num_workers if num_workers is None else num_workers
+    loader = DataLoader(reader, batch_size=None, num_workers=workers)
+    for b in loader:
+        yield EvalBatch(
+            images=b["images"],
+            labels=b["labels"],
+            subset_bits=torch.tensor([subsets_to_bits(s) for s in b["subsets"]], dtype=torch.int64),
+            index=torch.tensor([key_index(k) for k in b["keys"]], dtype=torch.int64),
+        )
+
+
+def embed_split(
+    model: nn.Module,
+    cfg: Config,
+    split: str,
+    device: torch.device | str = "cpu",
+    autocast_dtype: torch.dtype | None = None,
+    num_workers: int | None = None,
+) -> EmbeddedSet:
+    """Embed ``split`` on all ranks and gather it onto every rank (rows sorted by sample key hash)."""
+    e, y, bits, idx = embed_batches(
+        model, read_eval_batches(cfg, split, num_workers), device=device, autocast_dtype=autocast_dtype
+    )
+    return gather_embedded(e, y, bits, idx, device=device)
+
+
+def evaluate_model(
+    model: nn.Module,
+    cfg: Config,
+    split: str | None = None,
+    device: torch.device | str = "cpu",
+    autocast_dtype: torch.dtype | None = None,
+    num_workers: int | None = None,
+) -> dict[str, Any]:
+    """Recall@k / MAP@R of ``model`` on ``split`` (default ``data.test_split``) with ``eval.protocol``.
+
+    Must be called on every rank; returns the same dict on every rank.
+    """
+    if cfg.eval.protocol == "vehicleid" and split is None:
+        per_size = vehicleid_splits(cfg)
+        if per_size:
+            return _evaluate_vehicleid_splits(model, cfg, per_size, device, autocast_dtype, num_workers)
+    data = embed_split(model, cfg, split or cfg.data.test_split, device, autocast_dtype, num_workers)
+    return score(data, cfg)
+
+
+def vehicleid_splits(cfg: Config) -> dict[str, str]:
+    """``{size: split}`` for the VehicleID test lists stored as splits ``test_small`` / ``test_medium`` /
+    ``test_large`` (the data layer's VehicleID recipe); empty when the shards carry subset tokens instead."""
+    splits = Manifest.load(cfg.data.shards).splits
+    found = {size: f"test_{size}" for size in cfg.eval.vehicleid_sizes if f"test_{size}" in splits}
+    missing = [s for s in cfg.eval.vehicleid_sizes if s not in found]
+    if found and missing:
+        raise EvalError(
+            f"the shards have VehicleID splits {sorted(found.values())} but not test_{missing[0]}: rebuild them or "
+            f"set eval.vehicleid_sizes={','.join(found)}"
+        )
+    return found
+
+
+def _evaluate_vehicleid_splits(
+    model: nn.Module,
+    cfg: Config,
+    per_size: dict[str, str],
+    device: torch.device | str,
+    autocast_dtype: torch.dtype | None,
+    num_workers: int | None,
+) -> dict[str, Any]:
+    """VehicleID with one split per test list: embed each list, mark it with its size, run the protocol."""
+    out: dict[str, Any] = {}
+    for size, split in per_size.items():
+        data = embed_split(model, cfg, split, device, autocast_dtype, num_workers)
+        data.subset_bits = data.subset_bits | (1 << SUBSET_TOKENS.index(size))
+        result = score(data, cfg, vehicleid_sizes=[size])
+        out.update({k: v for k, v in result.items() if k.startswith(f"{size}/")})
+    largest = max(per_size, key=VEHICLEID_SIZES.index)
+    out.update({k.split("/", 1)[1]: v for k, v in list(out.items()) if k.startswith(f"{largest}/")})
+    return out
+
+
+def score(data: EmbeddedSet, cfg: Config, vehicleid_sizes: list[str] | None = None) -> dict[str, Any]:
+    """Run ``cfg.eval.protocol`` on gathered embeddings on rank 0 and broadcast the result to every rank."""
+    result: list[Any] = [None]
+    if rank() == 0:
+        try:
+            result[0] = evaluate(
+                cfg.eval.protocol,
+                data,
+                cfg.eval.ks or None,
+                map_at_r=cfg.eval.map_at_r,
+                backend=cfg.eval.search,
+                vehicleid_sizes=vehicleid_sizes or cfg.eval.vehicleid_sizes,
+                repeats=cfg.eval.vehicleid_repeats,
+                seed=cfg.train.seed,
+            )
+        except Exception as exc:  # report on every rank instead of leaving the others waiting
+            result[0] = exc
+    if is_distributed():
+        dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], Exception):
+        raise result[0]
+    return dict(result[0])

@@ -1,0 +1,106 @@
+"""The ``ddp-rank eval`` workflow as a library function (the CLI only parses arguments).
+
+Results accumulate in one JSON file, ``{name: {metric: value}, ...}``, so several evaluations (raw pixels, the
+untrained network, the trained one) can be written to the same file and printed as one table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_rank.config import Config, ConfigError
+from ddp_rank.data.manifest import Manifest
+from ddp_rank.eval.report import format_table, write_json
+from ddp_rank.eval.runner import evaluate_model
+from ddp_rank.train.checkpoint import load_model_weights, resolve_checkpoint
+from ddp_rank.train.model import RawPixels, build_model
+
+__all__ = ["build_eval_model", "evaluate_cli", "results_table"]
+
+RAW_PIXEL_SIZE = 64
+"""Raw-pixel baseline: images are resized to at most this side before flattening (64 x 64 x 3 = 12,288-d)."""
+
+
+def _check_split(cfg: Config, split: str) -> None:
+    if not cfg.data.shards:
+        raise ConfigError(
+            "data.shards is empty: set it to a shard directory built by `ddp-rank shards build`"
+        )
+    try:
+        manifest = Manifest.load(cfg.data.shards)
+    except FileNotFoundError as exc:
+        from ddp_rank.train.trainer import TrainError
+
+        raise TrainError(f"data.shards='{cfg.data.shards}': {exc}") from exc
+    if split not in manifest.splits:
+        raise ConfigError(f"split '{split}' is not in {cfg.data.shards} (it has {sorted(manifest.splits)})")
+
+
+def build_eval_model(
+    cfg: Config, checkpoint: str | None, baseline: str | None
+) -> tuple[torch.nn.Module, str]:
+    """The model to evaluate and its default name: raw pixels, the untrained network, or a checkpoint's."""
+    if baseline == "raw-pixels":
+        return RawPixels(min(cfg.data.image_size, RAW_PIXEL_SIZE)), "raw pixels"
+    model = build_model(cfg.model, cfg.data.image_size)
+    if baseline == "untrained" or checkpoint is None:
+        return model, f"{cfg.model.backbone} before training"
+    path = load_model_weights(model, resolve_checkpoint(checkpoint))
+    return model, f"{cfg.model.backbone} trained ({path.name})"
+
+
+def results_table(results: dict[str, dict[str, Any]]) -> str:
+    """The markdown table of an accumulated results JSON (entries in insertion order)."""
+    return format_table({name: r.get("metrics", r) for name, r in results.items()})
+
+
+def evaluate_cli(
+    cfg: Config,
+    checkpoint: str | None = None,
+    baseline: str | None = None,
+    split: str | None = None,
+    name: str | None = None,
+    output: str | None = None,
+) -> dict[str, Any]:
+    """Evaluate on every rank; rank 0 prints the table and writes/updates the JSON. Tears down the group."""
+    from ddp_rank.train.trainer import make_accelerator
+
+    split = split or cfg.data.test_split
+    if not split:
+        raise ConfigError("no split to evaluate: pass --split or set data.test_split")
+    _check_split(cfg, split)
+    if checkpoint is not None and baseline is not None:
+        raise ConfigError("pass either --checkpoint or --baseline, not both")
+    accelerator = make_accelerator(cfg)
+    try:
+        model, default_name = build_eval_model(cfg, checkpoint, baseline)
+        model.to(accelerator.device)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
+        metrics = evaluate_model(model, cfg, split, device=accelerator.device, autocast_dtype=dtype)
+        label = name or default_name
+        out_path = Path(output) if output else Path(cfg.train.output_dir) / "eval.json"
+        if accelerator.is_main_process:
+            results: dict[str, Any] = json.loads(out_path.read_text()) if out_path.is_file() else {}
+            results[label] = {
+                "metrics": metrics,
+                "protocol": cfg.eval.protocol,
+                "split": split,
+                "shards": cfg.data.shards,
+                "checkpoint": checkpoint,
+            }
+            write_json(results, out_path)
+            print(
+                f"\n{cfg.eval.protocol} protocol, split '{split}' ({int(metrics.get('num_queries', 0))} queries)"
+            )
+            print(format_table({label: metrics}))
+            print(f"results: {out_path}")
+        return metrics
+    finally:
+        accelerator.end_training()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

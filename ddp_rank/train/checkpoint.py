@@ -1,0 +1,277 @@
+"""Atomic checkpoints: keep the last K and the best, find the latest, refuse an unsafe resume.
+
+Layout under ``<output_dir>/checkpoints/``::
+
+    step-00000120/          one complete checkpoint (whatever the save function writes: with accelerate, the
+        meta.json           model, optimizer, scheduler, scaler, per-rank RNG) + meta.json, written LAST
+    .tmp-step-00000160/     a checkpoint being written (ignored, removed at the next start)
+    best.json               {"step": 120, "metric": "recall@1", "value": 0.41}
+
+Why directory rename: every rank writes into the temporary directory, all ranks meet at a barrier, then rank 0
+fsyncs the files, writes ``meta.json``, and renames the directory into place with ``os.replace`` (atomic on
+POSIX) and fsyncs the parent. A kill at any moment therefore leaves either the previous complete checkpoints or
+the new one, never a half-written ``step-*`` directory. A checkpoint counts only if it has its ``meta.json``.
+The checkpoint directory must be on a file system that every rank sees (the usual shared run directory).
+
+Resume with another world size is refused unless forced: the data stream gives every rank its share of each
+step's categories, so with a different world size the remaining steps would see different samples (and the
+per-rank RNG states would not line up), and the run would no longer continue the one that was interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "atomic_write_text",
+    "check_world_size",
+    "fsync_tree",
+    "load_model_weights",
+    "read_meta",
+    "resolve_checkpoint",
+]
+
+META_NAME = "meta.json"
+BEST_NAME = "best.json"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; the message says why and how to proceed."""
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old or the new content, never a part: temporary file
+    in the same directory, flush + fsync, ``os.replace``, fsync of the directory."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(p.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under ``root`` and every directory, so the data is on disk before the rename."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``meta.json`` of a checkpoint directory (raises :class:`CheckpointError` if it is not complete)."""
+    p = Path(path) / META_NAME
+    if not p.is_file():
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint (no {META_NAME}); pick a step-* directory"
+        )
+    return json.loads(p.read_text())
+
+
+def check_world_size(meta: dict[str, Any], world_size: int, force: bool, where: str = "") -> None:
+    """Refuse to resume a checkpoint written with another number of processes unless ``force``."""
+    saved = int(meta.get("world_size", world_size))
+    if saved != world_size and not force:
+        raise CheckpointError(
+            f"checkpoint {where} was written by {saved} process(es) but this run has {world_size}: the data stream "
+            "splits every step's samples by rank, so the run would not continue identically. Launch with "
+            f"--num_processes {saved}, or pass train.force_resume=true to resume anyway (same global batch, "
+            "different per-rank samples and RNG streams)."
+        )
+
+
+class CheckpointManager:
+    """Save, list, rotate and find checkpoints under ``root``; rank-0 does the file-system work.
+
+    ``barrier`` is the cross-rank synchronisation (``accelerator.wait_for_everyone``); with one process it can
+    be a no-op. ``save_fn(directory)`` is called on every rank and writes the state (``accelerator.save_state``).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        keep_last: int = 3,
+        is_main: bool = True,
+        barrier: Callable[[], None] = lambda: None,
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError("keep_last must be >= 1")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.is_main = is_main
+        self.barrier = barrier
+
+    # -- queries -------------------------------------------------------------------------------------------
+    def path_for(self, step: int) -> Path:
+        return self.root / f"step-{step:08d}"
+
+    def complete(self) -> list[tuple[int, Path]]:
+        """Complete checkpoints as (step, path), oldest first."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for p in self.root.iterdir():
+            m = _STEP_RE.match(p.name)
+            if m and p.is_dir() and (p / META_NAME).is_file():
+                out.append((int(m.group(1)), p))
+        return sorted(out)
+
+    def latest(self) -> Path | None:
+        """The complete checkpoint with the highest step, or None."""
+        ckpts = self.complete()
+        return ckpts[-1][1] if ckpts else None
+
+    def best(self) -> dict[str, Any] | None:
+        """The content of ``best.json`` (step, metric, value, path) if a best checkpoint was recorded."""
+        p = self.root / BEST_NAME
+        return json.loads(p.read_text()) if p.is_file() else None
+
+    # -- writes --------------------------------------------------------------------------------------------
+    def cleanup_partial(self) -> list[Path]:
+        """Remove checkpoints left half-written by a killed run (main rank only); returns what was removed."""
+        removed: list[Path] = []
+        if self.is_main and self.root.is_dir():
+            for p in self.root.iterdir():
+                if p.name.startswith(".tmp-") or (_STEP_RE.match(p.name) and not (p / META_NAME).is_file()):
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(p)
+        self.barrier()
+        return removed
+
+    def save(self, step: int, meta: dict[str, Any], save_fn: Callable[[Path], None]) -> Path:
+        """Write checkpoint ``step`` atomically on all ranks; returns its final path.
+
+        If a complete checkpoint of that step exists already (e.g. saved at the end of an epoch and again for a
+        new best), it is kept as is: the state at a given step is the same.
+        """
+        final = self.path_for(step)
+        if (final / META_NAME).is_file():
+            return final
+        tmp = self.root / f".tmp-{final.name}"
+        if self.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self.barrier()
+        save_fn(tmp)
+        self.barrier()
+        if self.is_main:
+            fsync_tree(tmp)
+            atomic_write_text(
+                tmp / META_NAME, json.dumps({**meta, "step": step}, indent=1, sort_keys=True) + "\n"
+            )
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            self._rotate()
+        self.barrier()
+        return final
+
+    def mark_best(self, step: int, metric: str, value: float) -> None:
+        """Record checkpoint ``step`` as the best (it must exist); the rotation keeps it."""
+        if self.is_main:
+            atomic_write_text(
+                self.root / BEST_NAME,
+                json.dumps({"step": step, "metric": metric, "value": value, "path": self.path_for(step).name})
+                + "\n",
+            )
+            self._rotate()
+        self.barrier()
+
+    def _rotate(self) -> None:
+        ckpts = self.complete()
+        keep = {s for s, _ in ckpts[-self.keep_last :]}
+        best = self.best()
+        if best is not None:
+            keep.add(int(best["step"]))
+        for s, p in ckpts:
+            if s not in keep:
+                # Rename first so that a kill during rmtree never leaves a step-* without its files.
+                trash = self.root / f".tmp-trash-{p.name}"
+                os.replace(p, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | os.PathLike[str], prefer: str = "best") -> Path:
+    """A checkpoint directory from a run directory (its best, else latest), a checkpoints/ folder, or itself."""
+    p = Path(path)
+    if (p / META_NAME).is_file():
+        return p
+    for root in (p / "checkpoints", p):
+        if root.is_dir():
+            manager = CheckpointManager(root)
+            best = manager.best() if prefer == "best" else None
+            if best is not None and (root / best["path"] / META_NAME).is_file():
+                return root / best["path"]
+            latest = manager.latest()
+            if latest is not None:
+                return latest
+    raise CheckpointError(
+        f"no complete checkpoint at or under '{path}': pass a run directory or a step-* directory"
+    )
+
+
+def load_model_weights(model: Any, checkpoint: str | os.PathLike[str]) -> Path:
+    """Load the model weights of an accelerate checkpoint directory into a bare (unwrapped) model.
+
+    Reads ``model.safetensors`` (or ``pytorch_model.bin``), strips the ``module.`` prefix a DDP wrapper leaves,
+    and loads strictly, so a checkpoint of another architecture fails with the mismatching keys.
+    """
+    import torch
+
+    ckpt = Path(checkpoint)
+    st, pt = ckpt / "model.safetensors", ckpt / "pytorch_model.bin"
+    if st.is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(str(st))
+    elif pt.is_file():
+        state = torch.load(str(pt), map_location="cpu", weights_only=True)
+    else:
+        raise CheckpointError(
+            f"{ckpt} holds no model.safetensors / pytorch_model.bin (a DeepSpeed checkpoint keeps the weights in "
+            "its own layout: convert it with DeepSpeed's zero_to_fp32.py first)"
+        )
+    state = {k[len("module.") :] if k.startswith("module.") else k: v for k, v in state.items()}
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    unexpected += [k for k in state if k in own and state[k].shape != own[k].shape]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{ckpt} does not fit this model: missing {missing[:3]}, unexpected or reshaped {unexpected[:3]}; "
+            "use the config the run was trained with (its config.yaml)"
+        )
+    model.load_state_dict(state, strict=True)
+    return ckpt

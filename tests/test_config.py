@@ -1,0 +1,93 @@
+"""The typed config: defaults <- YAML <- key=value overrides, type coercion, clear rejections, saved YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddp_rank.config import Config, ConfigError, describe, load_config, parse_overrides, save_config, to_dict
+
+
+def test_defaults_follow_the_fastap_paper() -> None:
+    cfg = load_config()
+    assert cfg.optim.name == "adam" and cfg.optim.lr == 1e-5 and cfg.optim.weight_decay == 0.0
+    assert cfg.optim.head_lr_mult == 10.0 and cfg.model.embedding_dim == 512 and cfg.loss.num_bins == 10
+
+
+def test_file_then_overrides_win(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  lr: 0.001\ntrain:\n  steps: 5\neval:\n  ks: [1, 5]\n")
+    cfg = load_config(f, ["train.steps=7", "eval.ks=1,2,4", "train.progress=no", "optim.betas=[0.8, 0.9]"])
+    assert cfg.optim.lr == 0.001  # from the file
+    assert cfg.train.steps == 7  # override beats file
+    assert cfg.eval.ks == [1, 2, 4] and cfg.train.progress is False and cfg.optim.betas == [0.8, 0.9]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["optim.lrr=1"], ["unknown key 'optim.lrr'", "valid keys of 'optim'", "Did you mean 'lr'"]),
+        (["optm.lr=1"], ["unknown section 'optm'", "Did you mean 'optim'"]),
+        (["loss.name=fastapp"], ["loss.name='fastapp'", "valid choices: fastap, pnp, smoothap", "'fastap'"]),
+        (["train.steps=ten"], ["train.steps='ten' must be an integer"]),
+        (["train.steps=-3"], ["train.steps=-3 must be >= 0"]),
+        (["train.progress=maybe"], ["must be a boolean"]),
+        (["lr=1"], ["no section", "'optim.lr'"]),
+        (["--lr"], ["not of the form section.key=value"]),
+        (["eval.vehicleid_sizes=small,huge"], ["'huge' is not a valid choice"]),
+        (
+            ["data.image_size=300", "data.resize_size=256"],
+            ["resize_size=256 is smaller than data.image_size=300"],
+        ),
+    ],
+)
+def test_bad_values_are_rejected_with_the_fix(overrides: list[str], fragments: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("model:\n  backbon: resnet18\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown key 'model.backbon'.*Did you mean 'backbone'"):
+        load_config(f)
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    f = tmp_path / "broken.yaml"
+    f.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(f)
+    f.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(f)
+
+
+def test_saved_config_round_trips(tmp_path: Path) -> None:
+    cfg = load_config(None, ["loss.name=pnp", "loss.alpha=4", "train.output_dir=x"])
+    save_config(cfg, tmp_path / "run" / "config.yaml")
+    text = (tmp_path / "run" / "config.yaml").read_text()
+    assert yaml.safe_load(text)["loss"]["alpha"] == 4.0
+    assert load_config(tmp_path / "run" / "config.yaml") == cfg
+
+
+def test_every_field_is_documented() -> None:
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(
+            section.type if isinstance(section.type, type) else type(getattr(Config(), section.name))
+        ):
+            assert f.metadata.get("doc"), f"{section.name}.{f.name} has no documentation"
+    text = describe()
+    assert "loss.pnp_variant" in text and "choices: O, Iu, Ib, Ds, Dq" in text
+
+
+def test_parse_overrides_and_to_dict() -> None:
+    assert parse_overrides(["a.b=c=d"]) == {"a": {"b": "c=d"}}
+    assert set(to_dict(Config())) == {"data", "model", "loss", "optim", "train", "eval", "distributed"}

@@ -1,0 +1,45 @@
+"""Every experiment file in configs/ loads, validates, and starts with its launch command and hardware."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ddp_rank.config import load_config
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs() -> None:
+    names = {p.stem for p in CONFIGS}
+    assert "demo" in names and len(CONFIGS) >= 8
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_loads(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.data.global_batch_size >= 2
+    head = path.read_text().splitlines()[:12]
+    assert head[0].startswith("# Launch:") or head[0].startswith("# Launch"), (
+        f"{path.name}: first line must be the command"
+    )
+    assert any("Hardware" in line for line in head), f"{path.name}: say which hardware it expects"
+
+
+def test_paper_setups() -> None:
+    by = {p.stem: load_config(p) for p in CONFIGS}
+    r18 = by["sop_fastap_resnet18_m256"]
+    assert (r18.model.backbone, r18.data.global_batch_size, r18.loss.name) == ("resnet18", 256, "fastap")
+    chunked = by["sop_fastap_resnet50_m256_chunked"]
+    assert chunked.distributed.chunk_size and chunked.data.global_batch_size == 256
+    pnp = by["sop_pnp_dq_resnet50_m384"]
+    assert (pnp.loss.name, pnp.loss.pnp_variant, pnp.loss.alpha, pnp.data.global_batch_size) == (
+        "pnp",
+        "Dq",
+        4.0,
+        384,
+    )
+    assert by["sop_fastap_resnet50_global65536"].data.global_batch_size == 65536
+    assert by["inshop_fastap_resnet50_m256"].eval.protocol == "inshop"
+    assert by["vehicleid_fastap_resnet50_m256"].eval.protocol == "vehicleid"
