@@ -248,8 +248,9 @@ class Trainer:
         ds["train_micro_batch_size_per_gpu"] = self.local_batch
         ds["train_batch_size"] = self.cfg.data.global_batch_size
         ds["gradient_accumulation_steps"] = 1
-        if self.cfg.optim.grad_clip:
-            ds["gradient_clipping"] = self.cfg.optim.grad_clip
+        # Always set: DeepSpeed clips the gradient norm to 1.0 when the key is absent, which would silently
+        # change the update (0.0 turns clipping off, as optim.grad_clip = 0 means here).
+        ds["gradient_clipping"] = float(self.cfg.optim.grad_clip)
 
     @property
     def unwrapped(self) -> EmbeddingNet:
