@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import tempfile
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from ddp_rank.atomic_io import atomic_write_text
 
 __all__ = [
     "Config",
@@ -560,21 +561,8 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
 
 def save_config(cfg: Config, path: str | os.PathLike[str]) -> None:
     """Write the merged config as YAML, atomically (a reader never sees half a file)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     text = "# The merged configuration this run used (defaults <- file <- overrides).\n"
-    text += yaml.safe_dump(to_dict(cfg), sort_keys=False)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_text(path, text + yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def describe() -> str:

@@ -24,10 +24,11 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ddp_rank.atomic_io import atomic_write_text, fsync_dir, fsync_tree
 
 __all__ = [
     "CheckpointError",
@@ -47,47 +48,6 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as asked; the message says why and how to proceed."""
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old or the new content, never a part: temporary file
-    in the same directory, flush + fsync, ``os.replace``, fsync of the directory."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(p.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file under ``root`` and every directory, so the data is on disk before the rename."""
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(Path(dirpath))
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -193,7 +153,7 @@ class CheckpointManager:
                 tmp / META_NAME, json.dumps({**meta, "step": step}, indent=1, sort_keys=True) + "\n"
             )
             os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._rotate()
         self.barrier()
         return final
