@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from ddp_rank.config import Config, ConfigError
-from ddp_rank.data.manifest import Manifest
 from ddp_rank.eval.report import format_table, write_json
 from ddp_rank.eval.runner import evaluate_model
 from ddp_rank.train.checkpoint import load_model_weights, resolve_checkpoint
@@ -27,16 +26,9 @@ RAW_PIXEL_SIZE = 64
 
 
 def _check_split(cfg: Config, split: str) -> None:
-    if not cfg.data.shards:
-        raise ConfigError(
-            "data.shards is empty: set it to a shard directory built by `ddp-rank shards build`"
-        )
-    try:
-        manifest = Manifest.load(cfg.data.shards)
-    except FileNotFoundError as exc:
-        from ddp_rank.train.trainer import TrainError
+    from ddp_rank.train.trainer import open_shards  # the trainer imports the evaluation: import late
 
-        raise TrainError(f"data.shards='{cfg.data.shards}': {exc}") from exc
+    manifest = open_shards(cfg)
     if split not in manifest.splits:
         raise ConfigError(f"split '{split}' is not in {cfg.data.shards} (it has {sorted(manifest.splits)})")
 

@@ -86,8 +86,8 @@ def build_loss(cfg: Config) -> ListwiseLoss:
     return SmoothAPLoss(tau=lc.tau, count_self=lc.count_self, normalize=lc.normalize, memory_budget=budget)
 
 
-def check_inputs(cfg: Config) -> Manifest:
-    """Fail fast, before any process group exists, on a missing shard directory or split."""
+def open_shards(cfg: Config) -> Manifest:
+    """The manifest of ``data.shards``, or an error that says how to get one."""
     if not cfg.data.shards:
         raise ConfigError(
             "data.shards is empty: set it to a shard directory built by `ddp-rank shards build`"
@@ -101,6 +101,12 @@ def check_inputs(cfg: Config) -> Manifest:
         ) from exc
     except ValueError as exc:
         raise TrainError(f"data.shards='{cfg.data.shards}': {exc}") from exc
+    return manifest
+
+
+def check_inputs(cfg: Config) -> Manifest:
+    """Fail fast, before any process group exists, on a missing shard directory or split."""
+    manifest = open_shards(cfg)
     for key, split in (("train_split", cfg.data.train_split), ("test_split", cfg.data.test_split)):
         if split and split not in manifest.splits:
             raise TrainError(
