@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ddp_rank.losses.rows import ChunkInputs, LabelIndex, RowsOutput, chunk_rows, compute_dtype
+from ddp_rank.losses.rows import ChunkInputs, LabelIndex, RowsOutput, Workspace, chunk_rows, compute_dtype
 
 # How far from 1 a row norm may be when ``normalize=False`` promises unit rows.
 _UNIT_NORM_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -129,11 +129,13 @@ class ListwiseLoss(nn.Module, abc.ABC):
         step = chunk_rows(row_bytes, self.memory_budget, queries.device, self.chunk_rows)
         scale, shift = self._similarity_affine()
         scaled_queries, block_database = _affine_operands(queries, database, scale, shift)
+        workspace = Workspace(queries.device)
         for start in range(0, n_queries, step):
             rows_c = slice(start, start + step)
             q_c = queries[rows_c]
-            chunk = ChunkInputs(query_labels[rows_c], query_index[rows_c], labels, max_class_size)
-            b_cn = scaled_queries[rows_c] @ block_database.T
+            chunk = ChunkInputs(query_labels[rows_c], query_index[rows_c], labels, max_class_size, workspace)
+            b_cn = workspace.take("block", (q_c.shape[0], n_database), dtype)
+            torch.mm(scaled_queries[rows_c], block_database.T, out=b_cn)
             losses[rows_c], valid[rows_c], g_cn = self._score_chunk(b_cn, chunk, need_grad)
             if need_grad:
                 assert g_cn is not None and grad_queries is not None and grad_database is not None

@@ -59,8 +59,8 @@ class FastAPLoss(ListwiseLoss):
         return f"num_bins={self.num_bins}, normalize={self.normalize}"
 
     def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
-        # Bin positions / fractions, lower bins, G (compute dtype) and the int64 histogram slots.
-        return n_database * (3 * itemsize + 8)
+        # The block (bin positions, then fractions, then G), the lower bins and the int64 histogram slots.
+        return n_database * (2 * itemsize + 8)
 
     def _similarity_affine(self) -> tuple[float, float]:
         # Position on the bin axis, in bins: t = d / delta = (2 - 2 s) * num_bins / 4.
@@ -77,7 +77,9 @@ class FastAPLoss(ListwiseLoss):
 
         # Lower bin of each distance. Rounding can put a unit-row distance a hair outside [0, 4]; it then
         # uses the kernel of the edge interval, as the authors' unclamped kernel nearly does.
-        low_cn = torch.floor(t_cn).clamp_(0, n_bins - 1)
+        low_cn = torch.floor(t_cn, out=chunk.workspace.take("low", t_cn.shape, t_cn.dtype)).clamp_(
+            0, n_bins - 1
+        )
         frac_cn = t_cn.sub_(low_cn)
         # Histogram slot of each item's lower bin: negatives in [L, 2L), positives in [0, L), the query in
         # the trash slot. Same-class columns come from the label index, so no [c, N] label comparison.
@@ -86,7 +88,7 @@ class FastAPLoss(ListwiseLoss):
         slot_f = low_cn.add_(n_centres)
         slot_f.scatter_(1, same_index, low_same)
         slot_f[torch.arange(n_rows, device=t_cn.device), chunk.self_columns] = trash
-        slot_cn = slot_f.long()
+        slot_cn = chunk.workspace.take("slot", t_cn.shape, torch.int64).copy_(slot_f)
         del low_cn, slot_f, low_same
 
         # Each item adds (1 - frac) to its lower bin and frac to the next one:
@@ -120,7 +122,8 @@ class FastAPLoss(ListwiseLoss):
         slope = t_cn.new_zeros(n_rows, trash + 1)
         slope[:, : n_centres - 1] = dloss_dh_pos[:, 1:] - dloss_dh_pos[:, :-1]
         slope[:, n_centres : trash - 1] = dloss_dh_neg[:, 1:] - dloss_dh_neg[:, :-1]
-        return losses, valid, slope.gather(1, slot_cn)
+        # The block (now the fractions) is no longer needed: the gradient goes into its memory.
+        return losses, valid, torch.gather(slope, 1, slot_cn, out=frac_cn)
 
 
 def _reverse_cumsum(x: Tensor) -> Tensor:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ddp_rank.losses.base import ListwiseLoss, check_positive
-from ddp_rank.losses.rows import ChunkInputs
+from ddp_rank.losses.rows import ChunkInputs, Workspace
 
 VARIANTS = ("O", "Iu", "Ib", "Ds", "Dq")
 
@@ -79,8 +79,8 @@ class PNPLoss(ListwiseLoss):
         )
 
     def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
-        # The [P, N] sigmoid block, the row of scores with positives removed, and G.
-        return max(1, max_positives) * n_database * itemsize + 3 * n_database * itemsize
+        # The [P, N] sigmoids, the block (scores, then G) and the batched matmul's [N] result.
+        return (max(1, max_positives) + 2) * n_database * itemsize
 
     def _similarity_affine(self) -> tuple[float, float]:
         return 1.0 / self.tau, 0.0
@@ -94,14 +94,14 @@ class PNPLoss(ListwiseLoss):
         weights = pos_mask.to(block.dtype)
         weights *= valid[:, None] / weights.sum(1, keepdim=True).clamp(min=1)  # [c, P]
 
-        sigma_cpn, ranks = negative_ranks(block, same_index)
+        sigma_cpn, ranks, _ = negative_ranks(block, same_index, chunk.workspace)
         f, f_prime = self._penalty(ranks)
         losses = (f * weights).sum(1)
         if self.variant == "Dq":  # 1 - mean (1 + R)^-alpha, with f = -(1 + R)^-alpha
             losses += valid
         if not need_grad:
             return losses, valid, None
-        g_cn = block.new_zeros(block.shape)
+        g_cn = block.zero_()  # the block was consumed by negative_ranks: reuse its memory
         add_rank_gradient(g_cn, sigma_cpn, same_index, f_prime * weights)
         return losses, valid, g_cn
 
@@ -128,17 +128,20 @@ def counted_positives(
     return same_mask if count_self else same_mask & (same_index != self_columns[:, None])
 
 
-def negative_ranks(scores: Tensor, same_index: Tensor) -> tuple[Tensor, Tensor]:
+def negative_ranks(scores: Tensor, same_index: Tensor, workspace: Workspace) -> tuple[Tensor, Tensor, Tensor]:
     """Sigmoids of every (query, same-class item, negative) triple, and their sums over the negatives.
 
-    ``scores`` are ``S / tau`` ``[c, N]``; returns ``(sigma [c, P, N], R [c, P])`` with
-    ``sigma[a, i, j] = sigmoid(scores[a, j] - scores[a, same_index[a, i]])``. Same-class columns are set to
-    -inf first, so their sigmoid and its derivative are exactly 0 and no mask pass is needed.
+    ``scores`` are ``S / tau`` ``[c, N]``; returns ``(sigma [c, P, N], R [c, P], s_same [c, P])`` with
+    ``sigma[a, i, j] = sigmoid(scores[a, j] - scores[a, same_index[a, i]])`` and ``s_same`` the scores of the
+    same-class columns. Consumes ``scores``: its same-class columns are set to -inf, so their sigmoid and
+    its derivative are exactly 0 and no mask pass is needed.
     """
     s_same = scores.gather(1, same_index)  # [c, P]
-    s_neg = scores.scatter(1, same_index, -math.inf)  # [c, N]
-    sigma_cpn = torch.sub(s_neg[:, None, :], s_same[:, :, None]).sigmoid_()
-    return sigma_cpn, sigma_cpn.sum(2)
+    s_neg = scores.scatter_(1, same_index, -math.inf)  # [c, N]
+    c, p = same_index.shape
+    sigma_cpn = workspace.take("sigma", (c, p, scores.shape[1]), scores.dtype)
+    torch.sub(s_neg[:, None, :], s_same[:, :, None], out=sigma_cpn).sigmoid_()
+    return sigma_cpn, sigma_cpn.sum(2), s_same
 
 
 def add_rank_gradient(g_cn: Tensor, sigma_cpn: Tensor, index: Tensor, dloss_dranks: Tensor) -> None:

@@ -51,7 +51,7 @@ class SmoothAPLoss(ListwiseLoss):
 
     def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
         p = max(1, max_positives)
-        return p * n_database * itemsize + 2 * p * p * itemsize + 3 * n_database * itemsize
+        return (p + 2) * n_database * itemsize + 2 * p * p * itemsize
 
     def _similarity_affine(self) -> tuple[float, float]:
         return 1.0 / self.tau, 0.0
@@ -65,9 +65,8 @@ class SmoothAPLoss(ListwiseLoss):
         valid = n_pos > 0
         weights = pos_mask.to(block.dtype) / n_pos.clamp(min=1)[:, None]  # [c, P]; 0 if invalid
 
-        sigma_cpn, ranks_neg = negative_ranks(block, same_index)
+        sigma_cpn, ranks_neg, s_pos = negative_ranks(block, same_index, chunk.workspace)
         # Ranks among the positives: the same sigmoids on the [c, P, P] block of positive scores.
-        s_pos = block.gather(1, same_index)
         others = pos_mask[:, None, :] & ~torch.eye(same_index.shape[1], dtype=torch.bool, device=block.device)
         sigma_cpp = torch.sub(s_pos[:, None, :], s_pos[:, :, None]).sigmoid_().mul_(others)
         ranks_pos = 1 + sigma_cpp.sum(2)
@@ -81,7 +80,7 @@ class SmoothAPLoss(ListwiseLoss):
         # loss = 1 - sum_i w_i Rp_i / Ra_i with Ra = Rp + Rn.
         dloss_dranks_pos = -weights * ranks_neg / ranks_all**2
         dloss_dranks_neg = weights * ranks_pos / ranks_all**2
-        g_cn = block.new_zeros(block.shape)
+        g_cn = block.zero_()  # the block was consumed by negative_ranks: reuse its memory
         add_rank_gradient(g_cn, sigma_cpn, same_index, dloss_dranks_neg)
         g_cp = block.new_zeros(s_pos.shape)
         within = torch.arange(same_index.shape[1], device=block.device).expand_as(same_index)
