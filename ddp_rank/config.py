@@ -210,7 +210,7 @@ class LossConfig(_Section):
     normalize: bool = _field(True, "L2-normalise the embeddings inside the loss (a no-op on unit rows).")
     memory_budget_mb: int = _field(
         0,
-        "Work space one chunk of query rows may use, in MiB; 0 = the loss layer's default (64 MiB on CPU).",
+        "Work space one chunk of query rows may use, in MiB; 0 = the loss layer's default (32 MiB on CPU).",
         minimum=0,
     )
     pnp_variant: str = _field(

@@ -156,3 +156,9 @@ def test_packer_gives_exact_parts_of_paired_images(sizes: list[int], quota: int)
         assert len(part) == quota
         if quota <= total:
             assert len(set(part)) == quota, "no image twice in a part while the share is big enough"
+
+
+def test_hard_unlabelled_rejects_a_fixed_epoch_length() -> None:
+    """Its epoch visits each labelled category once; a longer override would index past the epoch's order."""
+    with pytest.raises(ValueError, match="hard_unlabelled"):
+        ScheduleConfig(strategy="hard_unlabelled", steps_per_epoch=10)

@@ -53,6 +53,11 @@ class ScheduleConfig:
             raise ValueError("categories_per_batch and batches_per_pair must be at least 1")
         if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be at least 1, got {self.steps_per_epoch}")
+        if self.steps_per_epoch is not None and self.strategy == "hard_unlabelled":
+            raise ValueError(
+                "steps_per_epoch cannot be set with the hard_unlabelled strategy: its epoch visits every labelled "
+                "category once (FastAP supplement A); leave steps_per_epoch unset"
+            )
 
 
 class CategorySchedule:

@@ -2,7 +2,7 @@
 
 Each rank embeds its own share of the test shards (the data layer splits them by rank); the shares are uneven
 in general, so the rows are gathered with the distributed layer's padded all-gather (sizes first, pad to the
-largest, gather, unpad). Every sample carries its global index in the test split; rows are sorted by it after
+largest, gather, unpad). Every sample carries a global index derived from its key; rows are sorted by it after
 the gather, so the result, and the random VehicleID gallery draw made from it, do not depend on the world size.
 """
 
@@ -25,7 +25,7 @@ __all__ = ["EvalBatch", "embed_batches", "gather_embedded"]
 @dataclass
 class EvalBatch:
     """One batch of test images: ``images [n, 3, H, W]`` in [0, 1], ``labels [n]``, ``subset_bits [n]``,
-    ``index [n]`` (position of each sample in the whole test split)."""
+    ``index [n]`` (a global index of each sample, derived from its key: the same whatever the world size)."""
 
     images: Tensor
     labels: Tensor
@@ -64,23 +64,14 @@ def embed_batches(
     finally:
         model.train(was_training)
     if not embs:
-        # A rank with no test sample still takes part in the gather, with zero rows of the right width.
-        dim = _output_dim(model)
+        # A rank with no test sample still takes part in the gather; it learns the width there.
         return (
-            torch.empty(0, dim),
+            torch.empty(0, 0),
             torch.empty(0, dtype=torch.long),
             torch.empty(0, dtype=torch.long),
             torch.empty(0, dtype=torch.long),
         )
     return torch.cat(embs), torch.cat(labels), torch.cat(bits), torch.cat(index)
-
-
-def _output_dim(model: nn.Module) -> int:
-    base = getattr(model, "module", model)
-    head = getattr(base, "head", None)
-    if isinstance(head, nn.Linear):
-        return head.out_features
-    raise ValueError("a rank got no test sample and the model's output width is unknown")
 
 
 def gather_embedded(
@@ -96,6 +87,8 @@ def gather_embedded(
         dims = {int(d) for n, d in meta.tolist() if n > 0}
         if len(dims) > 1:
             raise RuntimeError(f"ranks produced embeddings of different widths {sorted(dims)}")
+        if embeddings.shape[0] == 0:  # this rank embedded nothing: give its empty block the common width
+            embeddings = embeddings.new_empty(0, dims.pop() if dims else 0)
         dev = torch.device(device)
         embeddings = padded_all_gather(embeddings.to(dev), sizes).cpu()
         packed = torch.stack([labels, subset_bits, index], dim=1).to(dev)

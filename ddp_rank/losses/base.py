@@ -35,7 +35,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
     Args:
         normalize: L2-normalise the embeddings inside (the gradient flows through the normalisation). With
             ``False`` the rows must already be unit vectors; this is checked.
-        memory_budget: bytes of work space one chunk of query rows may use. ``None`` picks 64 MiB on CPU and
+        memory_budget: bytes of work space one chunk of query rows may use. ``None`` picks 32 MiB on CPU and
             1 GiB on CUDA. Results do not depend on it.
         chunk_rows: force a number of query rows per chunk (tests, tuning); overrides ``memory_budget``.
     """

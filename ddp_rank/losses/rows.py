@@ -22,7 +22,7 @@ from torch import Tensor
 
 # Work space a chunk may use when the caller gives no budget. On CPU small chunks stay in cache and lose
 # nothing; on a GPU large chunks amortise the kernel launches of the per-chunk maths.
-DEFAULT_BUDGET_BYTES = {"cpu": 64 * 2**20, "cuda": 1 * 2**30}
+DEFAULT_BUDGET_BYTES = {"cpu": 32 * 2**20, "cuda": 1 * 2**30}
 
 
 @dataclass

@@ -92,6 +92,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.is_main = is_main
         self.barrier = barrier
+        self._last_saved_step: int | None = None
 
     # -- queries -------------------------------------------------------------------------------------------
     def path_for(self, step: int) -> Path:
@@ -133,11 +134,13 @@ class CheckpointManager:
     def save(self, step: int, meta: dict[str, Any], save_fn: Callable[[Path], None]) -> Path:
         """Write checkpoint ``step`` atomically on all ranks; returns its final path.
 
-        If a complete checkpoint of that step exists already (e.g. saved at the end of an epoch and again for a
-        new best), it is kept as is: the state at a given step is the same.
+        A step saved already by this manager (e.g. at the end of an epoch and again for a new best) is not
+        written twice: the state at a given step is the same. The decision uses memory, not the file system,
+        so every rank takes it alike (a rank with a stale view of a shared file system must not skip the
+        collectives of a save that the others make). A leftover of that step from an earlier run is replaced.
         """
         final = self.path_for(step)
-        if (final / META_NAME).is_file():
+        if step == self._last_saved_step:
             return final
         tmp = self.root / f".tmp-{final.name}"
         if self.is_main:
@@ -152,10 +155,13 @@ class CheckpointManager:
             atomic_write_text(
                 tmp / META_NAME, json.dumps({**meta, "step": step}, indent=1, sort_keys=True) + "\n"
             )
+            if final.exists():
+                shutil.rmtree(final)
             os.replace(tmp, final)
             fsync_dir(self.root)
             self._rotate()
         self.barrier()
+        self._last_saved_step = step
         return final
 
     def mark_best(self, step: int, metric: str, value: float) -> None:

@@ -295,7 +295,10 @@ class Trainer:
         self.model.train()
         if self.bn_frozen_always:
             freeze_batchnorm(self.model)
-        out = forward_backward(self.backend, images, labels, self.loss_fn, self.chunk_size)
+        try:
+            out = forward_backward(self.backend, images, labels, self.loss_fn, self.chunk_size)
+        except ValueError as exc:  # NaN / Inf embeddings: the network diverged (the loss layer names it)
+            raise TrainError(f"step {self.progress.step}: {exc}") from exc
         grad_norm = None
         if self.cfg.optim.grad_clip and not self._deepspeed:
             grad_norm = float(
@@ -328,7 +331,19 @@ class Trainer:
             "best_value": self.progress.best_value,
             "best_step": self.progress.best_step,
             "best_metric": self.cfg.train.best_metric,
+            "stream": {**self.stream.state_dict(), **self._schedule_signature()},
             "config": to_dict(self.cfg),
+        }
+
+    def _schedule_signature(self) -> dict[str, Any]:
+        """What decides which samples each step draws, besides the layout the stream itself records."""
+        data = self.cfg.data
+        return {
+            "seed": self.cfg.train.seed,
+            "sampler": data.sampler,
+            "categories_per_batch": data.categories_per_batch,
+            "batches_per_pair": data.batches_per_pair,
+            "steps_per_epoch": self.steps_per_epoch,
         }
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:
@@ -341,10 +356,27 @@ class Trainer:
                 f"the checkpoint was trained with data.global_batch_size={meta['global_batch_size']}, this run "
                 f"uses {self.cfg.data.global_batch_size}; resume with the same global batch or start afresh"
             )
+        saved = meta.get("stream", {})
+        changed = {
+            k: (v, saved[k]) for k, v in self._schedule_signature().items() if k in saved and saved[k] != v
+        }
+        if changed and not self.cfg.train.force_resume:
+            details = ", ".join(f"{k}: {old} -> {new}" for k, (new, old) in changed.items())
+            raise CheckpointError(
+                f"the data schedule differs from the checkpoint's ({details}), so the resumed run would not see "
+                "the batches of the interrupted one; restore those settings, or set train.force_resume=true"
+            )
         self.progress.step = int(meta["step"])
         self.progress.best_value = meta.get("best_value")
         self.progress.best_step = meta.get("best_step")
-        self.stream.set_position(*divmod(self.progress.step, self.steps_per_epoch))
+        epoch, step_in_epoch = divmod(self.progress.step, self.steps_per_epoch)
+        layout = {k: saved[k] for k in ("world_size", "num_workers") if k in saved}
+        if self.cfg.train.force_resume:
+            layout = {}
+        try:
+            self.stream.load_state_dict({**layout, "epoch": epoch, "step": step_in_epoch})
+        except ValueError as exc:
+            raise CheckpointError(f"{exc}; set train.force_resume=true to continue anyway") from exc
         self._batches = None
 
     def save_checkpoint(self) -> Path:
