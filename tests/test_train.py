@@ -11,6 +11,7 @@ from train_helpers import TINY_OVERRIDES, build_tiny_shards, final_weights
 
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
+from ddp_rank.train.checkpoint import CheckpointError
 from ddp_rank.train.trainer import Trainer, TrainError, check_inputs, run_training
 
 
@@ -33,6 +34,23 @@ def test_train_step_and_state(shards: Path, tmp_path: Path) -> None:
         state = trainer.state_dict()
         assert state["step"] == 1 and state["world_size"] == 1 and state["global_batch_size"] == 16
         trainer.load_state_dict(state | {"step": 2})
+        assert trainer.stream.position == divmod(2, trainer.steps_per_epoch)
+    finally:
+        trainer.close()
+
+
+def test_resume_refuses_a_changed_data_schedule_unless_forced(shards: Path, tmp_path: Path) -> None:
+    trainer = Trainer(cfg_for(shards, tmp_path / "run", "train.steps=3"))
+    try:
+        state = trainer.state_dict()
+        with pytest.raises(CheckpointError, match="seed: 7 -> 0"):
+            trainer.load_state_dict(state | {"stream": {**state["stream"], "seed": 7}})
+        with pytest.raises(CheckpointError, match="num_workers"):
+            trainer.load_state_dict(state | {"stream": {**state["stream"], "num_workers": 3}})
+        trainer.cfg.train.force_resume = True
+        trainer.load_state_dict(
+            state | {"step": 2, "stream": {**state["stream"], "seed": 7, "num_workers": 3}}
+        )
         assert trainer.stream.position == divmod(2, trainer.steps_per_epoch)
     finally:
         trainer.close()
