@@ -23,7 +23,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -32,6 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_description
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -147,21 +149,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {os.cpu_count()} logical cores, {gpu}; torch {torch.__version__}, {platform.system()}"
-
-
 def run_config(
     args: argparse.Namespace, processes: int, chunk: int, shards: Path, tmp: Path
 ) -> dict[str, Any]:
@@ -252,7 +239,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     section = (
         f"## {args.backbone}, {args.image_size} px, global batch {args.batch}, chunk {args.chunk}\n\n"
-        f"Machine: {_machine()}.\n\n"
+        f"Machine: {machine_description()}.\n\n"
         f"Command: `python benchmarks/train.py --backbone {args.backbone} --image-size {args.image_size} "
         f"--batch {args.batch} --chunk {args.chunk} --steps {args.steps}`. Median over {args.steps} steps after "
         f"{args.warmup} warm-up steps.\n\n{text}\n"

