@@ -27,11 +27,11 @@ from ddp_rank.distributed.process_group import is_distributed, rank, world_size
 from ddp_rank.eval.embed import EvalBatch, embed_batches, gather_embedded
 from ddp_rank.eval.protocols import (
     SUBSET_TOKENS,
-    VEHICLEID_SIZES,
     EmbeddedSet,
     EvalError,
     evaluate,
     subsets_to_bits,
+    with_largest_list_as_headline,
 )
 
 __all__ = ["evaluate_model", "key_index", "model_transform", "read_eval_batches", "score", "vehicleid_splits"]
@@ -149,9 +149,7 @@ def _evaluate_vehicleid_splits(
         data.subset_bits = data.subset_bits | (1 << SUBSET_TOKENS.index(size))
         result = score(data, cfg, vehicleid_sizes=[size])
         out.update({k: v for k, v in result.items() if k.startswith(f"{size}/")})
-    largest = max(per_size, key=VEHICLEID_SIZES.index)
-    out.update({k.split("/", 1)[1]: v for k, v in list(out.items()) if k.startswith(f"{largest}/")})
-    return out
+    return with_largest_list_as_headline(out, list(per_size))
 
 
 def score(data: EmbeddedSet, cfg: Config, vehicleid_sizes: list[str] | None = None) -> dict[str, Any]:
