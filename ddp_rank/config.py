@@ -113,8 +113,13 @@ class DataConfig(_Section):
 
     shards: str = _field(
         "",
-        "Shard directory with its manifest.json and one sub-directory per split (built by `ddp-rank shards "
-        "build`).",
+        "Shard directory or URL (http(s)://, s3://, gs://, ... : any fsspec protocol) holding manifest.json and "
+        "the splits' tars (built by `ddp-rank shards build`, or indexed by `ddp-rank shards index`).",
+    )
+    cache_dir: str = _field(
+        "",
+        "Node-local directory that keeps whole shards fetched from a URL (each is re-read every epoch), checked "
+        "against the manifest's sha256; empty = read each class by range every time. Unused for local shards.",
     )
     train_split: str = _field("train", "Split of data.shards to train on.")
     test_split: str = _field(
@@ -140,10 +145,18 @@ class DataConfig(_Section):
     )
     sampler: str = _field(
         "hard",
-        "Batch construction (FastAP sec. 4.2 and supplement A): 'hard' gives each batch categories_per_batch "
-        "categories (pairs: SOP, In-Shop), 'hard_unlabelled' half one labelled category and half unlabelled "
-        "classes (VehicleID), 'random' classes from the whole split. Classes are taken whole where they fit.",
-        choices=("hard", "hard_unlabelled", "random"),
+        "Batch construction, one global plan per step whatever the number of GPUs: 'hard' gives each batch "
+        "categories_per_batch categories (FastAP sec. 4.2: pairs for SOP, In-Shop), classes drawn at random from "
+        "the whole category until each has its share; 'hard_unlabelled' half one labelled category and half "
+        "unlabelled classes (VehicleID); 'random' classes from the whole split; 'pk' images_per_class images of "
+        "each class (PNP and most metric-learning code).",
+        choices=("hard", "hard_unlabelled", "random", "pk"),
+    )
+    images_per_class: int = _field(
+        4, "pk sampler: K, images taken from each class (all of a smaller class).", minimum=2
+    )
+    category_aware: bool = _field(
+        False, "pk sampler: take the classes from the hard schedule's categories instead of the whole split."
     )
     categories_per_batch: int = _field(
         2, "Hard sampler: categories per batch (the FastAP paper found 2 best).", minimum=1
@@ -157,7 +170,10 @@ class DataConfig(_Section):
         minimum=0,
     )
     num_workers: int = _field(
-        2, "DataLoader worker processes per rank (0 = load in the training process).", minimum=0
+        2,
+        "DataLoader worker processes per rank (0 = load in the training process); they only split the decoding, "
+        "never what is drawn.",
+        minimum=0,
     )
     augment: bool = _field(
         True, "Random resized crop + horizontal flip for training (papers); off = centre crop."

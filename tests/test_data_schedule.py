@@ -1,4 +1,4 @@
-"""The category schedule and the packing rules: pure functions, checked exhaustively or with hypothesis."""
+"""The category schedule: which groups each step draws, a pure function of (seed, epoch, step)."""
 
 from __future__ import annotations
 
@@ -7,19 +7,15 @@ from collections import Counter
 from itertools import combinations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from ddp_rank.data.manifest import ShardInfo
-from ddp_rank.data.packing import ClassGroup, Packer, assign_shares, best_take, share_size
 from ddp_rank.data.schedule import (
     ALL,
     UNLABELLED,
     CategorySchedule,
     ScheduleConfig,
     group_quotas,
-    steps_of_worker,
-    virtual_worker,
 )
 
 SOP_SIZES = {c: 5000 for c in range(12)}
@@ -77,85 +73,23 @@ def test_bad_schedules_are_refused() -> None:
         CategorySchedule(ScheduleConfig(batches_per_pair=1), {0: 9, 1: 9}, 8).step(0, 1)
 
 
-@given(local=st.integers(1, 300), groups=st.integers(1, 4), world=st.integers(1, 8))
-def test_quotas_fill_the_local_batch_and_balance_the_groups(local: int, groups: int, world: int) -> None:
-    per_rank = [group_quotas(local, groups, r) for r in range(world)]
-    assert all(sum(q) == local for q in per_rank)
-    assert all(max(q) - min(q) <= 1 for q in per_rank)
-    totals = [sum(q[i] for q in per_rank) for i in range(groups)]
-    assert max(totals) - min(totals) <= min(world, groups)
+@given(batch=st.integers(2, 3000), groups=st.integers(1, 4))
+def test_quotas_fill_the_global_batch_and_rotate(batch: int, groups: int) -> None:
+    per_step = [group_quotas(batch, groups, s) for s in range(groups)]
+    assert all(sum(q) == batch and max(q) - min(q) <= 1 for q in per_step)
+    totals = [sum(q[i] for q in per_step) for i in range(groups)]
+    assert max(totals) == min(totals), "over `groups` steps every group gives the same number of images"
 
 
-@given(steps=st.integers(1, 50), workers=st.integers(1, 4), start=st.integers(0, 49))
-def test_workers_cover_the_steps_round_robin(steps: int, workers: int, start: int) -> None:
-    start = min(start, steps - 1)
-    owned = {w: list(steps_of_worker(steps, w, workers, start)) for w in range(workers)}
-    merged = [
-        s for rnd in range(steps) for w in range(workers) if rnd < len(owned[w]) for s in [owned[w][rnd]]
-    ]
-    assert merged == list(range(start, steps)), "round-robin over workers gives the step order"
-    for w in range(workers):
-        assert all(s % workers == virtual_worker(w, workers, start) for s in owned[w])
-
-
-@given(available=st.integers(1, 12), room=st.integers(1, 12))
-def test_best_take_keeps_pieces_and_rests_valid(available: int, room: int) -> None:
-    t = best_take(available, room)
-    if t:
-        assert 2 <= t <= min(available, room)
-        assert available - t != 1 and room - t != 1
-    else:
-        assert all(available - x == 1 or room - x == 1 for x in range(2, min(available, room) + 1))
-
-
-def _shards(layout: list[list[int]], category: int | None = 0) -> list[ShardInfo]:
-    out, cid = [], 0
-    for sizes in layout:
-        classes = tuple((cid + i, n) for i, n in enumerate(sizes))
-        cid += len(sizes)
-        out.append(ShardInfo(f"s{cid}.tar", category, classes, sum(sizes), 0, ""))
-    return out
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    layout=st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=5), min_size=1, max_size=8),
-    slots=st.integers(1, 12),
-)
-def test_shares_are_disjoint_and_cover_the_group(layout: list[list[int]], slots: int) -> None:
-    shards = _shards(layout)
-    shares = assign_shares(shards, 0, slots)
-    owned = [
-        {
-            (u.shard, cid)
-            for u in share
-            for cid, _ in shards[u.shard].classes
-            if u.classes is None or cid in u.classes
-        }
-        for share in shares
-    ]
-    everything = {(i, cid) for i, s in enumerate(shards) for cid, _ in s.classes}
-    assert set().union(*owned) == everything
-    assert sum(len(o) for o in owned) == len(everything), "no class in two shares"
-    assert sum(share_size(shards, s) for s in shares) == sum(s.samples for s in shards)
-
-
-@settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(2, 7), min_size=6, max_size=30), quota=st.integers(2, 40))
-def test_packer_gives_exact_parts_of_paired_images(sizes: list[int], quota: int) -> None:
-    groups = [ClassGroup(c, tuple((c, j) for j in range(n))) for c, n in enumerate(sizes)]
-    total = sum(sizes)
-
-    def endless():  # type: ignore[no-untyped-def]
-        while True:
-            yield from groups
-
-    packer = Packer(endless(), share_images=total)
-    for _ in range(5):
-        part = packer.take(quota)
-        assert len(part) == quota
-        if quota <= total:
-            assert len(set(part)) == quota, "no image twice in a part while the share is big enough"
+def test_pk_steps_follow_the_whole_split_or_the_categories() -> None:
+    flat = CategorySchedule(ScheduleConfig(strategy="pk"), {0: 100, 1: 60}, 32, total_size=160)
+    assert flat.steps_per_epoch == 5 and flat.step(0, 3) == (ALL,) and flat.group_count == 1
+    aware = CategorySchedule(
+        ScheduleConfig(strategy="pk", category_aware=True, batches_per_pair=2), {0: 100, 1: 60, 2: 70}, 32
+    )
+    assert aware.steps_per_epoch == 3 * 2 and all(len(aware.step(0, s)) == 2 for s in range(6))
+    with pytest.raises(ValueError, match="images_per_class"):
+        ScheduleConfig(strategy="pk", images_per_class=1)
 
 
 def test_hard_unlabelled_rejects_a_fixed_epoch_length() -> None:

@@ -250,7 +250,6 @@ def write_shard(
     """Write one planned shard (called in a worker process); returns its manifest entry."""
     path = out_dir / plan.path
     path.parent.mkdir(parents=True, exist_ok=True)
-    counts: dict[int, int] = {}
     with shard_writer(path) as writer:
         for s in plan.samples:
             data, ext = image_bytes(s.record.path, options)
@@ -262,12 +261,11 @@ def write_shard(
             if s.record.subset:
                 meta["subset"] = s.record.subset
             writer.add(s.key, ext, data, s.class_id, meta)
-            counts[s.class_id] = counts.get(s.class_id, 0) + 1
         nbytes, digest = writer.close()
     return ShardInfo(
         path=plan.path,
         category=plan.category,
-        classes=tuple(counts.items()),
+        classes=tuple(writer.spans),
         samples=len(plan.samples),
         bytes=nbytes,
         sha256=digest,
@@ -329,5 +327,5 @@ def _manifest(
         splits[split] = SplitInfo(name=split, class_counts=dict(counts), shards=shards)
     build = {k: v for k, v in asdict(options).items() if k not in ("workers", "progress", "overwrite")}
     return Manifest(
-        categories=tuple(categories), classes=tuple(classes), splits=splits, build=build, root=out
+        categories=tuple(categories), classes=tuple(classes), splits=splits, build=build, root=str(out)
     )

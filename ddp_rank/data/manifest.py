@@ -1,11 +1,12 @@
-"""The shard-set format: ``manifest.json`` and the layout of a shard directory.
+"""The shard-set format: ``manifest.json`` and the layout of a shard directory (local or behind a URL).
 
 A shard directory holds one ``manifest.json`` and, per split, WebDataset tar shards under ``<split>/``. Every
-shard holds ONE category (or only unlabelled classes) and whole classes, stored contiguously; that is what lets
-the stream give each rank a disjoint share of a category without reading other categories. Each sample is the
-members ``<key>.<jpg|png|webp>``, ``<key>.cls`` (global class id as text) and ``<key>.json`` (class, category,
-source path, optional subset such as In-Shop's query/gallery). The manifest is the single source of truth for
-counts and checksums; the readers never need to list the directory.
+shard holds ONE category (or only unlabelled classes) and whole classes, stored contiguously, so a class is ONE
+byte range of one tar: the manifest records, per class, its offset, length and a digest of those bytes, and the
+training stream reads a class with a single ranged read (no header walk, any storage fsspec can reach). Each
+sample is the members ``<key>.<jpg|jpeg|png|webp>``, ``<key>.cls`` (global class id as text) and ``<key>.json``
+(class, category, source path, optional subset such as In-Shop's query/gallery). The manifest is the single
+source of truth for counts, ranges and checksums; readers never list the directory.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "ddp_rank-shards"
-FORMAT_VERSION = 1
-IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "png", "webp")
+FORMAT_VERSION = 2
+SPAN_DIGEST = "blake2b-128"
+"""Digest of a class's byte range (``ClassSpan.digest``): ``hashlib.blake2b(data, digest_size=16).hexdigest()``."""
+IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
 """Image members the readers decode. Nothing else is ever decoded except ``.cls`` text and ``.json``."""
 
 
@@ -34,12 +38,29 @@ class ClassInfo:
 
 
 @dataclass(frozen=True)
+class ClassSpan:
+    """Where one class lies in its shard: ``count`` samples in ``[offset, offset + length)`` of the tar, from the
+    first header of its first member to the end of its last member's data padding. ``digest`` (SPAN_DIGEST) of
+    those bytes lets a reader reject a corrupt or stale range without reading the rest of the shard."""
+
+    id: int
+    count: int
+    offset: int
+    length: int
+    digest: str
+
+    def __iter__(self) -> Iterator[int]:
+        """``class_id, count = span`` (the pair most callers need)."""
+        return iter((self.id, self.count))
+
+
+@dataclass(frozen=True)
 class ShardInfo:
-    """One tar shard. ``classes`` lists ``(class_id, count)`` in the order the classes are stored."""
+    """One tar shard. ``classes`` lists its ``ClassSpan``s in the order the classes are stored."""
 
     path: str
     category: int | None
-    classes: tuple[tuple[int, int], ...]
+    classes: tuple[ClassSpan, ...]
     samples: int
     bytes: int
     sha256: str
@@ -66,7 +87,8 @@ class Manifest:
     classes: tuple[ClassInfo, ...]
     splits: dict[str, SplitInfo]
     build: dict[str, Any] = field(default_factory=dict)
-    root: Path | None = None
+    root: str | None = None
+    """Directory or URL the manifest was loaded from (shard paths are relative to it)."""
 
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits:
@@ -74,9 +96,20 @@ class Manifest:
         return self.splits[name]
 
     def shard_path(self, shard: ShardInfo) -> Path:
+        """The local path of a shard (only for a shard directory on this machine's file system)."""
         if self.root is None:
             raise ValueError("manifest has no root directory; load it with Manifest.load(directory)")
-        return self.root / shard.path
+        if is_url(self.root):
+            raise ValueError(
+                f"{self.root} is a URL, not a local directory; read it through ddp_rank.data.storage"
+            )
+        return Path(self.root) / shard.path
+
+    def shard_url(self, shard: ShardInfo) -> str:
+        """Where a shard lives: a local path or a URL, ``root`` joined with the shard's relative path."""
+        if self.root is None:
+            raise ValueError("manifest has no root directory; load it with Manifest.load(directory)")
+        return join_location(self.root, shard.path)
 
     def category_name(self, category: int | None) -> str:
         return "(unlabelled)" if category is None else self.categories[category]
@@ -91,7 +124,7 @@ class Manifest:
                 name: {
                     "classes": [{"id": cid, "count": n} for cid, n in sorted(split.class_counts.items())],
                     "shards": [
-                        {**asdict(s), "classes": [list(pair) for pair in s.classes]} for s in split.shards
+                        {**asdict(s), "classes": [_span_row(c) for c in s.classes]} for s in split.shards
                     ],
                 }
                 for name, split in sorted(self.splits.items())
@@ -100,7 +133,12 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], root: Path | None = None) -> Manifest:
+    def from_json(cls, data: dict[str, Any], root: str | os.PathLike[str] | None = None) -> Manifest:
+        if data.get("format") == FORMAT_NAME and data.get("version") == 1:
+            raise ValueError(
+                f"{root}: a v1 manifest, without the byte range of each class that the stream reads by; add them "
+                f"in place (the tars are not rewritten) with `ddp-rank shards index {root} --upgrade`"
+            )
         if data.get("format") != FORMAT_NAME or data.get("version") != FORMAT_VERSION:
             raise ValueError(
                 f"not a {FORMAT_NAME} v{FORMAT_VERSION} manifest (format={data.get('format')!r}, "
@@ -112,7 +150,7 @@ class Manifest:
                 ShardInfo(
                     path=s["path"],
                     category=s["category"],
-                    classes=tuple((int(c), int(n)) for c, n in s["classes"]),
+                    classes=tuple(ClassSpan(*(int(v) for v in row[:4]), str(row[4])) for row in s["classes"]),
                     samples=int(s["samples"]),
                     bytes=int(s["bytes"]),
                     sha256=s["sha256"],
@@ -126,19 +164,28 @@ class Manifest:
             classes=tuple(ClassInfo(**c) for c in data["classes"]),
             splits=splits,
             build=dict(data.get("build", {})),
-            root=root,
+            root=None if root is None else os.fspath(root),
         )
 
     @classmethod
-    def load(cls, directory: str | os.PathLike[str]) -> Manifest:
-        root = Path(directory)
-        path = root / MANIFEST_NAME
-        if not path.is_file():
+    def load(cls, location: str | os.PathLike[str]) -> Manifest:
+        """Load ``<location>/manifest.json``; ``location`` is a directory or a URL (http(s), s3, gs, ...)."""
+        root = os.fspath(location).rstrip("/") or "/"
+        path = join_location(root, MANIFEST_NAME)
+        try:
+            if is_url(root):
+                import fsspec  # imported here: the shard tools that never see a URL need not pay for it
+
+                with fsspec.open(path, "rb") as f:
+                    raw = f.read()
+            else:
+                raw = Path(path).read_bytes()
+        except FileNotFoundError as exc:
             raise FileNotFoundError(
-                f"{path} not found: is {root} a shard directory made by `ddp-rank shards build`?"
-            )
-        with path.open(encoding="utf-8") as f:
-            return cls.from_json(json.load(f), root=root)
+                f"{path} not found: is {root} a shard directory made by `ddp-rank shards build` (or indexed "
+                "with `ddp-rank shards index`)?"
+            ) from exc
+        return cls.from_json(json.loads(raw.decode("utf-8")), root=root)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write atomically (temporary name, then rename) so a crash never leaves a half manifest."""
@@ -147,6 +194,27 @@ class Manifest:
         tmp.write_text(json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n", encoding="utf-8")
         os.replace(tmp, path)
         return path
+
+
+def _span_row(span: ClassSpan) -> list[int | str]:
+    """A span as a compact JSON row ``[id, count, offset, length, digest]`` (manifests of 200k classes)."""
+    return [span.id, span.count, span.offset, span.length, span.digest]
+
+
+def is_url(location: str | os.PathLike[str]) -> bool:
+    """True for ``scheme://...`` locations (fsspec protocols); plain paths and ``file://`` are local."""
+    text = os.fspath(location)
+    return "://" in text and not text.startswith("file://")
+
+
+def join_location(root: str | os.PathLike[str], relative: str) -> str:
+    """``root/relative`` for a directory or a URL (URLs always join with ``/``)."""
+    text = os.fspath(root)
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    if is_url(text):
+        return f"{text.rstrip('/')}/{relative}"
+    return str(Path(text) / relative)
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:

@@ -1,8 +1,7 @@
 """The category schedule: which groups of data make up the global batch of step ``s`` of epoch ``e``.
 
 It is a pure function of (seed, epoch, step), so every rank and every DataLoader worker computes the same
-answer with no communication; that is what makes the GLOBAL batch follow the FastAP paper's hard sampling while
-each rank reads only its own data (FastAP supplement A):
+answer with no communication (FastAP supplement A); ``ddp_rank.data.plan`` then draws the classes of each group:
 
 - ``hard``: every set of ``categories_per_batch`` categories (pairs by default) gets ``batches_per_pair`` steps
   per epoch, in a seeded order; each category fills an equal part of the global batch. SOP: 66 pairs x 5 = 330
@@ -11,6 +10,8 @@ each rank reads only its own data (FastAP supplement A):
 - ``hard_unlabelled``: VehicleID, where only some classes have a category: half of each batch from one labelled
   category, half from the unlabelled pool; category c gets ceil(N_c / (B/2)) steps, sum_c 2 N_c / B in all.
 - ``random``: classes from the whole split, ``N / B`` steps per epoch.
+- ``pk``: P classes x K images (``images_per_class``); from the whole split (``N_K / B`` steps, N_K the images
+  an epoch can give with at most K per class), or, with ``category_aware``, from the hard schedule's categories.
 
 A step's entry is a tuple of group ids: a category id, ``UNLABELLED`` or ``ALL``.
 """
@@ -25,7 +26,8 @@ from typing import Literal
 
 import numpy as np
 
-Strategy = Literal["hard", "hard_unlabelled", "random"]
+Strategy = Literal["hard", "hard_unlabelled", "random", "pk"]
+STRATEGIES: tuple[str, ...] = ("hard", "hard_unlabelled", "random", "pk")
 UNLABELLED = -1
 """Group id of the classes without a category."""
 ALL = -2
@@ -44,11 +46,19 @@ class ScheduleConfig:
     """Steps per category set and epoch for ``hard`` (SOP 5, In-Shop 2)."""
     steps_per_epoch: int | None = None
     """Override the epoch length; for ``hard`` it switches to a fresh random category set per step."""
+    images_per_class: int = 4
+    """K of the ``pk`` strategy: images taken from each class (fewer when a class has fewer)."""
+    category_aware: bool = False
+    """``pk`` only: draw the classes from the hard schedule's categories instead of the whole split."""
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.strategy not in ("hard", "hard_unlabelled", "random"):
-            raise ValueError(f"strategy must be hard, hard_unlabelled or random, got {self.strategy!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.images_per_class < 2:
+            raise ValueError(
+                f"images_per_class must be at least 2 (a class needs a positive), got {self.images_per_class}"
+            )
         if self.categories_per_batch < 1 or self.batches_per_pair < 1:
             raise ValueError("categories_per_batch and batches_per_pair must be at least 1")
         if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
@@ -86,7 +96,7 @@ class CategorySchedule:
 
     def _check(self) -> None:
         cfg = self.config
-        if cfg.strategy == "hard" and len(self.categories) < cfg.categories_per_batch:
+        if self.by_category and len(self.categories) < cfg.categories_per_batch:
             raise ValueError(
                 f"hard strategy needs {cfg.categories_per_batch} categories per batch but only "
                 f"{len(self.categories)} can fill their share ({list(self.categories)}); use fewer "
@@ -96,9 +106,14 @@ class CategorySchedule:
             raise ValueError("hard_unlabelled needs labelled categories AND unlabelled classes in the split")
 
     @property
+    def by_category(self) -> bool:
+        """True when steps draw categories (hard, or category-aware pk)."""
+        return self.config.strategy == "hard" or (self.config.strategy == "pk" and self.config.category_aware)
+
+    @property
     def group_count(self) -> int:
         """Groups per step (each fills an equal part of the batch)."""
-        if self.config.strategy == "hard":
+        if self.by_category:
             return self.config.categories_per_batch
         return 2 if self.config.strategy == "hard_unlabelled" else 1
 
@@ -107,7 +122,7 @@ class CategorySchedule:
         cfg = self.config
         if cfg.steps_per_epoch is not None:
             return cfg.steps_per_epoch
-        if cfg.strategy == "hard":
+        if self.by_category:
             return math.comb(len(self.categories), cfg.categories_per_batch) * cfg.batches_per_pair
         if cfg.strategy == "hard_unlabelled":
             half = max(1, self.global_batch // 2)
@@ -119,9 +134,9 @@ class CategorySchedule:
         if not 0 <= step < self.steps_per_epoch:
             raise IndexError(f"step {step} outside epoch of {self.steps_per_epoch} steps")
         cfg = self.config
-        if cfg.strategy == "random":
+        if not self.by_category and cfg.strategy != "hard_unlabelled":
             return (ALL,)
-        if cfg.strategy == "hard" and cfg.steps_per_epoch is not None:
+        if self.by_category and cfg.steps_per_epoch is not None:
             rng = np.random.default_rng([cfg.seed, epoch, step, 1])
             picked = rng.choice(len(self.categories), size=cfg.categories_per_batch, replace=False)
             return tuple(self.categories[i] for i in sorted(picked))
@@ -131,7 +146,7 @@ class CategorySchedule:
 
     def _epoch_order(self, epoch: int) -> tuple[tuple[int, ...], ...]:
         cfg = self.config
-        if cfg.strategy == "hard":
+        if self.by_category:
             n_sets = math.comb(len(self.categories), cfg.categories_per_batch)
             if n_sets * cfg.batches_per_pair > _MAX_ENUMERATED:
                 raise ValueError(
@@ -150,33 +165,8 @@ class CategorySchedule:
         return tuple(steps[i] for i in order)
 
 
-def group_quotas(local_batch: int, groups: int, rank: int) -> list[int]:
-    """Images rank ``rank`` takes from each of a step's groups: an equal split of its local batch.
-
-    The remainder rotates with the rank, so over the ranks each group gets (almost) the same share of the
-    global batch, and every rank's quotas add up to exactly ``local_batch``.
-    """
-    base, extra = divmod(local_batch, groups)
-    return [base + (1 if (i - rank) % groups < extra else 0) for i in range(groups)]
-
-
-def max_quota(local_batch: int, groups: int) -> int:
-    return -(-local_batch // groups)
-
-
-def steps_of_worker(steps: int, worker: int, num_workers: int, start: int = 0) -> range:
-    """Steps in [start, steps) that DataLoader worker ``worker`` produces: start + worker, + num_workers, ...
-
-    A DataLoader with ``batch_size=None`` takes items from its workers round-robin starting at worker 0, so this
-    makes the loader's output order equal the step order, also when an epoch is resumed at ``start``.
-    """
-    return range(start + worker, steps, max(1, num_workers))
-
-
-def virtual_worker(worker: int, num_workers: int, start: int) -> int:
-    """The data slot a physical worker serves when an epoch starts at ``start``: the one that owns step
-    ``start + worker`` in an uninterrupted epoch, i.e. ``(start + worker) % num_workers``.
-
-    Data shares belong to virtual slots, so a resumed epoch reads exactly what the uninterrupted one would have.
-    """
-    return (start + worker) % max(1, num_workers)
+def group_quotas(global_batch: int, groups: int, step: int) -> list[int]:
+    """Images each of a step's groups gives the global batch: an equal split, the remainder rotating with the
+    step so that no group is favoured over an epoch."""
+    base, extra = divmod(global_batch, groups)
+    return [base + (1 if (i - step) % groups < extra else 0) for i in range(groups)]

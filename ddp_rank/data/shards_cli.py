@@ -7,6 +7,7 @@ Examples::
     ddp-rank shards build photos/ data/photos --test-fraction 0.5 --resize 256
     ddp-rank shards verify data/emoji-shards
     ddp-rank shards info data/emoji-shards
+    ddp-rank shards index data/laion-subset --split train='train-*.tar' --class-field label
 """
 
 from __future__ import annotations
@@ -43,7 +44,33 @@ def register(subparsers: Any) -> None:
     info = sub.add_parser("info", help="table of classes, images, shards and size per split and category")
     info.add_argument("directory")
     info.set_defaults(func=_info)
+    _add_index(sub)
     _add_listing(sub)
+
+
+def _add_index(sub: Any) -> None:
+    p = sub.add_parser(
+        "index",
+        help="write manifest.json for WebDataset shards made by other tools (the tars are not rewritten)",
+    )
+    p.add_argument("directory", help="directory holding the .tar shards (manifest.json is written there)")
+    p.add_argument(
+        "--split",
+        action="append",
+        default=[],
+        metavar="NAME=GLOB",
+        help="shards of a split, e.g. train='train-*.tar' (repeatable); default: one split per sub-directory, "
+        "else every tar is 'train'",
+    )
+    p.add_argument("--class-field", default=None, help="json field of the class (default: the .cls member)")
+    p.add_argument(
+        "--category-field", default="category", help="json field of the category (default: category)"
+    )
+    p.add_argument(
+        "--category-map", default=None, help="CSV with columns class,category (wins over the json)"
+    )
+    p.add_argument("--upgrade", action="store_true", help="add byte ranges to a version-1 ddp_rank manifest")
+    p.set_defaults(func=_index)
 
 
 def _add_build(sub: Any) -> None:
@@ -151,6 +178,36 @@ def _info(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _index(args: argparse.Namespace) -> int:
+    from ddp_rank.data.index import (
+        IndexOptions,
+        ShardIndexError,
+        find_splits,
+        index_shards,
+        read_category_map,
+        upgrade_manifest,
+    )
+
+    try:
+        if args.upgrade:
+            upgrade_manifest(args.directory)
+        else:
+            options = IndexOptions(
+                class_field=args.class_field,
+                category_field=args.category_field or None,
+                category_map=read_category_map(args.category_map) if args.category_map else {},
+            )
+            report = index_shards(args.directory, find_splits(Path(args.directory), args.split), options)
+            if report.skipped_samples:
+                print(f"left out {report.skipped_samples} sample(s) without an image member", file=sys.stderr)
+            report.manifest.save(args.directory)
+    except (ShardIndexError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_info(args.directory))
     return 0
 
 

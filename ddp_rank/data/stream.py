@@ -1,29 +1,32 @@
-"""The category-aware distributed stream: whole local batches, the same categories on every rank at each step.
+"""The training stream: this rank's part of each step's global plan, read by class and decoded.
 
-Per step ``s`` of epoch ``e``, every rank asks the schedule for the step's groups (pure function, no
-communication), takes its quota of each group from its own disjoint share (``packing``) and yields ONE batch of
-exactly ``global_batch / world_size`` images. Under a DataLoader with ``batch_size=None`` and W workers, worker
-w produces steps start + w, start + w + W, ... so the loader's round-robin order is the step order. Every rank
-yields exactly ``steps_per_epoch`` batches per epoch and never runs dry (shares are streamed in passes), so data
-parallel ranks can never hang on an uneven epoch end.
+Per step ``s`` of epoch ``e``, every rank computes the global batch (``plan.GlobalPlan``, a pure function of
+seed, epoch, step, manifest and sampler settings), deals it to the W ranks (``plan.deal``) and reads only its
+own part: one ranged read per class (``reader.ClassReader``), from a local directory or a URL. DataLoader
+workers only split the decoding: worker w of a rank produces steps start + w, start + w + n_workers, ..., which a
+DataLoader with ``batch_size=None`` hands out round-robin, i.e. in step order. Which images make up a step never
+depends on the workers or on the world size, so a run on 1 GPU (chunked) and on 64 GPUs see the same global
+batches, and ``load_state_dict({"epoch": e, "step": s})`` resumes the same sequence on any layout.
 
-Data shares belong to virtual slots (rank, s mod W), not to physical workers, and the packing of skipped steps is
-replayed from the shard index, so ``load_state_dict({"epoch": e, "step": s})`` continues exactly where an
-uninterrupted run would be.
+Augmentation is seeded per image from (seed, epoch, step, class, image), so even the crops and flips of an image
+are the same whichever rank or worker decodes it.
 
-Each yielded batch is a dict: ``images`` float32 [n, 3, H, W], ``labels`` / ``categories`` int64 [n] (global ids
-from the manifest; category -1 = unlabelled), ``keys`` (sample keys, unique within the split), ``epoch``,
-``step``, ``groups`` (the schedule's groups) and ``stats`` (this slot's counts of bad shards, dropped samples and
-undecodable images so far, with the bad shard names).
+Faults: a class this rank cannot read or decode (missing shard, HTTP error, truncated range, digest mismatch,
+undecodable image) is replaced by a class of the same group with at least as many images from the step's
+reserve (``GlobalPlan.reserve``: disjoint across ranks, never a class of the step), deterministically, and
+counted. When no replacement is left, the batch raises ``DataError`` naming the shards; the trainer shares it
+with every rank so that all of them stop with that message.
+
+Each yielded batch is a dict: ``images`` float32 [n, 3, H, W], ``labels`` / ``categories`` int64 [n] (global
+ids; category -1 = unlabelled), ``keys`` (sample keys), ``epoch``, ``step``, ``groups`` (the schedule's
+groups) and ``events`` (this batch's ``replaced_classes``, ``decode_errors``, ``bad_shards``).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,18 +34,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ddp_rank.data.manifest import Manifest, ShardInfo
-from ddp_rank.data.packing import Packer, Ref, Unit, assign_shares, class_stream, share_size
-from ddp_rank.data.schedule import (
-    ALL,
-    UNLABELLED,
-    CategorySchedule,
-    ScheduleConfig,
-    group_quotas,
-    max_quota,
-    virtual_worker,
-)
-from ddp_rank.data.tario import MemberReader, SampleEntry, ShardScan, scan_shard
+from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, deal
+from ddp_rank.data.reader import ClassReader, ClassReadError
+from ddp_rank.data.schedule import ScheduleConfig
+from ddp_rank.data.tario import SpanSample
 from ddp_rank.data.transforms import (
     TransformConfig,
     decode_image,
@@ -50,6 +46,12 @@ from ddp_rank.data.transforms import (
     test_transform,
     train_transform,
 )
+
+_MASK = (1 << 63) - 1
+
+
+class DataError(RuntimeError):
+    """The data layer cannot produce this rank's batch (every replacement failed too); names the shards."""
 
 
 def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -66,36 +68,27 @@ def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -
     return r, w
 
 
-@dataclass
-class StreamStats:
-    """What this slot had to skip; reported in every batch (worker processes cannot share a counter)."""
-
-    bad_shards: list[str] = field(default_factory=list)
-    dropped_samples: int = 0
-    decode_errors: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "bad_shards": len(self.bad_shards),
-            "bad_shard_names": list(self.bad_shards),
-            "dropped_samples": self.dropped_samples,
-            "decode_errors": self.decode_errors,
-        }
+def image_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (a fast splitmix-style mix; ``SeedSequence`` costs 20 us per image)."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (p & _MASK)) * 0xBF58476D1CE4E5B9 & ((1 << 64) - 1)
+        h ^= h >> 31
+    return h & _MASK
 
 
 class ShardStream(IterableDataset):
-    """Category-aware, rank-disjoint stream of whole local batches from a shard directory.
+    """This rank's local batches, one per step, from a shard directory or URL.
 
     Args:
-        shards: the shard directory (or its loaded ``Manifest``).
-        global_batch: images per step over ALL ranks; each rank yields ``global_batch / world_size``.
+        shards: the shard directory or URL (or its loaded ``Manifest``).
+        global_batch: M, images per step over ALL ranks; each rank yields ``global_batch / world_size``.
         split: the manifest split to stream.
-        schedule: strategy, categories per batch, batches per pair, seed (``ScheduleConfig``).
+        schedule: the sampler settings (``ScheduleConfig``: strategy, categories per batch, K, seed, ...).
         transform: image sizes (``TransformConfig``); ``augment`` picks the train (random) or test transform.
-        num_workers: the DataLoader's worker count; it must match, because data shares are cut per worker.
+        num_workers: the DataLoader's worker count (how the steps are split for decoding; never what is drawn).
         rank, world_size: default to the process group, else RANK / WORLD_SIZE, else 0 / 1.
-        lookahead: classes the packer may look ahead to fill a batch part exactly with paired images.
-        class_window: classes shuffled together while reading a shard (bigger: more random, less sequential).
+        cache_dir: node-local directory for whole shards fetched from a URL (``storage.ShardStore``).
 
     One ``iter`` yields the rest of the current epoch. ``StreamLoader`` wraps the DataLoader and moves the
     position on as it hands out batches; with a raw ``DataLoader(stream, batch_size=None, num_workers=...)``
@@ -114,13 +107,11 @@ class ShardStream(IterableDataset):
         num_workers: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
-        lookahead: int = 32,
-        class_window: int = 16,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         self.manifest = shards if isinstance(shards, Manifest) else Manifest.load(shards)
         self.split = split
-        self.shards: tuple[ShardInfo, ...] = self.manifest.split(split).shards
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         if global_batch % self.world_size:
             raise ValueError(
@@ -130,79 +121,30 @@ class ShardStream(IterableDataset):
         self.global_batch = global_batch
         self.local_batch = global_batch // self.world_size
         self.num_workers = num_workers
-        self.workers = max(1, num_workers)
-        self.n_slots = self.world_size * self.workers
         self.schedule_config = schedule or ScheduleConfig()
         self.transform_config = transform or TransformConfig()
         self.augment = augment
-        self.lookahead = lookahead
-        self.class_window = class_window
-        self.skipped_categories: list[str] = []
-        self.shares = self._eligible_shares()
-        self.schedule = self._make_schedule()
+        self.plan = GlobalPlan(
+            Catalog.from_manifest(self.manifest, split), self.schedule_config, global_batch
+        )
+        for left in self.plan.left_out:
+            warnings.warn(f"category left out of the schedule: {left}", stacklevel=2)
+        self.reader = ClassReader(self.manifest, split, cache_dir=cache_dir)
         self._position = (0, 0)
-        self.stats = StreamStats()
         self._class_category = np.array(
             [-1 if c.category is None else c.category for c in self.manifest.classes], dtype=np.int64
-        )
-
-    # ---------------------------------------------------------------- set-up
-
-    def _groups_needed(self) -> list[int]:
-        strategy = self.schedule_config.strategy
-        labelled = sorted({s.category for s in self.shards if s.category is not None})
-        if strategy == "random":
-            return [ALL]
-        return labelled + ([UNLABELLED] if strategy == "hard_unlabelled" else [])
-
-    def _eligible_shares(self) -> dict[int, list[list[Unit]]]:
-        """Shares for every group that can fill its quota on every slot; too-small categories are left out."""
-        strategy = self.schedule_config.strategy
-        groups = {"random": 1, "hard_unlabelled": 2}.get(strategy, self.schedule_config.categories_per_batch)
-        need = max_quota(self.local_batch, groups)
-        shares: dict[int, list[list[Unit]]] = {}
-        for group in self._groups_needed():
-            slots = assign_shares(self.shards, group, self.n_slots)
-            smallest = min(share_size(self.shards, s) for s in slots)
-            if smallest >= need:
-                shares[group] = slots
-                continue
-            name = {ALL: "the split", UNLABELLED: "the unlabelled pool"}.get(
-                group
-            ) or self.manifest.categories[group]
-            message = (
-                f"{name} cannot give each of the {self.n_slots} (rank, worker) slots {need} images per batch "
-                f"(smallest share: {smallest})"
-            )
-            if group in (ALL, UNLABELLED):
-                raise ValueError(f"{message}; use a smaller global batch or fewer workers")
-            self.skipped_categories.append(name)
-            warnings.warn(f"{message}: category left out of the schedule", stacklevel=3)
-        return shares
-
-    def _make_schedule(self) -> CategorySchedule:
-        counts = self.manifest.split(self.split).class_counts
-        sizes: dict[int, int] = {}
-        unlabelled = 0
-        for cid, n in counts.items():
-            category = self.manifest.classes[cid].category
-            if category is None:
-                unlabelled += n
-            elif category in self.shares:
-                sizes[category] = sizes.get(category, 0) + n
-        return CategorySchedule(
-            self.schedule_config,
-            sizes,
-            self.global_batch,
-            unlabelled_size=unlabelled,
-            total_size=sum(counts.values()),
         )
 
     # ---------------------------------------------------------------- position
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.schedule.steps_per_epoch
+        return self.plan.steps_per_epoch
+
+    @property
+    def left_out(self) -> list[str]:
+        """Categories the schedule cannot use, with images needed vs available."""
+        return [str(x) for x in self.plan.left_out]
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (the same on every rank)."""
@@ -215,16 +157,10 @@ class ShardStream(IterableDataset):
 
     def state_dict(self) -> dict[str, int]:
         epoch, step = self._position
-        return {"epoch": epoch, "step": step, "world_size": self.world_size, "num_workers": self.num_workers}
+        return {"epoch": epoch, "step": step}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Resume at (epoch, step). The layout must match: shares depend on world size and workers."""
-        for key in ("world_size", "num_workers"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(
-                    f"cannot resume a stream saved with {key}={state[key]} with {key}={getattr(self, key)}: each "
-                    "slot's data share depends on it"
-                )
+        """Resume at (epoch, step), on any world size and worker count: the plan depends on neither."""
         self.set_position(int(state["epoch"]), int(state["step"]))
 
     def set_position(self, epoch: int, step: int) -> None:
@@ -243,118 +179,115 @@ class ShardStream(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
-        worker, workers = (0, 0) if info is None else (info.id, info.num_workers)
-        if workers != self.num_workers:
-            raise RuntimeError(
-                f"ShardStream was built for num_workers={self.num_workers} but runs under a DataLoader with "
-                f"num_workers={workers}; pass the DataLoader's worker count to the stream"
-            )
-        return self.iter_worker(worker)
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return self.iter_worker(worker, workers)
 
-    def iter_worker(self, worker: int) -> Iterator[dict[str, Any]]:
-        """The batches DataLoader worker ``worker`` yields from the current position to the end of the epoch.
-
-        Public so tests (and tools) can play every (rank, worker) slot in one process.
-        """
+    def iter_worker(self, worker: int, num_workers: int) -> Iterator[dict[str, Any]]:
+        """The batches DataLoader worker ``worker`` of ``num_workers`` yields from the current position to the
+        end of the epoch. Public so tests (and tools) can play every worker in one process."""
         epoch, start = self._position
-        slot_worker = virtual_worker(worker, self.workers, start)
-        slot = self.rank * self.workers + slot_worker
-        cfg = self.schedule_config
-        scans: dict[int, ShardScan] = {}
-        packers = {
-            group: Packer(
-                class_stream(
-                    shares[slot],
-                    lambda i: self._scan(i, scans),
-                    [cfg.seed, epoch, group + 2, slot],
-                    window=self.class_window,
-                ),
-                share_images=share_size(self.shards, shares[slot]),
-                lookahead=self.lookahead,
-            )
-            for group, shares in self.shares.items()
-        }
-        reader = MemberReader()
-        transform = (train_transform if self.augment else test_transform)(self.transform_config)
         try:
-            for step in range(slot_worker, self.steps_per_epoch, self.workers):
-                groups = self.schedule.step(epoch, step)
-                quotas = group_quotas(self.local_batch, len(groups), self.rank)
-                refs = [r for g, q in zip(groups, quotas) for r in packers[g].take(q)]
-                if step >= start:
-                    yield self._batch(epoch, step, groups, refs, scans, reader, transform)
+            for step in range(start + worker, self.steps_per_epoch, max(1, num_workers)):
+                yield self.batch(epoch, step)
         finally:
-            reader.close()
+            self.reader.close()
 
-    def _scan(self, index: int, scans: dict[int, ShardScan]) -> ShardScan:
-        if index not in scans:
-            path = self.manifest.shard_path(self.shards[index])
-            scan = scan_shard(path, expected=self.shards[index].samples)
-            name = self.shards[index].path
-            if scan.error is not None and name not in self.stats.bad_shards:
-                warnings.warn(
-                    f"shard {path}: {scan.error}; using its {len(scan.samples)} complete sample(s)",
-                    stacklevel=2,
+    def part(self, epoch: int, step: int) -> list[Piece]:
+        """This rank's pieces of (epoch, step)."""
+        return deal(self.plan.step(epoch, step), self.world_size, self.schedule_config.seed)[self.rank]
+
+    def batch(self, epoch: int, step: int) -> dict[str, Any]:
+        """Read, decode and transform this rank's part of (epoch, step)."""
+        plan = self.plan.step(epoch, step)
+        pieces = deal(plan, self.world_size, self.schedule_config.seed)[self.rank]
+        events: dict[str, Any] = {"replaced_classes": 0, "decode_errors": 0, "bad_shards": []}
+        taken: set[int] = set()  # replacement classes already used in this batch
+        transform = (train_transform if self.augment else test_transform)(self.transform_config)
+        images: list[torch.Tensor] = []
+        labels: list[int] = []
+        keys: list[str] = []
+        with torch.random.fork_rng(devices=[]):  # per-image seeds must not move the caller's RNG
+            for piece in pieces:
+                class_id, chosen, tensors = self._load_with_replacement(
+                    epoch, step, piece, transform, events, taken
                 )
-                self.stats.bad_shards.append(name)
-                self.stats.dropped_samples += max(0, self.shards[index].samples - len(scan.samples))
-            scans[index] = scan
-        return scans[index]
+                images.extend(tensors)
+                labels.extend([class_id] * len(tensors))
+                keys.extend(chosen)
+        label_tensor = torch.tensor(labels, dtype=torch.int64)
+        return {
+            "images": normalize_batch(images, self.transform_config),
+            "labels": label_tensor,
+            "categories": torch.from_numpy(self._class_category[label_tensor.numpy()]),
+            "keys": keys,
+            "epoch": epoch,
+            "step": step,
+            "groups": plan.groups,
+            "events": events,
+        }
 
-    def _batch(
+    def _load_with_replacement(
+        self, epoch: int, step: int, piece: Piece, transform: Any, events: dict[str, Any], taken: set[int]
+    ) -> tuple[int, list[str], list[torch.Tensor]]:
+        """The piece's images, or those of a replacement class from this rank's reserve (see the module
+        docstring); ``taken`` holds the replacements this batch already used, so none is used twice."""
+        failures: list[ClassReadError] = []
+        candidates: Sequence[int] | None = None
+        class_id, images = piece.class_id, piece.images
+        while True:
+            try:
+                keys, tensors = self._load(epoch, step, class_id, images, transform, events)
+                if failures:
+                    events["replaced_classes"] += len(failures)
+                return class_id, keys, tensors
+            except ClassReadError as exc:
+                failures.append(exc)
+                if exc.shard not in events["bad_shards"]:
+                    events["bad_shards"].append(exc.shard)
+                warnings.warn(f"{exc}; replaced from the plan's reserve", stacklevel=2)
+            if candidates is None:
+                reserve = self.plan.reserve(epoch, step, piece.group, self.rank, self.world_size)
+                candidates = [c for c in reserve if self.plan.class_size(c) >= piece.size]
+            candidates = [c for c in candidates if c not in taken]
+            if not candidates:
+                shards = sorted({f.shard for f in failures})
+                raise DataError(
+                    f"cannot fill this rank's part of epoch {epoch} step {step}: "
+                    + "; ".join(str(f) for f in failures[:5])
+                    + f"; no readable replacement of >= {piece.size} images is left. Check the shards "
+                    f"({', '.join(shards)}) with `ddp-rank shards verify`"
+                )
+            class_id, candidates = candidates[0], candidates[1:]
+            taken.add(class_id)
+            n = self.plan.class_size(class_id)
+            order = np.random.default_rng(
+                image_seed(self.schedule_config.seed, epoch, step, class_id)
+            ).permutation(n)
+            images = order[: piece.size].tolist()
+
+    def _load(
         self,
         epoch: int,
         step: int,
-        groups: tuple[int, ...],
-        refs: list[Ref],
-        scans: dict[int, ShardScan],
-        reader: MemberReader,
+        class_id: int,
+        images: Sequence[int],
         transform: Any,
-    ) -> dict[str, Any]:
-        entries = [scans[s].samples[j] for s, j in refs]
-        paths = [self.manifest.shard_path(self.shards[s]) for s, _ in refs]
-        labels = torch.tensor([e.class_id for e in entries], dtype=torch.int64)
-        seed = int(
-            np.random.SeedSequence([self.schedule_config.seed, epoch, step, self.rank]).generate_state(1)[0]
-        )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            images = self._images(entries, paths, labels, reader, transform)
-        return {
-            "images": images,
-            "labels": labels,
-            "categories": torch.from_numpy(self._class_category[labels.numpy()]),
-            "keys": [e.key for e in entries],
-            "epoch": epoch,
-            "step": step,
-            "groups": groups,
-            "stats": self.stats.as_dict(),
-        }
-
-    def _images(
-        self,
-        entries: list[SampleEntry],
-        paths: list[Path],
-        labels: torch.Tensor,
-        reader: MemberReader,
-        transform: Any,
-    ) -> torch.Tensor:
-        """Decode and transform; an undecodable image is replaced by a same-class one so the size stays exact."""
-        draft = self.transform_config.resize
-        out: list[torch.Tensor | None] = []
-        for entry, path in zip(entries, paths):
+        events: dict[str, Any],
+    ) -> tuple[list[str], list[torch.Tensor]]:
+        samples = self.reader.read(class_id)
+        keys, out = [], []
+        for index in images:
+            sample: SpanSample = samples[index]
             try:
-                data = reader.read(path, entry.image_offset, entry.image_size)
-                out.append(transform(decode_image(data, draft)))
+                decoded = decode_image(sample.image, self.transform_config.resize)
             except (OSError, ValueError, SyntaxError, EOFError) as exc:
-                warnings.warn(f"{path}: cannot decode {entry.key}.{entry.image_ext}: {exc}", stacklevel=2)
-                self.stats.decode_errors += 1
-                out.append(None)
-        good = [i for i, x in enumerate(out) if x is not None]
-        if not good:
-            raise RuntimeError("no image of this batch could be decoded; run `ddp-rank shards verify`")
-        for i, x in enumerate(out):
-            if x is None:
-                same = [j for j in good if labels[j] == labels[i]]
-                out[i] = out[(same or good)[0]]
-        return normalize_batch([x for x in out if x is not None], self.transform_config)
+                events["decode_errors"] += 1
+                shard = self.reader.where[class_id][0].path
+                raise ClassReadError(class_id, shard, f"image {sample.key} does not decode: {exc}") from exc
+            torch.manual_seed(image_seed(self.schedule_config.seed, epoch, step, class_id, index))
+            out.append(transform(decoded))
+            keys.append(sample.key)
+        return keys, out
+
+
+__all__ = ["DataError", "PlanError", "ShardStream", "image_seed", "resolve_rank_world"]

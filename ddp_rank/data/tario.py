@@ -1,10 +1,13 @@
 """Reading and writing the tar shards, byte-exact and without trusting their contents.
 
 Writing: members get fixed metadata (mtime 0, uid/gid 0, mode 0644) so the same input gives the same bytes, and
-a shard only appears under its final name once complete (temporary name, then ``os.replace``).
+a shard only appears under its final name once complete (temporary name, then ``os.replace``). The writer records
+each class's byte range and its digest as it goes (classes are written contiguously), for the manifest.
 
-Reading: ``scan_shard`` walks the tar headers once (seeking over the data) and records where each sample's image
-and ``.cls`` members live; readers then fetch members by offset. A corrupt header or a truncated file ends the
+Reading a class: ``parse_span`` turns the bytes of one class's range back into samples (any tar dialect).
+
+Checking: ``scan_shard`` walks the tar headers once (seeking over the data) and records where each sample's image
+and ``.cls`` members live; ``ddp-rank shards verify`` uses it to prove a whole shard is sound. A corrupt header or a truncated file ends the
 scan with a reason instead of an exception, and samples missing a required member are dropped, so one bad shard
 costs its own samples and nothing else. Only image, ``.cls`` and ``.json`` bytes are ever interpreted: there is
 no pickle decoder anywhere in the read path.
@@ -23,22 +26,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, BinaryIO, NamedTuple
 
-from ddp_rank.data.manifest import IMAGE_EXTENSIONS
+from ddp_rank.data.manifest import IMAGE_EXTENSIONS, ClassSpan
 
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
 
 
+def span_digest(data: bytes | memoryview) -> str:
+    """The digest of a class's byte range that the manifest stores (``manifest.SPAN_DIGEST``)."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
 class _HashingWriter:
-    """File wrapper that hashes and counts what tarfile writes, so the checksum costs no second read."""
+    """File wrapper that hashes and counts what tarfile writes, so the checksums cost no second read: the
+    whole shard's sha256 and, while a class is open, that class's span digest."""
 
     def __init__(self, raw: BinaryIO) -> None:
         self.raw = raw
         self.digest = hashlib.sha256()
+        self.span: Any = None
         self.size = 0
 
     def write(self, data: bytes) -> int:
         self.digest.update(data)
+        if self.span is not None:
+            self.span.update(data)
         self.size += len(data)
         return self.raw.write(data)
 
@@ -67,8 +79,19 @@ class ShardWriter:
         # tarfile only calls write() and tell() on the file object it is given.
         self._tar = tarfile.TarFile(fileobj=self._hasher, mode="w", format=tarfile.USTAR_FORMAT)  # type: ignore[arg-type]
         self.samples = 0
+        self.spans: list[ClassSpan] = []
+        self._open: tuple[int, int, int] | None = (
+            None  # (class id, samples, offset) of the class being written
+        )
 
     def add(self, key: str, image_ext: str, image: bytes, class_id: int, meta: dict[str, Any]) -> None:
+        """Append one sample; samples of a class must be added consecutively (a class is one byte range)."""
+        if self._open is None or self._open[0] != class_id:
+            self._close_span()
+            if any(s.id == class_id for s in self.spans):
+                raise ValueError(f"class {class_id} is split in {self.path}: add a class's samples together")
+            self._open = (class_id, 0, self._hasher.size)
+            self._hasher.span = hashlib.blake2b(digest_size=16)
         meta_bytes = json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
         for name, data in (
             (f"{key}.{image_ext}", image),
@@ -77,9 +100,19 @@ class ShardWriter:
         ):
             self._tar.addfile(_member(name, len(data)), io.BytesIO(data))
         self.samples += 1
+        class_id, count, offset = self._open
+        self._open = (class_id, count + 1, offset)
+
+    def _close_span(self) -> None:
+        if self._open is not None:
+            class_id, count, offset = self._open
+            digest = self._hasher.span.hexdigest()
+            self.spans.append(ClassSpan(class_id, count, offset, self._hasher.size - offset, digest))
+            self._open, self._hasher.span = None, None
 
     def close(self) -> tuple[int, str]:
-        """Finish the tar, rename it into place; returns (bytes, sha256)."""
+        """Finish the tar, rename it into place; returns (bytes, sha256). ``spans`` then lists the classes."""
+        self._close_span()
         self._tar.close()
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -257,28 +290,55 @@ def _complete_sample(
     )
 
 
-class MemberReader:
-    """Reads members by offset, keeping a few shard files open (reads inside a shard are mostly sequential)."""
+def sample_key(member: str) -> tuple[str, str]:
+    """(sample key, lower-case extension) of a member name, as WebDataset splits them: the key is the path up to
+    the first dot of the file name (``dir/abc.seg.png`` -> ``dir/abc``, ``seg.png``)."""
+    directory, base = os.path.split(member)
+    stem, _, ext = base.partition(".")
+    return (f"{directory}/{stem}" if directory else stem), ext.lower()
 
-    def __init__(self, max_open: int = 8) -> None:
-        self.max_open = max_open
-        self._files: dict[Path, BinaryIO] = {}
 
-    def read(self, path: Path, offset: int, size: int) -> bytes:
-        f = self._files.pop(path, None)
-        if f is None:
-            if len(self._files) >= self.max_open:
-                oldest = next(iter(self._files))
-                self._files.pop(oldest).close()
-            f = open(path, "rb")  # noqa: SIM115 - kept open across calls, closed in close()
-        self._files[path] = f
-        return _read_at(f, offset, size)
+@dataclass(frozen=True)
+class SpanSample:
+    """One sample read from a class's byte range: its key and member bytes (json may be absent in foreign
+    shards; the class is known from the manifest, not from the members)."""
 
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+    key: str
+    image_ext: str
+    image: bytes
+    meta: bytes | None
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Open files cannot cross a DataLoader worker boundary; each process opens its own.
-        return {"max_open": self.max_open, "_files": {}}
+
+class SpanError(ValueError):
+    """A class's byte range is not what the manifest says (truncated, corrupt, wrong sample count)."""
+
+
+def parse_span(data: bytes, expected: int) -> list[SpanSample]:
+    """The samples of one class from the bytes of its range, in stored order; raises ``SpanError`` unless all
+    ``expected`` samples are complete. Uses tarfile on the in-memory bytes, so every tar dialect (pax and GNU
+    headers from other writers) reads alike; only image and json bytes are kept, nothing is decoded here."""
+    groups: dict[str, dict[str, bytes]] = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data + _ZERO_BLOCK * 2), mode="r:") as tar:
+            for info in tar:
+                if not info.isfile():
+                    continue
+                key, ext = sample_key(info.name)
+                if ext in IMAGE_EXTENSIONS or ext == "json":
+                    extracted = tar.extractfile(info)
+                    payload = extracted.read() if extracted is not None else b""
+                    if len(payload) != info.size:
+                        raise SpanError(f"member {info.name} is cut short")
+                    groups.setdefault(key, {})[ext] = payload
+                else:
+                    groups.setdefault(key, {})
+    except (tarfile.TarError, EOFError) as exc:
+        raise SpanError(f"corrupt tar data: {exc}") from exc
+    samples = []
+    for key, parts in groups.items():
+        ext = next((e for e in IMAGE_EXTENSIONS if e in parts), None)
+        if ext is not None:
+            samples.append(SpanSample(key, ext, parts[ext], parts.get("json")))
+    if len(samples) != expected:
+        raise SpanError(f"{len(samples)} complete sample(s) where the manifest lists {expected}")
+    return samples

@@ -73,6 +73,7 @@ def read_eval_batches(
         transform=model_transform(cfg),
         rank=rank() if rank_ is None else rank_,
         world_size=world_size() if world is None else world,
+        cache_dir=cfg.data.cache_dir or None,
     )
     workers = cfg.data.num_workers if num_workers is None else num_workers
     loader = DataLoader(reader, batch_size=None, num_workers=workers)

@@ -61,14 +61,14 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def check_world_size(meta: dict[str, Any], world_size: int, force: bool, where: str = "") -> None:
-    """Refuse to resume a checkpoint written with another number of processes unless ``force``."""
+    """Refuse to resume a checkpoint written with another number of processes unless ``force`` (the trainer
+    forces it except under DeepSpeed, whose optimizer state is partitioned by rank)."""
     saved = int(meta.get("world_size", world_size))
     if saved != world_size and not force:
         raise CheckpointError(
-            f"checkpoint {where} was written by {saved} process(es) but this run has {world_size}: the data stream "
-            "splits every step's samples by rank, so the run would not continue identically. Launch with "
-            f"--num_processes {saved}, or pass train.force_resume=true to resume anyway (same global batch, "
-            "different per-rank samples and RNG streams)."
+            f"checkpoint {where} was written by {saved} process(es) but this run has {world_size}, and DeepSpeed "
+            "partitions the optimizer state by rank. Launch with "
+            f"--num_processes {saved}, or pass train.force_resume=true to try anyway."
         )
 
 

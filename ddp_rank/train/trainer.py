@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from ddp_rank.config import Config, ConfigError, save_config, to_dict
 from ddp_rank.data.loader import StreamLoader
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.schedule import ScheduleConfig
-from ddp_rank.data.stream import ShardStream
+from ddp_rank.data.manifest import Manifest, is_url
+from ddp_rank.data.stream import DataError, ShardStream
 from ddp_rank.distributed import GlobalBatchLoss
+from ddp_rank.distributed.agreement import RankFailure, gather_counts, raise_if_any_failed
 from ddp_rank.eval.report import format_table
 from ddp_rank.eval.runner import evaluate_model, model_transform
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
@@ -48,6 +48,7 @@ from ddp_rank.train.checkpoint import (
     resolve_checkpoint,
 )
 from ddp_rank.train.chunked import forward_backward
+from ddp_rank.train.data_setup import schedule_config
 from ddp_rank.train.model import EmbeddingNet, build_model, freeze_batchnorm
 from ddp_rank.train.optim import build_optimizer, build_scheduler
 from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, write_summary
@@ -114,9 +115,9 @@ def check_inputs(cfg: Config) -> Manifest:
                 f"set data.{key}"
                 + (" (or data.test_split= to train without evaluation)" if key == "test_split" else "")
             )
-    missing = [
-        s.path for s in manifest.split(cfg.data.train_split).shards if not manifest.shard_path(s).is_file()
-    ]
+    local = manifest.root is not None and not is_url(manifest.root)
+    train_shards = manifest.split(cfg.data.train_split).shards
+    missing = [s.path for s in train_shards if local and not manifest.shard_path(s).is_file()]
     if missing:
         raise TrainError(
             f"{len(missing)} shard file(s) of {cfg.data.shards} are missing, e.g. {missing[0]}: copy the whole "
@@ -196,8 +197,11 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         try:
             self.stream = self._build_stream()
-        except ValueError as exc:  # the schedule or the shares cannot be built from these shards
-            raise TrainError(f"data: {exc}") from exc
+        except ValueError as exc:  # the sampler settings cannot be met by these shards
+            raise TrainError(
+                f"data: {exc}; `ddp-rank plan --config ...` shows what the shards allow"
+            ) from exc
+        self.data_events: dict[str, Any] = {"replaced_classes": 0, "decode_errors": 0, "bad_shards": []}
         self.loader = StreamLoader(self.stream)
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
@@ -231,18 +235,13 @@ class Trainer:
             self.manifest,
             cfg.data.global_batch_size,
             split=cfg.data.train_split,
-            schedule=ScheduleConfig(
-                strategy=cfg.data.sampler,  # type: ignore[arg-type]
-                categories_per_batch=cfg.data.categories_per_batch,
-                batches_per_pair=cfg.data.batches_per_pair,
-                steps_per_epoch=cfg.data.steps_per_epoch or None,
-                seed=cfg.train.seed,
-            ),
+            schedule=schedule_config(cfg),
             transform=model_transform(cfg, augment=cfg.data.augment),
             augment=cfg.data.augment,
             num_workers=cfg.data.num_workers,
             rank=self.rank,
             world_size=self.world_size,
+            cache_dir=cfg.data.cache_dir or None,
         )
 
     def _configure_deepspeed(self) -> None:
@@ -272,9 +271,29 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
     def _next_batch(self) -> dict[str, Any]:
+        """The next local batch, agreed on by every rank: if any rank's data layer fails (no readable
+        replacement left), every rank raises that rank's message instead of waiting in the next collective."""
+        error: str | None = None
+        batch: dict[str, Any] = {}
+        try:
+            batch = self._fetch()
+        except DataError as exc:
+            error = str(exc)
+        try:
+            raise_if_any_failed(error)
+        except RankFailure as exc:
+            raise TrainError(f"data: {exc}") from None
+        for key in ("replaced_classes", "decode_errors"):
+            self.data_events[key] += int(batch["events"][key])
+        self.data_events["bad_shards"] = sorted(
+            set(self.data_events["bad_shards"]) | set(batch["events"]["bad_shards"])
+        )
+        return batch
+
+    def _fetch(self) -> dict[str, Any]:
         # A new DataLoader iterator draws its worker base seed from the global RNG; fork it so that a resumed
         # run (which starts a new iterator mid-epoch) keeps the model's RNG stream identical to an
-        # uninterrupted one. The stream seeds its augmentations from (seed, epoch, step, rank) itself.
+        # uninterrupted one. The stream seeds each image's augmentation from (seed, epoch, step, class, image).
         if self._batches is not None:
             try:
                 return next(self._batches)
@@ -343,6 +362,8 @@ class Trainer:
             "sampler": data.sampler,
             "categories_per_batch": data.categories_per_batch,
             "batches_per_pair": data.batches_per_pair,
+            "images_per_class": data.images_per_class,
+            "category_aware": data.category_aware,
             "steps_per_epoch": self.steps_per_epoch,
         }
 
@@ -370,13 +391,8 @@ class Trainer:
         self.progress.best_value = meta.get("best_value")
         self.progress.best_step = meta.get("best_step")
         epoch, step_in_epoch = divmod(self.progress.step, self.steps_per_epoch)
-        layout = {k: saved[k] for k in ("world_size", "num_workers") if k in saved}
-        if self.cfg.train.force_resume:
-            layout = {}
-        try:
-            self.stream.load_state_dict({**layout, "epoch": epoch, "step": step_in_epoch})
-        except ValueError as exc:
-            raise CheckpointError(f"{exc}; set train.force_resume=true to continue anyway") from exc
+        # The plan depends neither on the world size nor on the workers: any layout continues the sequence.
+        self.stream.load_state_dict({"epoch": epoch, "step": step_in_epoch})
         self._batches = None
 
     def save_checkpoint(self) -> Path:
@@ -409,7 +425,8 @@ class Trainer:
         if path is None:
             return None
         meta = read_meta(path)
-        check_world_size(meta, self.world_size, self.cfg.train.force_resume, str(path))
+        # Only DeepSpeed's partitioned optimizer state ties a checkpoint to its world size: the data plan does not.
+        check_world_size(meta, self.world_size, self.cfg.train.force_resume or not self._deepspeed, str(path))
         self.accelerator.load_state(str(path))
         self.load_state_dict(meta)
         return path
@@ -454,6 +471,11 @@ class Trainer:
             )
             # A resumed run drops what the killed one logged after its checkpoint; a fresh one starts empty.
             self.logger.truncate_after(self.step if resumed else -1)
+            self.logger.log(
+                "data",
+                self.step,
+                {"steps_per_epoch": self.steps_per_epoch, "categories_left_out": self.stream.left_out},
+            )
         self.accelerator.wait_for_everyone()
         has_eval = bool(cfg.data.test_split)
         eval_every = cfg.train.eval_every or self.steps_per_epoch
@@ -512,6 +534,7 @@ class Trainer:
         return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
 
     def _log_train(self, window: list[StepResult]) -> None:
+        data = gather_counts(self.data_events)  # a collective: every rank, every log step
         if self.logger is None or not window:
             return
         step_time = sum(r.step_time for r in window) / len(window)
@@ -526,6 +549,9 @@ class Trainer:
         }
         if window[-1].grad_norm is not None:
             values["grad_norm"] = window[-1].grad_norm
+        values["data_replaced_classes"] = data["replaced_classes"]
+        values["data_decode_errors"] = data["decode_errors"]
+        values["data_bad_shards"] = data["bad_shards"]
         self.logger.log("train", self.step, values)
 
     def _write_reports(self, summary: dict[str, Any]) -> None:

@@ -1,0 +1,300 @@
+"""``ddp-rank shards index``: a ddp_rank manifest for WebDataset shards made by other tools, without rewriting them.
+
+Shards written by img2dataset, ``wds.ShardWriter`` or a script of one's own are plain tars of samples
+(``<key>.jpg|jpeg|png|webp`` plus ``.cls`` / ``.json`` / ``.txt`` members). Indexing walks each tar once (Python's
+tarfile: every dialect, pax headers included) and records, per class, the byte range from the first header of
+its first sample to the end of its last member, with the range's digest; the class of a sample comes from its
+``.cls`` member or a json field, its category from a json field or a mapping file (class -> category CSV).
+Classes must be contiguous (all samples of a class one after the other, in one shard): the stream reads a class
+with ONE ranged read. When they are not, the error names the class and the places, and says how to reshard.
+
+``--upgrade`` turns a version-1 ddp_rank manifest into the current one in place, keeping its class ids.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import hashlib
+import json
+import os
+import tarfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddp_rank.data.listing import natural_key
+from ddp_rank.data.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    IMAGE_EXTENSIONS,
+    MANIFEST_NAME,
+    ClassInfo,
+    ClassSpan,
+    Manifest,
+    ShardInfo,
+    SplitInfo,
+)
+from ddp_rank.data.tario import sample_key, span_digest
+
+_BLOCK = 512
+
+
+class ShardIndexError(ValueError):
+    """The shards cannot be indexed as they are; the message says why and how to fix it."""
+
+
+@dataclass
+class _Sample:
+    key: str
+    start: int
+    end: int
+    image: bool = False
+    cls: str | None = None
+    meta: dict[str, Any] | None = None
+
+
+@dataclass
+class _Run:
+    """Consecutive samples of one class in one shard."""
+
+    cls: str
+    category: str | None
+    start: int
+    end: int
+    count: int = 0
+    first_key: str = ""
+
+
+@dataclass
+class IndexOptions:
+    """Where the class and the category of a sample come from."""
+
+    class_field: str | None = None
+    """json field holding the class; None: the ``.cls`` member (then the json's ``class`` field, if any)."""
+    category_field: str | None = "category"
+    """json field holding the category (missing or None: unlabelled)."""
+    category_map: Mapping[str, str] = field(default_factory=dict)
+    """class -> category, from a CSV with columns ``class,category`` (wins over the json field)."""
+
+
+def read_category_map(path: str | os.PathLike[str]) -> dict[str, str]:
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if not reader.fieldnames or not {"class", "category"} <= set(reader.fieldnames):
+            raise ShardIndexError(f"{path}: the mapping needs a header with columns class,category")
+        return {row["class"].strip(): row["category"].strip() for row in reader}
+
+
+def _samples(path: str) -> Iterator[_Sample]:
+    """The samples of a tar in stored order with their byte extents (header of the first member to the end
+    of the last member's padded data). Members of one sample must be adjacent, as WebDataset requires."""
+    current: _Sample | None = None
+    with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+        for info in tar:
+            if not info.isfile():
+                continue
+            key, ext = sample_key(info.name)
+            end = info.offset_data + -(-info.size // _BLOCK) * _BLOCK
+            if current is None or current.key != key:
+                if current is not None:
+                    yield current
+                current = _Sample(key, info.offset, end)
+            current.end = end
+            if ext in IMAGE_EXTENSIONS:
+                current.image = True
+            elif ext in ("cls", "json", "txt") and info.size <= 1 << 20:
+                member = tar.extractfile(info)
+                raw = member.read() if member is not None else b""
+                if ext == "cls":
+                    current.cls = raw.decode("utf-8").strip()
+                elif ext == "json":
+                    current.meta = json.loads(raw.decode("utf-8"))
+    if current is not None:
+        yield current
+
+
+def _class_of(sample: _Sample, options: IndexOptions, where: str) -> tuple[str, str | None]:
+    meta = sample.meta or {}
+    if options.class_field is not None:
+        if options.class_field not in meta:
+            raise ShardIndexError(
+                f"{where}: sample {sample.key} has no json field {options.class_field!r}; pick the field that "
+                "holds the class with --class-field"
+            )
+        cls = str(meta[options.class_field])
+    elif sample.cls is not None:
+        cls = sample.cls
+    elif "class" in meta:
+        cls = str(meta["class"])
+    else:
+        raise ShardIndexError(
+            f"{where}: sample {sample.key} has no .cls member and no json 'class' field; name the json field "
+            "that holds the class with --class-field"
+        )
+    category = options.category_map.get(cls)
+    if category is None and options.category_field is not None:
+        value = meta.get(options.category_field)
+        category = None if value in (None, "") else str(value)
+    return cls, category
+
+
+def _runs(path: str, name: str, options: IndexOptions) -> tuple[list[_Run], int, int]:
+    """The class runs of one shard, its size and the number of samples without an image (left out)."""
+    runs: list[_Run] = []
+    skipped = 0
+    for sample in _samples(path):
+        if not sample.image:
+            skipped += 1
+            continue
+        cls, category = _class_of(sample, options, name)
+        if runs and runs[-1].cls == cls and runs[-1].end == sample.start:
+            runs[-1].end, runs[-1].count = sample.end, runs[-1].count + 1
+        else:
+            runs.append(_Run(cls, category, sample.start, sample.end, 1, sample.key))
+    return runs, os.path.getsize(path), skipped
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _digest(path: str, start: int, end: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(start)
+        return span_digest(f.read(end - start))
+
+
+def find_splits(root: Path, patterns: Sequence[str]) -> dict[str, list[str]]:
+    """Split name -> shard paths relative to ``root``: from ``NAME=GLOB`` patterns, else every sub-directory
+    with tars is a split (ddp_rank's own layout), else all tars of ``root`` are ``train``."""
+    splits: dict[str, list[str]] = {}
+    for pattern in patterns:
+        name, sep, expr = pattern.partition("=")
+        if not sep or not name or not expr:
+            raise ShardIndexError(f"--split {pattern!r}: write NAME=GLOB, e.g. train='train-*.tar'")
+        found = sorted(glob.glob(str(root / expr)), key=natural_key)
+        if not found:
+            raise ShardIndexError(f"--split {pattern!r}: no file of {root} matches {expr!r}")
+        splits[name] = [str(Path(p).relative_to(root)) for p in found]
+    if splits:
+        return splits
+    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+        tars = sorted((str(p.relative_to(root)) for p in sub.glob("*.tar")), key=natural_key)
+        if tars:
+            splits[sub.name] = tars
+    if not splits:
+        tars = sorted((p.name for p in root.glob("*.tar")), key=natural_key)
+        if not tars:
+            raise ShardIndexError(f"no .tar shard found in {root} or its sub-directories")
+        splits["train"] = tars
+    return splits
+
+
+@dataclass
+class IndexReport:
+    manifest: Manifest
+    skipped_samples: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def index_shards(
+    directory: str | os.PathLike[str], splits: Mapping[str, Sequence[str]], options: IndexOptions
+) -> IndexReport:
+    """Index the shards of ``directory`` (split -> relative paths) into a manifest (returned, not saved)."""
+    root = Path(directory)
+    walked: dict[str, list[tuple[str, list[_Run], int]]] = {}
+    skipped = 0
+    for split, paths in splits.items():
+        walked[split] = []
+        for rel in paths:
+            runs, size, lost = _runs(str(root / rel), rel, options)
+            skipped += lost
+            walked[split].append((rel, runs, size))
+    _check_contiguous(walked)
+    categories = sorted(
+        {r.category for w in walked.values() for _, runs, _ in w for r in runs if r.category is not None},
+        key=natural_key,
+    )
+    category_id = {c: i for i, c in enumerate(categories)}
+    names = sorted(
+        {(r.category, r.cls) for w in walked.values() for _, runs, _ in w for r in runs},
+        key=lambda cc: (cc[0] is None, natural_key(cc[0] or ""), natural_key(cc[1])),
+    )
+    class_id = {cc: i for i, cc in enumerate(names)}
+    classes = tuple(ClassInfo(i, cls, category_id.get(cat or "")) for (cat, cls), i in class_id.items())
+    split_infos = {}
+    for split, shards in walked.items():
+        infos, counts = [], {}
+        for rel, runs, size in shards:
+            spans = tuple(
+                ClassSpan(
+                    class_id[(r.category, r.cls)],
+                    r.count,
+                    r.start,
+                    r.end - r.start,
+                    _digest(str(root / rel), r.start, r.end),
+                )
+                for r in runs
+            )
+            cats = {category_id.get(r.category or "") for r in runs}
+            infos.append(
+                ShardInfo(
+                    rel,
+                    cats.pop() if len(cats) == 1 else None,
+                    spans,
+                    sum(s.count for s in spans),
+                    size,
+                    _sha256(str(root / rel)),
+                )
+            )
+            counts.update({s.id: s.count for s in spans})
+        split_infos[split] = SplitInfo(split, counts, tuple(infos))
+    manifest = Manifest(tuple(categories), classes, split_infos, build={"indexed": True}, root=str(root))
+    return IndexReport(manifest, skipped)
+
+
+def _check_contiguous(walked: Mapping[str, list[tuple[str, list[_Run], int]]]) -> None:
+    seen: dict[tuple[str | None, str], str] = {}
+    for split, shards in walked.items():
+        for rel, runs, _ in shards:
+            for run in runs:
+                where = f"{split}/{rel} (from sample {run.first_key})"
+                key = (run.category, run.cls)
+                if key in seen:
+                    raise ShardIndexError(
+                        f"class {run.cls!r} is not contiguous: it appears in {seen[key]} and again in {where}. The "
+                        "stream reads a class as one byte range, so all samples of a class must follow each other "
+                        "in one shard: reshard with `ddp-rank shards build` from a listing of the images (or "
+                        "write the samples sorted by class)"
+                    )
+                seen[key] = where
+
+
+def upgrade_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """Add class byte ranges to a version-1 ddp_rank manifest, keeping its classes, splits and build record."""
+    root = Path(directory)
+    data = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))
+    if data.get("format") != FORMAT_NAME or data.get("version") == FORMAT_VERSION:
+        raise ShardIndexError(f"{root}: not a version-1 ddp_rank manifest; nothing to upgrade")
+    for raw in data["splits"].values():
+        for shard in raw["shards"]:
+            path = str(root / shard["path"])
+            runs, _, _ = _runs(path, shard["path"], IndexOptions(class_field=None, category_field=None))
+            ids = [(int(r.cls), r.count) for r in runs]
+            if ids != [(int(c), int(n)) for c, n in shard["classes"]]:
+                raise ShardIndexError(
+                    f"{shard['path']}: its classes differ from the manifest's; rebuild the shards"
+                )
+            shard["classes"] = [
+                [int(r.cls), r.count, r.start, r.end - r.start, _digest(path, r.start, r.end)] for r in runs
+            ]
+    data["version"] = FORMAT_VERSION
+    manifest = Manifest.from_json(data, root=root)
+    manifest.save(root)
+    return manifest
