@@ -40,6 +40,6 @@ def test_paper_setups() -> None:
         4.0,
         384,
     )
-    assert by["sop_fastap_resnet50_global65536"].data.global_batch_size == 65536
+    assert by["inat_fastap_resnet50_global65536"].data.global_batch_size == 65536
     assert by["inshop_fastap_resnet50_m256"].eval.protocol == "inshop"
     assert by["vehicleid_fastap_resnet50_m256"].eval.protocol == "vehicleid"

@@ -96,23 +96,58 @@ def test_chunked_run(shards: Path, tmp_path: Path) -> None:
     assert (out / "loss.png").is_file() and "chunked, chunk 3" in (out / "summary.md").read_text()
 
 
-def test_world_size_change_is_refused(
-    shards: Path, uninterrupted: Path, capsys: pytest.CaptureFixture[str]
+def test_a_resume_on_another_world_size_continues_the_same_batches(
+    shards: Path, uninterrupted: Path, tmp_path: Path
 ) -> None:
+    """The 2-process checkpoint continued by 1 process and by 2 processes for 2 more steps: the same global
+    batches (the data plan does not depend on the world size), so the same weights up to float rounding."""
+    import shutil
+
     from ddp_rank.cli import main
 
-    # The uninterrupted run was written by 2 processes; this pytest process is 1.
-    args = [
-        "train",
+    one, two = tmp_path / "one", tmp_path / "two"
+    for copy in (one, two):
+        shutil.copytree(uninterrupted, copy)
+    # Chunked on both layouts (BatchNorm frozen): batch statistics of 16 vs 2 x 8 images would differ otherwise.
+    more = [
         f"data.shards={shards}",
-        f"train.output_dir={uninterrupted}",
         *RUN,
-        f"train.steps={STEPS + 1}",
+        f"train.steps={STEPS + 2}",
+        "train.eval_every=1000",
+        "distributed.chunk_size=4",
     ]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert "written by 2 process(es) but this run has 1" in err and "train.force_resume=true" in err
-    # Forced, the 1-process run continues the 2-process checkpoint for the one extra step.
-    assert main([*args, "train.force_resume=true", "train.eval_every=1000"]) == 0
-    meta = json.loads((uninterrupted / "checkpoints" / f"step-{STEPS + 1:08d}" / "meta.json").read_text())
-    assert meta["world_size"] == 1 and meta["step"] == STEPS + 1
+    assert main(["train", f"train.output_dir={one}", *more]) == 0
+    proc = launch("train", f"train.output_dir={two}", *more)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((one / "checkpoints" / f"step-{STEPS + 2:08d}" / "meta.json").read_text())
+    assert meta["world_size"] == 1 and meta["step"] == STEPS + 2
+    a, b = final_weights(one, STEPS + 2), final_weights(two, STEPS + 2)
+    start = final_weights(uninterrupted, STEPS)
+    assert any(not torch.equal(a[k], start[k]) for k in a), "the resumed steps changed nothing"
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_unreadable_data_stops_every_rank_with_one_message(shards: Path, tmp_path: Path) -> None:
+    """Every class of one category corrupt: no replacement left, so both processes exit with the same error
+    (not one dying while the other waits in a collective)."""
+    import shutil
+
+    from ddp_rank.data.manifest import Manifest
+
+    bad = tmp_path / "bad"
+    shutil.copytree(shards, bad)
+    for shard in Manifest.load(bad).split("train").shards:
+        if shard.category == 0:
+            data = bytearray((bad / shard.path).read_bytes())
+            for span in shard.classes:
+                data[span.offset + 520] ^= 0xFF
+            (bad / shard.path).write_bytes(bytes(data))
+    t0 = time.monotonic()
+    proc = launch("train", f"data.shards={bad}", f"train.output_dir={tmp_path / 'run'}", *RUN, timeout=240)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "ddp-rank train: error: data: rank" in line]
+    # Every rank raises the same message (the launcher may stop the second before it prints it).
+    assert errors and all(e == errors[0] for e in errors), proc.stderr[-3000:]
+    assert "no readable replacement" in errors[0] and "train/train-c0000" in errors[0]
+    assert time.monotonic() - t0 < 200

@@ -1,0 +1,138 @@
+"""`ddp-rank shards index`: shards written by other tools (webdataset's ShardWriter here) become trainable
+without being rewritten; non-contiguous classes are refused with the way out; v1 manifests are upgraded."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from ddp_rank.cli import main
+from ddp_rank.data.index import IndexOptions, ShardIndexError, find_splits, index_shards, upgrade_manifest
+from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.schedule import ScheduleConfig
+from ddp_rank.data.stream import ShardStream
+from ddp_rank.data.transforms import TransformConfig
+
+TINY = TransformConfig(resize=8, crop=6)
+
+
+def _image(seed: int, fmt: str) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, size=(8, 8, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def write_foreign(root: Path, order: list[tuple[str, str]], per_class: int = 3, maxcount: int = 12) -> None:
+    """img2dataset-like shards: ``<key>.jpg|jpeg|png`` + ``.json`` (label, family) + ``.cls`` for some."""
+    root.mkdir(parents=True, exist_ok=True)
+    exts = ["jpg", "jpeg", "png"]
+    with wds.ShardWriter(str(root / "part-%05d.tar"), maxcount=maxcount, verbose=0) as sink:
+        n = 0
+        for label, family in order:
+            for j in range(per_class):
+                ext = exts[n % 3]
+                sample = {
+                    "__key__": f"sample{n:06d}",
+                    ext: _image(n, "PNG" if ext == "png" else "JPEG"),
+                    "json": json.dumps({"label": label, "family": family, "caption": "x" * (n % 7)}),
+                }
+                if j % 2 == 0:
+                    sample["txt"] = "a caption"
+                sink.write(sample)
+                n += 1
+
+
+def test_foreign_shards_are_indexed_and_stream(tmp_path: Path) -> None:
+    order = [(f"species{i}", f"family{i % 3}") for i in range(12)]
+    write_foreign(tmp_path / "wds", order)
+    report = index_shards(
+        tmp_path / "wds",
+        find_splits(tmp_path / "wds", []),
+        IndexOptions(class_field="label", category_field="family"),
+    )
+    manifest = report.manifest
+    assert manifest.categories == ("family0", "family1", "family2")
+    assert sorted(c.name for c in manifest.classes) == sorted(f"species{i}" for i in range(12))
+    assert manifest.split("train").samples == 36
+    manifest.save(tmp_path / "wds")
+    stream = ShardStream(
+        tmp_path / "wds",
+        12,
+        schedule=ScheduleConfig(batches_per_pair=2, seed=1),
+        transform=TINY,
+        rank=0,
+        world_size=1,
+    )
+    batches = list(stream.iter_worker(0, 1))
+    assert len(batches) == 6 and all(b["images"].shape[0] == 12 for b in batches)
+    # The keys and the classes match what webdataset itself reads from the same tars.
+    truth = {
+        s["__key__"]: json.loads(s["json"])["label"]
+        for s in wds.WebDataset(sorted(str(p) for p in (tmp_path / "wds").glob("*.tar")), shardshuffle=False)
+    }
+    names = {c.id: c.name for c in manifest.classes}
+    for b in batches:
+        assert all(truth[k] == names[int(c)] for k, c in zip(b["keys"], b["labels"]))
+
+
+def test_category_mapping_file_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_foreign(tmp_path / "wds", [(f"s{i}", "ignored") for i in range(6)])
+    mapping = tmp_path / "map.csv"
+    mapping.write_text(
+        "class,category\n" + "".join(f"s{i},{'birds' if i < 3 else 'plants'}\n" for i in range(6))
+    )
+    code = main(
+        [
+            "shards",
+            "index",
+            str(tmp_path / "wds"),
+            "--split",
+            "train=part-*.tar",
+            "--class-field",
+            "label",
+            "--category-map",
+            str(mapping),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "birds" in out and "plants" in out
+    assert Manifest.load(tmp_path / "wds").categories == ("birds", "plants")
+
+
+def test_classes_that_are_not_contiguous_are_refused_with_the_fix(tmp_path: Path) -> None:
+    write_foreign(tmp_path / "wds", [("a", "f"), ("b", "f"), ("a", "f")])
+    with pytest.raises(
+        ShardIndexError, match="class 'a' is not contiguous.*reshard with `ddp-rank shards build`"
+    ):
+        index_shards(tmp_path / "wds", find_splits(tmp_path / "wds", []), IndexOptions(class_field="label"))
+    with pytest.raises(ShardIndexError, match="--class-field"):
+        index_shards(tmp_path / "wds", find_splits(tmp_path / "wds", []), IndexOptions(class_field="species"))
+
+
+def test_a_v1_manifest_is_refused_then_upgraded(tmp_path: Path) -> None:
+    from ddp_rank.data.build import BuildOptions, build_shards
+    from ddp_rank.data.listing import read_image_folder
+    from ddp_rank.data.synthetic import write_image_folder
+
+    write_image_folder(tmp_path / "images", [[2, 3, 4], [3, 3, 2]], image_size=8)
+    built = build_shards(
+        read_image_folder(tmp_path / "images"), tmp_path / "s", BuildOptions(progress=False)
+    ).manifest
+    data = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    data["version"] = 1
+    for split in data["splits"].values():
+        for shard in split["shards"]:
+            shard["classes"] = [row[:2] for row in shard["classes"]]
+    (tmp_path / "s" / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="shards index .* --upgrade"):
+        Manifest.load(tmp_path / "s")
+    upgraded = upgrade_manifest(tmp_path / "s")
+    assert upgraded.to_json()["splits"] == built.to_json()["splits"]
+    assert Manifest.load(tmp_path / "s").classes == built.classes
