@@ -214,7 +214,7 @@ def test_small_categories_are_left_out_with_the_reason() -> None:
     assert [str(x) for x in plan.left_out] == ["cat3: a step needs 6 images, it has 4"]
     assert plan.steps_per_epoch == 3
     with pytest.raises(
-        PlanError, match="needs 2 categories.*cat1: a step needs 12 images, it has 12|left out"
+        PlanError, match=r"needs 2 categories.*cat1: a step needs 13 images, it has 12"
     ):
         GlobalPlan(catalog([[2] * 6, [3] * 4]), ScheduleConfig(batches_per_pair=1), 26)
     with pytest.raises(PlanError, match="fewer than one global batch"):

@@ -1,15 +1,11 @@
-"""Shards served over HTTP from 127.0.0.1 (a server that honours Range requests), with and without the
-node-local cache: the same batches as from the local directory, and every fault counted or named."""
+"""Shards served over HTTP from 127.0.0.1 (``ddp-rank shards serve``: Range requests honoured), with and without
+the node-local cache: the same batches as from the local directory, and every fault counted or named."""
 
 from __future__ import annotations
 
-import http.server
-import re
 import shutil
-import threading
 import warnings
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,43 +17,13 @@ from ddp_rank.data.listing import read_image_folder
 from ddp_rank.data.loader import StreamLoader
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.schedule import ScheduleConfig
+from ddp_rank.data.serve import serve_directory
 from ddp_rank.data.stream import DataError, ShardStream
 from ddp_rank.data.synthetic import write_image_folder
 from ddp_rank.data.transforms import TransformConfig
 
 TINY = TransformConfig(resize=8, crop=6)
 SCHEDULE = ScheduleConfig(batches_per_pair=4, seed=3)
-
-
-class RangeHandler(http.server.SimpleHTTPRequestHandler):
-    """Static files with single ``Range: bytes=a-b`` requests (206), as object stores serve them."""
-
-    requests: list[str] = []  # noqa: RUF012 - shared log of the paths asked for, per server class
-
-    def log_message(self, *args: object) -> None:  # keep the test output clean
-        pass
-
-    def send_head(self):  # type: ignore[no-untyped-def]
-        self.requests.append(self.path)
-        match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        if match is None:
-            return super().send_head()
-        path = Path(self.translate_path(self.path))
-        if not path.is_file():
-            self.send_error(404)
-            return None
-        data = path.read_bytes()
-        start = int(match.group(1))
-        end = min(int(match.group(2)) if match.group(2) else len(data) - 1, len(data) - 1)
-        body = data[start : end + 1]
-        self.send_response(206)
-        self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Accept-Ranges", "bytes")
-        self.end_headers()
-        import io
-
-        return io.BytesIO(body)
 
 
 @pytest.fixture(scope="module")
@@ -72,18 +38,11 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def served(local: Path, tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    """A copy of the shards (tests may damage it) behind http://127.0.0.1:PORT/."""
+    """A copy of the shards (tests may damage it) behind http://127.0.0.1:PORT/ (Range requests honoured)."""
     copy = tmp_path / "served"
     shutil.copytree(local, copy)
-    handler = type("Handler", (RangeHandler,), {"requests": []})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(handler, directory=str(copy)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield copy, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_directory(copy) as url:
+        yield copy, url
 
 
 def batches(location: str | Path, world: int = 1, **kwargs: object) -> list[list[dict]]:
@@ -184,3 +143,17 @@ def test_a_missing_manifest_url_says_what_to_do(served: tuple[Path, str]) -> Non
     _, url = served
     with pytest.raises(FileNotFoundError, match="shards build"):
         Manifest.load(url + "/nowhere")
+
+
+def test_ranges_are_served_as_object_stores_serve_them(local: Path) -> None:
+    import urllib.error
+    import urllib.request
+
+    shard = Manifest.load(local).split("train").shards[0]
+    with serve_directory(local) as url:
+        request = urllib.request.Request(f"{url}/{shard.path}", headers={"Range": "bytes=512-1023"})
+        with urllib.request.urlopen(request) as response:
+            assert response.status == 206 and response.headers["Content-Range"].startswith("bytes 512-1023/")
+            assert response.read() == (local / shard.path).read_bytes()[512:1024]
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"{url}/train/none.tar")

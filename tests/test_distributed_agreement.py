@@ -34,6 +34,6 @@ def test_counts_are_summed_and_names_merged() -> None:
 
 def test_without_a_process_group() -> None:
     raise_if_any_failed(None)
-    with pytest.raises(RankFailure, match="^boom$"):
+    with pytest.raises(RankFailure, match=r"^boom$"):
         raise_if_any_failed("boom")
     assert gather_counts({"a": 2, "b": ["x"]}) == {"a": 2, "b": ["x"]}

@@ -29,8 +29,10 @@ def _image(seed: int, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-def write_foreign(root: Path, order: list[tuple[str, str]], per_class: int = 3, maxcount: int = 12) -> None:
-    """img2dataset-like shards: ``<key>.jpg|jpeg|png`` + ``.json`` (label, family) + ``.cls`` for some."""
+def write_foreign(
+    root: Path, order: list[tuple[str, str]], per_class: int = 3, maxcount: int = 12, prefix: str = "sample"
+) -> None:
+    """img2dataset-like shards: ``<key>.jpg|jpeg|png`` + ``.json`` (label, family) + ``.txt`` for some."""
     root.mkdir(parents=True, exist_ok=True)
     exts = ["jpg", "jpeg", "png"]
     with wds.ShardWriter(str(root / "part-%05d.tar"), maxcount=maxcount, verbose=0) as sink:
@@ -39,7 +41,7 @@ def write_foreign(root: Path, order: list[tuple[str, str]], per_class: int = 3, 
             for j in range(per_class):
                 ext = exts[n % 3]
                 sample = {
-                    "__key__": f"sample{n:06d}",
+                    "__key__": f"{prefix}{n:06d}",
                     ext: _image(n, "PNG" if ext == "png" else "JPEG"),
                     "json": json.dumps({"label": label, "family": family, "caption": "x" * (n % 7)}),
                 }
@@ -109,7 +111,7 @@ def test_category_mapping_file_and_cli(tmp_path: Path, capsys: pytest.CaptureFix
 def test_classes_that_are_not_contiguous_are_refused_with_the_fix(tmp_path: Path) -> None:
     write_foreign(tmp_path / "wds", [("a", "f"), ("b", "f"), ("a", "f")])
     with pytest.raises(
-        ShardIndexError, match="class 'a' is not contiguous.*reshard with `ddp-rank shards build`"
+        ShardIndexError, match=r"class 'a' is not contiguous.*reshard with `ddp-rank shards build`"
     ):
         index_shards(tmp_path / "wds", find_splits(tmp_path / "wds", []), IndexOptions(class_field="label"))
     with pytest.raises(ShardIndexError, match="--class-field"):
@@ -131,8 +133,22 @@ def test_a_v1_manifest_is_refused_then_upgraded(tmp_path: Path) -> None:
         for shard in split["shards"]:
             shard["classes"] = [row[:2] for row in shard["classes"]]
     (tmp_path / "s" / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="shards index .* --upgrade"):
+    with pytest.raises(ValueError, match=r"shards index .* --upgrade"):
         Manifest.load(tmp_path / "s")
     upgraded = upgrade_manifest(tmp_path / "s")
     assert upgraded.to_json()["splits"] == built.to_json()["splits"]
     assert Manifest.load(tmp_path / "s").classes == built.classes
+
+
+def test_long_member_names_go_through_pax_headers(tmp_path: Path) -> None:
+    """Keys over 100 characters make tarfile write pax headers: the in-memory reader falls back to tarfile."""
+    write_foreign(tmp_path / "wds", [(f"s{i}", "f") for i in range(4)], prefix="k" * 120)
+    manifest = index_shards(
+        tmp_path / "wds", find_splits(tmp_path / "wds", []), IndexOptions(class_field="label")
+    ).manifest
+    manifest.save(tmp_path / "wds")
+    stream = ShardStream(
+        tmp_path / "wds", 8, schedule=ScheduleConfig(strategy="random"), transform=TINY, rank=0, world_size=1
+    )
+    keys = [k for b in stream.iter_worker(0, 1) for k in b["keys"]]
+    assert len(keys) == 8 and all(k.startswith("k" * 120) for k in keys)

@@ -150,7 +150,7 @@ class Manifest:
                 ShardInfo(
                     path=s["path"],
                     category=s["category"],
-                    classes=tuple(ClassSpan(*(int(v) for v in row[:4]), str(row[4])) for row in s["classes"]),
+                    classes=tuple(_span(row) for row in s["classes"]),
                     samples=int(s["samples"]),
                     bytes=int(s["bytes"]),
                     sha256=s["sha256"],
@@ -191,7 +191,9 @@ class Manifest:
         """Write atomically (temporary name, then rename) so a crash never leaves a half manifest."""
         path = Path(directory) / MANIFEST_NAME
         tmp = path.with_name(f".{MANIFEST_NAME}.partial")
-        tmp.write_text(json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n", encoding="utf-8")
+        # Indented for reading by eye; compact for big sets (200,000 classes load in a fraction of a second).
+        indent = 1 if len(self.classes) <= 20_000 else None
+        tmp.write_text(json.dumps(self.to_json(), indent=indent, sort_keys=False) + "\n", encoding="utf-8")
         os.replace(tmp, path)
         return path
 
@@ -199,6 +201,11 @@ class Manifest:
 def _span_row(span: ClassSpan) -> list[int | str]:
     """A span as a compact JSON row ``[id, count, offset, length, digest]`` (manifests of 200k classes)."""
     return [span.id, span.count, span.offset, span.length, span.digest]
+
+
+def _span(row: list[Any]) -> ClassSpan:
+    class_id, count, offset, length, digest = row
+    return ClassSpan(int(class_id), int(count), int(offset), int(length), str(digest))
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:

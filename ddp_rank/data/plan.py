@@ -191,7 +191,9 @@ class GlobalPlan:
                 cfg, sizes, self.global_batch, unlabelled_size=unlabelled, total_size=total
             )
         except ValueError as exc:
-            detail = "; ".join(str(x) for x in self.left_out)
+            detail = "; ".join(str(x) for x in self.left_out[:5])
+            if len(self.left_out) > 5:
+                detail += f"; and {len(self.left_out) - 5} more"
             raise PlanError(f"{exc}" + (f" (left out: {detail})" if detail else "")) from exc
 
     def _groups(self) -> list[int]:
@@ -252,6 +254,8 @@ class GlobalPlan:
         taken = {i: t for i, t in self._fill(sizes, quota, epoch, group) if t > 0}
         pieces: list[Piece] = []
         kept: list[tuple[int, Sequence[int]]] = []
+        # One generator per take (seeded by where the cursor stands) draws the image subsets of cut classes.
+        rng = np.random.default_rng([self.config.seed, epoch, group + 2, cursor.passes, cursor.position, 13])
         for i, (cid, images) in enumerate(pending):
             t = taken.get(i, 0)
             if t:
@@ -265,7 +269,7 @@ class GlobalPlan:
             cid, size = int(fresh[j]), int(fresh_sizes[j])
             t = taken.get(len(pending) + j, 0)
             whole = t == size == self.catalog.class_sizes[cid]
-            images = range(size) if whole else self._images_of(epoch, cursor.passes, cid)
+            images = range(size) if whole else self._images_of(rng, cid)
             if t:
                 pieces.append(Piece(cid, images[:t], group))
             if len(images) - t >= 2 and (t == 0 or self.cap is None):
@@ -306,10 +310,9 @@ class GlobalPlan:
             cursor.position = 0
         return cursor.order[cursor.position : cursor.position + need]
 
-    def _images_of(self, epoch: int, passes: int, class_id: int) -> tuple[int, ...]:
+    def _images_of(self, rng: np.random.Generator, class_id: int) -> tuple[int, ...]:
         """The images of a class in a random order (a cut takes a random subset); ``pk`` keeps K of them."""
-        n = int(self.catalog.class_sizes[class_id])
-        order = np.random.default_rng([self.config.seed, epoch, class_id, passes, 13]).permutation(n)
+        order = rng.permutation(int(self.catalog.class_sizes[class_id]))
         return tuple(order[: self.cap].tolist() if self.cap else order.tolist())
 
     def _group_name(self, group: int) -> str:

@@ -13,6 +13,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -46,6 +47,11 @@ def register(subparsers: Any) -> None:
     info.set_defaults(func=_info)
     _add_index(sub)
     _add_listing(sub)
+    serve = sub.add_parser("serve", help="serve a shard directory over HTTP with Range requests")
+    serve.add_argument("directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(func=_serve)
 
 
 def _add_index(sub: Any) -> None:
@@ -208,6 +214,14 @@ def _index(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_info(args.directory))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ddp_rank.data.serve import serve_forever
+
+    with contextlib.suppress(KeyboardInterrupt):
+        serve_forever(args.directory, args.host, args.port)
     return 0
 
 

@@ -284,7 +284,11 @@ class ShardStream(IterableDataset):
                 events["decode_errors"] += 1
                 shard = self.reader.where[class_id][0].path
                 raise ClassReadError(class_id, shard, f"image {sample.key} does not decode: {exc}") from exc
-            torch.manual_seed(image_seed(self.schedule_config.seed, epoch, step, class_id, index))
+            # The CPU generator only: torch.manual_seed also queues a CUDA re-seed, and with CUDA not yet
+            # initialised each queued call records a stack trace (a third of the decode time per image).
+            torch.default_generator.manual_seed(
+                image_seed(self.schedule_config.seed, epoch, step, class_id, index)
+            )
             out.append(transform(decoded))
             keys.append(sample.key)
         return keys, out

@@ -298,6 +298,56 @@ def sample_key(member: str) -> tuple[str, str]:
     return (f"{directory}/{stem}" if directory else stem), ext.lower()
 
 
+def _ustar_span(data: bytes) -> list[tuple[str, bytes]]:
+    """(name, data) of the regular members in a class's range, walking plain ustar headers in memory."""
+    members: list[tuple[str, bytes]] = []
+    view = memoryview(data)
+    pos = 0
+    while pos < len(data):
+        block = data[pos : pos + _BLOCK]
+        if len(block) < _BLOCK:
+            raise SpanError(f"cut short inside a header at byte {pos}")
+        if block == _ZERO_BLOCK:
+            raise SpanError(f"end-of-archive marker inside the class at byte {pos}")
+        try:
+            stored = int(block[148:156].strip(b"\0 ") or b"0", 8)
+            size = int(block[124:136].strip(b"\0 ") or b"0", 8)
+        except ValueError as exc:
+            raise _NotPlainUstar from exc
+        if stored != sum(block) - sum(block[148:156]) + 8 * 32:
+            raise SpanError(f"corrupt header at byte {pos} (checksum mismatch)")
+        kind = block[156:157]
+        if kind not in (b"0", b"\0", b"5") or block[124] & 0x80:
+            raise _NotPlainUstar
+        name = block[0:100].split(b"\0", 1)[0].decode("utf-8", "replace")
+        prefix = block[345:500].split(b"\0", 1)[0].decode("utf-8", "replace")
+        if block[257:262] == b"ustar" and prefix:
+            name = f"{prefix}/{name}"
+        start = pos + _BLOCK
+        if start + size > len(data):
+            raise SpanError(f"member {name} is cut short")
+        if kind != b"5":
+            members.append((name, bytes(view[start : start + size])))
+        pos = start + -(-size // _BLOCK) * _BLOCK
+    return members
+
+
+def _tarfile_span(data: bytes) -> list[tuple[str, bytes]]:
+    members: list[tuple[str, bytes]] = []
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data + _ZERO_BLOCK * 2), mode="r:") as tar:
+            for info in tar:
+                if info.isfile():
+                    extracted = tar.extractfile(info)
+                    payload = extracted.read() if extracted is not None else b""
+                    if len(payload) != info.size:
+                        raise SpanError(f"member {info.name} is cut short")
+                    members.append((info.name, payload))
+    except (tarfile.TarError, EOFError) as exc:
+        raise SpanError(f"corrupt tar data: {exc}") from exc
+    return members
+
+
 @dataclass(frozen=True)
 class SpanSample:
     """One sample read from a class's byte range: its key and member bytes (json may be absent in foreign
@@ -315,30 +365,24 @@ class SpanError(ValueError):
 
 def parse_span(data: bytes, expected: int) -> list[SpanSample]:
     """The samples of one class from the bytes of its range, in stored order; raises ``SpanError`` unless all
-    ``expected`` samples are complete. Uses tarfile on the in-memory bytes, so every tar dialect (pax and GNU
-    headers from other writers) reads alike; only image and json bytes are kept, nothing is decoded here."""
-    groups: dict[str, dict[str, bytes]] = {}
+    ``expected`` samples are complete. Plain ustar headers (ours, and most writers') are walked in memory;
+    anything else (pax or GNU headers) goes through tarfile, so every dialect reads alike. Only image and json
+    bytes are kept; nothing is decoded here."""
     try:
-        with tarfile.open(fileobj=io.BytesIO(data + _ZERO_BLOCK * 2), mode="r:") as tar:
-            for info in tar:
-                if not info.isfile():
-                    continue
-                key, ext = sample_key(info.name)
-                if ext in IMAGE_EXTENSIONS or ext == "json":
-                    extracted = tar.extractfile(info)
-                    payload = extracted.read() if extracted is not None else b""
-                    if len(payload) != info.size:
-                        raise SpanError(f"member {info.name} is cut short")
-                    groups.setdefault(key, {})[ext] = payload
-                else:
-                    groups.setdefault(key, {})
-    except (tarfile.TarError, EOFError) as exc:
-        raise SpanError(f"corrupt tar data: {exc}") from exc
+        members = _ustar_span(data)
+    except _NotPlainUstar:
+        members = _tarfile_span(data)
+    groups: dict[str, dict[str, bytes]] = {}
+    for name, payload in members:
+        key, ext = sample_key(name)
+        parts = groups.setdefault(key, {})
+        if ext in IMAGE_EXTENSIONS or ext == "json":
+            parts[ext] = payload
     samples = []
     for key, parts in groups.items():
-        ext = next((e for e in IMAGE_EXTENSIONS if e in parts), None)
-        if ext is not None:
-            samples.append(SpanSample(key, ext, parts[ext], parts.get("json")))
+        image_ext = next((e for e in IMAGE_EXTENSIONS if e in parts), None)
+        if image_ext is not None:
+            samples.append(SpanSample(key, image_ext, parts[image_ext], parts.get("json")))
     if len(samples) != expected:
         raise SpanError(f"{len(samples)} complete sample(s) where the manifest lists {expected}")
     return samples

@@ -60,8 +60,9 @@ class MetricsLogger:
         atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
         return dropped
 
-    def log(self, kind: str, step: int, values: Mapping[str, float]) -> None:
-        """Append one record and mirror its numbers to TensorBoard as ``kind/name``."""
+    def log(self, kind: str, step: int, values: Mapping[str, Any]) -> None:
+        """Append one record (numbers, and lists such as the data layer's bad shards) and mirror its numbers
+        to TensorBoard as ``kind/name``."""
         rec = {"kind": kind, "step": int(step), **{k: _plain(v) for k, v in values.items()}}
         with self.path.open("a") as fh:
             fh.write(json.dumps(rec) + "\n")
