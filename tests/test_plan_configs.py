@@ -9,6 +9,7 @@ from dataset_shapes import write
 
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
+from ddp_rank.data.manifest import Manifest
 from ddp_rank.train.plan_cli import describe_plan
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -42,6 +43,14 @@ def test_the_papers_vehicleid_epoch(tmp_path: Path) -> None:
     assert not problems
     left = [v for k, v in facts if k == "left out"]
     assert left and all("a step needs 128 images" in v for v in left)
+    manifest = Manifest.load(shards)
+    per_model: dict[int, int] = {}
+    for cid, n in manifest.split("train").class_counts.items():
+        model = manifest.classes[cid].category
+        if model is not None:
+            per_model[model] = per_model.get(model, 0) + n
+    expected = sum(-(-n // 128) for n in per_model.values() if n >= 128)
+    assert int(dict(facts)["steps per epoch"].replace(",", "")) == expected
 
 
 def test_plan_command_prints_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

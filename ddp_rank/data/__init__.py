@@ -1,4 +1,4 @@
-"""The data layer: shard format and build, the category schedule, the distributed stream, the eval reader.
+"""The data layer: shard format, build and index, the global sampling plan, ranged reads, the stream, the eval reader.
 
 It knows nothing of losses or training. Public names are imported lazily, so the shard tools (and the worker
 processes they start) do not pay for importing torch.
@@ -20,6 +20,14 @@ _EXPORTS = {
     "format_info": "ddp_rank.data.info",
     "ScheduleConfig": "ddp_rank.data.schedule",
     "CategorySchedule": "ddp_rank.data.schedule",
+    "Catalog": "ddp_rank.data.plan",
+    "GlobalPlan": "ddp_rank.data.plan",
+    "PlanError": "ddp_rank.data.plan",
+    "deal": "ddp_rank.data.plan",
+    "ClassReader": "ddp_rank.data.reader",
+    "ShardStore": "ddp_rank.data.storage",
+    "index_shards": "ddp_rank.data.index",
+    "DataError": "ddp_rank.data.stream",
     "ShardStream": "ddp_rank.data.stream",
     "StreamLoader": "ddp_rank.data.loader",
     "EvalShards": "ddp_rank.data.eval_reader",

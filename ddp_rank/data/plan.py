@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -98,14 +99,26 @@ class Catalog:
         }
         return cls.of(counts, groups, manifest.categories)
 
+    @cached_property
+    def _by_group(self) -> dict[int, np.ndarray]:
+        ids = np.array(sorted(self.class_group), dtype=np.int64)
+        groups = np.array([self.class_group[int(c)] for c in ids], dtype=np.int64)
+        return {int(g): ids[groups == g] for g in np.unique(groups)} | {ALL: ids}
+
+    @cached_property
+    def size_array(self) -> np.ndarray:
+        """Images per class id (0 for ids not drawn), for vectorised lookups."""
+        sizes = np.zeros(max(self.class_sizes, default=-1) + 1, dtype=np.int64)
+        for cid, n in self.class_sizes.items():
+            sizes[cid] = n
+        return sizes
+
     def members(self, group: int) -> np.ndarray:
         """Class ids of a group (ALL: every class), sorted."""
-        ids = [c for c, g in self.class_group.items() if group == ALL or g == group]
-        return np.array(sorted(ids), dtype=np.int64)
+        return self._by_group.get(group, np.zeros(0, dtype=np.int64))
 
     def images(self, group: int, cap: int | None = None) -> int:
-        ids = self.members(group)
-        sizes = np.array([self.class_sizes[int(c)] for c in ids], dtype=np.int64)
+        sizes = self.size_array[self.members(group)]
         return int(np.minimum(sizes, cap).sum() if cap else sizes.sum())
 
 
@@ -149,10 +162,10 @@ class GlobalPlan:
         self.left_out: list[LeftOut] = []
         self.schedule = self._schedule()
         self._members = {g: self.catalog.members(g) for g in self._groups()}
-        self._sizes = np.zeros(max(self.catalog.class_sizes, default=0) + 1, dtype=np.int64)
-        for cid, n in self.catalog.class_sizes.items():
-            self._sizes[cid] = min(n, self.cap) if self.cap else n
+        sizes = self.catalog.size_array
+        self._sizes = np.minimum(sizes, self.cap) if self.cap else sizes
         self._state: tuple[int, int, dict[int, _Cursor]] | None = None
+        self._last: StepPlan | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -213,6 +226,8 @@ class GlobalPlan:
         replays the epoch from its start (arithmetic only)."""
         if not 0 <= step < self.steps_per_epoch:
             raise IndexError(f"step {step} outside an epoch of {self.steps_per_epoch} steps")
+        if self._last is not None and (self._last.epoch, self._last.step) == (epoch, step):
+            return self._last
         if self._state is None or self._state[0] != epoch or self._state[1] > step:
             self._state = (epoch, 0, {})
         _, next_step, cursors = self._state
@@ -221,6 +236,7 @@ class GlobalPlan:
             plan = self._draw(epoch, s, cursors)
         self._state = (epoch, step + 1, cursors)
         assert plan is not None
+        self._last = plan
         return plan
 
     def _draw(self, epoch: int, step: int, cursors: dict[int, _Cursor]) -> StepPlan:

@@ -198,8 +198,7 @@ class ShardStream(IterableDataset):
 
     def batch(self, epoch: int, step: int) -> dict[str, Any]:
         """Read, decode and transform this rank's part of (epoch, step)."""
-        plan = self.plan.step(epoch, step)
-        pieces = deal(plan, self.world_size, self.schedule_config.seed)[self.rank]
+        pieces = self.part(epoch, step)
         events: dict[str, Any] = {"replaced_classes": 0, "decode_errors": 0, "bad_shards": []}
         taken: set[int] = set()  # replacement classes already used in this batch
         transform = (train_transform if self.augment else test_transform)(self.transform_config)
@@ -222,7 +221,7 @@ class ShardStream(IterableDataset):
             "keys": keys,
             "epoch": epoch,
             "step": step,
-            "groups": plan.groups,
+            "groups": self.plan.step(epoch, step).groups,
             "events": events,
         }
 

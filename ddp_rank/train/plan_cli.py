@@ -43,6 +43,8 @@ def register(subparsers: Any) -> None:
 
 
 def _mib(n: float) -> str:
+    if n < 2**20:
+        return f"{n / 2**10:,.0f} KiB"
     return f"{n / 2**20:,.0f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
@@ -90,7 +92,7 @@ def describe_plan(cfg: Config, world_size: int, steps: int = 3) -> tuple[list[tu
     chunked = bool(chunk and local > chunk)
     facts.append(("ranks / local batch", f"{world_size} / {local:,} images"))
     facts.append(("step", f"chunked, {-(-local // chunk)} chunks of {chunk}" if chunked else "direct"))
-    budget = (cfg.loss.memory_budget_mb or 1024) * 2**20
+    budget = (cfg.loss.memory_budget_mb or 1024) * 2**20  # 0: the loss layer's CUDA default, 1 GiB
     dim = cfg.model.embedding_dim
     database = 2 * data.global_batch_size * dim * 4  # gathered embeddings and their gradient, fp32
     facts.append(

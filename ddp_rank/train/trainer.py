@@ -520,6 +520,7 @@ class Trainer:
             "last_eval": last_eval,
             "best_value": self.progress.best_value,
             "best_step": self.progress.best_step,
+            "data": {**gather_counts(self.data_events), "categories_left_out": self.stream.left_out},
         }
         if self.is_main:
             self._write_reports(summary)
@@ -573,6 +574,13 @@ class Trainer:
         }
         if summary["resumed_from"]:
             facts["resumed from"] = summary["resumed_from"]
+        data = summary["data"]
+        facts["data"] = (
+            f"{data['replaced_classes']} class(es) replaced, {data['decode_errors']} decode error(s), "
+            f"bad shards: {', '.join(data['bad_shards']) or 'none'}"
+        )
+        if data["categories_left_out"]:
+            facts["categories left out"] = "; ".join(data["categories_left_out"])
         if summary["best_step"] is not None:
             facts["best"] = (
                 f"{self.cfg.train.best_metric} {100 * summary['best_value']:.2f} at step {summary['best_step']}"
