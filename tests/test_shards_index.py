@@ -152,3 +152,36 @@ def test_long_member_names_go_through_pax_headers(tmp_path: Path) -> None:
     )
     keys = [k for b in stream.iter_worker(0, 1) for k in b["keys"]]
     assert len(keys) == 8 and all(k.startswith("k" * 120) for k in keys)
+
+
+def test_shards_behind_a_url_are_indexed_into_a_local_manifest(tmp_path: Path) -> None:
+    """Object-storage style: tars at a URL, named with a brace range; the manifest lives on local disk and
+    points at the URL, and training reads the classes from there."""
+    from ddp_rank.data.serve import serve_directory
+
+    write_foreign(tmp_path / "bucket", [(f"s{i}", f"f{i % 2}") for i in range(8)], maxcount=6)
+    tars = sorted(p.name for p in (tmp_path / "bucket").glob("*.tar"))
+    assert tars == ["part-00000.tar", "part-00001.tar", "part-00002.tar", "part-00003.tar"]
+    with serve_directory(tmp_path / "bucket") as url:
+        code = main(
+            [
+                "shards", "index", url, "--split", "train=part-{00000..00003}.tar", "--class-field", "label",
+                "--category-field", "family", "--out", str(tmp_path / "manifest"),
+            ]
+        )  # fmt: skip
+        assert code == 0
+        manifest = Manifest.load(tmp_path / "manifest")
+        assert manifest.shards_root == url and manifest.split("train").samples == 24
+        stream = ShardStream(
+            tmp_path / "manifest",
+            8,
+            schedule=ScheduleConfig(batches_per_pair=2),
+            transform=TINY,
+            rank=0,
+            world_size=1,
+        )
+        keys = [k for b in stream.iter_worker(0, 1) for k in b["keys"]]
+    assert len(keys) == len(set(keys)) == 8 * stream.steps_per_epoch
+    with pytest.raises(ShardIndexError, match="brace range"):
+        find_splits("http://127.0.0.1:1/x", ["train=*.tar"])
+    assert main(["shards", "index", "http://127.0.0.1:1/x", "--split", "train=a-{0..1}.tar"]) == 2

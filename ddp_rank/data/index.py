@@ -8,6 +8,10 @@ its first sample to the end of its last member, with the range's digest; the cla
 Classes must be contiguous (all samples of a class one after the other, in one shard): the stream reads a class
 with ONE ranged read. When they are not, the error names the class and the places, and says how to reshard.
 
+The shards may sit behind a URL (then name them with brace ranges, ``train-{000..099}.tar``: a URL cannot be
+listed); the manifest, written with ``--out DIR``, then points at that URL (``shards_root``) and training reads
+the shards from there with ``data.shards=DIR``.
+
 ``--upgrade`` turns a version-1 ddp_rank manifest into the current one in place, keeping its class ids.
 """
 
@@ -19,10 +23,14 @@ import hashlib
 import json
 import os
 import tarfile
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from braceexpand import braceexpand
 
 from ddp_rank.data.listing import natural_key
 from ddp_rank.data.manifest import (
@@ -35,6 +43,8 @@ from ddp_rank.data.manifest import (
     Manifest,
     ShardInfo,
     SplitInfo,
+    is_url,
+    join_location,
 )
 from ddp_rank.data.tario import sample_key, span_digest
 
@@ -170,30 +180,67 @@ def _digest(path: str, start: int, end: int) -> str:
         return span_digest(f.read(end - start))
 
 
-def find_splits(root: Path, patterns: Sequence[str]) -> dict[str, list[str]]:
-    """Split name -> shard paths relative to ``root``: from ``NAME=GLOB`` patterns, else every sub-directory
-    with tars is a split (ddp_rank's own layout), else all tars of ``root`` are ``train``."""
+def find_splits(root: str | os.PathLike[str], patterns: Sequence[str]) -> dict[str, list[str]]:
+    """Split name -> shard paths relative to ``root``, from ``NAME=PATTERN`` arguments (brace ranges such as
+    ``train-{000..099}.tar`` everywhere, ``*`` globs on a local directory), else, for a local directory, one
+    split per sub-directory holding tars (ddp_rank's own layout), else all its tars as ``train``."""
+    remote = is_url(root)
     splits: dict[str, list[str]] = {}
     for pattern in patterns:
         name, sep, expr = pattern.partition("=")
         if not sep or not name or not expr:
-            raise ShardIndexError(f"--split {pattern!r}: write NAME=GLOB, e.g. train='train-*.tar'")
-        found = sorted(glob.glob(str(root / expr)), key=natural_key)
+            raise ShardIndexError(
+                f"--split {pattern!r}: write NAME=PATTERN, e.g. train='train-{{000..099}}.tar'"
+            )
+        expanded = list(braceexpand(expr))
+        if remote:
+            if any(ch in expr for ch in "*?["):
+                raise ShardIndexError(
+                    f"--split {pattern!r}: a URL cannot be listed; name the shards with a brace range"
+                )
+            found = expanded
+        else:
+            base = Path(root)
+            found = sorted(
+                {str(Path(p).relative_to(base)) for e in expanded for p in glob.glob(str(base / e))},
+                key=natural_key,
+            )
         if not found:
             raise ShardIndexError(f"--split {pattern!r}: no file of {root} matches {expr!r}")
-        splits[name] = [str(Path(p).relative_to(root)) for p in found]
+        splits[name] = found
     if splits:
         return splits
-    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
-        tars = sorted((str(p.relative_to(root)) for p in sub.glob("*.tar")), key=natural_key)
+    if remote:
+        raise ShardIndexError(
+            f"{root} is a URL: name each split's shards, e.g. --split train='train-{{000..099}}.tar'"
+        )
+    base = Path(root)
+    for sub in sorted(p for p in base.iterdir() if p.is_dir()):
+        tars = sorted((str(p.relative_to(base)) for p in sub.glob("*.tar")), key=natural_key)
         if tars:
             splits[sub.name] = tars
     if not splits:
-        tars = sorted((p.name for p in root.glob("*.tar")), key=natural_key)
+        tars = sorted((p.name for p in base.glob("*.tar")), key=natural_key)
         if not tars:
-            raise ShardIndexError(f"no .tar shard found in {root} or its sub-directories")
+            raise ShardIndexError(f"no .tar shard found in {base} or its sub-directories")
         splits["train"] = tars
     return splits
+
+
+@contextmanager
+def _local_copy(location: str) -> Iterator[str]:
+    """A local path to read a shard from: the file itself, or a temporary download of a URL (indexing reads
+    every byte of a shard anyway: its sha256 and every class's digest)."""
+    if not is_url(location):
+        yield location
+        return
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(location)
+    with tempfile.TemporaryDirectory(prefix="ddp_rank-index-") as tmp:
+        local = os.path.join(tmp, "shard.tar")
+        fs.get_file(path, local)
+        yield local
 
 
 @dataclass
@@ -206,24 +253,28 @@ class IndexReport:
 def index_shards(
     directory: str | os.PathLike[str], splits: Mapping[str, Sequence[str]], options: IndexOptions
 ) -> IndexReport:
-    """Index the shards of ``directory`` (split -> relative paths) into a manifest (returned, not saved)."""
-    root = Path(directory)
-    walked: dict[str, list[tuple[str, list[_Run], int]]] = {}
+    """Index the shards under ``directory`` (a local directory or a URL; split -> relative paths) into a
+    manifest, returned and not saved. For a URL the manifest's ``shards_root`` is that URL, so the manifest can
+    be kept anywhere (``Manifest.save``)."""
+    root = os.fspath(directory).rstrip("/")
+    walked: dict[str, list[tuple[str, list[_Run], int, str, list[str]]]] = {}
     skipped = 0
     for split, paths in splits.items():
         walked[split] = []
         for rel in paths:
-            runs, size, lost = _runs(str(root / rel), rel, options)
+            with _local_copy(join_location(root, rel)) as local:
+                runs, size, lost = _runs(local, rel, options)
+                digests = [_digest(local, r.start, r.end) for r in runs]
+                walked[split].append((rel, runs, size, _sha256(local), digests))
             skipped += lost
-            walked[split].append((rel, runs, size))
-    _check_contiguous(walked)
-    categories = sorted(
-        {r.category for w in walked.values() for _, runs, _ in w for r in runs if r.category is not None},
-        key=natural_key,
+    _check_contiguous(
+        {split: [(rel, runs, size) for rel, runs, size, _, _ in shards] for split, shards in walked.items()}
     )
+    every_run = [r for shards in walked.values() for _, runs, _, _, _ in shards for r in runs]
+    categories = sorted({r.category for r in every_run if r.category is not None}, key=natural_key)
     category_id = {c: i for i, c in enumerate(categories)}
     names = sorted(
-        {(r.category, r.cls) for w in walked.values() for _, runs, _ in w for r in runs},
+        {(r.category, r.cls) for r in every_run},
         key=lambda cc: (cc[0] is None, natural_key(cc[0] or ""), natural_key(cc[1])),
     )
     class_id = {cc: i for i, cc in enumerate(names)}
@@ -231,16 +282,10 @@ def index_shards(
     split_infos = {}
     for split, shards in walked.items():
         infos, counts = [], {}
-        for rel, runs, size in shards:
+        for rel, runs, size, sha256, digests in shards:
             spans = tuple(
-                ClassSpan(
-                    class_id[(r.category, r.cls)],
-                    r.count,
-                    r.start,
-                    r.end - r.start,
-                    _digest(str(root / rel), r.start, r.end),
-                )
-                for r in runs
+                ClassSpan(class_id[(r.category, r.cls)], r.count, r.start, r.end - r.start, digest)
+                for r, digest in zip(runs, digests)
             )
             cats = {category_id.get(r.category or "") for r in runs}
             infos.append(
@@ -248,14 +293,22 @@ def index_shards(
                     rel,
                     cats.pop() if len(cats) == 1 else None,
                     spans,
-                    sum(s.count for s in spans),
+                    sum(x.count for x in spans),
                     size,
-                    _sha256(str(root / rel)),
+                    sha256,
                 )
             )
-            counts.update({s.id: s.count for s in spans})
+            counts.update({x.id: x.count for x in spans})
         split_infos[split] = SplitInfo(split, counts, tuple(infos))
-    manifest = Manifest(tuple(categories), classes, split_infos, build={"indexed": True}, root=str(root))
+    remote = is_url(root)
+    manifest = Manifest(
+        tuple(categories),
+        classes,
+        split_infos,
+        build={"indexed": True},
+        root=None if remote else root,
+        shards_root=root if remote else None,
+    )
     return IndexReport(manifest, skipped)
 
 

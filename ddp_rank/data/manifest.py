@@ -88,7 +88,10 @@ class Manifest:
     splits: dict[str, SplitInfo]
     build: dict[str, Any] = field(default_factory=dict)
     root: str | None = None
-    """Directory or URL the manifest was loaded from (shard paths are relative to it)."""
+    """Directory or URL the manifest was loaded from."""
+    shards_root: str | None = None
+    """Where the shard paths are relative to, when not beside the manifest: a local manifest can describe
+    shards on object storage (``ddp-rank shards index URL --out DIR``)."""
 
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits:
@@ -105,11 +108,17 @@ class Manifest:
             )
         return Path(self.root) / shard.path
 
-    def shard_url(self, shard: ShardInfo) -> str:
-        """Where a shard lives: a local path or a URL, ``root`` joined with the shard's relative path."""
-        if self.root is None:
+    @property
+    def location(self) -> str:
+        """The directory or URL the shard paths are relative to."""
+        base = self.shards_root or self.root
+        if base is None:
             raise ValueError("manifest has no root directory; load it with Manifest.load(directory)")
-        return join_location(self.root, shard.path)
+        return base
+
+    def shard_url(self, shard: ShardInfo) -> str:
+        """Where a shard lives: a local path or a URL (``location`` joined with the shard's relative path)."""
+        return join_location(self.location, shard.path)
 
     def category_name(self, category: int | None) -> str:
         return "(unlabelled)" if category is None else self.categories[category]
@@ -130,6 +139,7 @@ class Manifest:
                 for name, split in sorted(self.splits.items())
             },
             "build": self.build,
+            **({"shards_root": self.shards_root} if self.shards_root else {}),
         }
 
     @classmethod
@@ -165,6 +175,7 @@ class Manifest:
             splits=splits,
             build=dict(data.get("build", {})),
             root=None if root is None else os.fspath(root),
+            shards_root=data.get("shards_root"),
         )
 
     @classmethod

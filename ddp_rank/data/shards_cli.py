@@ -59,14 +59,17 @@ def _add_index(sub: Any) -> None:
         "index",
         help="write manifest.json for WebDataset shards made by other tools (the tars are not rewritten)",
     )
-    p.add_argument("directory", help="directory holding the .tar shards (manifest.json is written there)")
+    p.add_argument("directory", help="directory or URL holding the .tar shards")
     p.add_argument(
         "--split",
         action="append",
         default=[],
-        metavar="NAME=GLOB",
-        help="shards of a split, e.g. train='train-*.tar' (repeatable); default: one split per sub-directory, "
-        "else every tar is 'train'",
+        metavar="NAME=PATTERN",
+        help="shards of a split, e.g. train='train-{000..099}.tar' or, locally, train='train-*.tar' "
+        "(repeatable); default for a directory: one split per sub-directory, else every tar is 'train'",
+    )
+    p.add_argument(
+        "--out", default=None, help="where to write manifest.json (default: DIRECTORY; required for a URL)"
     )
     p.add_argument("--class-field", default=None, help="json field of the class (default: the .cls member)")
     p.add_argument(
@@ -196,6 +199,7 @@ def _index(args: argparse.Namespace) -> int:
         read_category_map,
         upgrade_manifest,
     )
+    from ddp_rank.data.manifest import is_url
 
     try:
         if args.upgrade:
@@ -206,14 +210,20 @@ def _index(args: argparse.Namespace) -> int:
                 category_field=args.category_field or None,
                 category_map=read_category_map(args.category_map) if args.category_map else {},
             )
-            report = index_shards(args.directory, find_splits(Path(args.directory), args.split), options)
+            out = args.out or args.directory
+            if is_url(out):
+                raise ShardIndexError(
+                    f"{args.directory} is a URL: pass --out DIR, where to write manifest.json"
+                )
+            report = index_shards(args.directory, find_splits(args.directory, args.split), options)
             if report.skipped_samples:
                 print(f"left out {report.skipped_samples} sample(s) without an image member", file=sys.stderr)
-            report.manifest.save(args.directory)
+            Path(out).mkdir(parents=True, exist_ok=True)
+            report.manifest.save(out)
     except (ShardIndexError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_info(args.directory))
+    print(format_info(args.out or args.directory))
     return 0
 
 

@@ -30,10 +30,8 @@ class ShardStore:
     def __init__(
         self, manifest: Manifest, cache_dir: str | os.PathLike[str] | None = None, max_open: int = 16
     ):
-        if manifest.root is None:
-            raise ValueError("the manifest has no location; load it with Manifest.load(directory_or_url)")
         self.manifest = manifest
-        self.remote = is_url(manifest.root)
+        self.remote = is_url(manifest.location)
         self.cache_dir = Path(cache_dir) if cache_dir and self.remote else None
         self.max_open = max_open
         self._files: dict[str, BinaryIO] = {}
@@ -74,8 +72,7 @@ class ShardStore:
         if self._fs is None:
             import fsspec
 
-            assert self.manifest.root is not None
-            self._fs = fsspec.core.url_to_fs(self.manifest.root)[0]
+            self._fs = fsspec.core.url_to_fs(self.manifest.location)[0]
         return self._fs
 
     def _open(self, path: str) -> BinaryIO:

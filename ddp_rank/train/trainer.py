@@ -115,7 +115,7 @@ def check_inputs(cfg: Config) -> Manifest:
                 f"set data.{key}"
                 + (" (or data.test_split= to train without evaluation)" if key == "test_split" else "")
             )
-    local = manifest.root is not None and not is_url(manifest.root)
+    local = not is_url(manifest.location)
     train_shards = manifest.split(cfg.data.train_split).shards
     missing = [s.path for s in train_shards if local and not manifest.shard_path(s).is_file()]
     if missing:
