@@ -138,6 +138,7 @@ def test_position_wraps_into_the_next_epoch(shards: Path) -> None:
 
 def test_real_dataloader_keeps_step_order_and_position(shards: Path) -> None:
     stream = make(shards, 1, 2, 2)
+    stream.batch(0, 5)  # the parent reads first: forked workers must not share its open files
     loader = StreamLoader(stream)
     assert len(loader) == 6
     seen = []

@@ -35,7 +35,9 @@ class ShardStore:
         self.cache_dir = Path(cache_dir) if cache_dir and self.remote else None
         self.max_open = max_open
         self._files: dict[str, BinaryIO] = {}
+        self._pid = os.getpid()
         self._fs: Any = None
+        self._fs_pid = os.getpid()
         self._uncacheable: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -69,13 +71,18 @@ class ShardStore:
     # ------------------------------------------------------------------ internals
 
     def _filesystem(self) -> Any:
-        if self._fs is None:
+        if self._fs is None or self._fs_pid != os.getpid():  # a file system's event loop does not survive fork
+            self._fs_pid = os.getpid()
             import fsspec
 
             self._fs = fsspec.core.url_to_fs(self.manifest.location)[0]
         return self._fs
 
     def _open(self, path: str) -> BinaryIO:
+        if self._pid != os.getpid():
+            # A forked DataLoader worker inherits the parent's descriptors, whose file offsets the processes
+            # would share: interleaved seek + read would return another process's bytes. Open our own.
+            self._files, self._pid = {}, os.getpid()
         f = self._files.pop(path, None)
         if f is None:
             if len(self._files) >= self.max_open:
