@@ -267,6 +267,11 @@ class GlobalPlan:
         repeat |= later
         fresh_sizes[repeat] = 0
         sizes = np.concatenate([np.array([len(im) for _, im in pending], dtype=np.int64), fresh_sizes])
+        if pending and int(sizes.sum()) < quota:
+            # A small group whose waiting rests hide their own classes' next pass: drop the rests, so the
+            # classes come back whole (a group that qualified holds at least ``quota`` images).
+            cursor.pending = []
+            return self._take(epoch, group, quota, cursor)
         taken = {i: t for i, t in self._fill(sizes, quota, epoch, group) if t > 0}
         pieces: list[Piece] = []
         kept: list[tuple[int, Sequence[int]]] = []
