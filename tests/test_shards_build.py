@@ -165,7 +165,7 @@ def test_unreadable_image_with_and_without_skip(tmp_path: Path) -> None:
 
 def test_class_with_one_image(tmp_path: Path) -> None:
     root = _folder(tmp_path, [[1, 3]])
-    with pytest.raises(ListingError, match="class 'cls0_0' has 1 image"):
+    with pytest.raises(ListingError, match="class 'cls0_0' of category 'cat0' has 1 image"):
         build_shards(read_image_folder(root), tmp_path / "out", BuildOptions(**QUIET))
     skipped = build_shards(read_image_folder(root), tmp_path / "o2", BuildOptions(on_bad="skip", **QUIET))
     assert skipped.manifest.split("train").samples == 3
@@ -186,16 +186,48 @@ def test_unknown_and_missing_columns(tmp_path: Path) -> None:
         read_csv_listing(bad)
 
 
-def test_class_in_two_categories_and_existing_output(tmp_path: Path) -> None:
-    paths = write_image_folder(tmp_path / "img", [[2]], image_size=8)
-    records = [Record(str(paths[0]), "a", "x"), Record(str(paths[1]), "a", "y")]
-    with pytest.raises(ListingError, match="more than one category"):
-        build_shards(records, tmp_path / "out", BuildOptions(**QUIET))
+def test_same_class_name_in_two_categories_is_two_classes_and_existing_output(tmp_path: Path) -> None:
+    paths = write_image_folder(tmp_path / "img", [[4]], image_size=8)
+    records = [Record(str(p), "a", "x" if i < 2 else "y") for i, p in enumerate(paths)]
+    manifest = build_shards(records, tmp_path / "out", BuildOptions(**QUIET)).manifest
+    assert [(c.name, manifest.categories[c.category or 0]) for c in manifest.classes] == [
+        ("a", "x"),
+        ("a", "y"),
+    ]
+    assert manifest.split("train").class_counts == {0: 2, 1: 2}
+    lonely = [Record(str(paths[0]), "b", "x"), Record(str(paths[1]), "b", "y")]
+    with pytest.raises(ListingError, match="class 'b' of category 'x' has 1 image"):
+        build_shards(lonely, tmp_path / "out1", BuildOptions(**QUIET))
     good = [Record(str(p), "a", "x") for p in paths]
     build_shards(good, tmp_path / "out2", BuildOptions(**QUIET))
     with pytest.raises(FileExistsError, match="--overwrite"):
         build_shards(good, tmp_path / "out2", BuildOptions(**QUIET))
     build_shards(good, tmp_path / "out2", BuildOptions(overwrite=True, **QUIET))
+
+
+def test_image_folder_with_shared_class_names_ignored_files_and_jpeg(tmp_path: Path) -> None:
+    """root/<category>/<class>/: 'red' under two categories is two classes; hidden files, AppleDouble forks and
+    non-images are counted in the report; .jpeg files are images (stored as .jpg members)."""
+    from PIL import Image
+
+    root = tmp_path / "photos"
+    for category in ("cars", "roses"):
+        for k in range(2):
+            (root / category / "red").mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (8, 8), (200, 10 * k, 0)).save(root / category / "red" / f"{k}.jpeg")
+    (root / "cars" / "red" / "._0.jpeg").write_bytes(b"\x00\x05\x16\x07")  # a macOS resource fork
+    (root / "cars" / ".DS_Store").write_bytes(b"junk")
+    (root / "roses" / "red" / "notes.txt").write_text("not an image")
+    report = Report()
+    records = read_image_folder(root, report)
+    assert len(records) == 4
+    assert report.notes and "ignored 3 file(s)" in report.notes[0] and "._0.jpeg" in report.notes[0]
+    manifest = build_shards(records, tmp_path / "out", BuildOptions(**QUIET)).manifest
+    assert len(manifest.classes) == 2 and {c.name for c in manifest.classes} == {"red"}
+    import tarfile
+
+    with tarfile.open(manifest.shard_path(manifest.split("train").shards[0])) as tar:
+        assert any(m.name.endswith(".jpg") for m in tar.getmembers())
 
 
 def test_webdataset_reads_the_shards(tmp_path: Path) -> None:

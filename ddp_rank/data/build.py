@@ -100,10 +100,10 @@ def build_shards(
     recs = check_records(recs, options.min_class_size, options.on_bad, report)
     if not recs:
         raise ListingError("nothing left to write after the checks above")
-    categories, classes = _number(recs)
-    plans = _plan(recs, categories, classes, options)
+    categories, classes, ids = _number(recs)
+    plans = _plan(recs, categories, classes, ids, options)
     written = _write_all(plans, out, options)
-    manifest = _manifest(recs, categories, classes, plans, written, options, out)
+    manifest = _manifest(recs, categories, classes, ids, written, options, out)
     manifest.save(out)
     return BuildResult(manifest=manifest, report=report)
 
@@ -152,25 +152,31 @@ def _category_order(name: str | None) -> tuple[bool, tuple[tuple[int, int | str]
     return (name is None, natural_key(name or ""))
 
 
-def _number(recs: Sequence[Record]) -> tuple[list[str], list[ClassInfo]]:
-    """Category ids by sorted name; class ids grouped by category, then by name (contiguous within a category)."""
+def class_key(record: Record) -> tuple[str | None, str]:
+    """What identifies a class: (category, class name); the same name under two categories is two classes."""
+    return record.category, record.cls
+
+
+def _number(recs: Sequence[Record]) -> tuple[list[str], list[ClassInfo], dict[tuple[str | None, str], int]]:
+    """Category ids by sorted name; class ids grouped by category, then by name (contiguous within a category).
+    Also returns the class id of each (category, class) key."""
     categories = sorted({r.category for r in recs if r.category is not None}, key=natural_key)
     cat_id = {c: i for i, c in enumerate(categories)}
-    class_cat = {r.cls: r.category for r in recs}
-    ordered = sorted(class_cat, key=lambda c: (_category_order(class_cat[c]), natural_key(c)))
-    classes = [
-        ClassInfo(id=i, name=c, category=cat_id.get(class_cat[c] or "")) for i, c in enumerate(ordered)
-    ]
-    return categories, classes
+    keys = sorted({class_key(r) for r in recs}, key=lambda k: (_category_order(k[0]), natural_key(k[1])))
+    classes = [ClassInfo(id=i, name=cls, category=cat_id.get(cat or "")) for i, (cat, cls) in enumerate(keys)]
+    return categories, classes, {k: i for i, k in enumerate(keys)}
 
 
 def _plan(
-    recs: Sequence[Record], categories: list[str], classes: list[ClassInfo], options: BuildOptions
+    recs: Sequence[Record],
+    categories: list[str],
+    classes: list[ClassInfo],
+    ids: dict[tuple[str | None, str], int],
+    options: BuildOptions,
 ) -> list[_ShardPlan]:
-    by_name = {c.name: c for c in classes}
     grouped: dict[str, dict[int, list[Record]]] = defaultdict(lambda: defaultdict(list))
     for r in recs:
-        grouped[r.split or "train"][by_name[r.cls].id].append(r)
+        grouped[r.split or "train"][ids[class_key(r)]].append(r)
     plans = []
     for split in sorted(grouped):
         by_class = grouped[split]
@@ -311,18 +317,17 @@ def _manifest(
     recs: Sequence[Record],
     categories: list[str],
     classes: list[ClassInfo],
-    plans: list[_ShardPlan],
+    ids: dict[tuple[str | None, str], int],
     written: list[ShardInfo],
     options: BuildOptions,
     out: Path,
 ) -> Manifest:
-    by_name = {c.name: c.id for c in classes}
     splits: dict[str, SplitInfo] = {}
     for split in sorted({r.split or "train" for r in recs}):
         counts: dict[int, int] = defaultdict(int)
         for r in recs:
             if (r.split or "train") == split:
-                counts[by_name[r.cls]] += 1
+                counts[ids[class_key(r)]] += 1
         shards = tuple(s for s in written if s.path.startswith(f"{split}/"))
         splits[split] = SplitInfo(name=split, class_counts=dict(counts), shards=shards)
     build = {k: v for k, v in asdict(options).items() if k not in ("workers", "progress", "overwrite")}

@@ -62,14 +62,33 @@ def _fail_or_skip(on_bad: OnBad, report: Report, problems: Sequence[str], fix: s
     report.skipped.extend(problems)
 
 
-def read_image_folder(root: str | os.PathLike[str]) -> list[Record]:
-    """List ``root/<class>/<image>`` or ``root/<category>/<class>/<image>`` (the depth must be the same everywhere)."""
+def read_image_folder(root: str | os.PathLike[str], report: Report | None = None) -> list[Record]:
+    """List ``root/<class>/<image>`` or ``root/<category>/<class>/<image>`` (the depth must be the same everywhere).
+
+    A class is identified by (category, class folder): the same folder name under two categories is two classes.
+    Files that are not images of a known suffix, and hidden files and folders (``.DS_Store``, macOS ``._*``
+    resource forks), are left out and counted in ``report.notes``.
+    """
     base = Path(root)
     if not base.is_dir():
         raise ListingError(f"{base} is not a directory")
-    files = sorted(p for p in base.rglob("*") if p.is_file() and p.suffix.lower() in FOLDER_IMAGE_SUFFIXES)
+    files, ignored = [], []
+    for p in sorted(base.rglob("*")):
+        if not p.is_file():
+            continue
+        hidden = any(part.startswith(".") for part in p.relative_to(base).parts)
+        if hidden or p.suffix.lower() not in FOLDER_IMAGE_SUFFIXES:
+            ignored.append(str(p.relative_to(base)))
+        else:
+            files.append(p)
     if not files:
         raise ListingError(f"no images ({', '.join(sorted(FOLDER_IMAGE_SUFFIXES))}) found under {base}")
+    if ignored and report is not None:
+        shown = ", ".join(ignored[:5]) + (f", ... ({len(ignored) - 5} more)" if len(ignored) > 5 else "")
+        report.notes.append(
+            f"ignored {len(ignored)} file(s) under {base} that are hidden or not images "
+            f"({', '.join(sorted(FOLDER_IMAGE_SUFFIXES))}): {shown}"
+        )
     depths = Counter(len(p.relative_to(base).parts) for p in files)
     if set(depths) not in ({2}, {3}):
         raise ListingError(
@@ -148,7 +167,8 @@ def write_csv_listing(records: Iterable[Record], path: str | os.PathLike[str]) -
 def check_records(
     records: Sequence[Record], min_class_size: int = 2, on_bad: OnBad = "error", report: Report | None = None
 ) -> list[Record]:
-    """Reject duplicate paths, classes in two categories and classes smaller than ``min_class_size`` per split."""
+    """Reject duplicate paths and classes smaller than ``min_class_size`` per split. A class is identified by
+    (category, class): the same class name under two categories is two classes."""
     report = report if report is not None else Report()
     seen: dict[tuple[str | None, str], int] = {}
     dupes = []
@@ -162,28 +182,21 @@ def check_records(
         unique.append(r)
     _fail_or_skip(on_bad, report, dupes, "remove the repeated rows, or pass --on-bad skip to keep the first")
 
-    categories: dict[str, Counter[str | None]] = defaultdict(Counter)
-    for r in unique:
-        categories[r.cls][r.category] += 1
-    mixed = {c: cats for c, cats in categories.items() if len(cats) > 1}
-    if mixed:
-        shown = "; ".join(f"{c!r}: {sorted(map(str, cats))}" for c, cats in sorted(mixed.items())[:10])
-        raise ListingError(
-            f"{len(mixed)} class(es) appear under more than one category ({shown}); a class must belong to one "
-            "category: fix the listing (recipes pick the majority category)"
-        )
-
-    sizes = Counter((r.split, r.cls) for r in unique)
-    small = sorted(k for k, n in sizes.items() if n < min_class_size)
+    sizes = Counter((r.split, r.category, r.cls) for r in unique)
+    small = sorted((k for k, n in sizes.items() if n < min_class_size), key=lambda k: tuple(map(str, k)))
     _fail_or_skip(
         on_bad,
         report,
-        [f"class {c!r} has {sizes[(s, c)]} image(s) in split {s or '(all)'}" for s, c in small],
+        [
+            f"class {c!r}{f' of category {g!r}' if g else ''} has {sizes[(s, g, c)]} image(s) in split "
+            f"{s or '(all)'}"
+            for s, g, c in small
+        ],
         f"every class needs at least {min_class_size} images to have a positive pair; pass --on-bad skip to drop "
         "such classes or --min-class-size 1 to keep them",
     )
     small_set = set(small)
-    return [r for r in unique if (r.split, r.cls) not in small_set]
+    return [r for r in unique if (r.split, r.category, r.cls) not in small_set]
 
 
 def assign_splits(records: Sequence[Record], test_fraction: float, seed: int) -> list[Record]:
@@ -198,15 +211,17 @@ def assign_splits(records: Sequence[Record], test_fraction: float, seed: int) ->
     for r in records:
         if r.split is None:
             by_category[r.category].add(r.cls)
-    test_classes: set[str] = set()
+    test_classes: set[tuple[str | None, str]] = set()
     rng = np.random.default_rng(seed)
     for category in sorted(by_category, key=lambda c: (c is None, c or "")):
         names = sorted(by_category[category], key=natural_key)
         n_test = round(test_fraction * len(names))
         chosen = rng.permutation(len(names))[:n_test]
-        test_classes.update(names[i] for i in chosen)
+        test_classes.update((category, names[i]) for i in chosen)
     return [
-        r if r.split is not None else replace(r, split="test" if r.cls in test_classes else "train")
+        r
+        if r.split is not None
+        else replace(r, split="test" if (r.category, r.cls) in test_classes else "train")
         for r in records
     ]
 

@@ -132,7 +132,7 @@ def _print_report(report: Report) -> None:
 def load_records(source: str, on_bad: str, report: Report) -> list[Record]:
     path = Path(source)
     if path.is_dir():
-        return read_image_folder(path)
+        return read_image_folder(path, report)
     if path.suffix.lower() in (".csv", ".tsv"):
         return read_csv_listing(path, on_bad=on_bad, report=report)  # type: ignore[arg-type]
     raise ListingError(f"{source} is neither a directory nor a .csv/.tsv listing")
@@ -250,6 +250,6 @@ def _listing(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     n = write_csv_listing(records, args.out)
-    classes = len({r.cls for r in records})
+    classes = len({(r.category, r.cls) for r in records})
     print(f"wrote {args.out}: {n} images, {classes} classes, {len({r.category for r in records})} categories")
     return 0

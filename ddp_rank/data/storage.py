@@ -71,7 +71,9 @@ class ShardStore:
     # ------------------------------------------------------------------ internals
 
     def _filesystem(self) -> Any:
-        if self._fs is None or self._fs_pid != os.getpid():  # a file system's event loop does not survive fork
+        if (
+            self._fs is None or self._fs_pid != os.getpid()
+        ):  # a file system's event loop does not survive fork
             self._fs_pid = os.getpid()
             import fsspec
 
