@@ -205,3 +205,50 @@ def test_emoji_runs_npm_pack_when_not_cached(tmp_path: Path, monkeypatch: pytest
 def test_unknown_recipe() -> None:
     with pytest.raises(KeyError, match="choose one of"):
         run_recipe("imagenet", ".")
+
+
+def _inat_tree(root: Path) -> dict[str, list[str]]:
+    """train_val2018/<supercategory>/<class id>/<hash>.jpg: 3 supercategories x 4 classes x 3 images."""
+    layout: dict[str, list[str]] = {}
+    for s, supercategory in enumerate(("Aves", "Plantae", "Insecta")):
+        for c in range(4):
+            class_id = str(1000 * s + c)
+            for k in range(3):
+                rel = f"train_val2018/{supercategory}/{class_id}/{k:032x}.jpg"
+                _image(root / rel)
+                layout.setdefault(class_id, []).append(rel)
+    (root / "train_val2018" / "Aves" / ".DS_Store").write_bytes(b"x")
+    return layout
+
+
+def test_inat_seeded_split_by_class(tmp_path: Path) -> None:
+    layout = _inat_tree(tmp_path)
+    records = run_recipe("inat", str(tmp_path), test_fraction=0.5, seed=1)
+    assert len(records) == 36 and {r.category for r in records} == {"Aves", "Plantae", "Insecta"}
+    split_of = {(r.cls, r.split) for r in records}
+    assert len(split_of) == 12, "a class is never in both splits"
+    per_category = {(r.category, r.split) for r in records}
+    assert len(per_category) == 6, "every supercategory in both splits (stratified)"
+    assert records == run_recipe("inat", str(tmp_path), test_fraction=0.5, seed=1)
+    assert {r.path for r in records} == {str(tmp_path / rel) for rels in layout.values() for rel in rels}
+
+
+def test_inat_published_split_files_and_round_trip(tmp_path: Path) -> None:
+    layout = _inat_tree(tmp_path)
+    train = [rel for cid in ("0", "1", "1000", "2000", "2001") for rel in layout[cid]]
+    (tmp_path / "train.txt").write_text("\n".join(train) + "\n")
+    (tmp_path / "test.txt").write_text("1001\n2002\n")  # class ids work too
+    out = tmp_path / "inat.csv"
+    code = main(["shards", "listing", "inat", str(tmp_path), str(out), "--train-list", str(tmp_path / "train.txt"),
+                 "--test-list", str(tmp_path / "test.txt")])  # fmt: skip
+    assert code == 0
+    records = read_csv_listing(out)
+    assert {r.cls for r in records if r.split == "train"} == {"0", "1", "1000", "2000", "2001"}
+    assert {r.cls for r in records if r.split == "test"} == {"1001", "2002"}
+    manifest = build_shards(records, tmp_path / "shards", BuildOptions(progress=False)).manifest
+    assert manifest.categories == ("Aves", "Insecta", "Plantae")
+    assert manifest.split("train").samples == 15 and manifest.split("test").samples == 6
+    with pytest.raises(ListingError, match="both --train-list and --test-list"):
+        run_recipe("inat", str(tmp_path), train_list=str(tmp_path / "train.txt"))
+    with pytest.raises(ListingError, match="train_val2018"):
+        run_recipe("inat", str(tmp_path / "nowhere"))

@@ -3,6 +3,8 @@
 Examples::
 
     ddp-rank shards listing emoji ~/.cache/ddp_rank/emoji emoji.csv --size 64
+    ddp-rank shards listing inat /data/iNat2018 inat.csv --train-list Inaturalist_train_set1.txt \
+        --test-list Inaturalist_test_set1.txt
     ddp-rank shards build emoji.csv data/emoji-shards --workers 2 --max-samples 500
     ddp-rank shards build photos/ data/photos --test-fraction 0.5 --resize 256
     ddp-rank shards verify data/emoji-shards
@@ -114,8 +116,17 @@ def _add_listing(sub: Any) -> None:
     p.add_argument("root", help="the dataset folder (emoji: the download cache folder)")
     p.add_argument("out", help="listing CSV to write")
     p.add_argument("--size", type=int, default=64, help="emoji: render size of the openmoji SVGs")
-    p.add_argument("--test-fraction", type=float, default=0.5, help="emoji: fraction of classes held out")
-    p.add_argument("--seed", type=int, default=0, help="emoji: split seed")
+    p.add_argument(
+        "--test-fraction",
+        type=float,
+        default=None,
+        help="emoji, inat: fraction of classes held out (emoji 0.5, inat 0.3 without split lists)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="emoji, inat: split seed")
+    p.add_argument(
+        "--train-list", default=None, help="inat: the published train split (image paths or class ids)"
+    )
+    p.add_argument("--test-list", default=None, help="inat: the published test split")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="emoji: render workers")
     p.set_defaults(func=_listing)
 
@@ -240,10 +251,14 @@ def _listing(args: argparse.Namespace) -> int:
     if args.recipe == "emoji":
         options = {
             "size": args.size,
-            "test_fraction": args.test_fraction,
+            "test_fraction": 0.5 if args.test_fraction is None else args.test_fraction,
             "seed": args.seed,
             "workers": args.workers,
         }
+    elif args.recipe == "inat":
+        options = {"train_list": args.train_list, "test_list": args.test_list, "seed": args.seed}
+        if args.test_fraction is not None:
+            options["test_fraction"] = args.test_fraction
     try:
         records = run_recipe(args.recipe, args.root, **options)
     except (ListingError, FileNotFoundError) as exc:

@@ -11,13 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ddp_rank.data.listing import Record
-from ddp_rank.data.recipes import emoji, inshop, sop, vehicleid
+from ddp_rank.data.recipes import emoji, inat, inshop, sop, vehicleid
 
 RECIPES: dict[str, Callable[..., list[Record]]] = {
     "sop": sop.records,
     "inshop": inshop.records,
     "vehicleid": vehicleid.records,
     "emoji": emoji.records,
+    "inat": inat.records,
 }
 
 
