@@ -1,8 +1,8 @@
 """iNaturalist 2018 for metric learning (as in Smooth-AP, Brown et al. 2020, and ROADMAP).
 
 The dataset's own image folder is ``train_val2018/<supercategory>/<category_id>/<image>.jpg``: 8,142 species
-(classes) in 14 supercategories (Plantae, Aves, Insecta, ...), 437,513 images over the challenge's train and val
-sets. Metric learning uses them all, split by class: Smooth-AP's split has 5,690 training classes (325,846
+(classes) in 14 supercategories (Plantae, Aves, Insecta, ...), 461,939 images over the challenge's train (437,513)
+and val (24,426) sets. Metric learning uses them all, split by class: Smooth-AP's split has 5,690 training classes (325,846
 images) and 2,452 test classes (136,093 images). The supercategories are the categories of the hard sampler.
 
 With ``train_list`` / ``test_list`` (the published split files: one line per image path relative to ROOT, or one
