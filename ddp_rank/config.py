@@ -294,9 +294,11 @@ class TrainConfig(_Section):
     steps: int = _field(0, "Total optimizer steps; overrides epochs when > 0.", minimum=0)
     seed: int = _field(0, "Seed of the model init, the data schedule and the augmentations (PNP: 0).")
     mixed_precision: str = _field(
-        "no",
-        "Autocast precision (the losses compute in float32 whatever this is).",
-        choices=("no", "fp16", "bf16"),
+        "auto",
+        "Autocast precision (the losses compute in float32 whatever this is); 'auto' = the launcher's "
+        "(accelerate's --mixed_precision or its config file), else 'no'. A value here that contradicts a "
+        "launcher asking for fp16/bf16 is an error.",
+        choices=("auto", "no", "fp16", "bf16"),
     )
     log_every: int = _field(10, "Steps between metrics.jsonl records and progress-bar updates.", minimum=1)
     checkpoint_every: int = _field(

@@ -172,3 +172,24 @@ def test_missing_split_and_shard_file(shards: Path, tmp_path: Path) -> None:
     next((copy / "train").glob("*.tar")).unlink()
     with pytest.raises(TrainError, match=r"shard file\(s\) of .* are missing"):
         check_inputs(cfg_for(copy, tmp_path))
+
+
+def test_one_source_of_truth_for_the_precision(
+    shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddp_rank.config import ConfigError
+    from ddp_rank.train.trainer import resolve_mixed_precision
+
+    assert resolve_mixed_precision("auto", "bf16") == "bf16"
+    assert resolve_mixed_precision("auto", "no") == "no"
+    assert resolve_mixed_precision("fp16", "no") == "fp16"  # a launcher that asks nothing exports "no"
+    with pytest.raises(ConfigError, match="launcher asks for mixed precision bf16 but train.mixed_precision=no"):
+        resolve_mixed_precision("no", "bf16")
+    # Under a bf16 launcher, 'auto' trains in bf16 autocast (on CPU here), the loss still in float32.
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    trainer = Trainer(cfg_for(shards, tmp_path / "run", "train.steps=1"))
+    try:
+        assert str(trainer.accelerator.mixed_precision) == "bf16"
+        assert 0.0 <= trainer.train_step().loss <= 1.0
+    finally:
+        trainer.close()

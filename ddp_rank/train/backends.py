@@ -44,6 +44,12 @@ class StepBackend(Protocol):
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """Mixed-precision context for forwards (a no-op without AMP)."""
 
+    def prepare_inputs(self, inputs: Tensor) -> Tensor:
+        """The inputs as the engine's forward expects them (DeepSpeed bf16/fp16: in the parameters' dtype)."""
+
+    def check_chunked(self) -> None:
+        """Raise a clear error if the engine cannot run the chunked path (checked before its first forward)."""
+
     def backward(self, objective: Tensor) -> None:
         """Back-propagate a scalar, applying the engine's loss scale once."""
 
@@ -92,6 +98,12 @@ class PlainBackend:
         device = next(self._model.parameters()).device.type
         return torch.autocast(device_type=device, dtype=self.autocast_dtype)
 
+    def prepare_inputs(self, inputs: Tensor) -> Tensor:
+        return inputs  # autocast casts inside the forward
+
+    def check_chunked(self) -> None:
+        return None
+
     def backward(self, objective: Tensor) -> None:
         (self.scaler.scale(objective) if self.scaler is not None else objective).backward()
 
@@ -123,6 +135,9 @@ class DDPBackend(PlainBackend):
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         return self._ddp.no_sync()
 
+    def check_chunked(self) -> None:
+        _refuse_static_graph(self._ddp)
+
     def largest_batch(self, rows: int) -> int:
         return max_over_ranks(rows, self._ddp.process_group)
 
@@ -151,8 +166,19 @@ class DeepSpeedBackend:
                 f"the step supports DeepSpeed ZeRO stages 1 and 2, got stage {stage} (stage 3 partitions the "
                 "parameters, which the no-grad forward pass does not gather)"
             )
+        accumulation = int(engine.gradient_accumulation_steps())
+        if accumulation != 1:
+            # Each step's coalesced reduction overwrites the partitioned gradient of the previous micro-batch
+            # (checked on ZeRO-1 and 2): accumulating over steps would silently keep only the last one.
+            raise ValueError(
+                f"DeepSpeedBackend needs gradient_accumulation_steps = 1, got {accumulation}: a step already "
+                "holds the whole global batch (make it larger, or chunk it with chunk_size, instead)"
+            )
         self.engine = engine
         self.step_in_backward = step_in_backward
+        self.dtype = (
+            torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else None
+        )
 
     @property
     def model(self) -> nn.Module:
@@ -170,6 +196,16 @@ class DeepSpeedBackend:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()  # DeepSpeed fp16/bf16 casts the module itself
+
+    def prepare_inputs(self, inputs: Tensor) -> Tensor:
+        # DeepSpeed casts the parameters to bf16/fp16 but not the inputs (and uses no autocast): float32
+        # images into a bf16 convolution fail with "Input type ... and weight type ... should be the same".
+        if self.dtype is not None and inputs.is_floating_point():
+            return inputs.to(self.dtype)
+        return inputs
+
+    def check_chunked(self) -> None:
+        return None
 
     def backward(self, objective: Tensor) -> None:
         self.engine.backward(objective)
@@ -200,6 +236,10 @@ class AccelerateBackend(PlainBackend):
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         return self.accelerator.no_sync(self._model)
 
+    def check_chunked(self) -> None:
+        if isinstance(self._model, DistributedDataParallel):
+            _refuse_static_graph(self._model)
+
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.accelerator.autocast()
 
@@ -219,6 +259,15 @@ def backend_for_accelerator(accelerator: Any, model: nn.Module) -> StepBackend:
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return DeepSpeedBackend(accelerator.deepspeed_engine_wrapped.engine, step_in_backward=True)
     return AccelerateBackend(accelerator, model)
+
+
+def _refuse_static_graph(model: DistributedDataParallel) -> None:
+    if getattr(model, "static_graph", False):
+        raise ValueError(
+            "DDP with static_graph=True cannot run the chunked step: its no_sync chunks and its last, synced "
+            "chunk are different graphs to DDP (an internal assert fails on the first step). Build DDP without "
+            "static_graph, or set a chunk_size at least as large as the local batch"
+        )
 
 
 @contextlib.contextmanager

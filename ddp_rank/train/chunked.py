@@ -89,10 +89,12 @@ def forward_backward(
         raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
     if inputs.shape[0] != labels.shape[0]:
         raise ValueError(f"inputs have {inputs.shape[0]} rows but labels have {labels.shape[0]}")
+    inputs = backend.prepare_inputs(inputs)
     with backend.accumulate():
         if chunk_size is None or backend.largest_batch(inputs.shape[0]) <= chunk_size:
             output = _direct(backend, inputs, labels, loss_fn)
         else:
+            backend.check_chunked()
             output = _chunked(backend, inputs, labels, loss_fn, chunk_size)
     backend.finish()
     return output

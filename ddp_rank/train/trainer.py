@@ -126,6 +126,21 @@ def check_inputs(cfg: Config) -> Manifest:
     return manifest
 
 
+def resolve_mixed_precision(configured: str, launcher: str | None = None) -> str:
+    """The one precision of a run, from ``train.mixed_precision`` and the launcher's (``accelerate launch``
+    exports it as ACCELERATE_MIXED_PRECISION; "no" there is also what it exports when nothing was asked)."""
+    launcher = (launcher if launcher is not None else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower()
+    if configured == "auto":
+        return launcher if launcher in ("fp16", "bf16") else "no"
+    if launcher in ("fp16", "bf16") and launcher != configured:
+        raise ConfigError(
+            f"the launcher asks for mixed precision {launcher} but train.mixed_precision={configured}: set "
+            f"train.mixed_precision=auto (or {launcher}) to follow the launcher, or change the launcher's "
+            "mixed_precision"
+        )
+    return configured
+
+
 def make_accelerator(cfg: Config) -> Any:
     """An ``Accelerator`` for this machine: gloo on CPU (also under ``accelerate launch --multi_gpu`` with no
     GPU), NCCL on GPUs, DeepSpeed when the launcher config asks for it."""
@@ -143,7 +158,7 @@ def make_accelerator(cfg: Config) -> Any:
         )
     return Accelerator(
         cpu=cpu,
-        mixed_precision=cfg.train.mixed_precision,
+        mixed_precision=resolve_mixed_precision(cfg.train.mixed_precision),
         kwargs_handlers=[
             DistributedDataParallelKwargs(find_unused_parameters=cfg.distributed.find_unused_parameters)
         ],
@@ -434,7 +449,7 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, Any]:
         """Retrieval metrics on ``data.test_split`` (all ranks; same numbers everywhere)."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.train.mixed_precision)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.accelerator.mixed_precision))
         with torch.random.fork_rng(devices=[]):  # evaluation must not shift the training RNG stream
             return evaluate_model(
                 self.unwrapped,
