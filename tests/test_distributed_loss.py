@@ -158,9 +158,9 @@ def test_bytes_counted_per_collective() -> None:
     """W=2, padded width 11, d=8, float64: ring bytes = (W-1)/W x payload of each collective."""
     counts = run_distributed(_bytes_worker, 2)
     expected = {
-        "all_gather_meta": 2 * 5 * 8 // 2,
-        "all_gather": (2 * 11 * 8 * 8 + 2 * 11 * 8) // 2,  # embeddings float64 + labels int64
-        "all_reduce": 2 * 2 * 8 // 2,
+        "all_gather_meta": 2 * 8 * 8 // 2,  # 8 ints: rows, width, dtype, grad, failed, loss, label range
+        "all_gather": (2 * 11 * 8 * 8 + 2 * 11 * 4) // 2,  # embeddings float64 + labels int32 (ids up to 1000)
+        "all_reduce": 2 * 3 * 8 // 2,  # loss sum, valid count, failure flag
         "reduce_scatter": 2 * 11 * 8 * 8 // 2,
     }
     assert counts == [expected, expected]

@@ -21,6 +21,7 @@ batch-independent (no BatchNorm in train mode: its statistics are per rank).
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,6 +37,7 @@ from ddp_rank.distributed.collectives import (
 )
 from ddp_rank.distributed.process_group import ProcessGroup, is_distributed, rank, world_size
 from ddp_rank.losses import ListwiseLoss
+from ddp_rank.losses.base import refuse_double_backward
 
 GradReduction = Literal["mean", "sum"]
 
@@ -59,6 +61,19 @@ class GlobalLayout:
         return slice(self.offset, self.offset + self.sizes[self.rank])
 
 
+@dataclass(frozen=True)
+class _Wire:
+    """How one call's collectives run: the layout, the dtypes on the wire, the scale, the group."""
+
+    layout: GlobalLayout
+    label_dtype: torch.dtype
+    grad_dtype: torch.dtype | None
+    grad_scale: float
+    need_grad: bool
+    group: ProcessGroup | None
+    counter: CommCounter | None
+
+
 class GlobalBatchLossFunction(torch.autograd.Function):
     """Global-batch listwise loss: local prepared rows in, the global loss out, a reduce-scatter backward.
 
@@ -68,21 +83,27 @@ class GlobalBatchLossFunction(torch.autograd.Function):
         |--------------------------|----------|--------------------------------------------------------|
         | x_r (input)              | [n_r, d] | prepared (unit) rows, compute dtype                    |
         | y_r (input)              | [n_r]    | int64 class ids, global meaning                        |
-        | E = all_gather(x)        | [N, d]   | detached; rank r's rows at layout.local_rows           |
+        | e_r (input, sent)        | [n_r, d] | the raw embeddings, in their own dtype (bf16: 2 bytes) |
+        | E = unit(all_gather(e))  | [N, d]   | detached; rank r's rows at layout.local_rows equal x_r |
         | G_Q = d(sum l)/dQ_r      | [n_r, d] | local queries' side of the local loss rows             |
         | G_E = d(sum l)/dE        | [N, d]   | database side of rank r's loss rows, for every rank    |
         | output                   | []       | global loss L, identical on every rank                 |
         | grad x_r                 | [n_r, d] | c * (reduce_scatter_SUM(G_E)_r + G_Q) / V              |
 
-    Forward: gather E and y (padded, uneven sizes allowed), compute the rows of the local queries
-    (``loss.rows``), all-reduce ``[sum of local losses, local valid count]`` into ``[S, V]`` and return
-    ``S / max(V, 1)``.
+    Forward: gather the raw embeddings in their own dtype and the labels in the smallest integer type that
+    holds every rank's ids (padded, uneven sizes allowed), bring them to unit rows in the compute dtype exactly
+    as ``loss.prepare`` did locally, compute the rows of the local queries (``loss.rows``), all-reduce
+    ``[sum of local losses, local valid count, failed]`` into ``[S, V, F]`` and return ``S / max(V, 1)``. An
+    exception inside ``loss.rows`` on any rank (out of memory, say) is raised on every rank after that
+    all-reduce, with the failing ranks' messages, instead of leaving the others in the next collective.
 
     Backward: the local loss rows depend on every rank's embeddings through E, so rank r holds a piece of the
-    gradient of every rank's rows. Reduce-scatter(SUM) sends each piece to its owner, which adds its query-side
-    rows: that is exactly the owner's rows of ``dL/dE`` (times V). ``c = grad_output * grad_scale`` where
-    ``grad_scale`` is W for ``grad_reduction="mean"`` and 1 for ``"sum"`` (see the module docstring).
-    ``grad_output`` is applied on the sending side, so it must be equal on all ranks.
+    gradient of every rank's rows. Reduce-scatter(SUM) sends each piece to its owner (in float32 unless the
+    loss was built with another ``grad_dtype``), which adds its query-side rows: that is exactly the owner's
+    rows of ``dL/dE`` (times V). ``c = grad_output * grad_scale`` where ``grad_scale`` is W for
+    ``grad_reduction="mean"`` and 1 for ``"sum"`` (see the module docstring). ``grad_output`` is applied on
+    the sending side, so it must be equal on all ranks. The backward has no graph of its own: a double
+    backward is refused.
 
     Why the gradient is computed in forward: ``loss.rows`` produces the loss and both gradients in the same
     chunked pass for little more than the loss alone, and it keeps backward to one collective.
@@ -90,27 +111,30 @@ class GlobalBatchLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx,
-        x_local: Tensor,
-        labels_local: Tensor,
-        loss: ListwiseLoss,
-        layout: GlobalLayout,
-        grad_scale: float,
-        group: ProcessGroup | None,
-        counter: CommCounter | None,
+        ctx, x_local: Tensor, labels_local: Tensor, sent: Tensor, loss: ListwiseLoss, wire: _Wire
     ) -> Tensor:
-        database = padded_all_gather(x_local.detach(), layout.sizes, group, counter)
-        database_labels = padded_all_gather(labels_local, layout.sizes, group, counter)
+        layout, group, counter = wire.layout, wire.group, wire.counter
+        database = loss.unit_rows(padded_all_gather(sent, layout.sizes, group, counter))
+        database_labels = padded_all_gather(labels_local.to(wire.label_dtype), layout.sizes, group, counter)
         rows = layout.local_rows
         query_index = torch.arange(rows.start, rows.stop, device=database.device)
-        out = loss.rows(
-            database[rows], query_index, database, database_labels, need_grad=ctx.needs_input_grad[0]
-        )
-        local = torch.stack([out.loss_sum, out.losses.new_tensor(float(out.n_valid))])
-        loss_sum, n_valid = all_reduce_sum(local, group, counter).unbind()
+        failure: BaseException | None = None
+        try:
+            out = loss.rows(
+                database[rows], query_index, database, database_labels.long(), need_grad=wire.need_grad
+            )
+            local = torch.stack(
+                [out.loss_sum, out.losses.new_tensor(float(out.n_valid)), out.losses.new_zeros(())]
+            )
+        except Exception as exc:  # shared with every rank below, then raised everywhere
+            failure = exc
+            local = database.new_tensor([0.0, 0.0, 1.0])
+        loss_sum, n_valid, failed = all_reduce_sum(local, group, counter).unbind()
+        if float(failed) > 0:
+            raise_everywhere(failure, group)
         normaliser = max(float(n_valid), 1.0)
-        ctx.layout, ctx.group, ctx.counter = layout, group, counter
-        ctx.scale = grad_scale / normaliser
+        ctx.wire = wire
+        ctx.scale = wire.grad_scale / normaliser
         ctx.input_dtype = x_local.dtype
         if out.grad_queries is not None and out.grad_database is not None:
             ctx.save_for_backward(out.grad_queries, out.grad_database)
@@ -118,11 +142,28 @@ class GlobalBatchLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        refuse_double_backward()
         grad_queries, grad_database = ctx.saved_tensors
+        wire = ctx.wire
         factor = grad_output.to(grad_database.dtype) * ctx.scale
-        owned = padded_reduce_scatter(grad_database * factor, ctx.layout.sizes, ctx.group, ctx.counter)
+        sent = grad_database * factor
+        sent = sent.to(wire.grad_dtype) if wire.grad_dtype is not None else sent
+        owned = padded_reduce_scatter(sent, wire.layout.sizes, wire.group, wire.counter).to(
+            grad_queries.dtype
+        )
         grad_x = owned + grad_queries * factor
-        return grad_x.to(ctx.input_dtype), None, None, None, None, None, None
+        return grad_x.to(ctx.input_dtype), None, None, None, None
+
+
+def raise_everywhere(failure: BaseException | None, group: ProcessGroup | None) -> None:
+    """Collective (called by every rank once some rank failed): raise the failing ranks' errors on all ranks."""
+    messages: list[object] = [None] * world_size(group)
+    mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+    torch.distributed.all_gather_object(messages, mine, group=group)
+    failed = {r: m for r, m in enumerate(messages) if m is not None}
+    summary = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+    error = RuntimeError(f"the global-batch loss failed on rank(s) {sorted(failed)}: {summary}")
+    raise error from failure
 
 
 class GlobalBatchLoss(nn.Module):
@@ -138,10 +179,15 @@ class GlobalBatchLoss(nn.Module):
         grad_reduction: ``"mean"`` when the engine averages parameter gradients over ranks (DDP, DeepSpeed
             ZeRO, accelerate), ``"sum"`` when it sums them. See the module docstring for the convention.
         comm_counter: optional ``CommCounter`` that records the bytes this module's collectives send.
+        grad_dtype: dtype of the gradient rows the backward reduce-scatters; ``None`` (default) keeps the
+            compute dtype (float32, float64 for float64 inputs); ``torch.bfloat16`` halves those bytes at about
+            3 significant digits. Embeddings always travel in their own dtype (bf16 / fp16 inputs: half the
+            bytes of float32), labels in the smallest integer type that holds every rank's ids.
 
-    Every rank must call it at the same step (it runs collectives), in the same grad mode, and call
-    ``backward`` on the result if any rank does. Invalid inputs on one rank raise on every rank (the ranks
-    exchange a small status vector first), so a bad batch fails the job instead of hanging it.
+    Every rank must call it at the same step (it runs collectives), in the same grad mode, with the same loss
+    and hyper-parameters, and call ``backward`` on the result if any rank does. Invalid inputs, a different
+    loss, or an exception inside the loss on one rank raise on every rank (the ranks exchange a small status
+    vector first and a failure flag with the loss sums), so a bad batch fails the job instead of hanging it.
     """
 
     def __init__(
@@ -150,24 +196,37 @@ class GlobalBatchLoss(nn.Module):
         group: ProcessGroup | None = None,
         grad_reduction: GradReduction = "mean",
         comm_counter: CommCounter | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if grad_reduction not in ("mean", "sum"):
             raise ValueError(f"grad_reduction must be 'mean' (DDP, ZeRO) or 'sum', got {grad_reduction!r}")
+        if grad_dtype not in (None, torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"grad_dtype must be None (the compute dtype) or a floating dtype, got {grad_dtype}"
+            )
         self.loss = loss
         self.group = group
         self.grad_reduction = grad_reduction
         self.comm_counter = comm_counter
+        self.grad_dtype = grad_dtype
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         if not is_distributed(self.group):
             return self.loss(embeddings, labels)
         x, labels, problem = _prepare_or_report(self.loss, embeddings, labels)
-        layout = exchange_layout(x, problem, self.group, self.comm_counter)
-        grad_scale = float(world_size(self.group)) if self.grad_reduction == "mean" else 1.0
-        return GlobalBatchLossFunction.apply(
-            x, labels, self.loss, layout, grad_scale, self.group, self.comm_counter
+        need_grad = torch.is_grad_enabled() and x.requires_grad
+        meta = exchange_layout(x, labels, problem, self.loss, need_grad, self.group, self.comm_counter)
+        wire = _Wire(
+            layout=meta.layout,
+            label_dtype=meta.label_dtype,
+            grad_dtype=self.grad_dtype,
+            grad_scale=float(world_size(self.group)) if self.grad_reduction == "mean" else 1.0,
+            need_grad=need_grad,
+            group=self.group,
+            counter=self.comm_counter,
         )
+        return GlobalBatchLossFunction.apply(x, labels, embeddings.detach(), self.loss, wire)
 
     def extra_repr(self) -> str:
         return f"grad_reduction={self.grad_reduction!r}"
@@ -195,19 +254,44 @@ def _prepare_or_report(
     return x, labels, None
 
 
+@dataclass(frozen=True)
+class _Meta:
+    layout: GlobalLayout
+    label_dtype: torch.dtype
+
+
+def _label_dtype(low: int, high: int) -> torch.dtype:
+    """The smallest integer dtype that holds every class id in [low, high] (no int16: gloo and NCCL lack it)."""
+    for dtype in (torch.int8, torch.int32):
+        info = torch.iinfo(dtype)
+        if info.min <= low and high <= info.max:
+            return dtype
+    return torch.int64
+
+
 def exchange_layout(
-    x: Tensor, problem: ValueError | None, group: ProcessGroup | None, counter: CommCounter | None = None
-) -> GlobalLayout:
-    """All-gather ``[rows, width, dtype, requires_grad, failed]`` and check the ranks agree.
+    x: Tensor,
+    labels: Tensor,
+    problem: ValueError | None,
+    loss: ListwiseLoss,
+    need_grad: bool,
+    group: ProcessGroup | None,
+    counter: CommCounter | None = None,
+) -> _Meta:
+    """All-gather ``[rows, width, dtype, grad, failed, loss signature, min label, max label]`` and check that
+    the ranks agree.
 
     Raises ``ValueError`` on every rank when a rank rejected its inputs, or when ranks disagree on the
-    embedding width, dtype or grad mode (any of which would otherwise hang or corrupt the collectives).
+    embedding width, dtype, grad mode or the loss and its hyper-parameters (any of which would otherwise hang,
+    corrupt the collectives or mix two different losses into one number).
     """
     me = rank(group)
+    signature = zlib.crc32(loss.signature().encode("utf-8"))
+    low, high = (int(labels.min()), int(labels.max())) if labels.numel() and problem is None else (0, 0)
     if problem is None:
-        mine = [x.shape[0], x.shape[1], _DTYPE_CODES.get(x.dtype, 0), int(x.requires_grad), 0]
+        mine = [x.shape[0], x.shape[1], _DTYPE_CODES.get(x.dtype, 0), int(need_grad), 0, signature, low, high]
     else:
-        mine = [0, 0, 0, 0, 1]
+        mine = [0, 0, 0, 0, 1, signature, 0, 0]
     meta = all_gather_ints(mine, group, counter)
     failed = [r for r in range(meta.shape[0]) if meta[r, 4]]
     if problem is not None:
@@ -216,7 +300,18 @@ def exchange_layout(
         raise ValueError(
             f"rank(s) {failed} rejected their inputs to the global-batch loss (see their errors)"
         )
+    if len(set(meta[:, 5].tolist())) > 1:
+        signatures: list[object] = [None] * meta.shape[0]
+        torch.distributed.all_gather_object(signatures, loss.signature(), group=group)
+        shown = "; ".join(f"rank {r}: {sig}" for r, sig in enumerate(signatures))
+        raise ValueError(
+            f"ranks run different losses or hyper-parameters ({shown}): build the same loss everywhere"
+        )
     for column, what in ((1, "embedding width d"), (2, "embedding dtype"), (3, "grad mode (requires_grad)")):
         if len(set(meta[:, column].tolist())) > 1:
             raise ValueError(f"ranks disagree on the {what}: {meta[:, column].tolist()} (rank order)")
-    return GlobalLayout(sizes=tuple(meta[:, 0].tolist()), rank=me)
+    rows = meta[:, 0].tolist()
+    has_rows = [r for r in range(meta.shape[0]) if rows[r]]
+    low = min((int(meta[r, 6]) for r in has_rows), default=0)
+    high = max((int(meta[r, 7]) for r in has_rows), default=0)
+    return _Meta(GlobalLayout(sizes=tuple(rows), rank=me), _label_dtype(low, high))

@@ -78,9 +78,9 @@ class ListwiseLoss(nn.Module, abc.ABC):
         """
         labels = check_labels(labels)
         check_embeddings(embeddings, expected_rows=labels.shape[0])
-        x = embeddings.to(compute_dtype(embeddings.dtype))
+        x = self.unit_rows(embeddings)
         if self.normalize:
-            return F.normalize(x, dim=1), labels
+            return x, labels
         if x.shape[0]:
             norms = x.detach().norm(dim=1)
             tolerance = _UNIT_NORM_TOLERANCE.get(embeddings.dtype, _DEFAULT_UNIT_NORM_TOLERANCE)
@@ -91,6 +91,13 @@ class ListwiseLoss(nn.Module, abc.ABC):
                     f"{float(norms[worst]):.4g}; L2-normalise the embeddings or use normalize=True"
                 )
         return x, labels
+
+    def unit_rows(self, embeddings: Tensor) -> Tensor:
+        """The rows the loss works on: the compute dtype, L2-normalised when ``normalize``. ``prepare`` applies
+        it under autograd; the global loss applies it again, without autograd, to the rows gathered from the
+        other ranks in their own dtype, which gives the very same values."""
+        x = embeddings.to(compute_dtype(embeddings.dtype))
+        return F.normalize(x, dim=1) if self.normalize else x
 
     @torch.no_grad()
     def rows(
@@ -146,7 +153,18 @@ class ListwiseLoss(nn.Module, abc.ABC):
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         """Mean per-query loss over the queries that have a positive (0 with a zero gradient if none)."""
         x, labels = self.prepare(embeddings, labels)
-        return _ListwiseLossFunction.apply(x, labels, self)
+        # No gradient work when autograd will not ask for it (evaluation under no_grad, frozen inputs).
+        need_grad = torch.is_grad_enabled() and x.requires_grad
+        return _ListwiseLossFunction.apply(x, labels, self, need_grad)
+
+    def signature(self) -> str:
+        """The loss and its hyper-parameters, as the ranks of a global loss must agree on them."""
+        settings = ", ".join(f"{k}={v!r}" for k, v in sorted(self.hyper_parameters().items()))
+        return f"{type(self).__name__}({settings})"
+
+    def hyper_parameters(self) -> dict[str, object]:
+        """What decides the loss's value (families add theirs); the memory settings do not."""
+        return {"normalize": self.normalize}
 
 
 class _ListwiseLossFunction(torch.autograd.Function):
@@ -157,10 +175,10 @@ class _ListwiseLossFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, labels: Tensor, loss: ListwiseLoss) -> Tensor:
+    def forward(ctx, x: Tensor, labels: Tensor, loss: ListwiseLoss, need_grad: bool) -> Tensor:
         x_rows = x.detach()
         everyone = torch.arange(x.shape[0], device=x.device)
-        out = loss.rows(x_rows, everyone, x_rows, labels, need_grad=ctx.needs_input_grad[0])
+        out = loss.rows(x_rows, everyone, x_rows, labels, need_grad=need_grad and ctx.needs_input_grad[0])
         n_valid = out.n_valid
         scale = 1.0 / n_valid if n_valid else 0.0
         if out.grad_database is not None and out.grad_queries is not None:
@@ -168,9 +186,25 @@ class _ListwiseLossFunction(torch.autograd.Function):
         return out.loss_sum * scale
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx, grad_output: Tensor) -> tuple[Tensor | None, None, None, None]:
+        refuse_double_backward()
         (grad,) = ctx.saved_tensors
-        return grad * grad_output.to(grad.dtype), None, None
+        return grad * grad_output.to(grad.dtype), None, None, None
+
+
+def refuse_double_backward() -> None:
+    """Raise when a backward runs with ``create_graph=True`` (autograd enables grad mode only then).
+
+    The listwise gradients are closed forms computed in the forward pass, with no graph of their own, so a
+    second derivative through them would silently be wrong; ``torch.autograd.function.once_differentiable``
+    alone would not catch it (it only flags gradients whose ``grad_output`` requires grad, and a scalar loss's
+    ``grad_output`` does not).
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "the listwise losses are once-differentiable: their gradient is a closed form with no graph, so "
+            "create_graph=True (double backward, Hessian-vector products) is not supported"
+        )
 
 
 def _affine_operands(queries: Tensor, database: Tensor, scale: float, shift: float) -> tuple[Tensor, Tensor]:

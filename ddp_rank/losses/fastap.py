@@ -55,6 +55,9 @@ class FastAPLoss(ListwiseLoss):
             raise ValueError(f"num_bins must be a positive integer, got {num_bins}")
         self.num_bins = int(num_bins)
 
+    def hyper_parameters(self) -> dict[str, object]:
+        return {**super().hyper_parameters(), "num_bins": self.num_bins}
+
     def extra_repr(self) -> str:
         return f"num_bins={self.num_bins}, normalize={self.normalize}"
 
@@ -75,8 +78,11 @@ class FastAPLoss(ListwiseLoss):
         n_centres = n_bins + 1
         trash = 2 * n_centres  # histogram slot that swallows each query's own column
 
-        # Lower bin of each distance. Rounding can put a unit-row distance a hair outside [0, 4]; it then
-        # uses the kernel of the edge interval, as the authors' unclamped kernel nearly does.
+        # Distances are clamped to [0, 4] (t to [0, num_bins]): rows a hair off unit length (rounding, or within
+        # the tolerance of normalize=False) must not extrapolate the kernel, which could make the loss
+        # negative. Where the clamp is active the gradient is 0, as for torch.clamp.
+        outside = (t_cn < 0) | (t_cn > n_bins) if need_grad else None
+        t_cn.clamp_(0, n_bins)
         low_cn = torch.floor(t_cn, out=chunk.workspace.take("low", t_cn.shape, t_cn.dtype)).clamp_(
             0, n_bins - 1
         )
@@ -123,7 +129,9 @@ class FastAPLoss(ListwiseLoss):
         slope[:, : n_centres - 1] = dloss_dh_pos[:, 1:] - dloss_dh_pos[:, :-1]
         slope[:, n_centres : trash - 1] = dloss_dh_neg[:, 1:] - dloss_dh_neg[:, :-1]
         # The block (now the fractions) is no longer needed: the gradient goes into its memory.
-        return losses, valid, torch.gather(slope, 1, slot_cn, out=frac_cn)
+        grad = torch.gather(slope, 1, slot_cn, out=frac_cn)
+        assert outside is not None
+        return losses, valid, grad.masked_fill_(outside, 0.0)
 
 
 def _reverse_cumsum(x: Tensor) -> Tensor:

@@ -72,6 +72,16 @@ class PNPLoss(ListwiseLoss):
         )
         self.count_self = count_self
 
+    def hyper_parameters(self) -> dict[str, object]:
+        return {
+            **super().hyper_parameters(),
+            "variant": self.variant,
+            "tau": self.tau,
+            "b": self.b,
+            "alpha": self.alpha,
+            "count_self": self.count_self,
+        }
+
     def extra_repr(self) -> str:
         return (
             f"variant={self.variant!r}, tau={self.tau}, b={self.b}, alpha={self.alpha}, "

@@ -46,6 +46,9 @@ class SmoothAPLoss(ListwiseLoss):
         super().__init__(normalize=normalize, memory_budget=memory_budget, chunk_rows=chunk_rows)
         self.tau, self.count_self = check_positive("tau", tau), count_self
 
+    def hyper_parameters(self) -> dict[str, object]:
+        return {**super().hyper_parameters(), "tau": self.tau, "count_self": self.count_self}
+
     def extra_repr(self) -> str:
         return f"tau={self.tau}, count_self={self.count_self}, normalize={self.normalize}"
 

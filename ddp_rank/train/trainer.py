@@ -129,7 +129,9 @@ def check_inputs(cfg: Config) -> Manifest:
 def resolve_mixed_precision(configured: str, launcher: str | None = None) -> str:
     """The one precision of a run, from ``train.mixed_precision`` and the launcher's (``accelerate launch``
     exports it as ACCELERATE_MIXED_PRECISION; "no" there is also what it exports when nothing was asked)."""
-    launcher = (launcher if launcher is not None else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")).lower()
+    launcher = (
+        launcher if launcher is not None else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    ).lower()
     if configured == "auto":
         return launcher if launcher in ("fp16", "bf16") else "no"
     if launcher in ("fp16", "bf16") and launcher != configured:
