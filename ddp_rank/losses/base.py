@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ddp_rank.losses.rows import ChunkInputs, LabelIndex, RowsOutput, Workspace, chunk_rows, compute_dtype
+from ddp_rank.losses.rows import ChunkInputs, LabelIndex, RowsOutput, Workspace, compute_dtype, plan_chunks
 
 # How far from 1 a row norm may be when ``normalize=False`` promises unit rows.
 _UNIT_NORM_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -131,22 +131,30 @@ class ListwiseLoss(nn.Module, abc.ABC):
         grad_queries = torch.zeros_like(queries) if need_grad else None
         grad_database = torch.zeros_like(database) if need_grad else None
 
-        max_class_size = labels.max_class_size(query_labels)
-        row_bytes = self._bytes_per_query_row(n_database, max_class_size, dtype.itemsize)
-        step = chunk_rows(row_bytes, self.memory_budget, queries.device, self.chunk_rows)
+        # Queries sorted by class size, chunked at each chunk's own widest class (one device sync per call).
+        sizes = labels.class_sizes_of(query_labels)
+        order = torch.argsort(sizes, stable=True)
+        sorted_sizes = sizes[order].tolist()
+        chunks = plan_chunks(
+            sorted_sizes,
+            lambda width: self._bytes_per_query_row(n_database, width, dtype.itemsize),
+            self.memory_budget,
+            queries.device,
+            self.chunk_rows,
+        )
         scale, shift = self._similarity_affine()
         scaled_queries, block_database = _affine_operands(queries, database, scale, shift)
         workspace = Workspace(queries.device)
-        for start in range(0, n_queries, step):
-            rows_c = slice(start, start + step)
-            q_c = queries[rows_c]
-            chunk = ChunkInputs(query_labels[rows_c], query_index[rows_c], labels, max_class_size, workspace)
+        for start, stop, width in chunks:
+            idx = order[start:stop]
+            q_c = queries[idx]
+            chunk = ChunkInputs(query_labels[idx], query_index[idx], labels, width, workspace)
             b_cn = workspace.take("block", (q_c.shape[0], n_database), dtype)
-            torch.mm(scaled_queries[rows_c], block_database.T, out=b_cn)
-            losses[rows_c], valid[rows_c], g_cn = self._score_chunk(b_cn, chunk, need_grad)
+            torch.mm(scaled_queries[idx], block_database.T, out=b_cn)
+            losses[idx], valid[idx], g_cn = self._score_chunk(b_cn, chunk, need_grad)
             if need_grad:
                 assert g_cn is not None and grad_queries is not None and grad_database is not None
-                torch.mm(g_cn, database, out=grad_queries[rows_c]).mul_(scale)
+                grad_queries[idx] = torch.mm(g_cn, database).mul_(scale)
                 grad_database.addmm_(g_cn.T, q_c, alpha=scale)
         return RowsOutput(losses, valid, grad_queries, grad_database)
 

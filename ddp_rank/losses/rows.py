@@ -15,6 +15,7 @@ exists, and the chunk size follows from a memory budget.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,7 +79,7 @@ class ChunkInputs:
     query_labels: Tensor  # [c] int64
     self_columns: Tensor  # [c] int64: the column of each query in the database
     labels: LabelIndex
-    max_class_size: int  # P: the largest class among all the queries of this ``rows`` call
+    max_class_size: int  # P: the largest class among the chunk's queries
     workspace: Workspace
 
     def same_class(self) -> tuple[Tensor, Tensor]:
@@ -104,9 +105,6 @@ class LabelIndex:
         """[c] number of database items with each label (the query itself included)."""
         return self.class_sizes[torch.searchsorted(self.classes, labels)]
 
-    def max_class_size(self, labels: Tensor) -> int:
-        return int(self.class_sizes_of(labels).max()) if labels.numel() else 0
-
     def same_class(self, query_labels: Tensor, self_columns: Tensor, width: int) -> tuple[Tensor, Tensor]:
         """Columns sharing each query's label, padded to ``width``: ``(index [c, P], mask [c, P])``.
 
@@ -129,10 +127,39 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def chunk_rows(bytes_per_row: int, budget: int | None, device: torch.device, override: int | None) -> int:
-    """Query rows per chunk: ``override`` when given, else as many as fit the budget (at least one)."""
-    if override is not None:
-        return max(1, int(override))
+def plan_chunks(
+    class_sizes: Sequence[int],
+    bytes_per_row: Callable[[int], int],
+    budget: int | None,
+    device: torch.device,
+    override: int | None = None,
+) -> list[tuple[int, int, int]]:
+    """Chunks over queries sorted by their class size: ``(start, stop, P)`` with ``P`` the largest class in
+    the chunk, the width its ``[c, P, N]`` work is padded to.
+
+    Why sorted: a rank-based loss pays ``c x P x N`` per chunk, so one big class among small ones would make
+    every chunk pay for it if chunks followed the query order. Sorted, the small-class queries share chunks of
+    a small ``P`` (and many rows), the big class's queries chunks of their own. Each chunk holds as many rows
+    as fit ``budget`` at its own ``P`` (``override``: a fixed number of rows).
+    """
     if budget is None:
         budget = DEFAULT_BUDGET_BYTES["cuda" if device.type == "cuda" else "cpu"]
-    return max(1, budget // max(1, bytes_per_row))
+    n = len(class_sizes)
+    chunks = []
+    start = 0
+    while start < n:
+        if override is not None:
+            stop = min(n, start + max(1, int(override)))
+        else:
+            # Largest stop whose rows fit at the chunk's widest class (sorted: the last row's); at least one.
+            low, high = start + 1, n
+            while low < high:
+                mid = (low + high + 1) // 2
+                if (mid - start) * bytes_per_row(int(class_sizes[mid - 1])) <= budget:
+                    low = mid
+                else:
+                    high = mid - 1
+            stop = low
+        chunks.append((start, stop, int(class_sizes[stop - 1])))
+        start = stop
+    return chunks

@@ -1,0 +1,109 @@
+"""Cost of the rank losses when the classes of a batch are not all the same size.
+
+Real batches are whole classes: SOP's hold 2-12 images, iNaturalist's a long tail, and a global batch of
+65,536 almost always holds one big class. The rank losses (PNP, Smooth-AP) pay ``c x P x N`` per chunk of
+``c`` queries with ``P`` the widest class in the chunk, so chunks are formed from queries sorted by class size.
+For each class-size distribution at the same N, this compares the time with that of UNIFORM classes holding the
+same total number of (query, positive) pairs, sum_c n_c (n_c - 1), the work any exact method does
+(target: within 1.5x). Forward + backward, fp32, one process.
+
+    python benchmarks/loss_classes.py                   # N = 4096
+    python benchmarks/loss_classes.py --n 16384 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import markdown_table, write_result
+
+from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss
+
+
+def class_sizes(kind: str, n: int, rng: np.random.Generator) -> list[int]:
+    """Class sizes adding up to n: 'sop' (2-12), 'longtail' (log-normal, 2-500), 'onebig64' / 'onebig256' (every
+    class 4 but one)."""
+    if kind.startswith("onebig"):
+        big = int(kind.removeprefix("onebig"))
+        return [big] + [4] * ((n - big) // 4)
+    sizes: list[int] = []
+    while sum(sizes) < n:
+        if kind == "sop":
+            sizes.append(int(rng.integers(2, 13)))
+        else:
+            sizes.append(int(np.clip(rng.lognormal(2.0, 1.0), 2, 500)))
+    sizes[-1] -= sum(sizes) - n
+    if sizes[-1] < 2:
+        sizes[-2] += sizes.pop()
+    return sizes
+
+
+def uniform_like(sizes: list[int], n: int) -> list[int]:
+    """Uniform classes of size k with about the same positive pairs: n (k - 1) = sum n_c (n_c - 1)."""
+    pairs = sum(s * (s - 1) for s in sizes)
+    k = max(2, round(1 + pairs / n))
+    return [k] * (n // k) + ([n % k] if n % k >= 2 else [])
+
+
+def timed(loss_fn: torch.nn.Module, sizes: list[int], dim: int, repeats: int) -> float:
+    labels = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    labels = labels[torch.randperm(labels.numel(), generator=torch.Generator().manual_seed(0))]
+    x = torch.randn(labels.numel(), dim, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        loss_fn(x, labels).backward()
+        best = min(best, time.perf_counter() - start)
+        x.grad = None
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    rng = np.random.default_rng(0)
+    losses = {"PNP-Dq": PNPLoss("Dq", alpha=4.0), "Smooth-AP": SmoothAPLoss(), "FastAP": FastAPLoss(10)}
+    rows = []
+    for kind in ("sop", "longtail", "onebig64", "onebig256"):
+        sizes = class_sizes(kind, args.n, rng)
+        twin = uniform_like(sizes, args.n)
+        for name, loss_fn in losses.items():
+            t, t_uniform = (
+                timed(loss_fn, sizes, args.dim, args.repeats),
+                timed(loss_fn, twin, args.dim, args.repeats),
+            )
+            rows.append(
+                [
+                    name,
+                    kind,
+                    f"{len(sizes)} classes, largest {max(sizes)}",
+                    f"{twin[0]} per class",
+                    f"{t:.3f} s",
+                    f"{t_uniform:.3f} s",
+                    f"{t / t_uniform:.2f}x",
+                ]
+            )
+            print(rows[-1], flush=True)
+    header = ["loss", "classes", "batch", "uniform twin", "time", "uniform time", "ratio (goal <= 1.5)"]
+    table = markdown_table(header, rows)
+    body = (
+        f"Command: `python benchmarks/loss_classes.py --n {args.n} --dim {args.dim} --repeats {args.repeats}`\\n\\n"
+        f"N = {args.n}, d = {args.dim}, fp32, forward + backward, best of {args.repeats}; the uniform twin has the "
+        "same N and about the same number of (query, positive) pairs.\\n\\n" + table
+    )
+    print(table)
+    print(f"written to {write_result('loss-classes', 'Rank losses: cost with uneven class sizes', body)}")
+
+
+if __name__ == "__main__":
+    main()
