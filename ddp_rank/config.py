@@ -227,6 +227,12 @@ class LossConfig(_Section):
 
     name: str = _field("fastap", "Loss family.", choices=("fastap", "pnp", "smoothap"))
     num_bins: int = _field(10, "FastAP: histogram bins L (paper: 10 is best).", minimum=2)
+    matmul_precision: str = _field(
+        "highest",
+        "Precision of the similarity matmuls: 'highest' (float32), 'tf32' (CUDA tensor cores), 'bf16' "
+        "(bf16 operands, float32 results); the loss moves by ~1e-4 (see ListwiseLoss).",
+        choices=("highest", "tf32", "bf16"),
+    )
     normalize: bool = _field(True, "L2-normalise the embeddings inside the loss (a no-op on unit rows).")
     memory_budget_mb: int = _field(
         0,

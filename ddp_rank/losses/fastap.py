@@ -49,8 +49,14 @@ class FastAPLoss(ListwiseLoss):
         normalize: bool = True,
         memory_budget: int | None = None,
         chunk_rows: int | None = None,
+        matmul_precision: str = "highest",
     ) -> None:
-        super().__init__(normalize=normalize, memory_budget=memory_budget, chunk_rows=chunk_rows)
+        super().__init__(
+            normalize=normalize,
+            memory_budget=memory_budget,
+            chunk_rows=chunk_rows,
+            matmul_precision=matmul_precision,
+        )
         if int(num_bins) != num_bins or num_bins < 1:
             raise ValueError(f"num_bins must be a positive integer, got {num_bins}")
         self.num_bins = int(num_bins)

@@ -60,8 +60,14 @@ class PNPLoss(ListwiseLoss):
         normalize: bool = True,
         memory_budget: int | None = None,
         chunk_rows: int | None = None,
+        matmul_precision: str = "highest",
     ) -> None:
-        super().__init__(normalize=normalize, memory_budget=memory_budget, chunk_rows=chunk_rows)
+        super().__init__(
+            normalize=normalize,
+            memory_budget=memory_budget,
+            chunk_rows=chunk_rows,
+            matmul_precision=matmul_precision,
+        )
         if variant not in VARIANTS:
             raise ValueError(f"unknown PNP variant {variant!r}; choose one of {', '.join(VARIANTS)}")
         self.variant = variant

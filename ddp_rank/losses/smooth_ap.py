@@ -42,8 +42,14 @@ class SmoothAPLoss(ListwiseLoss):
         normalize: bool = True,
         memory_budget: int | None = None,
         chunk_rows: int | None = None,
+        matmul_precision: str = "highest",
     ) -> None:
-        super().__init__(normalize=normalize, memory_budget=memory_budget, chunk_rows=chunk_rows)
+        super().__init__(
+            normalize=normalize,
+            memory_budget=memory_budget,
+            chunk_rows=chunk_rows,
+            matmul_precision=matmul_precision,
+        )
         self.tau, self.count_self = check_positive("tau", tau), count_self
 
     def hyper_parameters(self) -> dict[str, object]:

@@ -72,19 +72,18 @@ def build_loss(cfg: Config) -> ListwiseLoss:
     """The listwise loss of ``cfg.loss`` (it knows no ranks; :class:`GlobalBatchLoss` spreads it)."""
     lc = cfg.loss
     budget = lc.memory_budget_mb * 2**20 if lc.memory_budget_mb else None
+    common: dict[str, Any] = {
+        "normalize": lc.normalize,
+        "memory_budget": budget,
+        "matmul_precision": lc.matmul_precision,
+    }
     if lc.name == "fastap":
-        return FastAPLoss(num_bins=lc.num_bins, normalize=lc.normalize, memory_budget=budget)
+        return FastAPLoss(num_bins=lc.num_bins, **common)
     if lc.name == "pnp":
         return PNPLoss(
-            variant=lc.pnp_variant,
-            tau=lc.tau,
-            b=lc.b,
-            alpha=lc.alpha,
-            count_self=lc.count_self,
-            normalize=lc.normalize,
-            memory_budget=budget,
+            variant=lc.pnp_variant, tau=lc.tau, b=lc.b, alpha=lc.alpha, count_self=lc.count_self, **common
         )
-    return SmoothAPLoss(tau=lc.tau, count_self=lc.count_self, normalize=lc.normalize, memory_budget=budget)
+    return SmoothAPLoss(tau=lc.tau, count_self=lc.count_self, **common)
 
 
 def open_shards(cfg: Config) -> Manifest:

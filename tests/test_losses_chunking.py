@@ -1,0 +1,53 @@
+"""Chunks follow their own classes: queries sorted by class size, each chunk padded to its own widest class
+(the plan is asserted here; its time is measured in benchmarks/loss_classes.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from ddp_rank.losses import PNPLoss
+from ddp_rank.losses.rows import plan_chunks
+
+N = 4096
+
+
+def _bytes(width: int) -> int:
+    return (width + 2) * N * 4  # a rank loss's [c, P, N] work per query row (float32)
+
+
+def test_one_big_class_does_not_widen_the_other_chunks() -> None:
+    sizes = [4] * (N - 256) + [256] * 256  # sorted by class size, as rows() sorts them
+    chunks = plan_chunks(sizes, _bytes, 32 * 2**20, torch.device("cpu"))
+    assert [start for start, _, _ in chunks] == sorted({start for start, _, _ in chunks})
+    assert chunks[0][0] == 0 and chunks[-1][1] == N
+    small = [(a, b, p) for a, b, p in chunks if b <= N - 256]
+    assert small and all(p == 4 for _, _, p in small)
+    big = [(a, b, p) for a, b, p in chunks if a >= N - 256]
+    assert all(p == 256 for _, _, p in big)
+    assert len([c for c in chunks if c[0] < N - 256 < c[1]]) <= 1, "at most one chunk mixes the two sizes"
+    padded = sum((b - a) * (p + 2) for a, b, p in chunks)
+    exact = sum(s + 2 for s in sizes)
+    assert padded <= 1.05 * exact, "the padded work stays that of the classes themselves"
+    for a, b, p in chunks:  # every chunk fits the budget at its own width (or is a single row)
+        assert (b - a) * _bytes(p) <= 32 * 2**20 or b - a == 1
+
+
+def test_a_forced_row_count_is_kept() -> None:
+    chunks = plan_chunks([2, 2, 3, 5, 9, 9, 9], _bytes, None, torch.device("cpu"), override=3)
+    assert chunks == [(0, 3, 3), (3, 6, 9), (6, 7, 9)]
+
+
+def test_sorted_chunks_give_the_same_loss_and_gradient_as_one_chunk() -> None:
+    g = torch.Generator().manual_seed(0)
+    labels = torch.cat([torch.full((40,), 0), torch.arange(1, 61).repeat_interleave(2)])
+    labels = labels[torch.randperm(labels.numel(), generator=g)]
+    x = torch.randn(labels.numel(), 16, generator=g, dtype=torch.float64)
+    results = []
+    for rows in (None, 7):
+        e = x.clone().requires_grad_()
+        loss = PNPLoss("Dq", tau=0.1, chunk_rows=rows, memory_budget=None if rows else 2**40)
+        value = loss(e, labels)
+        value.backward()
+        results.append((value.detach(), e.grad))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-10, atol=1e-13)
