@@ -7,6 +7,14 @@ three N x N x d matmuls any exact method needs (S = E E^T, G E, G^T E), done in 
 
     python benchmarks/loss.py                       # N = 256 .. 16384
     python benchmarks/loss.py --sizes 256,...,65536 # the full table (long on 2 cores)
+    python benchmarks/loss.py --device cuda --dim 512 --sizes 1024,...,65536 --dtype bfloat16 \
+        --matmul-precision tf32                     # on a GPU: also the floor with TF32 matmuls
+
+On CUDA, times are taken between ``torch.cuda.synchronize()`` calls and memory is the peak allocated by the
+caching allocator above the inputs. Note on the peer's Smooth-AP: pytorch-metric-learning's ``SmoothAPLoss``
+assumes every class holds batch / classes images and computes a different function otherwise (at N = 32 with
+uneven classes it gives 0.354 where ours and a brute-force definition give 0.169): its row is a speed
+reference only.
 """
 
 from __future__ import annotations
@@ -28,13 +36,13 @@ SAMPLES_PER_CLASS = 4
 LOSSES = ("fastap", "pnp_dq", "smooth_ap")
 
 
-def _ours(name: str):
+def _ours(name: str, precision: str = "highest"):
     from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss
 
     return {
-        "fastap": lambda: FastAPLoss(10),
-        "pnp_dq": lambda: PNPLoss("Dq", alpha=4.0),
-        "smooth_ap": lambda: SmoothAPLoss(),
+        "fastap": lambda: FastAPLoss(10, matmul_precision=precision),
+        "pnp_dq": lambda: PNPLoss("Dq", alpha=4.0, matmul_precision=precision),
+        "smooth_ap": lambda: SmoothAPLoss(matmul_precision=precision),
     }[name]()
 
 
@@ -55,14 +63,15 @@ def peer_bytes(name: str, n: int) -> float:
     return 4.0 * n**3 * 5
 
 
-def _inputs(n: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(n: int, dim: int, device: str, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     labels = torch.arange(n) // SAMPLES_PER_CLASS
     x = torch.randn(n // SAMPLES_PER_CLASS + 1, dim, generator=g)[labels] + torch.randn(n, dim, generator=g)
-    return x, labels
+    return x.to(device=device, dtype=getattr(torch, dtype)), labels.to(device)
 
 
 def _floor_step(x: torch.Tensor, chunk: int = 2048) -> None:
+    x = x.float()
     for start in range(0, x.shape[0], chunk):
         q = x[start : start + chunk]
         s = q @ x.T
@@ -70,28 +79,45 @@ def _floor_step(x: torch.Tensor, chunk: int = 2048) -> None:
         s.T @ q
 
 
-def worker(kind: str, name: str, n: int, dim: int, repeats: int) -> dict:
-    x, labels = _inputs(n, dim)
-    if kind != "floor":
-        loss_fn = _ours(name) if kind == "ours" else _peer(name)
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def worker(kind: str, name: str, n: int, args: argparse.Namespace) -> dict:
+    """One measurement in this process: kind is ours, peer, floor (fp32 matmuls) or floor-tf32."""
+    device = args.device
+    x, labels = _inputs(n, args.dim, device, args.dtype)
+    if not kind.startswith("floor"):
+        loss_fn = _ours(name, args.matmul_precision) if kind == "ours" else _peer(name)
+    torch.backends.cuda.matmul.allow_tf32 = kind == "floor-tf32"
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        baseline_cuda = torch.cuda.memory_allocated()
 
     def step() -> None:
-        if kind == "floor":
+        if kind.startswith("floor"):
             _floor_step(x)
             return
         e = x.clone().requires_grad_(True)
         loss_fn(e, labels).backward()
 
-    start = time.perf_counter()
-    step()
-    first = time.perf_counter() - start
-    peak_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024
-    times = [first]
-    for _ in range(repeats - 1 if first < 5 else 0):
+    def timed() -> float:
+        _sync(device)
         start = time.perf_counter()
         step()
-        times.append(time.perf_counter() - start)
+        _sync(device)
+        return time.perf_counter() - start
+
+    first = timed()
+    if device == "cuda":
+        peak_mb = (torch.cuda.max_memory_allocated() - baseline_cuda) / 2**20
+    else:
+        peak_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024
+    times = [first]
+    for _ in range(args.repeats - 1 if first < 5 else 0):
+        times.append(timed())
     # The first call pays one-off allocations; report the best of the others when there are some.
     return {"time_s": min(times[1:] or times), "peak_mb": peak_mb}
 
@@ -110,6 +136,12 @@ def run_one(kind: str, name: str, n: int, args: argparse.Namespace) -> dict:
         str(args.threads),
         "--repeats",
         str(args.repeats),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--matmul-precision",
+        args.matmul_precision,
     ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.time_limit_s, check=False)
@@ -142,13 +174,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer-memory-gb", type=float, default=12.0)
     parser.add_argument("--time-limit-s", type=float, default=900.0)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="inputs"
+    )
+    parser.add_argument(
+        "--matmul-precision",
+        default="highest",
+        choices=("highest", "tf32", "bf16"),
+        help="ours' similarity matmuls",
+    )
     parser.add_argument("--worker", nargs=3, metavar=("KIND", "LOSS", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
 
     if args.worker:
         kind, name, n = args.worker
-        print(json.dumps(worker(kind, name, int(n), args.dim, args.repeats)))
+        print(json.dumps(worker(kind, name, int(n), args)))
         return
 
     header = [
@@ -163,9 +207,13 @@ def main() -> None:
         "floor s",
         "ours / floor",
     ]
+    cuda = args.device == "cuda"
+    if cuda:
+        header += ["TF32 floor s", "ours / TF32 floor"]
     rows = []
     sizes = [int(s) for s in args.sizes.split(",")]
     floors = {n: run_one("floor", "fastap", n, args) for n in sizes}
+    tf32_floors = {n: run_one("floor-tf32", "fastap", n, args) for n in sizes} if cuda else {}
     for name in args.losses.split(","):
         for n in sizes:
             ours = run_one("ours", name, n, args)
@@ -189,14 +237,28 @@ def main() -> None:
                 if "error" not in ours and "error" not in floor
                 else "-",
             ]
+            if cuda:
+                tf32 = tf32_floors[n]
+                row += [
+                    _fmt_time(tf32),
+                    f"{ours['time_s'] / tf32['time_s']:.2f}"
+                    if "error" not in ours and "error" not in tf32
+                    else "-",
+                ]
             rows.append(row)
             print(" | ".join(row), flush=True)
 
     table = markdown_table(header, rows)
     body = (
-        f"Forward + backward of one batch, d = {args.dim}, float32, {SAMPLES_PER_CLASS} images per class, "
-        f"{args.threads} threads; best of {args.repeats} runs after the first; peak = resident memory above "
-        "the inputs (MB, ru_maxrss), so a few MB is noise. PML = pytorch-metric-learning 2.9.0. "
+        f"Forward + backward of one batch on {args.device}, d = {args.dim}, {args.dtype} inputs, ours with "
+        f"matmul_precision={args.matmul_precision}, {SAMPLES_PER_CLASS} images per class, "
+        f"{args.threads} threads; best of {args.repeats} runs after the first; peak = "
+        + (
+            "CUDA memory allocated above the inputs (MB). "
+            if cuda
+            else "resident memory above the inputs (MB, ru_maxrss), so a few MB is noise. "
+        )
+        + "PML = pytorch-metric-learning 2.9.0 (its Smooth-AP is a different function on uneven classes). "
         f"The peer is not run where its dense tensors need more than {args.peer_memory_gb:.0f} GB. "
         "Floor = the three N x N x d matmuls done in 2048-row chunks.\n\n" + table
     )

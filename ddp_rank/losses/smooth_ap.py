@@ -30,8 +30,11 @@ class SmoothAPLoss(ListwiseLoss):
 
     Args:
         tau: sigmoid temperature.
-        count_self: count the query among its own positives, as the authors' code does.
-        normalize, memory_budget, chunk_rows: see ``ListwiseLoss``.
+        count_self: count the query among its own positives, as the authors' code does. Then EVERY query is
+            valid, a singleton too (its AP is 1: its only positive, itself, ranks first), so singletons count
+            in the mean; with ``False`` a query without another positive is left out of it, as in FastAPLoss
+            and PNPLoss (where that holds for both settings).
+        normalize, memory_budget, chunk_rows, matmul_precision: see ``ListwiseLoss``.
     """
 
     def __init__(
