@@ -103,12 +103,23 @@ def pml_bytes(n_global: int, dim: int) -> int:
     return round((WORLD - 1) / WORLD * n_global * (dim * 4 + 8))
 
 
+METHODS = {
+    "ours": "GlobalBatchLoss (ours), fp32 inputs",
+    "ours-bf16": "GlobalBatchLoss (ours), bf16 inputs",
+    "ours-bf16-grads": "GlobalBatchLoss (ours), bf16 inputs and gradients",
+    "pml": "PML DistributedLossWrapper",
+}
+
+
 def make_loss(method: str, counter: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    if method == "ours":
+    if method.startswith("ours"):
         from ddp_rank.distributed import GlobalBatchLoss
         from ddp_rank.losses import FastAPLoss
 
-        return GlobalBatchLoss(FastAPLoss(num_bins=10, normalize=False), comm_counter=counter)
+        grad_dtype = torch.bfloat16 if method == "ours-bf16-grads" else None
+        return GlobalBatchLoss(
+            FastAPLoss(num_bins=10, normalize=False), comm_counter=counter, grad_dtype=grad_dtype
+        )
     from pytorch_metric_learning.losses import FastAPLoss as PMLFastAP
     from pytorch_metric_learning.utils.distributed import DistributedLossWrapper
 
@@ -121,6 +132,8 @@ def time_loss(method: str, n_global: int, dim: int, repeats: int, rank: int) -> 
     counter = CommCounter()
     loss_fn = make_loss(method, counter)
     local, labels = global_batch(n_global, dim, rank)
+    if "bf16" in method:
+        local = local.bfloat16()
     loss_fn(local.clone().requires_grad_(), labels).backward()  # warm-up: lazy initialisation, first buffers
     times, cpu, peaks = [], [], []
     for _ in range(repeats):
@@ -134,7 +147,7 @@ def time_loss(method: str, n_global: int, dim: int, repeats: int, rank: int) -> 
             dist.barrier()
             times.append(time.perf_counter() - start)
         peaks.append(mem["bytes"])
-    sent = counter.total if method == "ours" else pml_bytes(n_global, dim)
+    sent = counter.total if method.startswith("ours") else pml_bytes(n_global, dim)
     return {"time": min(times), "cpu": min(cpu), "peak": max(peaks), "bytes": sent}
 
 
@@ -146,7 +159,7 @@ def loss_worker(
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(minutes=10))
     rows = []
     for n_global in sizes:
-        for method in ("ours", "pml"):
+        for method in METHODS:
             if method == "pml" and n_global > pml_max:
                 rows.append({"method": method, "n": n_global, "skipped": True})
                 continue
@@ -245,7 +258,7 @@ def loss_table(rows: list[dict[str, Any]], dim: int) -> list[str]:
         "|---:|---|---:|---:|---:|---:|",
     ]
     for row in rows:
-        name = "GlobalBatchLoss (ours)" if row["method"] == "ours" else "PML DistributedLossWrapper"
+        name = METHODS[row["method"]]
         if row.get("skipped"):
             estimate = PML_NN_BUFFERS * row["n"] ** 2 * 4
             lines.append(
@@ -285,6 +298,7 @@ def main() -> None:
     parser.add_argument("--cnn-chunk", type=int, default=64, help="chunk size for the chunked benchmark")
     parser.add_argument("--cnn-image", type=int, default=32, help="image side in pixels")
     parser.add_argument("--skip-loss", action="store_true", help="only run the chunked-step benchmark")
+    parser.add_argument("--skip-cnn", action="store_true", help="only run the loss benchmark")
     parser.add_argument("--out", type=Path, default=None, help="markdown output (default: results/dated)")
     args = parser.parse_args()
     # Large buffers are mmapped and returned to the OS at free, so the resident size tracks live tensors
@@ -302,6 +316,13 @@ def main() -> None:
             "",
         ]
         lines += [*loss_table(rows, args.dim), ""]
+    if args.skip_cnn:
+        text = "\n".join(lines)
+        print(text)
+        out = args.out or RESULTS / f"distributed-{today}.md"
+        out.write_text(text)
+        print(f"written to {out}")
+        return
     print(f"chunked vs direct step, small CNN, batch {args.cnn_batch}, chunk {args.cnn_chunk}, 1 thread")
     cnn = run_chunked_benchmark(args.cnn_batch, args.cnn_chunk, args.cnn_image, args.dim, args.repeats)
     lines += [
