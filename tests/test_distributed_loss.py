@@ -159,7 +159,8 @@ def test_bytes_counted_per_collective() -> None:
     counts = run_distributed(_bytes_worker, 2)
     expected = {
         "all_gather_meta": 2 * 8 * 8 // 2,  # 8 ints: rows, width, dtype, grad, failed, loss, label range
-        "all_gather": (2 * 11 * 8 * 8 + 2 * 11 * 4) // 2,  # embeddings float64 + labels int32 (ids up to 1000)
+        "all_gather": (2 * 11 * 8 * 8 + 2 * 11 * 4)
+        // 2,  # embeddings float64 + labels int32 (ids up to 1000)
         "all_reduce": 2 * 3 * 8 // 2,  # loss sum, valid count, failure flag
         "reduce_scatter": 2 * 11 * 8 * 8 // 2,
     }

@@ -183,13 +183,20 @@ def test_one_source_of_truth_for_the_precision(
     assert resolve_mixed_precision("auto", "bf16") == "bf16"
     assert resolve_mixed_precision("auto", "no") == "no"
     assert resolve_mixed_precision("fp16", "no") == "fp16"  # a launcher that asks nothing exports "no"
-    with pytest.raises(ConfigError, match="launcher asks for mixed precision bf16 but train.mixed_precision=no"):
+    with pytest.raises(
+        ConfigError, match=r"launcher asks for mixed precision bf16 but train\.mixed_precision=no"
+    ):
         resolve_mixed_precision("no", "bf16")
-    # Under a bf16 launcher, 'auto' trains in bf16 autocast (on CPU here), the loss still in float32.
+    # Under a bf16 launcher, 'auto' trains in bf16 autocast (on CPU here), the loss still in float32. The
+    # accelerate state is a per-process singleton that earlier tests set to 'no': start from a fresh one.
+    from accelerate.state import AcceleratorState
+
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    AcceleratorState._reset_state(True)
     trainer = Trainer(cfg_for(shards, tmp_path / "run", "train.steps=1"))
     try:
         assert str(trainer.accelerator.mixed_precision) == "bf16"
         assert 0.0 <= trainer.train_step().loss <= 1.0
     finally:
         trainer.close()
+        AcceleratorState._reset_state(True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import csv
 import glob
-import hashlib
 import json
 import os
 import tarfile
@@ -45,6 +44,7 @@ from ddp_rank.data.manifest import (
     SplitInfo,
     is_url,
     join_location,
+    sha256_file,
 )
 from ddp_rank.data.tario import sample_key, span_digest
 
@@ -166,14 +166,6 @@ def _runs(path: str, name: str, options: IndexOptions) -> tuple[list[_Run], int,
     return runs, os.path.getsize(path), skipped
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _digest(path: str, start: int, end: int) -> str:
     with open(path, "rb") as f:
         f.seek(start)
@@ -265,7 +257,7 @@ def index_shards(
             with _local_copy(join_location(root, rel)) as local:
                 runs, size, lost = _runs(local, rel, options)
                 digests = [_digest(local, r.start, r.end) for r in runs]
-                walked[split].append((rel, runs, size, _sha256(local), digests))
+                walked[split].append((rel, runs, size, sha256_file(local), digests))
             skipped += lost
     _check_contiguous(
         {split: [(rel, runs, size) for rel, runs, size, _, _ in shards] for split, shards in walked.items()}

@@ -16,12 +16,11 @@ whose download does not match is not cached; its classes are then read by range 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ddp_rank.data.manifest import Manifest, ShardInfo, is_url
+from ddp_rank.data.manifest import Manifest, ShardInfo, is_url, sha256_file
 
 
 class ShardStore:
@@ -115,17 +114,9 @@ class ShardStore:
             partial = cached.with_name(f".{cached.name}.{os.getpid()}.partial")
             try:
                 self._filesystem().get_file(self.manifest.shard_url(shard), str(partial))
-                if _sha256(partial) != shard.sha256:
+                if sha256_file(partial) != shard.sha256:
                     return False
                 os.replace(partial, cached)
             finally:
                 partial.unlink(missing_ok=True)
         return True
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
