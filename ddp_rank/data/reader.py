@@ -49,9 +49,8 @@ class ClassReader:
         except FileNotFoundError as exc:
             self.dead_shards[shard.path] = f"not found ({exc})"
             raise ClassReadError(class_id, shard.path, self.dead_shards[shard.path]) from exc
-        except (
-            Exception
-        ) as exc:  # any storage failure (HTTP status, network, short read) costs this class only
+        except Exception as exc:
+            # Any other storage failure (HTTP status, network, short read) costs this class only.
             raise ClassReadError(class_id, shard.path, f"{type(exc).__name__}: {exc}") from exc
         if span_digest(data) != span.digest:
             raise ClassReadError(

@@ -70,9 +70,8 @@ class ShardStore:
     # ------------------------------------------------------------------ internals
 
     def _filesystem(self) -> Any:
-        if (
-            self._fs is None or self._fs_pid != os.getpid()
-        ):  # a file system's event loop does not survive fork
+        # A file system's event loop does not survive fork: each process makes its own.
+        if self._fs is None or self._fs_pid != os.getpid():
             self._fs_pid = os.getpid()
             import fsspec
 
