@@ -38,7 +38,7 @@ __all__ = ["evaluate_model", "key_index", "model_transform", "read_eval_batches"
 
 
 def model_transform(cfg: Config, *, augment: bool = False) -> TransformConfig:
-    """The data layer's transform for our models: the papers' resize/crop, pixels left in [0, 1]."""
+    """The data layer's transform for our models: ``data.crop``'s resize/crop, pixels left in [0, 1]."""
     return TransformConfig(
         resize=cfg.data.resize_size,
         crop=cfg.data.image_size,
@@ -46,6 +46,7 @@ def model_transform(cfg: Config, *, augment: bool = False) -> TransformConfig:
         flip=augment,
         mean=(0.0, 0.0, 0.0),
         std=(1.0, 1.0, 1.0),
+        mode=cfg.data.crop,
     )
 
 
