@@ -37,6 +37,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "TrainConfig",
+    "config_from_dict",
     "describe",
     "load_config",
     "parse_overrides",
@@ -609,6 +610,16 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file '{p}' is not valid YAML: {exc}") from exc
         _merge(values, loaded, str(p))
+    _merge(values, parse_overrides(overrides), "command line")
+    return _build(values)
+
+
+def config_from_dict(
+    loaded: Mapping[str, Any], overrides: Sequence[str] = (), origin: str = "saved config"
+) -> Config:
+    """Defaults <- ``loaded`` (e.g. the config a checkpoint's meta.json holds) <- overrides; validated."""
+    values = to_dict(Config())
+    _merge(values, loaded, origin)
     _merge(values, parse_overrides(overrides), "command line")
     return _build(values)
 

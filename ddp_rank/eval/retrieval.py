@@ -39,9 +39,9 @@ def faiss_available() -> bool:
     return True
 
 
-def _resolve_backend(backend: str) -> str:
+def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
-        if torch.cuda.is_available():
+        if device.type == "cuda":
             return "torch"  # exact top-k on the GPU beats faiss-cpu by far
         return "faiss" if faiss_available() else "torch"
     if backend == "faiss" and not faiss_available():
@@ -68,7 +68,10 @@ class ExactSearch:
     def __init__(
         self, database: Tensor, backend: str = "auto", device: torch.device | str | None = None
     ) -> None:
-        self.backend = _resolve_backend(backend)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.backend = _resolve_backend(backend, self.device)
         d = database.detach().float().contiguous()
         self.size, self.dim = int(d.shape[0]), int(d.shape[1]) if d.ndim == 2 else 0
         if self.backend == "faiss":
@@ -78,9 +81,6 @@ class ExactSearch:
             self.index.add(d.cpu().numpy())
             self.device = torch.device("cpu")
         else:
-            if device is None:
-                device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.device = torch.device(device)
             self.database = d.to(self.device)
 
     def search(self, queries: Tensor, k: int, block: int = 4096) -> tuple[Tensor, Tensor]:
