@@ -121,7 +121,9 @@ class ResizeCenterCrop:
         return _to_uint8_chw(image.resize((crop, crop), Image.Resampling.BILINEAR, box=box))
 
 
-def _square_crop_box(image: Image.Image, resize: int, top: int, left: int, crop: int) -> tuple[float, ...]:
+def _square_crop_box(
+    image: Image.Image, resize: int, top: int, left: int, crop: int
+) -> tuple[float, float, float, float]:
     """The box in original pixels of the ``crop`` square at (top, left) of the image squashed to resize x resize."""
     sx, sy = image.size[0] / resize, image.size[1] / resize
     return (left * sx, top * sy, (left + crop) * sx, (top + crop) * sy)
