@@ -13,7 +13,12 @@ import sys
 from collections.abc import Sequence
 
 # Modules that provide a ``register(subparsers)`` function, in the order they appear in ``--help``.
-_COMMAND_MODULES: tuple[str, ...] = ("ddp_rank.data.shards_cli", "ddp_rank.train.cli", "ddp_rank.eval.cli")
+_COMMAND_MODULES: tuple[str, ...] = (
+    "ddp_rank.data.shards_cli",
+    "ddp_rank.train.cli",
+    "ddp_rank.eval.cli",
+    "ddp_rank.eval.serve_cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

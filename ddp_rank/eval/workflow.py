@@ -20,13 +20,13 @@ from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
 from ddp_rank.train.checkpoint import load_model_weights, read_meta, resolve_checkpoint
 from ddp_rank.train.model import RawPixels, build_model
 
-__all__ = ["build_eval_model", "evaluate_cli", "results_table", "run_config"]
+__all__ = ["build_eval_model", "check_split", "evaluate_cli", "results_table", "run_config"]
 
 RAW_PIXEL_SIZE = 64
 """Raw-pixel baseline: images are resized to at most this side before flattening (64 x 64 x 3 = 12,288-d)."""
 
 
-def _check_split(cfg: Config, split: str | None) -> None:
+def check_split(cfg: Config, split: str | None) -> None:
     """The shards open (``split`` None) and hold ``split``; errors say how to fix it."""
     from ddp_rank.train.trainer import open_shards  # the trainer imports the evaluation: import late
 
@@ -72,7 +72,7 @@ def _splits_to_evaluate(cfg: Config, split: str | None) -> tuple[str | None, str
     target = split or cfg.data.test_split
     if not target:
         raise ConfigError("no split to evaluate: pass --split or set data.test_split")
-    _check_split(cfg, target)
+    check_split(cfg, target)
     return split, target
 
 
@@ -105,7 +105,7 @@ def evaluate_cli(
     """Evaluate on every rank; rank 0 prints the table and writes/updates the JSON. Tears down the group."""
     from ddp_rank.train.trainer import make_accelerator
 
-    _check_split(cfg, None)
+    check_split(cfg, None)
     split, described = _splits_to_evaluate(cfg, split)
     if checkpoint is not None and baseline is not None:
         raise ConfigError("pass either --checkpoint or --baseline, not both")
