@@ -7,13 +7,34 @@ import tempfile
 from pathlib import Path
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux exposes it (``os.umask`` sets it as it reads,
+    which races with threads creating files)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    mask = os.umask(0o022)  # pragma: no cover
+    os.umask(mask)  # pragma: no cover
+    return mask  # pragma: no cover
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old or the new content, never a part: temporary file
-    in the same directory, flush + fsync, ``os.replace``, fsync of the directory."""
+    in the same directory, flush + fsync, ``os.replace``, fsync of the directory.
+
+    The file gets the mode a plain ``open(path, "w")`` would give it (0666 minus the umask): ``mkstemp`` makes
+    its temporary file owner-only, and the rename would otherwise keep that, so colleagues sharing a cluster
+    could not read a run's config or summary.
+    """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()

@@ -18,6 +18,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "ddp_rank.train.plan_cli",
     "ddp_rank.train.cli",
     "ddp_rank.eval.cli",
+    "ddp_rank.eval.serve_cli",
 )
 
 

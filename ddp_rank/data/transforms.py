@@ -1,7 +1,14 @@
 """Decoding and the papers' image transforms, split so that the per-image work stays in uint8.
 
-Train (FastAP / PNP): resize the shorter side to 256, random resized crop 224, horizontal flip. Test: resize 256,
-centre crop 224. Sizes are configurable (the demo uses small images). Per image we decode with PIL (JPEG
+Two crops (``TransformConfig.mode``):
+
+- ``paper``, the FastAP and PNP papers' preprocessing: resize to 256 x 256 (the aspect ratio is not kept), a
+  random 224 x 224 crop and a horizontal flip for training; resize to 256 x 256 and the centre 224 crop for
+  testing.
+- ``random_resized``: resize the shorter side to 256, random-resized crop 224 (area scale and aspect jitter as
+  torchvision's RandomResizedCrop), flip; test: shorter side 256, centre crop 224.
+
+Sizes are configurable (the demo uses small images). Per image we decode with PIL (JPEG
 ``draft`` mode decodes big files directly at a reduced scale), do resize + crop (+ flip) as ONE resample of the
 PIL image and convert to a uint8 tensor; the float conversion and the ImageNet normalisation run once on the stacked batch,
 which is cheaper than per image.
@@ -26,9 +33,12 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 ImageTransform = Callable[[Image.Image], torch.Tensor]
 
 
+CROP_MODES = ("random_resized", "paper")
+
+
 @dataclass(frozen=True)
 class TransformConfig:
-    """Sizes of the papers' augmentation (resize 256, crop 224), configurable."""
+    """Sizes of the papers' augmentation (resize 256, crop 224), configurable, and the crop mode."""
 
     resize: int = 256
     crop: int = 224
@@ -37,10 +47,14 @@ class TransformConfig:
     flip: bool = True
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
+    mode: str = "random_resized"
+    """``paper`` (square resize, plain random crop) or ``random_resized`` (see the module doc)."""
 
     def __post_init__(self) -> None:
         if self.crop > self.resize:
             raise ValueError(f"crop ({self.crop}) must not exceed resize ({self.resize})")
+        if self.mode not in CROP_MODES:
+            raise ValueError(f"crop mode {self.mode!r}: valid are {', '.join(CROP_MODES)}")
 
 
 def decode_image(data: bytes, draft_size: int | None = None) -> Image.Image:
@@ -107,12 +121,54 @@ class ResizeCenterCrop:
         return _to_uint8_chw(image.resize((crop, crop), Image.Resampling.BILINEAR, box=box))
 
 
+def _square_crop_box(
+    image: Image.Image, resize: int, top: int, left: int, crop: int
+) -> tuple[float, float, float, float]:
+    """The box in original pixels of the ``crop`` square at (top, left) of the image squashed to resize x resize."""
+    sx, sy = image.size[0] / resize, image.size[1] / resize
+    return (left * sx, top * sy, (left + crop) * sx, (top + crop) * sy)
+
+
+class SquareResizeCropFlip:
+    """The papers' training crop: resize to ``resize`` x ``resize``, random ``crop`` square, random flip.
+
+    As in :class:`ResizedCropFlip`, the crop is mapped back to the original pixels so the image is resampled
+    once; the crop position and the flip come from the torch RNG (the stream seeds it per sample).
+    """
+
+    def __init__(self, config: TransformConfig) -> None:
+        self.config = config
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        resize, crop = self.config.resize, self.config.crop
+        top = int(torch.randint(0, resize - crop + 1, (1,)).item())
+        left = int(torch.randint(0, resize - crop + 1, (1,)).item())
+        box = _square_crop_box(image, resize, top, left, crop)
+        out = image.resize((crop, crop), Image.Resampling.BILINEAR, box=box)
+        if self.config.flip and torch.rand(1).item() < 0.5:
+            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return _to_uint8_chw(out)
+
+
+class SquareResizeCenterCrop:
+    """The papers' test crop: resize to ``resize`` x ``resize`` and take the centre ``crop`` square."""
+
+    def __init__(self, config: TransformConfig) -> None:
+        self.config = config
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        resize, crop = self.config.resize, self.config.crop
+        offset = round((resize - crop) / 2.0)
+        box = _square_crop_box(image, resize, offset, offset, crop)
+        return _to_uint8_chw(image.resize((crop, crop), Image.Resampling.BILINEAR, box=box))
+
+
 def train_transform(config: TransformConfig) -> ImageTransform:
-    return ResizedCropFlip(config)
+    return SquareResizeCropFlip(config) if config.mode == "paper" else ResizedCropFlip(config)
 
 
 def test_transform(config: TransformConfig) -> ImageTransform:
-    return ResizeCenterCrop(config)
+    return SquareResizeCenterCrop(config) if config.mode == "paper" else ResizeCenterCrop(config)
 
 
 def normalize_batch(images: Sequence[torch.Tensor], config: TransformConfig) -> torch.Tensor:

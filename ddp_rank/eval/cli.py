@@ -2,9 +2,9 @@
 
 Examples::
 
-    ddp-rank eval --config configs/demo.yaml --checkpoint runs/demo          # best (else latest) checkpoint
+    ddp-rank eval --checkpoint runs/demo        # the run's config.yaml, its best (else latest) checkpoint
     ddp-rank eval --config configs/demo.yaml --baseline raw-pixels --output raw.json
-    ddp-rank eval --config runs/demo/config.yaml --checkpoint runs/demo/checkpoints/step-00000100
+    ddp-rank eval --checkpoint runs/demo/checkpoints/step-00000100 eval.search=torch
     accelerate launch --config_file launch/accelerate_cpu_2proc.yaml -m ddp_rank.cli eval --config ...
 
 Every process embeds its part of the test split; the embeddings are gathered (padded) and rank 0 searches and
@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import Any
 
-from ddp_rank.config import ConfigError, load_config
+from ddp_rank.config import ConfigError
 
 __all__ = ["register", "run"]
 
@@ -29,7 +29,10 @@ def register(subparsers: Any) -> None:
         help="retrieval evaluation (Recall@k, MAP@R) with the SOP / In-Shop / VehicleID protocols",
         description="Embed the test split of data.shards and report Recall@k and MAP@R (eval.protocol).",
     )
-    p.add_argument("--config", help="experiment YAML (the run's config.yaml reproduces its model)")
+    p.add_argument(
+        "--config",
+        help="experiment YAML; default with --checkpoint: the run's own config.yaml (else the checkpoint's meta.json)",
+    )
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.add_argument(
         "--checkpoint", help="run directory (its best, else latest checkpoint) or a step-* directory"
@@ -39,7 +42,10 @@ def register(subparsers: Any) -> None:
         choices=("untrained", "raw-pixels"),
         help="evaluate the network as built from the config (no checkpoint), or raw pixels",
     )
-    p.add_argument("--split", help="split to evaluate (default data.test_split)")
+    p.add_argument(
+        "--split",
+        help="split to evaluate (default data.test_split; VehicleID recipe shards: every test_<size> list)",
+    )
     p.add_argument("--name", help="row name in the table and key in the JSON (default: what was evaluated)")
     p.add_argument("--output", help="write the results JSON here (default OUTPUT_DIR/eval.json)")
     p.set_defaults(func=run)
@@ -48,13 +54,13 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Parse, evaluate, print. Setup errors print one clear line and exit 2."""
     from ddp_rank.eval.protocols import EvalError
-    from ddp_rank.eval.workflow import evaluate_cli
+    from ddp_rank.eval.workflow import evaluate_cli, run_config
     from ddp_rank.train.checkpoint import CheckpointError
     from ddp_rank.train.model import ModelError
     from ddp_rank.train.trainer import TrainError
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = run_config(args.config, args.checkpoint, args.overrides)
         evaluate_cli(
             cfg,
             checkpoint=args.checkpoint,

@@ -7,6 +7,7 @@
 - ``vehicleid`` (PKU VehicleID): for each test list (``small`` 800, ``medium`` 1,600, ``large`` 2,400
   vehicles), one image per vehicle is drawn at random into the gallery and all the others query it;
   Recall@1, 5, averaged over ``repeats`` draws. Plain keys (``recall@1``) repeat the largest evaluated list.
+  No MAP@R: each query has exactly one relevant gallery image, so MAP@R would always equal Recall@1.
 
 Subsets come from the ``subset`` field of each sample's ``.json`` in the shards (written by the data layer's
 build from the listing's ``subset`` column). A sample may carry several tokens separated by commas, e.g.
@@ -35,6 +36,7 @@ __all__ = [
     "EmbeddedSet",
     "EvalError",
     "evaluate",
+    "metric_names",
     "subset_mask",
     "subsets_to_bits",
     "with_largest_list_as_headline",
@@ -97,6 +99,28 @@ def _ks(protocol: str, ks: Sequence[int] | None) -> list[int]:
     return list(ks) if ks else list(PROTOCOL_KS[protocol])
 
 
+def metric_names(
+    protocol: str,
+    ks: Sequence[int] | None = None,
+    *,
+    map_at_r: bool = True,
+    vehicleid_sizes: Sequence[str] = VEHICLEID_SIZES,
+) -> list[str]:
+    """The metric keys :func:`evaluate` returns for these settings, known before any image is read.
+
+    Why: the trainer checks ``train.best_metric`` against them at start-up instead of at the first evaluation.
+    """
+    if protocol not in PROTOCOLS:
+        raise EvalError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
+    base = [f"recall@{k}" for k in sorted(set(_ks(protocol, ks)))]
+    if map_at_r and protocol != "vehicleid":
+        base.append("map@r")
+    base += ["num_queries", "num_lone_queries"]
+    if protocol != "vehicleid":
+        return base
+    return base + [f"{size}/{name}" for size in vehicleid_sizes for name in base]
+
+
 def evaluate(
     protocol: str,
     data: EmbeddedSet,
@@ -107,8 +131,13 @@ def evaluate(
     vehicleid_sizes: Sequence[str] = VEHICLEID_SIZES,
     repeats: int = 1,
     seed: int = 0,
+    device: torch.device | str | None = None,
 ) -> dict[str, float]:
-    """Run ``protocol`` on ``data``; returns a flat ``{metric: value}`` dict (see the module doc for keys)."""
+    """Run ``protocol`` on ``data``; returns a flat ``{metric: value}`` dict (see the module doc for keys).
+
+    ``backend`` / ``device``: the exact search (:class:`ddp_rank.eval.retrieval.ExactSearch`; by default on the
+    GPU when there is one).
+    """
     if protocol not in PROTOCOLS:
         raise EvalError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
     if len(data.labels) < 2:
@@ -116,7 +145,9 @@ def evaluate(
     kk = _ks(protocol, ks)
     e, y = data.embeddings, data.labels
     if protocol == "sop":
-        return retrieval_metrics(e, y, e, y, kk, exclude_self=True, map_at_r=map_at_r, backend=backend)
+        return retrieval_metrics(
+            e, y, e, y, kk, exclude_self=True, map_at_r=map_at_r, backend=backend, device=device
+        )
     if protocol == "inshop":
         q, g = subset_mask(data, "query"), subset_mask(data, "gallery")
         if not q.any() or not g.any():
@@ -124,7 +155,9 @@ def evaluate(
                 f"protocol inshop needs test samples with subset 'query' and 'gallery' (found {int(q.sum())} query, "
                 f"{int(g.sum())} gallery): build the shards with the In-Shop recipe, or use eval.protocol=sop"
             )
-        return retrieval_metrics(e[q], y[q], e[g], y[g], kk, map_at_r=map_at_r, backend=backend)
+        return retrieval_metrics(
+            e[q], y[q], e[g], y[g], kk, map_at_r=map_at_r, backend=backend, device=device
+        )
     # vehicleid
     out: dict[str, float] = {}
     gen = torch.Generator().manual_seed(seed)
@@ -143,7 +176,10 @@ def evaluate(
             is_g = torch.zeros(len(idx), dtype=torch.bool)
             is_g[gallery] = True
             qi, gi = idx[~is_g], idx[is_g]
-            res = retrieval_metrics(e[qi], y[qi], e[gi], y[gi], kk, map_at_r=map_at_r, backend=backend)
+            # One relevant gallery image per query: MAP@R would repeat Recall@1, so it is left out.
+            res = retrieval_metrics(
+                e[qi], y[qi], e[gi], y[gi], kk, map_at_r=False, backend=backend, device=device
+            )
             for k, v in res.items():
                 sums[k] = sums.get(k, 0.0) + v / repeats
         for k, v in sums.items():

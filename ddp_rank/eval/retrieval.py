@@ -12,8 +12,9 @@ queries with no relevant database item are left out of every metric (and counted
 when the database contains the queries (``exclude_self``), each query's own row is removed from its result list
 (or, if it is not among the results, the last result is dropped).
 
-Search is exact inner product (the embeddings are L2-normalised, so it ranks like Euclidean distance): faiss's
-``IndexFlatIP`` when faiss is installed, otherwise a chunked ``torch.topk`` over query blocks. Queries are
+Search is exact inner product (the embeddings are L2-normalised, so it ranks like Euclidean distance): a chunked
+``torch.topk`` over query blocks on the GPU when there is one, else faiss's ``IndexFlatIP`` when faiss is
+installed, else the chunked ``torch.topk`` on the CPU. Queries are
 processed in blocks and the metrics accumulated, so memory stays ``O(block * (N + k))`` even for SOP's
 60k x 60k with k = 1000.
 """
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["faiss_available", "knn_search", "retrieval_metrics"]
+__all__ = ["ExactSearch", "faiss_available", "knn_search", "retrieval_metrics"]
 
 
 def faiss_available() -> bool:
@@ -38,8 +39,10 @@ def faiss_available() -> bool:
     return True
 
 
-def _resolve_backend(backend: str) -> str:
+def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
+        if device.type == "cuda":
+            return "torch"  # exact top-k on the GPU beats faiss-cpu by far
         return "faiss" if faiss_available() else "torch"
     if backend == "faiss" and not faiss_available():
         raise RuntimeError(
@@ -50,38 +53,69 @@ def _resolve_backend(backend: str) -> str:
     return backend
 
 
+SCORE_BYTES = 1 << 30
+"""Most bytes of one block of query-by-database scores on the device (the chunked top-k's working memory)."""
+
+
+class ExactSearch:
+    """Exact inner-product search over a fixed database, built once and queried in blocks.
+
+    ``backend="torch"`` keeps the database on ``device`` (default: the GPU when there is one) and runs
+    ``topk`` over blocks of queries there, each block's score matrix at most :data:`SCORE_BYTES`;
+    ``"faiss"`` uses ``IndexFlatIP`` on the CPU; ``"auto"`` picks torch on a GPU, else faiss when installed.
+    """
+
+    def __init__(
+        self, database: Tensor, backend: str = "auto", device: torch.device | str | None = None
+    ) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.backend = _resolve_backend(backend, self.device)
+        d = database.detach().float().contiguous()
+        self.size, self.dim = int(d.shape[0]), int(d.shape[1]) if d.ndim == 2 else 0
+        if self.backend == "faiss":
+            import faiss
+
+            self.index = faiss.IndexFlatIP(self.dim)
+            self.index.add(d.cpu().numpy())
+            self.device = torch.device("cpu")
+        else:
+            self.database = d.to(self.device)
+
+    def search(self, queries: Tensor, k: int, block: int = 4096) -> tuple[Tensor, Tensor]:
+        """(scores [Q, k] float32, indices [Q, k] int64) on the CPU, best first; ``k`` clipped to the size."""
+        k = min(k, self.size)
+        q = queries.detach().float().contiguous()
+        if k == 0 or q.shape[0] == 0:
+            return torch.empty(q.shape[0], k), torch.empty(q.shape[0], k, dtype=torch.int64)
+        if self.backend == "faiss":
+            scores, idx = self.index.search(q.cpu().numpy(), k)
+            return torch.from_numpy(np.ascontiguousarray(scores)), torch.from_numpy(
+                np.ascontiguousarray(idx)
+            ).long()
+        rows = max(1, min(block, SCORE_BYTES // (4 * max(self.size, 1))))
+        out_s, out_i = [], []
+        for start in range(0, q.shape[0], rows):
+            s, i = torch.topk(q[start : start + rows].to(self.device) @ self.database.T, k, dim=1)
+            out_s.append(s.cpu())
+            out_i.append(i.cpu())
+        return torch.cat(out_s), torch.cat(out_i)
+
+
 def knn_search(
     queries: Tensor,
     database: Tensor,
     k: int,
     backend: str = "auto",
     block: int = 4096,
+    device: torch.device | str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact top-``k`` inner-product search: returns (scores [Q, k] float32, indices [Q, k] int64), best first.
 
-    ``k`` is clipped to the database size.
+    ``k`` is clipped to the database size. See :class:`ExactSearch` for the backends and the device.
     """
-    backend = _resolve_backend(backend)
-    k = min(k, database.shape[0])
-    q = queries.detach().float().cpu().contiguous()
-    d = database.detach().float().cpu().contiguous()
-    if k == 0 or q.shape[0] == 0:
-        return torch.empty(q.shape[0], k), torch.empty(q.shape[0], k, dtype=torch.int64)
-    if backend == "faiss":
-        import faiss
-
-        index = faiss.IndexFlatIP(d.shape[1])
-        index.add(d.numpy())
-        scores, idx = index.search(q.numpy(), k)
-        return torch.from_numpy(np.ascontiguousarray(scores)), torch.from_numpy(
-            np.ascontiguousarray(idx)
-        ).long()
-    out_s, out_i = [], []
-    for start in range(0, q.shape[0], block):
-        s, i = torch.topk(q[start : start + block] @ d.T, k, dim=1)
-        out_s.append(s)
-        out_i.append(i)
-    return torch.cat(out_s), torch.cat(out_i)
+    return ExactSearch(database, backend, device).search(queries, k, block)
 
 
 def _drop_self(indices: Tensor, self_index: Tensor) -> Tensor:
@@ -104,6 +138,7 @@ def retrieval_metrics(
     map_at_r: bool = True,
     backend: str = "auto",
     block: int = 4096,
+    device: torch.device | str | None = None,
 ) -> dict[str, float]:
     """Recall@k for each k in ``ks`` and MAP@R of ``queries`` against ``database``.
 
@@ -128,9 +163,10 @@ def retrieval_metrics(
     hits_at = {k: 0 for k in ks}
     ap_sum = 0.0
     q_idx = torch.nonzero(valid).flatten()
+    searcher = ExactSearch(database, backend, device)
     for start in range(0, len(q_idx), block):
         rows = q_idx[start : start + block]
-        _, idx = knn_search(queries[rows], database, k_max + int(exclude_self), backend=backend, block=block)
+        _, idx = searcher.search(queries[rows], k_max + int(exclude_self), block=block)
         if exclude_self:
             idx = _drop_self(idx, rows)
         rel = dl[idx] == ql[rows].unsqueeze(1)  # [b, k_max]

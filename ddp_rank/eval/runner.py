@@ -27,6 +27,7 @@ from ddp_rank.distributed.process_group import is_distributed, rank, world_size
 from ddp_rank.eval.embed import EvalBatch, embed_batches, gather_embedded
 from ddp_rank.eval.protocols import (
     SUBSET_TOKENS,
+    VEHICLEID_SIZES,
     EmbeddedSet,
     EvalError,
     evaluate,
@@ -38,7 +39,7 @@ __all__ = ["evaluate_model", "key_index", "model_transform", "read_eval_batches"
 
 
 def model_transform(cfg: Config, *, augment: bool = False) -> TransformConfig:
-    """The data layer's transform for our models: the papers' resize/crop, pixels left in [0, 1]."""
+    """The data layer's transform for our models: ``data.crop``'s resize/crop, pixels left in [0, 1]."""
     return TransformConfig(
         resize=cfg.data.resize_size,
         crop=cfg.data.image_size,
@@ -46,6 +47,7 @@ def model_transform(cfg: Config, *, augment: bool = False) -> TransformConfig:
         flip=augment,
         mean=(0.0, 0.0, 0.0),
         std=(1.0, 1.0, 1.0),
+        mode=cfg.data.crop,
     )
 
 
@@ -113,12 +115,18 @@ def evaluate_model(
 
     Must be called on every rank; returns the same dict on every rank.
     """
-    if cfg.eval.protocol == "vehicleid" and split is None:
-        per_size = vehicleid_splits(cfg)
+    if cfg.eval.protocol == "vehicleid":
+        per_size = vehicleid_splits(cfg) if split is None else _vehicleid_list_split(split)
         if per_size:
             return _evaluate_vehicleid_splits(model, cfg, per_size, device, autocast_dtype, num_workers)
     data = embed_split(model, cfg, split or cfg.data.test_split, device, autocast_dtype, num_workers)
-    return score(data, cfg)
+    return score(data, cfg, device=device)
+
+
+def _vehicleid_list_split(split: str) -> dict[str, str]:
+    """``{"large": "test_large"}`` for one of the VehicleID recipe's list splits, else empty."""
+    size = split.removeprefix("test_")
+    return {size: split} if split.startswith("test_") and size in VEHICLEID_SIZES else {}
 
 
 def vehicleid_splits(cfg: Config) -> dict[str, str]:
@@ -148,13 +156,21 @@ def _evaluate_vehicleid_splits(
     for size, split in per_size.items():
         data = embed_split(model, cfg, split, device, autocast_dtype, num_workers)
         data.subset_bits = data.subset_bits | (1 << SUBSET_TOKENS.index(size))
-        result = score(data, cfg, vehicleid_sizes=[size])
+        result = score(data, cfg, vehicleid_sizes=[size], device=device)
         out.update({k: v for k, v in result.items() if k.startswith(f"{size}/")})
     return with_largest_list_as_headline(out, list(per_size))
 
 
-def score(data: EmbeddedSet, cfg: Config, vehicleid_sizes: list[str] | None = None) -> dict[str, Any]:
-    """Run ``cfg.eval.protocol`` on gathered embeddings on rank 0 and broadcast the result to every rank."""
+def score(
+    data: EmbeddedSet,
+    cfg: Config,
+    vehicleid_sizes: list[str] | None = None,
+    device: torch.device | str | None = None,
+) -> dict[str, Any]:
+    """Run ``cfg.eval.protocol`` on gathered embeddings on rank 0 and broadcast the result to every rank.
+
+    The exact search runs where the model ran (``device``): chunked top-k on a GPU, faiss or top-k on a CPU.
+    """
     result: list[Any] = [None]
     if rank() == 0:
         try:
@@ -167,6 +183,7 @@ def score(data: EmbeddedSet, cfg: Config, vehicleid_sizes: list[str] | None = No
                 vehicleid_sizes=vehicleid_sizes or cfg.eval.vehicleid_sizes,
                 repeats=cfg.eval.vehicleid_repeats,
                 seed=cfg.train.seed,
+                device=device,
             )
         except Exception as exc:  # report on every rank instead of leaving the others waiting
             result[0] = exc

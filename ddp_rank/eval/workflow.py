@@ -13,24 +13,67 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_rank.config import Config, ConfigError
+from ddp_rank.config import Config, ConfigError, config_from_dict, load_config
+from ddp_rank.eval.protocols import VEHICLEID_SIZES
 from ddp_rank.eval.report import format_table, write_json
-from ddp_rank.eval.runner import evaluate_model
-from ddp_rank.train.checkpoint import load_model_weights, resolve_checkpoint
+from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
+from ddp_rank.train.checkpoint import load_model_weights, read_meta, resolve_checkpoint
 from ddp_rank.train.model import RawPixels, build_model
 
-__all__ = ["build_eval_model", "evaluate_cli", "results_table"]
+__all__ = ["build_eval_model", "check_split", "evaluate_cli", "results_table", "run_config"]
 
 RAW_PIXEL_SIZE = 64
 """Raw-pixel baseline: images are resized to at most this side before flattening (64 x 64 x 3 = 12,288-d)."""
 
 
-def _check_split(cfg: Config, split: str) -> None:
+def check_split(cfg: Config, split: str | None) -> None:
+    """The shards open (``split`` None) and hold ``split``; errors say how to fix it."""
     from ddp_rank.train.trainer import open_shards  # the trainer imports the evaluation: import late
 
     manifest = open_shards(cfg)
-    if split not in manifest.splits:
+    if split is not None and split not in manifest.splits:
         raise ConfigError(f"split '{split}' is not in {cfg.data.shards} (it has {sorted(manifest.splits)})")
+
+
+def run_config(config: str | None, checkpoint: str | None, overrides: list[str]) -> Config:
+    """The config to evaluate with: ``config`` if given, else the run's own ``config.yaml`` found from the
+    checkpoint (a run directory, its ``checkpoints/`` folder or a ``step-*`` directory), else the config stored
+    in the checkpoint's ``meta.json``. Overrides apply on top."""
+    if config is not None or checkpoint is None:
+        return load_config(config, overrides)
+    p = Path(checkpoint)
+    for candidate in (p / "config.yaml", p.parent / "config.yaml", p.parent.parent / "config.yaml"):
+        if candidate.is_file():
+            return load_config(candidate, overrides)
+    try:
+        meta = read_meta(resolve_checkpoint(checkpoint))
+    except Exception as exc:
+        raise ConfigError(
+            f"--checkpoint {checkpoint}: no config.yaml in the run directory and no readable checkpoint ({exc}); "
+            "pass --config with the YAML the run was trained with"
+        ) from exc
+    if "config" not in meta:
+        raise ConfigError(
+            f"--checkpoint {checkpoint}: no config.yaml in the run directory and none in its meta.json; pass --config"
+        )
+    return config_from_dict(meta["config"], overrides, f"{checkpoint} (meta.json)")
+
+
+def _splits_to_evaluate(cfg: Config, split: str | None) -> tuple[str | None, str]:
+    """(the split to pass to the evaluation or None for the default, a description for the output).
+
+    VehicleID shards built by the recipe hold one split per test list (``test_small`` ...); with no ``--split``
+    the evaluation takes every list in ``eval.vehicleid_sizes``, not only ``data.test_split``.
+    """
+    if split is None and cfg.eval.protocol == "vehicleid":
+        per_size = vehicleid_splits(cfg)
+        if per_size:
+            return None, ", ".join(per_size[s] for s in VEHICLEID_SIZES if s in per_size)
+    target = split or cfg.data.test_split
+    if not target:
+        raise ConfigError("no split to evaluate: pass --split or set data.test_split")
+    check_split(cfg, target)
+    return split, target
 
 
 def build_eval_model(
@@ -62,10 +105,8 @@ def evaluate_cli(
     """Evaluate on every rank; rank 0 prints the table and writes/updates the JSON. Tears down the group."""
     from ddp_rank.train.trainer import make_accelerator
 
-    split = split or cfg.data.test_split
-    if not split:
-        raise ConfigError("no split to evaluate: pass --split or set data.test_split")
-    _check_split(cfg, split)
+    check_split(cfg, None)
+    split, described = _splits_to_evaluate(cfg, split)
     if checkpoint is not None and baseline is not None:
         raise ConfigError("pass either --checkpoint or --baseline, not both")
     accelerator = make_accelerator(cfg)
@@ -81,13 +122,13 @@ def evaluate_cli(
             results[label] = {
                 "metrics": metrics,
                 "protocol": cfg.eval.protocol,
-                "split": split,
+                "split": described,
                 "shards": cfg.data.shards,
                 "checkpoint": checkpoint,
             }
             write_json(results, out_path)
             print(
-                f"\n{cfg.eval.protocol} protocol, split '{split}' ({int(metrics.get('num_queries', 0))} queries)"
+                f"\n{cfg.eval.protocol} protocol, split '{described}' ({int(metrics.get('num_queries', 0))} queries)"
             )
             print(format_table({label: metrics}))
             print(f"results: {out_path}")

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddp_rank.config import BACKBONES, ModelConfig
+from ddp_rank.config import BACKBONES, TIMM_PREFIX, ModelConfig
+from ddp_rank.train.backbones import build_timm_backbone, replace_pooling
 
 __all__ = [
     "BACKBONES",
@@ -63,10 +64,11 @@ class TinyCNN(nn.Module):
             ]
             c_in = c_out
         self.features = nn.Sequential(*layers)
+        self.pool: nn.Module = nn.AdaptiveAvgPool2d(1)
         self.out_features = c_in
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.adaptive_avg_pool2d(self.features(x), 1).flatten(1)
+        return self.pool(self.features(x)).flatten(1)
 
 
 class _EfficientNetLiteFeatures(nn.Module):
@@ -78,11 +80,12 @@ class _EfficientNetLiteFeatures(nn.Module):
         # The classifier and its dropout are unused: drop them so DDP sees no parameter without a gradient.
         self.net._fc = nn.Identity()
         self.net._dropout = nn.Identity()
+        self.pool: nn.Module = nn.AdaptiveAvgPool2d(1)
         self.out_features = 1280
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         features: torch.Tensor = self.net.extract_features(x)  # type: ignore[operator]
-        return F.adaptive_avg_pool2d(features, 1).flatten(1)
+        return self.pool(features).flatten(1)
 
 
 class EmbeddingNet(nn.Module):
@@ -190,10 +193,16 @@ def _load_into(module: nn.Module, state: dict[str, torch.Tensor], source: str) -
     missing = [k for k in own if k not in state]
     shape = [k for k in state if k in own and state[k].shape != own[k].shape]
     if unexpected or missing or shape:
+        whole_net = any(k.startswith("head.") for k in unexpected)
         raise ModelError(
             f"model.weights='{source}' does not fit the backbone: {len(missing)} missing keys {missing[:3]}, "
             f"{len(unexpected)} unexpected {unexpected[:3]}, {len(shape)} shape mismatches {shape[:3]}; "
-            "check model.backbone"
+            + (
+                "these are the weights of a whole ddp_rank network (backbone + head): start from them with "
+                f"model.init_from={source} (and model.weights=none)"
+                if whole_net
+                else "check model.backbone"
+            )
         )
     module.load_state_dict(state, strict=True)
 
@@ -268,9 +277,18 @@ def _efficientnet_lite0(weights: str, image_size: int) -> nn.Module:
 
 
 def build_model(cfg: ModelConfig, image_size: int = 224) -> EmbeddingNet:
-    """Build the embedding network described by ``cfg`` (``image_size`` matters only to EfficientNet-Lite)."""
+    """Build the embedding network described by ``cfg`` (``image_size`` matters to EfficientNet-Lite and to
+    vision transformers, whose position embeddings are sized for it)."""
     name, weights = cfg.backbone, cfg.weights
     mean, std = IMAGENET_MEAN, IMAGENET_STD
+    if name.startswith(TIMM_PREFIX):
+        try:
+            timm_net, mean, std = build_timm_backbone(
+                name, weights, cfg.pooling, image_size, _is_path(weights)
+            )
+        except ValueError as exc:
+            raise ModelError(str(exc)) from exc
+        return EmbeddingNet(timm_net, timm_net.out_features, cfg.embedding_dim, cfg.normalize, mean, std)
     if name == "tiny_cnn":
         if weights not in ("none",) and not _is_path(weights):
             raise ModelError(
@@ -289,6 +307,7 @@ def build_model(cfg: ModelConfig, image_size: int = 224) -> EmbeddingNet:
         backbone, dim = _torchvision_backbone(name, weights)
     else:
         raise ModelError(f"model.backbone='{name}' is unknown; valid: {', '.join(BACKBONES)}")
+    replace_pooling(backbone, cfg.pooling)
     return EmbeddingNet(backbone, int(dim), cfg.embedding_dim, cfg.normalize, mean, std)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,8 +37,9 @@ from ddp_rank.data.manifest import Manifest, is_url
 from ddp_rank.data.stream import DataError, ShardStream
 from ddp_rank.distributed import GlobalBatchLoss
 from ddp_rank.distributed.agreement import RankFailure, gather_counts, raise_if_any_failed
+from ddp_rank.eval.protocols import metric_names
 from ddp_rank.eval.report import format_table
-from ddp_rank.eval.runner import evaluate_model, model_transform
+from ddp_rank.eval.runner import evaluate_model, model_transform, vehicleid_splits
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.checkpoint import (
@@ -49,9 +51,11 @@ from ddp_rank.train.checkpoint import (
 )
 from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.data_setup import schedule_config
+from ddp_rank.train.init_weights import init_from
 from ddp_rank.train.model import EmbeddingNet, build_model, freeze_batchnorm
-from ddp_rank.train.optim import build_optimizer, build_scheduler
+from ddp_rank.train.optim import build_optimizer, build_scheduler, lr_factor
 from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, write_summary
+from ddp_rank.train.resume_check import describe_changes, resume_changes
 
 __all__ = [
     "StepResult",
@@ -104,8 +108,28 @@ def open_shards(cfg: Config) -> Manifest:
     return manifest
 
 
+def check_evaluation(cfg: Config) -> None:
+    """What the evaluation needs, checked at start-up rather than at the first evaluation: the test lists of
+    VehicleID recipe shards, and ``train.best_metric`` among the metrics the protocol will report."""
+    if not cfg.data.test_split:
+        return
+    sizes = cfg.eval.vehicleid_sizes
+    if cfg.eval.protocol == "vehicleid":
+        sizes = list(vehicleid_splits(cfg)) or sizes
+    names = metric_names(
+        cfg.eval.protocol, cfg.eval.ks or None, map_at_r=cfg.eval.map_at_r, vehicleid_sizes=sizes
+    )
+    if cfg.train.best_metric not in names:
+        valid = [n for n in names if not n.rsplit("/", 1)[-1].startswith("num_")]
+        raise ConfigError(
+            f"train.best_metric='{cfg.train.best_metric}' is not among the metrics eval.protocol="
+            f"{cfg.eval.protocol} reports with these settings; valid: {', '.join(valid)}"
+        )
+
+
 def check_inputs(cfg: Config) -> Manifest:
-    """Fail fast, before any process group exists, on a missing shard directory or split."""
+    """Fail fast, before any process group exists, on a missing shard directory or split, or on an evaluation
+    setting that would only fail at the first evaluation."""
     manifest = open_shards(cfg)
     for key, split in (("train_split", cfg.data.train_split), ("test_split", cfg.data.test_split)):
         if split and split not in manifest.splits:
@@ -122,6 +146,7 @@ def check_inputs(cfg: Config) -> Manifest:
             f"{len(missing)} shard file(s) of {cfg.data.shards} are missing, e.g. {missing[0]}: copy the whole "
             "shard directory or rebuild it (`ddp-rank shards verify` checks it)"
         )
+    check_evaluation(cfg)
     return manifest
 
 
@@ -222,7 +247,10 @@ class Trainer:
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
+        self.notes: list[str] = []
         model = build_model(cfg.model, cfg.data.image_size)
+        if cfg.model.init_from:
+            self._note(init_from(model, cfg.model.init_from).summary())
         optimizer = build_optimizer(
             model.parameter_groups(cfg.optim.lr, cfg.optim.head_lr_mult, cfg.optim.weight_decay), cfg.optim
         )
@@ -272,6 +300,12 @@ class Trainer:
         # Always set: DeepSpeed clips the gradient norm to 1.0 when the key is absent, which would silently
         # change the update (0.0 turns clipping off, as optim.grad_clip = 0 means here).
         ds["gradient_clipping"] = float(self.cfg.optim.grad_clip)
+
+    def _note(self, message: str) -> None:
+        """Something the user must know about this start (printed by rank 0, kept for the summary)."""
+        self.notes.append(message)
+        if self.is_main:
+            print(f"ddp-rank train: {message}", file=sys.stderr, flush=True)
 
     @property
     def unwrapped(self) -> EmbeddingNet:
@@ -441,11 +475,54 @@ class Trainer:
         if path is None:
             return None
         meta = read_meta(path)
+        force = self.cfg.train.force_resume
         # Only DeepSpeed's partitioned optimizer state ties a checkpoint to its world size: the data plan does not.
-        check_world_size(meta, self.world_size, self.cfg.train.force_resume or not self._deepspeed, str(path))
-        self.accelerator.load_state(str(path))
+        check_world_size(meta, self.world_size, force or not self._deepspeed, str(path))
+        changes = resume_changes(meta, self.cfg, self.total_steps)
+        if changes and not force:
+            raise CheckpointError(
+                f"checkpoint {path} was trained with another model or optimizer setting ({describe_changes(changes)}); "
+                "resuming would ignore or break on them. Restore those values, start a new run from its weights "
+                f"with model.init_from={path} and a new train.output_dir, or set train.force_resume=true to "
+                "continue with the new values"
+            )
+        if any(c.structural for c in changes):
+            # The saved parameters / optimizer state do not fit: take the weights that do, a fresh optimizer.
+            report = init_from(self.unwrapped, path)
+            self._note(
+                f"forced resume from {path} with a changed model or optimizer: the optimizer state and RNG are "
+                f"not restored.\n{report.summary()}"
+            )
+        else:
+            self.accelerator.load_state(str(path))
         self.load_state_dict(meta)
+        if changes:
+            self._apply_optim_config()
+            self._note(f"forced resume from {path}: the new values apply: {describe_changes(changes)}")
+        if mode != "auto" and self.out_dir.resolve() not in path.resolve().parents:
+            self._note(
+                f"continuing {mode} at step {self.step} with its optimizer state (train.resume); to start from "
+                "its weights only, use model.init_from"
+            )
         return path
+
+    def _apply_optim_config(self) -> None:
+        """Make this config's optimizer hyper-parameters apply at the current step (the restored optimizer and
+        schedule carry the checkpoint's: base rates, weight decay, betas, momentum)."""
+        o = self.cfg.optim
+        fresh = self.unwrapped.parameter_groups(o.lr, o.head_lr_mult, o.weight_decay)
+        factor = lr_factor(o, self.total_steps)(self.step)
+        for group, new in zip(self.optimizer.param_groups, fresh):
+            group["initial_lr"] = new["lr"]
+            group["lr"] = new["lr"] * factor
+            group["weight_decay"] = o.weight_decay
+            if "betas" in group:
+                group["betas"] = tuple(o.betas)
+            if "momentum" in group:
+                group["momentum"] = o.momentum
+        self.scheduler.base_lrs = [g["lr"] for g in fresh]
+        self.scheduler.last_epoch = self.step
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, Any]:
@@ -478,9 +555,9 @@ class Trainer:
         cfg = self.cfg
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, self.out_dir / "config.yaml")
         resumed = self.resume()
         if self.is_main:
+            self._write_config()
             self.logger = MetricsLogger(
                 self.out_dir / "metrics.jsonl",
                 self.out_dir / "tensorboard" if cfg.train.tensorboard else None,
@@ -543,6 +620,14 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         return summary
 
+    def _write_config(self) -> None:
+        """``config.yaml`` (what this start runs with), written only once the resume check has passed, and a copy
+        per start in ``config-history/`` so the config of every earlier start stays readable."""
+        history = self.out_dir / "config-history"
+        start = len(list(history.glob("start-*.yaml"))) + 1 if history.is_dir() else 1
+        save_config(self.cfg, history / f"start-{start:03d}-step-{self.step:08d}.yaml")
+        save_config(self.cfg, self.out_dir / "config.yaml")
+
     def _progress_bar(self) -> Any:
         if not (self.is_main and self.cfg.train.progress):
             return None
@@ -597,6 +682,8 @@ class Trainer:
         )
         if data["categories_left_out"]:
             facts["categories left out"] = "; ".join(data["categories_left_out"])
+        for i, note in enumerate(self.notes, start=1):
+            facts[f"note {i}"] = note.replace("\n", " ")
         if summary["best_step"] is not None:
             facts["best"] = (
                 f"{self.cfg.train.best_metric} {100 * summary['best_value']:.2f} at step {summary['best_step']}"

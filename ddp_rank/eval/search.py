@@ -1,0 +1,103 @@
+"""Answer query images: embed them with the exported model, look them up in an index, return keys and scores.
+
+``Searcher`` is the Python API for serving from your own code; ``ddp-rank search`` prints what it returns. The
+model is rebuilt from what the index records: the checkpoint the export was made with and the exact config used
+(image size, crop, backbone), so a query is embedded exactly like the indexed collection.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from ddp_rank.config import Config, config_from_dict, load_config
+from ddp_rank.eval.index import SearchIndex
+from ddp_rank.eval.runner import model_transform
+from ddp_rank.eval.sources import open_image, pil_batch
+
+__all__ = ["Hit", "Searcher"]
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One result: the indexed item's key, its inner-product score (cosine similarity), label and category."""
+
+    key: str
+    score: float
+    label: int
+    category: str
+
+
+class Searcher:
+    """``Searcher.from_index("runs/demo/index").search_files(["query.jpg"], k=5)`` -> ``[[Hit, ...]]``."""
+
+    def __init__(
+        self, model: nn.Module, cfg: Config, index: SearchIndex, device: torch.device | str = "cpu"
+    ) -> None:
+        self.model = model.to(device).eval()
+        self.cfg = cfg
+        self.index = index
+        self.device = torch.device(device)
+        self.transform = model_transform(cfg)
+
+    @classmethod
+    def from_index(
+        cls,
+        index_dir: str | os.PathLike[str],
+        checkpoint: str | None = None,
+        config: str | None = None,
+        device: torch.device | str | None = None,
+    ) -> Searcher:
+        """Load the index and the model it was exported with (or ``checkpoint`` / ``config`` if given)."""
+        from ddp_rank.eval.workflow import build_eval_model, run_config
+
+        index = SearchIndex.load(index_dir)
+        export = index.info.get("export", {})
+        checkpoint = checkpoint or export.get("checkpoint")
+        if config is not None:
+            cfg = load_config(config)
+        elif "config" in export:
+            cfg = config_from_dict(export["config"], origin=f"{index_dir}/index.json")
+        else:
+            cfg = run_config(None, checkpoint, [])
+        model, _ = build_eval_model(cfg, checkpoint, None)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        searcher = cls(model, cfg, index, device)
+        probe = searcher.embed([Image.new("RGB", (cfg.data.image_size,) * 2)])
+        if probe.shape[1] != index.items.dim:
+            raise ValueError(
+                f"the model embeds into {probe.shape[1]} dimensions but the index holds {index.items.dim}: pass the "
+                "checkpoint and config the export was made with"
+            )
+        return searcher
+
+    @torch.no_grad()
+    def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
+        """``[len(images), d]`` float32 embeddings (the test-time transform of the export)."""
+        batch = pil_batch(images, self.transform).to(self.device)
+        return self.model(batch).float().cpu().numpy()
+
+    def search(self, images: Sequence[Image.Image], k: int = 5) -> list[list[Hit]]:
+        """The top-``k`` indexed items of each image, best first."""
+        scores, rows = self.index.search(self.embed(images), k)
+        items = self.index.items
+        return [
+            [
+                Hit(str(items.keys[r]), float(s), int(items.labels[r]), str(items.categories[r]))
+                for s, r in zip(score_row, row)
+                if r >= 0
+            ]
+            for score_row, row in zip(scores, rows)
+        ]
+
+    def search_files(self, paths: Sequence[str | os.PathLike[str]], k: int = 5) -> list[list[Hit]]:
+        """:meth:`search` for image files."""
+        return self.search([open_image(Path(p)) for p in paths], k)

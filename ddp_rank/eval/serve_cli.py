@@ -1,0 +1,224 @@
+"""``ddp-rank export`` / ``ddp-rank index`` / ``ddp-rank search``: from a trained run to a retrieval system.
+
+Examples::
+
+    ddp-rank export --checkpoint runs/demo --output runs/demo/export              # the run's test split
+    ddp-rank export --checkpoint runs/demo --images photos/ --output photos-export
+    accelerate launch --config_file launch/accelerate_cpu_2proc.yaml -m ddp_rank.cli export \\
+        --checkpoint runs/demo --shards-url 'https://host/shards/test-{00000..00009}.tar' --output web-export
+    ddp-rank index runs/demo/export --kind hnsw --output runs/demo/index         # prints its recall vs exact
+    ddp-rank search runs/demo/index query.jpg other.png -k 5
+
+Thin: the work is in ``ddp_rank.eval.export``, ``.index``, ``.search`` and ``.sources``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddp_rank.config import Config, ConfigError, to_dict
+
+__all__ = ["export_cli", "register"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``export``, ``index`` and ``search`` sub-commands."""
+    p = subparsers.add_parser(
+        "export",
+        help="embed a split, an image folder or shards at a URL; write embeddings with keys, labels, categories",
+        description="Embed every image of the source with a checkpoint; each process writes its part as .npz.",
+    )
+    p.add_argument("--checkpoint", help="run directory (best, else latest checkpoint) or a step-* directory")
+    p.add_argument("--config", help="experiment YAML; default: the run's own config.yaml")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--split", help="split of data.shards (default: data.test_split)")
+    source.add_argument("--images", help="a folder of images (searched recursively; keys: relative paths)")
+    source.add_argument("--shards-url", help="WebDataset shards: a URL or path, brace patterns allowed")
+    p.add_argument("--output", required=True, help="export directory to write")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.set_defaults(func=_run_export)
+
+    p = subparsers.add_parser(
+        "index",
+        help="build a faiss index (flat, ivfpq, hnsw) from an export and print its recall against exact search",
+    )
+    p.add_argument("export", help="export directory written by `ddp-rank export`")
+    p.add_argument("--output", required=True, help="index directory to write")
+    p.add_argument("--kind", choices=("flat", "ivfpq", "hnsw"), default="flat", help="flat = exact search")
+    p.add_argument("--nlist", type=int, default=0, help="ivfpq: cells (0: from the collection size)")
+    p.add_argument("--nprobe", type=int, default=16, help="ivfpq: cells visited per query")
+    p.add_argument("--pq-m", type=int, default=0, help="ivfpq: sub-quantizers (0: from the dimension)")
+    p.add_argument("--pq-bits", type=int, default=0, help="ivfpq: bits per code (0: 8, fewer for tiny sets)")
+    p.add_argument("--hnsw-m", type=int, default=32, help="hnsw: links per node")
+    p.add_argument("--ef-search", type=int, default=128, help="hnsw: candidates per query")
+    p.add_argument("--recall-k", type=int, default=10, help="k of the recall measured against exact search")
+    p.add_argument("--recall-queries", type=int, default=1000, help="queries of that measurement")
+    p.set_defaults(func=_run_index)
+
+    p = subparsers.add_parser("search", help="embed query images and print the top-k keys of an index")
+    p.add_argument("index", help="index directory written by `ddp-rank index`")
+    p.add_argument("images", nargs="+", help="query image files or folders")
+    p.add_argument("-k", type=int, default=5, help="results per query")
+    p.add_argument("--checkpoint", help="default: the checkpoint the export was made with")
+    p.add_argument("--config", help="default: the config the export was made with")
+    p.set_defaults(func=_run_search)
+
+
+def _fail(command: str, exc: Exception) -> int:
+    print(f"ddp-rank {command}: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _errors() -> tuple[type[Exception], ...]:
+    from ddp_rank.eval.index import IndexBuildError
+    from ddp_rank.eval.protocols import EvalError
+    from ddp_rank.eval.sources import SourceError
+    from ddp_rank.train.checkpoint import CheckpointError
+    from ddp_rank.train.model import ModelError
+    from ddp_rank.train.trainer import TrainError
+
+    return (ConfigError, ModelError, CheckpointError, TrainError, EvalError, SourceError, IndexBuildError,
+            FileNotFoundError)  # fmt: skip
+
+
+def export_cli(
+    cfg: Config,
+    checkpoint: str | None,
+    output: str,
+    split: str | None = None,
+    images: str | None = None,
+    shards_url: str | None = None,
+) -> dict[str, Any]:
+    """Embed the source on every rank, each writing its part; rank 0 writes ``export.json``. Tears down."""
+    import torch
+    import torch.distributed as dist
+
+    from ddp_rank.eval.export import embed_batches_to_arrays, write_manifest, write_part
+    from ddp_rank.eval.runner import model_transform
+    from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
+    from ddp_rank.eval.workflow import build_eval_model, check_split
+    from ddp_rank.train.checkpoint import resolve_checkpoint
+    from ddp_rank.train.trainer import make_accelerator
+
+    if images is None and shards_url is None:
+        split = split or cfg.data.test_split
+        if not split:
+            raise ConfigError(
+                "nothing to export: pass --split, --images or --shards-url (or set data.test_split)"
+            )
+        check_split(cfg, split)
+        source: dict[str, Any] = {"kind": "split", "shards": cfg.data.shards, "split": split}
+    elif images is not None:
+        source = {"kind": "images", "folder": images}
+    else:
+        source = {"kind": "shards_url", "url": shards_url}
+    ckpt = str(resolve_checkpoint(checkpoint).resolve()) if checkpoint else None
+    accelerator = make_accelerator(cfg)
+    try:
+        rank, world = accelerator.process_index, accelerator.num_processes
+        model, _ = build_eval_model(cfg, ckpt, None)
+        model.to(accelerator.device)
+        transform, bs = model_transform(cfg), cfg.eval.batch_size
+        if source["kind"] == "split":
+            batches = split_batches(
+                cfg.data.shards, source["split"], transform, bs, rank, world, cfg.data.num_workers
+            )
+        elif source["kind"] == "images":
+            batches = folder_batches(source["folder"], transform, bs, rank, world)
+        else:
+            batches = url_shard_batches(source["url"], transform, bs, rank, world)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
+        data = embed_batches_to_arrays(model, batches, cfg.model.embedding_dim, accelerator.device, dtype)
+        write_part(output, rank, world, data)
+        accelerator.wait_for_everyone()
+        manifest: dict[str, Any] = {}
+        if accelerator.is_main_process:
+            meta = {"source": source, "checkpoint": ckpt, "model": cfg.model.backbone, "config": to_dict(cfg)}
+            manifest = write_manifest(output, world, meta)
+            print(
+                f"exported {manifest['rows']} embeddings of dim {manifest['dim']} ({_describe(source)}) to {output} "
+                f"in {world} part(s)"
+            )
+        accelerator.wait_for_everyone()
+        return manifest
+    finally:
+        accelerator.end_training()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _describe(source: dict[str, Any]) -> str:
+    if source["kind"] == "split":
+        return f"split '{source['split']}' of {source['shards']}"
+    if source["kind"] == "images":
+        return f"images under {source['folder']}"
+    return f"shards at {source['url']}"
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from ddp_rank.eval.workflow import run_config
+
+    try:
+        cfg = run_config(args.config, args.checkpoint, args.overrides)
+        export_cli(cfg, args.checkpoint, args.output, args.split, args.images, args.shards_url)
+    except _errors() as exc:
+        return _fail("export", exc)
+    return 0
+
+
+def _run_index(args: argparse.Namespace) -> int:
+    from ddp_rank.eval.export import load_export
+    from ddp_rank.eval.index import IndexSpec, SearchIndex
+
+    try:
+        spec = IndexSpec(args.kind, args.nlist, args.nprobe, args.pq_m, args.pq_bits, args.hnsw_m,
+                         ef_search=args.ef_search)  # fmt: skip
+        built = SearchIndex.build(load_export(args.export), spec, args.recall_k, args.recall_queries)
+        built.save(args.output)
+    except _errors() as exc:
+        return _fail("index", exc)
+    info = built.info
+    settings = ", ".join(
+        f"{k}={v}" for k, v in info["spec"].items() if k != "kind" and _relevant(args.kind, k)
+    )
+    print(
+        f"{args.kind} index of {info['rows']} embeddings (dim {info['dim']}){': ' + settings if settings else ''}"
+    )
+    print(
+        f"recall@{info['recall_k']} against exact search: {built.recall:.4f} ({info['recall_queries']} queries, "
+        f"{1e3 * info['search_seconds_per_query']:.3f} ms per query, built in {info['build_seconds']:.2f} s)"
+    )
+    print(f"index: {args.output}")
+    return 0
+
+
+def _relevant(kind: str, key: str) -> bool:
+    return (kind == "ivfpq" and key in ("nlist", "nprobe", "pq_m", "pq_bits")) or (
+        kind == "hnsw" and key in ("hnsw_m", "ef_construction", "ef_search")
+    )
+
+
+def _run_search(args: argparse.Namespace) -> int:
+    from ddp_rank.eval.search import Searcher
+    from ddp_rank.eval.sources import list_images
+
+    try:
+        paths = [
+            p for item in args.images for p in (list_images(item) if Path(item).is_dir() else [Path(item)])
+        ]
+        searcher = Searcher.from_index(args.index, args.checkpoint, args.config)
+        results = searcher.search_files(paths, args.k)
+    except _errors() as exc:
+        return _fail("search", exc)
+    except ValueError as exc:
+        return _fail("search", exc)
+    for path, hits in zip(paths, results):
+        print(f"{path}")
+        for rank, hit in enumerate(hits, start=1):
+            label = f"  label {hit.label}" if hit.label >= 0 else ""
+            category = f"  {hit.category}" if hit.category else ""
+            print(f"  {rank:>2}  {hit.score:.4f}  {hit.key}{label}{category}")
+    return 0

@@ -1,0 +1,208 @@
+"""What ``ddp-rank export`` and ``ddp-rank search`` embed: a split of a shard directory, an image folder, or
+WebDataset shards at a URL (or a local path pattern), each read by rank with the test-time transform.
+
+Every source yields :class:`ImageBatch` objects (pixels in [0, 1], as the models take them) with the sample
+keys, class labels (``-1`` where a source has none), category names and subsets (``""`` where none). Each rank
+reads its own contiguous part (a split, an image folder) or every W-th shard (URL shards), so the ranks read
+disjoint parts that cover the source once.
+
+Only images, ``.cls`` and ``.json`` are decoded (never pickles), as in the data layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from ddp_rank.data.eval_reader import EvalShards, contiguous_range
+from ddp_rank.data.transforms import TransformConfig, decode_image, normalize_batch, test_transform
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "ImageBatch",
+    "SourceError",
+    "folder_batches",
+    "image_batches",
+    "list_images",
+    "open_image",
+    "pil_batch",
+    "split_batches",
+    "url_shard_batches",
+]
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+
+
+class SourceError(ValueError):
+    """A source that cannot be read as asked; the message says what to pass instead."""
+
+
+@dataclass
+class ImageBatch:
+    """``images [n, 3, H, W]`` in [0, 1] and, per image, its key, label (-1: none), category and subset."""
+
+    images: torch.Tensor
+    keys: list[str]
+    labels: list[int]
+    categories: list[str]
+    subsets: list[str]
+
+
+def split_batches(
+    shards: str | os.PathLike[str],
+    split: str,
+    transform: TransformConfig,
+    batch_size: int,
+    rank: int,
+    world: int,
+    num_workers: int = 0,
+) -> Iterator[ImageBatch]:
+    """This rank's part of ``split`` of a ddp_rank shard directory (the evaluation's own reader)."""
+    reader = EvalShards(
+        shards, split=split, batch_size=batch_size, transform=transform, rank=rank, world_size=world
+    )
+    names = reader.manifest.categories
+    for b in DataLoader(reader, batch_size=None, num_workers=num_workers):
+        yield ImageBatch(
+            images=b["images"],
+            keys=list(b["keys"]),
+            labels=[int(v) for v in b["labels"]],
+            categories=[names[c] if c >= 0 else "" for c in b["categories"].tolist()],
+            subsets=list(b["subsets"]),
+        )
+
+
+def list_images(root: str | os.PathLike[str]) -> list[Path]:
+    """Image files under ``root`` (recursively), sorted, so every rank sees the same list."""
+    base = Path(root)
+    if not base.is_dir():
+        raise SourceError(
+            f"image folder '{root}' does not exist; pass a directory of .jpg / .png / .webp files"
+        )
+    found = sorted(
+        p for p in base.rglob("*") if p.is_file() and p.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS
+    )
+    if not found:
+        raise SourceError(f"image folder '{root}' holds no image ({', '.join(IMAGE_EXTENSIONS)})")
+    return found
+
+
+def _transform_batch(images: Sequence[Image.Image], transform: TransformConfig) -> torch.Tensor:
+    crop = test_transform(transform)
+    return normalize_batch([crop(im) for im in images], transform)
+
+
+def image_batches(
+    paths: Sequence[str | os.PathLike[str]],
+    transform: TransformConfig,
+    batch_size: int,
+    root: Path | None = None,
+) -> Iterator[ImageBatch]:
+    """Batches of the image files ``paths`` (keys: the path relative to ``root``, or as given)."""
+    for start in range(0, len(paths), batch_size):
+        chunk = [Path(p) for p in paths[start : start + batch_size]]
+        images = []
+        for p in chunk:
+            try:
+                images.append(decode_image(p.read_bytes(), transform.resize))
+            except (OSError, ValueError) as exc:
+                raise SourceError(f"cannot read the image {p}: {exc}") from exc
+        yield ImageBatch(
+            images=_transform_batch(images, transform),
+            keys=[str(p.relative_to(root)) if root is not None else str(p) for p in chunk],
+            labels=[-1] * len(chunk),
+            categories=[""] * len(chunk),
+            subsets=[""] * len(chunk),
+        )
+
+
+def folder_batches(
+    root: str | os.PathLike[str], transform: TransformConfig, batch_size: int, rank: int, world: int
+) -> Iterator[ImageBatch]:
+    """This rank's contiguous part of the images under ``root`` (keys relative to ``root``)."""
+    paths = list_images(root)
+    lo, hi = contiguous_range(len(paths), world, rank)
+    yield from image_batches(paths[lo:hi], transform, batch_size, root=Path(root))
+
+
+def _expand(url: str) -> list[str]:
+    import webdataset as wds
+
+    urls = list(wds.shardlists.expand_urls(url))
+    if not urls:
+        raise SourceError(
+            f"'{url}' names no shard; write e.g. https://host/data/shard-{{000000..000009}}.tar"
+        )
+    return urls
+
+
+def _sample_fields(sample: dict[str, object]) -> tuple[bytes, int, str, str] | None:
+    """(image bytes, label, category, subset) of a WebDataset sample, or None when it holds no image."""
+    image = next((sample[e] for e in IMAGE_EXTENSIONS if isinstance(sample.get(e), bytes)), None)
+    if not isinstance(image, bytes):
+        return None
+    cls = sample.get("cls")
+    label = int(cls.decode().strip()) if isinstance(cls, bytes) and cls.strip() else -1
+    meta_raw = sample.get("json")
+    meta = json.loads(meta_raw.decode("utf-8")) if isinstance(meta_raw, bytes) else {}
+    return image, label, str(meta.get("category") or ""), str(meta.get("subset") or "")
+
+
+def url_shard_batches(
+    url: str, transform: TransformConfig, batch_size: int, rank: int, world: int
+) -> Iterator[ImageBatch]:
+    """WebDataset shards at ``url`` (brace patterns expand; http(s), s3 via the webdataset library, or local
+    paths): rank r reads shards r, r + W, ... in order. Keys are the samples' ``__key__``."""
+    import webdataset as wds
+
+    mine = _expand(url)[rank::world]
+    if not mine:
+        return
+    dataset = wds.WebDataset(
+        mine, shardshuffle=False, nodesplitter=lambda urls: urls, workersplitter=None, empty_check=False
+    )
+    pending: list[tuple[str, bytes, int, str, str]] = []
+
+    def flush() -> ImageBatch:
+        images = [decode_image(p[1], transform.resize) for p in pending]
+        return ImageBatch(
+            images=_transform_batch(images, transform),
+            keys=[p[0] for p in pending],
+            labels=[p[2] for p in pending],
+            categories=[p[3] for p in pending],
+            subsets=[p[4] for p in pending],
+        )
+
+    try:
+        for sample in dataset:
+            fields = _sample_fields(sample)
+            if fields is None:
+                continue
+            pending.append((str(sample["__key__"]), *fields))
+            if len(pending) == batch_size:
+                yield flush()
+                pending = []
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"cannot read the shards at '{url}': {exc}") from exc
+    if pending:
+        yield flush()
+
+
+def open_image(path: str | os.PathLike[str]) -> Image.Image:
+    """One query image, decoded like the shards' images (transparency laid on white)."""
+    try:
+        return decode_image(Path(path).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"cannot read the image {path}: {exc}") from exc
+
+
+def pil_batch(images: Sequence[Image.Image], transform: TransformConfig) -> torch.Tensor:
+    """Already-decoded images as one model input batch (test-time transform, pixels in [0, 1])."""
+    return _transform_batch([im.convert("RGB") for im in images], transform)

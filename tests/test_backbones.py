@@ -1,0 +1,128 @@
+"""timm backbones (ViT, DeiT, DINOv2, ConvNeXt) and the pooling choices; offline, random or local weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from ddp_rank.config import ConfigError, ModelConfig
+from ddp_rank.losses import FastAPLoss
+from ddp_rank.train import PlainBackend, forward_backward
+from ddp_rank.train.backbones import Pooling
+from ddp_rank.train.model import ModelError, build_model, has_batchnorm
+
+timm = pytest.importorskip("timm")
+
+TIMM_MODELS = [
+    ("timm:vit_tiny_patch16_224", 32, 192),
+    ("timm:deit_tiny_patch16_224", 32, 192),
+    ("timm:vit_small_patch14_dinov2", 28, 384),
+    ("timm:convnext_atto", 32, 320),
+]
+
+
+@pytest.mark.parametrize(("backbone", "size", "width"), TIMM_MODELS, ids=lambda v: str(v))
+@pytest.mark.parametrize("pooling", ["default", "avg", "max_avg", "gem"])
+def test_timm_models_embed_and_every_parameter_learns(
+    backbone: str, size: int, width: int, pooling: str
+) -> None:
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(backbone=backbone, embedding_dim=8, pooling=pooling), size)
+    assert model.head.in_features == width and not has_batchnorm(model), "LayerNorm models: nothing to freeze"
+    e = model(torch.rand(3, 3, size, size))
+    assert e.shape == (3, 8)
+    assert_close(e.norm(dim=1), torch.ones(3))
+    e[:, 0].sum().backward()
+    # DDP fails on parameters without a gradient: the modules forward_features skips must be gone.
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []
+
+
+def test_timm_input_normalisation_comes_from_the_model() -> None:
+    vit = build_model(ModelConfig(backbone="timm:vit_tiny_patch16_224", embedding_dim=4), 32)
+    convnext = build_model(ModelConfig(backbone="timm:convnext_atto", embedding_dim=4), 32)
+    assert vit.input_mean.flatten().tolist() == pytest.approx([0.5, 0.5, 0.5])
+    assert convnext.input_mean.flatten().tolist() == pytest.approx([0.485, 0.456, 0.406])
+
+
+def test_timm_weights_from_a_local_file(tmp_path: Path) -> None:
+    """A timm checkpoint with its classifier (as published) loads into the classifier-less backbone; the
+    position embeddings are resampled to the training size (224 -> 32 px: 196 -> 4 patches)."""
+    source = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+    path = tmp_path / "vit_tiny.pth"
+    torch.save(source.state_dict(), path)
+    model = build_model(
+        ModelConfig(backbone="timm:vit_tiny_patch16_224", weights=str(path), embedding_dim=8), 32
+    )
+    net = model.backbone.net
+    assert_close(net.blocks[1].mlp.fc1.weight, source.blocks[1].mlp.fc1.weight, rtol=0, atol=0)
+    assert net.pos_embed.shape == (1, 1 + 4, 192) and source.pos_embed.shape == (1, 1 + 196, 192)
+    other = tmp_path / "convnext.pth"
+    torch.save(timm.create_model("convnext_atto", pretrained=False).state_dict(), other)
+    with pytest.raises(ModelError, match=r"could not load the weights .* from the file"):
+        build_model(ModelConfig(backbone="timm:vit_tiny_patch16_224", weights=str(other)), 32)
+
+
+def test_timm_errors_name_the_fix() -> None:
+    with pytest.raises(ModelError, match="timm has no model 'vit_tinyy_patch16_224'; similar: vit_"):
+        build_model(ModelConfig(backbone="timm:vit_tinyy_patch16_224"), 32)
+    with pytest.raises(ModelError, match=r"valid are none, default .* or a local file path"):
+        build_model(ModelConfig(backbone="timm:vit_tiny_patch16_224", weights="IMAGENET1K_V1"), 32)
+    with pytest.raises(ConfigError, match="names no model"):
+        ModelConfig(backbone="timm:")
+    with pytest.raises(ConfigError, match=r"or timm:<model name>\. Did you mean 'resnet50'"):
+        ModelConfig(backbone="resnet05")
+
+
+def test_vit_trains_three_steps_direct_and_chunked_alike() -> None:
+    """As for the CNNs: the chunked (gradient-cache) step gives the direct step's gradients, step after step."""
+    cfg = ModelConfig(backbone="timm:vit_tiny_patch16_224", embedding_dim=16, pooling="gem")
+    torch.manual_seed(0)
+    direct = build_model(cfg, 32)
+    chunked = build_model(cfg, 32)
+    chunked.load_state_dict(direct.state_dict())
+    # SGD, not Adam: Adam's normalised update turns rounding-level gradient differences of near-zero
+    # gradients into full-size steps, which would hide what this test compares.
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (direct, chunked)]
+    g = torch.Generator().manual_seed(1)
+    loss_fn = FastAPLoss(num_bins=10)
+    for _ in range(3):
+        images, labels = torch.rand(12, 3, 32, 32, generator=g), torch.arange(12) % 4
+        out_d = forward_backward(PlainBackend(direct), images, labels, loss_fn)
+        out_c = forward_backward(PlainBackend(chunked), images, labels, loss_fn, chunk_size=5)
+        assert (out_d.chunks, out_c.chunks) == (1, 3)
+        assert_close(out_c.loss, out_d.loss, rtol=1e-5, atol=1e-6)
+        for (name, p_d), p_c in zip(direct.named_parameters(), chunked.parameters()):
+            assert_close(p_c.grad, p_d.grad, rtol=1e-4, atol=1e-6, msg=name)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for (name, p_d), p_c in zip(direct.named_parameters(), chunked.parameters()):
+        assert_close(p_c, p_d, rtol=1e-4, atol=1e-6, msg=name)
+    assert not torch.equal(direct.backbone.pool.p, torch.tensor(3.0)), "GeM's p is learned"
+
+
+# ------------------------------------------------------------------------------------------------- pooling
+def test_pooling_of_feature_maps_and_tokens() -> None:
+    x = torch.rand(2, 5, 3, 4) + 0.1
+    assert_close(Pooling("avg")(x), F.adaptive_avg_pool2d(x, 1).flatten(1))
+    assert_close(Pooling("max_avg")(x), x.amax((2, 3)) + x.mean((2, 3)))
+    gem = Pooling("gem")
+    assert_close(gem(x), x.pow(3).mean((2, 3)).pow(1 / 3))
+    gem.p.data.fill_(1.0)
+    assert_close(gem(x), x.mean((2, 3)))
+    tokens = torch.rand(2, 1 + 12, 5)  # a class token, then 12 patch tokens
+    assert_close(Pooling("avg", prefix_tokens=1)(tokens), tokens[:, 1:].mean(1))
+    assert_close(Pooling("avg", channels_last=True)(x.permute(0, 2, 3, 1)), x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("backbone", ["tiny_cnn", "resnet18"])
+def test_pooling_choice_for_torchvision_and_tiny_cnns(backbone: str) -> None:
+    model = build_model(ModelConfig(backbone=backbone, embedding_dim=8, pooling="gem"), 32)
+    assert any(name.endswith("pool.p") for name, _ in model.named_parameters())
+    assert model(torch.rand(2, 3, 32, 32)).shape == (2, 8)
+    plain = build_model(ModelConfig(backbone=backbone, embedding_dim=8), 32)
+    assert not any(name.endswith(".p") for name, _ in plain.named_parameters())
