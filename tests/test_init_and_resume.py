@@ -198,3 +198,15 @@ def test_best_metric_is_checked_at_start_up(
     with pytest.raises(ConfigError, match=f"valid: {valid}$"):
         Trainer(cfg_for(shards, tmp_path / "run", *overrides))
     assert not (tmp_path / "run").exists(), "refused before anything was written"
+
+
+def test_config_of_a_run_without_history_is_kept(shards: Path, run: Path) -> None:
+    """A run started before config-history existed: its config.yaml is kept as start-000 at the next start."""
+    import shutil
+
+    shutil.rmtree(run / "config-history")
+    before = (run / "config.yaml").read_text()
+    run_training(cfg_for(shards, run, "train.steps=3"))
+    names = sorted(p.name for p in (run / "config-history").iterdir())
+    assert names == ["start-000-earlier.yaml", "start-001-step-00000002.yaml"]
+    assert (run / "config-history" / "start-000-earlier.yaml").read_text() == before

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.config import Config, ConfigError, save_config, to_dict
 from ddp_rank.data.loader import StreamLoader
 from ddp_rank.data.manifest import Manifest, is_url
@@ -624,9 +625,15 @@ class Trainer:
         """``config.yaml`` (what this start runs with), written only once the resume check has passed, and a copy
         per start in ``config-history/`` so the config of every earlier start stays readable."""
         history = self.out_dir / "config-history"
-        start = len(list(history.glob("start-*.yaml"))) + 1 if history.is_dir() else 1
+        current = self.out_dir / "config.yaml"
+        if not history.is_dir() and current.is_file():  # a run started before the history existed
+            history.mkdir(parents=True)
+            atomic_write_text(history / "start-000-earlier.yaml", current.read_text())
+        start = len(list(history.glob("start-*.yaml"))) + (
+            0 if (history / "start-000-earlier.yaml").exists() else 1
+        )
         save_config(self.cfg, history / f"start-{start:03d}-step-{self.step:08d}.yaml")
-        save_config(self.cfg, self.out_dir / "config.yaml")
+        save_config(self.cfg, current)
 
     def _progress_bar(self) -> Any:
         if not (self.is_main and self.cfg.train.progress):
