@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import http.server
 import tarfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -176,15 +173,10 @@ def test_export_of_an_image_folder(tiny: dict[str, Path]) -> None:
 
 @pytest.fixture()
 def http_shards(tiny: dict[str, Path]) -> Iterator[str]:
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tiny["shards"]))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    from ddp_rank.data.serve import serve_directory
+
+    with serve_directory(tiny["shards"]) as url:
+        yield url
 
 
 def test_export_of_shards_at_a_url(tiny: dict[str, Path], http_shards: str) -> None:

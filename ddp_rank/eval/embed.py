@@ -33,6 +33,13 @@ class EvalBatch:
     index: Tensor
 
 
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
+    """Autocast to ``dtype`` on ``device`` for the forward passes of embedding (a no-op for ``None``)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
 @torch.no_grad()
 def embed_batches(
     model: nn.Module,
@@ -50,12 +57,7 @@ def embed_batches(
     embs, labels, bits, index = [], [], [], []
     try:
         for b in batches:
-            ctx = (
-                torch.autocast(device_type=device.type, dtype=autocast_dtype)
-                if autocast_dtype is not None
-                else contextlib.nullcontext()
-            )
-            with ctx:
+            with autocast(device, autocast_dtype):
                 e = model(b.images.to(device, non_blocking=True))
             embs.append(e.float().cpu())
             labels.append(b.labels.long().cpu())

@@ -13,7 +13,6 @@ part is complete: a directory without it is not an export.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Iterable
@@ -26,6 +25,7 @@ import torch
 from torch import nn
 
 from ddp_rank.atomic_io import atomic_write_text
+from ddp_rank.eval.embed import autocast
 from ddp_rank.eval.sources import ImageBatch
 
 __all__ = [
@@ -87,12 +87,7 @@ def embed_batches_to_arrays(
     subsets: list[str] = []
     try:
         for b in batches:
-            ctx = (
-                torch.autocast(device_type=device.type, dtype=autocast_dtype)
-                if autocast_dtype is not None
-                else contextlib.nullcontext()
-            )
-            with ctx:
+            with autocast(device, autocast_dtype):
                 e = model(b.images.to(device, non_blocking=True))
             embs.append(e.float().cpu().numpy())
             keys += b.keys
