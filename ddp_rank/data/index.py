@@ -166,10 +166,14 @@ def _runs(path: str, name: str, options: IndexOptions) -> tuple[list[_Run], int,
     return runs, os.path.getsize(path), skipped
 
 
-def _digest(path: str, start: int, end: int) -> str:
+def _digests(path: str, runs: Sequence[_Run]) -> list[str]:
+    """The span digest of every class run of a shard, with the file opened once."""
     with open(path, "rb") as f:
-        f.seek(start)
-        return span_digest(f.read(end - start))
+        out = []
+        for run in runs:
+            f.seek(run.start)
+            out.append(span_digest(f.read(run.end - run.start)))
+        return out
 
 
 def find_splits(root: str | os.PathLike[str], patterns: Sequence[str]) -> dict[str, list[str]]:
@@ -256,7 +260,7 @@ def index_shards(
         for rel in paths:
             with _local_copy(join_location(root, rel)) as local:
                 runs, size, lost = _runs(local, rel, options)
-                digests = [_digest(local, r.start, r.end) for r in runs]
+                digests = _digests(local, runs)
                 walked[split].append((rel, runs, size, sha256_file(local), digests))
             skipped += lost
     _check_contiguous(
@@ -337,7 +341,8 @@ def upgrade_manifest(directory: str | os.PathLike[str]) -> Manifest:
                     f"{shard['path']}: its classes differ from the manifest's; rebuild the shards"
                 )
             shard["classes"] = [
-                [int(r.cls), r.count, r.start, r.end - r.start, _digest(path, r.start, r.end)] for r in runs
+                [int(r.cls), r.count, r.start, r.end - r.start, digest]
+                for r, digest in zip(runs, _digests(path, runs))
             ]
     data["version"] = FORMAT_VERSION
     manifest = Manifest.from_json(data, root=root)

@@ -404,9 +404,3 @@ def deal(plan: StepPlan, world_size: int, seed: int = 0, strict: bool = False) -
         sizes = np.concatenate([np.array(rest_sizes, dtype=np.int64), sizes[head:]])
     parts.append(queue)
     return parts
-
-
-def steps_hint(plan: GlobalPlan) -> str:
-    """One line for logs: the epoch length and the groups left out."""
-    left = "; ".join(str(x) for x in plan.left_out)
-    return f"{plan.steps_per_epoch} steps per epoch" + (f" (left out: {left})" if left else "")
