@@ -246,6 +246,13 @@ class ModelConfig(_Section):
         "or single-category local batches, fine-tuning at a new resolution: the demo).",
         choices=("auto", "always"),
     )
+    sync_bn: bool = _field(
+        False,
+        "Normalise BatchNorm layers in train mode with the statistics of the GLOBAL batch (SyncBatchNorm; on CPU "
+        "ranks an equivalent), not of each rank's share: small or single-category local batches. Costs two small "
+        "all-reduces per layer and forward. Running statistics are averaged over the ranks before every "
+        "evaluation and checkpoint whatever this is.",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -345,6 +352,12 @@ class TrainConfig(_Section):
         "(accelerate's --mixed_precision or its config file), else 'no'. A value here that contradicts a "
         "launcher asking for fp16/bf16 is an error.",
         choices=("auto", "no", "fp16", "bf16"),
+    )
+    deterministic: bool = _field(
+        False,
+        "Deterministic algorithms everywhere (torch.use_deterministic_algorithms, cuDNN without autotuning, "
+        "FastAP's histogram without atomics): two runs, and a killed-and-resumed run, give bit-identical weights "
+        "on a GPU as on CPU. Slower on GPUs (benchmarks/train.py measures it); CPU runs are deterministic anyway.",
     )
     log_every: int = _field(10, "Steps between metrics.jsonl records and progress-bar updates.", minimum=1)
     checkpoint_every: int = _field(

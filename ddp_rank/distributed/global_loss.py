@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from ddp_rank.distributed.agreement import RankFailure
 from ddp_rank.distributed.collectives import (
     CommCounter,
     all_gather_ints,
@@ -162,8 +163,7 @@ def raise_everywhere(failure: BaseException | None, group: ProcessGroup | None) 
     torch.distributed.all_gather_object(messages, mine, group=group)
     failed = {r: m for r, m in enumerate(messages) if m is not None}
     summary = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-    error = RuntimeError(f"the global-batch loss failed on rank(s) {sorted(failed)}: {summary}")
-    raise error from failure
+    raise RankFailure(f"the global-batch loss failed on rank(s) {sorted(failed)}: {summary}") from failure
 
 
 class GlobalBatchLoss(nn.Module):

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_rank.distributed import max_over_ranks
+from ddp_rank.train.batchnorm import sync_batchnorm_buffers
 
 
 class StepBackend(Protocol):
@@ -49,6 +50,9 @@ class StepBackend(Protocol):
 
     def check_chunked(self) -> None:
         """Raise a clear error if the engine cannot run the chunked path (checked before its first forward)."""
+
+    def sync_batchnorm(self) -> None:
+        """Collective: make the BatchNorm running statistics equal on every data-parallel rank (their mean)."""
 
     def backward(self, objective: Tensor) -> None:
         """Back-propagate a scalar, applying the engine's loss scale once."""
@@ -104,6 +108,9 @@ class PlainBackend:
     def check_chunked(self) -> None:
         return None
 
+    def sync_batchnorm(self) -> None:
+        return None  # one process
+
     def backward(self, objective: Tensor) -> None:
         (self.scaler.scale(objective) if self.scaler is not None else objective).backward()
 
@@ -137,6 +144,9 @@ class DDPBackend(PlainBackend):
 
     def check_chunked(self) -> None:
         _refuse_static_graph(self._ddp)
+
+    def sync_batchnorm(self) -> None:
+        sync_batchnorm_buffers(self._ddp.module, self._ddp.process_group)
 
     def largest_batch(self, rows: int) -> int:
         return max_over_ranks(rows, self._ddp.process_group)
@@ -207,6 +217,9 @@ class DeepSpeedBackend:
     def check_chunked(self) -> None:
         return None
 
+    def sync_batchnorm(self) -> None:
+        sync_batchnorm_buffers(self.engine.module, self.engine.data_parallel_group)
+
     def backward(self, objective: Tensor) -> None:
         self.engine.backward(objective)
 
@@ -239,6 +252,10 @@ class AccelerateBackend(PlainBackend):
     def check_chunked(self) -> None:
         if isinstance(self._model, DistributedDataParallel):
             _refuse_static_graph(self._model)
+
+    def sync_batchnorm(self) -> None:
+        if isinstance(self._model, DistributedDataParallel):
+            sync_batchnorm_buffers(self._model.module, self._model.process_group)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         return self.accelerator.autocast()

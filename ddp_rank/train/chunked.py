@@ -15,7 +15,8 @@ section 4.1, and GradCache) keeps only the embeddings:
 Gradients are those of the direct step for a model whose forward is row-independent (no BatchNorm in train
 mode); with dropout they are those of the same chunk-by-chunk forwards kept in one graph (the masks are drawn
 per chunk, so they are not the masks of one big forward, but they are the same in both passes). BatchNorm is
-frozen in the chunked path (see ``frozen_batchnorm``); the direct path leaves it alone.
+frozen in the chunked path (see ``frozen_batchnorm``) and its running statistics are averaged over the ranks before
+pass 1 (``ddp_rank.train.batchnorm``), so both passes on every rank normalise alike; the direct path leaves it alone.
 Gradient reduction (DDP, DeepSpeed) happens once per step: ``no_sync`` wraps the forward AND backward of every
 chunk but the last, and DeepSpeed's backwards are coalesced. Mixed precision: the loss and G are float32,
 only the chunk objectives go through the engine's loss scaling, so the scale is applied exactly once.
@@ -112,6 +113,9 @@ def _chunked(
     backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossFn, chunk_size: int
 ) -> StepOutput:
     chunks = inputs.split(chunk_size)
+    # Both passes normalise with the running statistics, so they must be the same on every rank (a direct step
+    # or DDP's broadcast of rank 0's buffers before pass 2 would otherwise make the passes disagree).
+    backend.sync_batchnorm()
     with frozen_batchnorm(backend.bare_module):
         embeddings, states = _forward_no_grad(backend, chunks)
         loss, cache = _build_cache(embeddings, labels, loss_fn)

@@ -11,7 +11,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from ddp_rank.config import ConfigError, describe, load_config
@@ -40,22 +39,15 @@ def run(args: argparse.Namespace) -> int:
     if args.help_config:
         print(describe())
         return 0
-    from ddp_rank.train.checkpoint import CheckpointError
-    from ddp_rank.train.model import ModelError
-    from ddp_rank.train.trainer import TrainError, run_training
+    from ddp_rank.train.failure import launch_rank, report_agreed_error
+    from ddp_rank.train.trainer import AGREED_ERRORS, run_training
 
     try:
         cfg = load_config(args.config, args.overrides)
         summary = run_training(cfg)
-    except (ConfigError, ModelError, CheckpointError, TrainError) as exc:
-        print(f"ddp-rank train: error: {exc}", file=sys.stderr)
+    except (ConfigError, *AGREED_ERRORS) as exc:  # raised alike on every rank: printed once, by rank 0
+        report_agreed_error("ddp-rank train", exc)
         return EXIT_USAGE
-    if summary.get("world_size") is not None and _is_main():
+    if summary.get("world_size") is not None and launch_rank() == 0:
         print(f"done: {summary['steps']} steps, outputs in {cfg.train.output_dir}")
     return 0
-
-
-def _is_main() -> bool:
-    import os
-
-    return int(os.environ.get("RANK", "0")) == 0

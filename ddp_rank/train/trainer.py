@@ -43,6 +43,7 @@ from ddp_rank.eval.report import format_table
 from ddp_rank.eval.runner import evaluate_model, model_transform, vehicleid_splits
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.train.backends import backend_for_accelerator
+from ddp_rank.train.batchnorm import convert_to_cross_rank, sync_batchnorm_buffers
 from ddp_rank.train.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -52,8 +53,10 @@ from ddp_rank.train.checkpoint import (
 )
 from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.data_setup import schedule_config
+from ddp_rank.train.determinism import set_deterministic
+from ddp_rank.train.failure import end_process_after_failure
 from ddp_rank.train.init_weights import init_from
-from ddp_rank.train.model import EmbeddingNet, build_model, freeze_batchnorm
+from ddp_rank.train.model import EmbeddingNet, ModelError, build_model, freeze_batchnorm
 from ddp_rank.train.optim import build_optimizer, build_scheduler, lr_factor
 from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, write_summary
 from ddp_rank.train.resume_check import describe_changes, resume_changes
@@ -219,6 +222,9 @@ class Trainer:
     def __init__(self, cfg: Config, accelerator: Any | None = None) -> None:
         self.cfg = cfg
         self.manifest = check_inputs(cfg)
+        set_deterministic(
+            cfg.train.deterministic
+        )  # before the first CUDA matmul (cuBLAS reads its workspace then)
         self.accelerator = accelerator if accelerator is not None else make_accelerator(cfg)
         acc = self.accelerator
         self.world_size = acc.num_processes
@@ -252,6 +258,9 @@ class Trainer:
         model = build_model(cfg.model, cfg.data.image_size)
         if cfg.model.init_from:
             self._note(init_from(model, cfg.model.init_from).summary())
+        if cfg.model.sync_bn:
+            # In place (an EmbeddingNet is not itself a BatchNorm layer); PyTorch's fused SyncBatchNorm on CUDA.
+            convert_to_cross_rank(model, cuda=self.device.type == "cuda")
         optimizer = build_optimizer(
             model.parameter_groups(cfg.optim.lr, cfg.optim.head_lr_mult, cfg.optim.weight_decay), cfg.optim
         )
@@ -367,7 +376,9 @@ class Trainer:
             freeze_batchnorm(self.model)
         try:
             out = forward_backward(self.backend, images, labels, self.loss_fn, self.chunk_size)
-        except ValueError as exc:  # NaN / Inf embeddings: the network diverged (the loss layer names it)
+        except (ValueError, RankFailure) as exc:
+            # Raised on every rank alike by the loss layer: NaN / Inf embeddings (the network diverged), or an
+            # exception inside the loss on some rank (its message names the rank).
             raise TrainError(f"step {self.progress.step}: {exc}") from exc
         grad_norm = None
         if self.cfg.optim.grad_clip and not self._deepspeed:
@@ -446,8 +457,14 @@ class Trainer:
         self.stream.load_state_dict({"epoch": epoch, "step": step_in_epoch})
         self._batches = None
 
+    def sync_batchnorm(self) -> None:
+        """Collective: BatchNorm running statistics become their mean over the ranks (``ddp_rank.train.batchnorm``),
+        so that evaluation and checkpoints see one model, not each rank's own statistics."""
+        sync_batchnorm_buffers(self.unwrapped)
+
     def save_checkpoint(self) -> Path:
         """Atomic checkpoint of the current step (all ranks)."""
+        self.sync_batchnorm()
         return self.checkpoints.save(self.step, self.state_dict(), self._save_state)
 
     def _save_state(self, directory: Path) -> None:
@@ -528,6 +545,7 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, Any]:
         """Retrieval metrics on ``data.test_split`` (all ranks; same numbers everywhere)."""
+        self.sync_batchnorm()
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.accelerator.mixed_precision))
         with torch.random.fork_rng(devices=[]):  # evaluation must not shift the training RNG stream
             return evaluate_model(
@@ -714,12 +732,28 @@ class Trainer:
         self._batches = None
 
 
+AGREED_ERRORS = (ConfigError, ModelError, CheckpointError, TrainError)
+"""The trainer's own errors: raised on every rank alike, so every rank can unwind (``ddp_rank.train.failure``)."""
+
+
 def run_training(cfg: Config) -> dict[str, Any]:
-    """Entry point: build the trainer, fit, and always tear down (STYLE 1: thin, try/finally)."""
+    """Entry point: build the trainer, fit, and always tear down (STYLE 1: thin, try/finally).
+
+    In a multi-process run, an exception other than the agreed ones (``AGREED_ERRORS``) is this rank's alone:
+    the process prints it and ends at once, so that the launcher stops the ranks waiting for it in a collective.
+    """
     trainer: Trainer | None = None
     try:
         trainer = Trainer(cfg)
         return trainer.fit()
+    except AGREED_ERRORS:
+        raise
+    except Exception as exc:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if trainer is not None:
+                trainer.close()  # flushes metrics.jsonl; no collective
+            end_process_after_failure("ddp-rank train", exc, trainer.step if trainer is not None else None)
+        raise
     finally:
         if trainer is not None:
             trainer.close()
