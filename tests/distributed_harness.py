@@ -49,6 +49,9 @@ def _child(
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR=_HOST,
         MASTER_PORT=str(port),
+        # These ranks are CPU processes on gloo whatever the machine has (set before CUDA or DeepSpeed start).
+        CUDA_VISIBLE_DEVICES="",
+        DS_ACCELERATOR="cpu",
     )
     torch.set_num_threads(1)
     try:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_helpers import REPO, TINY_OVERRIDES, build_tiny_shards
+from train_helpers import REPO, TINY_OVERRIDES, build_tiny_shards, cpu_env
 
 
 @pytest.mark.slow
@@ -18,7 +18,7 @@ def test_demo_driver_on_tiny_shards(tmp_path: Path) -> None:
     overrides = [o for o in TINY_OVERRIDES if not o.startswith("eval.ks")]
     cmd = [sys.executable, "-m", "ddp_rank.train.demo", "--out", str(out), "--shards", str(shards), "--steps", "3",
            *overrides, "eval.ks=1,10", "model.weights=none"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400, env=cpu_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (out / "demo.md").read_text()
     for row in ("raw pixels", "network before training", "network after training (3 steps)"):

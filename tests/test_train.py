@@ -200,3 +200,32 @@ def test_one_source_of_truth_for_the_precision(
     finally:
         trainer.close()
         AcceleratorState._reset_state(True)
+
+
+def test_deterministic_mode_trains_and_is_switched_on(
+    shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.deterministic`` turns on deterministic algorithms (every loss kernel has one: none raises) and
+    gives the weights of the default mode on CPU, where the kernels are deterministic anyway."""
+    import os
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # restored after the test
+    was = torch.are_deterministic_algorithms_enabled()
+    results = []
+    try:
+        for flag in ("false", "true"):
+            trainer = Trainer(cfg_for(shards, tmp_path / flag, "train.steps=2", f"train.deterministic={flag}"))
+            try:
+                trainer.train_step()
+                trainer.train_step()
+                results.append([p.detach().clone() for p in trainer.model.parameters()])
+                assert torch.are_deterministic_algorithms_enabled() == (flag == "true")
+            finally:
+                trainer.close()
+        assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"
+        assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch.backends.cudnn.deterministic = False
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

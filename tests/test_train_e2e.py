@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import REPO, TINY_OVERRIDES, accelerate_cmd, build_tiny_shards, final_weights, launch
+from train_helpers import (
+    REPO,
+    TINY_OVERRIDES,
+    accelerate_cmd,
+    build_tiny_shards,
+    cpu_env,
+    final_weights,
+    launch,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -67,7 +75,7 @@ def test_direct_run_writes_everything(uninterrupted: Path) -> None:
 def test_killed_run_resumes_to_the_same_parameters(shards: Path, uninterrupted: Path, tmp_path: Path) -> None:
     out = tmp_path / "killed"
     args = ["train", f"data.shards={shards}", f"train.output_dir={out}", *RUN]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = cpu_env()
     proc = subprocess.Popen(accelerate_cmd(*args), cwd=REPO, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     marker = out / "checkpoints" / "step-00000005" / "meta.json"

@@ -17,6 +17,7 @@ from ddp_rank.data.synthetic import write_image_folder
 REPO = Path(__file__).resolve().parent.parent
 
 TINY_OVERRIDES = [
+    "distributed.cpu=true",  # bit-exact comparisons mean CPU, also on a machine with a GPU
     "model.backbone=tiny_cnn",
     "model.embedding_dim=16",
     "data.image_size=16",
@@ -73,8 +74,20 @@ def accelerate_cmd(*args: str, processes: int = 2) -> list[str]:
     ]  # fmt: skip
 
 
+def cpu_env() -> dict[str, str]:
+    """The environment of a launched CPU job, whatever GPUs the machine has: no CUDA device for the ranks (a
+    1-GPU machine would otherwise put both on cuda:0) and DeepSpeed's CPU accelerator; one thread per rank."""
+    return {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+
+
 def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = cpu_env()
     return subprocess.run(
         accelerate_cmd(*args), capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
     )

@@ -1,4 +1,4 @@
-"""The emoji demo, end to end on a CPU: shards -> baselines -> FastAP with 2 processes -> Recall table.
+"""The emoji demo, end to end on CPU or GPUs: shards -> baselines -> FastAP training -> Recall table.
 
     python -m ddp_rank.train.demo                     # what `make demo` runs; outputs under runs/demo/
     python -m ddp_rank.train.demo --steps 40          # shorter
@@ -8,8 +8,8 @@ Steps (each skipped when its output exists, so a second run only retrains):
 1. the emoji listing (``ddp-rank shards listing emoji``: npm packages of Google / Twitter / OpenMoji artwork,
    one class per emoji, half the classes held out) and its shards (``ddp-rank shards build``);
 2. Recall@k of raw pixels on the held-out classes (``ddp-rank eval --baseline raw-pixels``);
-3. FastAP training with 2 gloo processes under ``accelerate launch`` (configs/demo.yaml), which evaluates the
-   network before the first step and after the last;
+3. FastAP training under ``accelerate launch`` (configs/demo.yaml): one process per GPU found, else 2 gloo
+   processes on the CPU; it evaluates the network before the first step and after the last;
 4. the table raw pixels / before / after, written with the plots and the run summary to runs/demo/.
 """
 
@@ -42,6 +42,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _visible_gpus() -> int:
+    """CUDA devices this process can see (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/demo", help="demo directory (shards, runs, results)")
@@ -50,12 +57,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
     p.add_argument("--shards", help="use this shard directory instead of building the emoji shards (tests)")
-    p.add_argument("--processes", type=int, default=2)
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="training processes (default: one per GPU found, else 2 on CPU)",
+    )
     p.add_argument("--steps", type=int, default=None, help="override train.steps of the config")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="more config overrides")
     args = p.parse_args(argv)
 
     t_start = time.perf_counter()
+    gpus = _visible_gpus()
+    if not args.processes:
+        args.processes = gpus or 2
+    where = f"{gpus} GPU(s)" if gpus else "CPU (gloo)"
+    print(f"demo: training with {args.processes} process(es) on {where}", flush=True)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     py = sys.executable

@@ -178,7 +178,7 @@ def make_accelerator(cfg: Config) -> Any:
     from accelerate.utils import DistributedDataParallelKwargs
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    cpu = cfg.distributed.cpu or not torch.cuda.is_available()
+    cpu = cfg.distributed.cpu or not torch.cuda.is_available() or _too_few_gpus()
     if deepspeed and cpu:
         # Checked with accelerate 1.15: Accelerator(cpu=True) silently drops the DeepSpeed plugin (plain DDP),
         # and Accelerator(cpu=False) without a GPU reports every process as rank 0 of 1. Neither is what was asked.
@@ -193,6 +193,23 @@ def make_accelerator(cfg: Config) -> Any:
             DistributedDataParallelKwargs(find_unused_parameters=cfg.distributed.find_unused_parameters)
         ],
     )
+
+
+def _too_few_gpus() -> bool:
+    """More processes on this node than visible GPUs (a 2-process CPU launcher on a 1-GPU machine): NCCL refuses
+    two ranks on one device, so these processes run on the CPU with gloo, and rank 0 says so."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    if local <= gpus:
+        return False
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"ddp-rank train: {local} processes on this node but {gpus} GPU(s): training on the CPU (gloo). "
+            "Launch one process per GPU (--num_processes) to use them.",
+            file=sys.stderr,
+            flush=True,
+        )
+    return True
 
 
 @dataclass
