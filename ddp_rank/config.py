@@ -387,7 +387,12 @@ class TrainConfig(_Section):
         "list of differences; with it the new values apply (and are listed in the log).",
     )
     tensorboard: bool = _field(False, "Also write TensorBoard event files (needs the tensorboard package).")
-    progress: bool = _field(True, "Show the rank-0 progress bar (loss, images/s, ETA).")
+    progress: bool = _field(
+        True,
+        "On a terminal, show the rank-0 progress bar (loss, images/s, ETA); without a terminal (a SLURM log), or "
+        "with false, rank 0 prints one timestamped line per log_every steps (step, loss, images/s, data time, "
+        "learning rates, memory, ETA).",
+    )
     plots: bool = _field(True, "Write PNG plots of the loss and Recall@k curves (needs matplotlib).")
 
 

@@ -131,6 +131,11 @@ class CheckpointManager:
         self.barrier()
         return removed
 
+    @property
+    def last_saved_step(self) -> int | None:
+        """The step this manager wrote last in this process (None before its first save)."""
+        return self._last_saved_step
+
     def save(self, step: int, meta: dict[str, Any], save_fn: Callable[[Path], None]) -> Path:
         """Write checkpoint ``step`` atomically on all ranks; returns its final path.
 

@@ -101,7 +101,12 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def write_plots(records: Sequence[Mapping[str, Any]], out_dir: str | os.PathLike[str]) -> list[Path]:
-    """``loss.png`` (training loss by step) and ``recall.png`` (Recall@k by step); returns the files written.
+    """The run's curves by step; returns the files written:
+
+    - ``loss.png``: the training loss;
+    - ``recall.png``: Recall@k and MAP@R of each evaluation, in percent;
+    - ``lr.png``: the learning rates of the backbone and the head;
+    - ``throughput.png``: images per second and the data loader's share of the step.
 
     Needs matplotlib (the ``eval`` extra); without it nothing is written and an empty list is returned.
     """
@@ -112,42 +117,51 @@ def write_plots(records: Sequence[Mapping[str, Any]], out_dir: str | os.PathLike
         import matplotlib.pyplot as plt
     except ImportError:
         return []
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    train = [r for r in records if r.get("kind") == "train" and r.get("loss") is not None]
-    if train:
+
+    def plot(
+        name: str, series: dict[str, list[tuple[int, float]]], ylabel: str, title: str, **style: Any
+    ) -> None:
+        series = {label: pts for label, pts in series.items() if pts}
+        if not series:
+            return
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1.5)
+        for label, pts in series.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
         ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.set_title("training loss")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
         ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend()
         fig.tight_layout()
-        written.append(out / "loss.png")
+        written.append(out / name)
         fig.savefig(written[-1], dpi=100)
         plt.close(fig)
+
+    def points(kind: str, key: str, scale: float = 1.0) -> list[tuple[int, float]]:
+        return [
+            (r["step"], scale * r[key]) for r in records if r.get("kind") == kind and r.get(key) is not None
+        ]
+
+    plot("loss.png", {"loss": points("train", "loss")}, "loss", "training loss", lw=1.5)
     evals = [r for r in records if r.get("kind") == "eval"]
-    keys = sorted(
+    recall_keys = sorted(
         {k for r in evals for k in r if k.startswith("recall@") and "/" not in k},
         key=lambda k: int(k.split("@")[1]),
     )
-    if evals and keys:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for k in keys:
-            pts = [(r["step"], r[k]) for r in evals if r.get(k) is not None]
-            ax.plot(
-                [p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=k.replace("recall@", "R@")
-            )
-        ax.set_xlabel("step")
-        ax.set_ylabel("Recall@k (%)")
-        ax.set_title("retrieval on held-out classes")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        written.append(out / "recall.png")
-        fig.savefig(written[-1], dpi=100)
-        plt.close(fig)
+    if recall_keys:
+        retrieval = {k.replace("recall@", "R@"): points("eval", k, 100.0) for k in recall_keys}
+        retrieval["MAP@R"] = points("eval", "map@r", 100.0)
+        plot("recall.png", retrieval, "percent", "retrieval on held-out classes", marker="o")
+    rates = {"backbone": points("train", "lr_backbone"), "head": points("train", "lr_head")}
+    if not any(rates.values()):
+        rates = {"lr": points("train", "lr")}
+    plot("lr.png", rates, "learning rate", "learning rate", lw=1.5)
+    plot("throughput.png", {"images/s": points("train", "images_per_s")}, "images / s", "throughput", lw=1.5)
     return written
 
 

@@ -52,6 +52,7 @@ from ddp_rank.train.checkpoint import (
     resolve_checkpoint,
 )
 from ddp_rank.train.chunked import forward_backward
+from ddp_rank.train.console import StepLine, announce, peak_memory
 from ddp_rank.train.data_setup import schedule_config
 from ddp_rank.train.determinism import set_deterministic
 from ddp_rank.train.failure import end_process_after_failure
@@ -296,6 +297,8 @@ class Trainer:
             self.out_dir / "checkpoints", cfg.train.keep_last, self.is_main, acc.wait_for_everyone
         )
         self.logger: MetricsLogger | None = None
+        self._show_lines = False  # progress lines instead of the bar (set by fit)
+        self._clock = (0, time.perf_counter())  # (first step, start time) of this fit, for the ETA
         self._batches: Iterator[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ set-up helpers
@@ -482,7 +485,11 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Atomic checkpoint of the current step (all ranks)."""
         self.sync_batchnorm()
-        return self.checkpoints.save(self.step, self.state_dict(), self._save_state)
+        fresh = self.checkpoints.last_saved_step != self.step
+        path = self.checkpoints.save(self.step, self.state_dict(), self._save_state)
+        if fresh and self.is_main:
+            announce(f"checkpoint {path}")
+        return path
 
     def _save_state(self, directory: Path) -> None:
         self.accelerator.save_state(str(directory))
@@ -584,6 +591,8 @@ class Trainer:
             self.progress.best_value, self.progress.best_step = value, self.step
             self.save_checkpoint()
             self.checkpoints.mark_best(self.step, name, value)
+            if self.is_main:
+                announce(f"new best {name} {100 * value:.2f} at step {self.step}")
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
@@ -593,6 +602,7 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.resume()
         if self.is_main:
+            self._announce_start(resumed)
             self._write_config()
             self.logger = MetricsLogger(
                 self.out_dir / "metrics.jsonl",
@@ -612,10 +622,11 @@ class Trainer:
         last_eval: dict[str, Any] | None = None
         if has_eval and cfg.train.eval_at_start and self.step == 0:
             first = self.evaluate()
-            if self.logger is not None:
-                self.logger.log("eval", 0, first)
+            self._report_eval(first)
         bar = self._progress_bar()
+        self._show_lines = bar is None and self.is_main
         start_step, t_start = self.step, time.perf_counter()
+        self._clock = (start_step, t_start)
         window: list[StepResult] = []
         while self.step < self.total_steps:
             res = self.train_step()
@@ -630,8 +641,7 @@ class Trainer:
                 window = []
             if has_eval and (s % eval_every == 0 or s == self.total_steps):
                 last_eval = self.evaluate()
-                if self.logger is not None:
-                    self.logger.log("eval", s, last_eval)
+                self._report_eval(last_eval)
                 self._maybe_best(last_eval)
             if (ckpt_every and s % ckpt_every == 0) or s % self.steps_per_epoch == 0 or s == self.total_steps:
                 self.save_checkpoint()
@@ -670,8 +680,30 @@ class Trainer:
         save_config(self.cfg, history / f"start-{start:03d}-step-{self.step:08d}.yaml")
         save_config(self.cfg, current)
 
+    def _announce_start(self, resumed: Path | None) -> None:
+        where = f"{self.world_size} process(es) on {self.device.type}"
+        step = f"chunked (chunks of {self.chunk_size})" if self.chunk_size else "direct"
+        if resumed is not None:
+            announce(f"resumed from {resumed} at step {self.step} of {self.total_steps}")
+        announce(
+            f"training steps {self.step + 1}-{self.total_steps} with {where}, global batch "
+            f"{self.cfg.data.global_batch_size} ({self.local_batch} per rank, {step} step) into {self.out_dir}"
+        )
+
+    def _report_eval(self, metrics: dict[str, Any]) -> None:
+        """Log an evaluation and print its table (rank 0)."""
+        if self.logger is not None:
+            self.logger.log("eval", self.step, metrics)
+        if self.is_main:
+            shown = {k: v for k, v in metrics.items() if not k.rsplit("/", 1)[-1].startswith("num_")}
+            announce(
+                f"evaluation at step {self.step} ({self.cfg.data.test_split}):\n"
+                + format_table({f"step {self.step}": shown})
+            )
+
     def _progress_bar(self) -> Any:
-        if not (self.is_main and self.cfg.train.progress):
+        # Without a terminal (a SLURM log, a pipe) a bar is noise: fit prints timestamped lines instead.
+        if not (self.is_main and self.cfg.train.progress and sys.stderr.isatty()):
             return None
         from tqdm.auto import tqdm
 
@@ -691,12 +723,30 @@ class Trainer:
             "chunks": window[-1].chunks,
             "epoch": self.step / self.steps_per_epoch,
         }
+        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        values["lr_backbone"], values["lr_head"] = lrs[0], lrs[-1]
         if window[-1].grad_norm is not None:
             values["grad_norm"] = window[-1].grad_norm
         values["data_replaced_classes"] = data["replaced_classes"]
         values["data_decode_errors"] = data["decode_errors"]
         values["data_bad_shards"] = data["bad_shards"]
         self.logger.log("train", self.step, values)
+        if self._show_lines:
+            start_step, t_start = self._clock
+            done = self.step - start_step
+            per_step = (time.perf_counter() - t_start) / max(done, 1)
+            line = StepLine(
+                step=self.step,
+                total=self.total_steps,
+                epoch=values["epoch"],
+                loss=values["loss"],
+                images_per_s=values["images_per_s"],
+                data_time=values["data_time"],
+                lrs=[lrs[0], lrs[-1]] if len(lrs) > 1 else lrs,
+                memory=peak_memory(self.device),
+                eta_s=per_step * (self.total_steps - self.step),
+            )
+            announce(str(line))
 
     def _write_reports(self, summary: dict[str, Any]) -> None:
         records = read_metrics(self.out_dir / "metrics.jsonl")
