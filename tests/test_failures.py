@@ -58,3 +58,17 @@ def test_an_exception_inside_the_global_loss_is_raised_on_every_rank(shards: Pat
     assert errors[0].startswith("ddp-rank train: error: step 1: the global-batch loss failed on rank(s) [1]")
     assert MESSAGE in errors[0]
     assert seconds < 90, f"the job took {seconds:.0f} s to end"
+
+
+def test_a_setup_error_is_printed_once_as_one_line(shards: Path, tmp_path: Path) -> None:
+    """Every rank meets the same config error; rank 0 prints it, the launcher stops the rest."""
+    from train_helpers import launch
+
+    proc = launch("train", *TINY_OVERRIDES, f"data.shards={shards}", f"train.output_dir={tmp_path / 'run'}",
+                  "train.best_metric=recall@3", timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "error" in line and "ddp-rank" in line]
+    assert errors == [
+        "ddp-rank train: error: train.best_metric='recall@3' is not among the metrics eval.protocol=sop reports "
+        "with these settings; valid: recall@1, recall@2, map@r"
+    ], proc.stderr[-3000:]
