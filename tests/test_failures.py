@@ -45,7 +45,7 @@ def test_an_exception_in_one_ranks_forward_ends_every_rank(shards: Path, tmp_pat
     proc, seconds = launch_failing("forward", shards, tmp_path / "run")
     assert proc.returncode != 0
     mine = [line for line in proc.stderr.splitlines() if line.startswith("ddp-rank train: error on rank 1")]
-    assert mine == [f"ddp-rank train: error on rank 1 at step 1: RuntimeError: {MESSAGE}"], proc.stderr[-3000:]
+    assert mine == [f"ddp-rank train: error on rank 1 at step 2: RuntimeError: {MESSAGE}"], proc.stderr[-3000:]
     assert seconds < 90, f"the job took {seconds:.0f} s to end"
 
 
@@ -55,7 +55,7 @@ def test_an_exception_inside_the_global_loss_is_raised_on_every_rank(shards: Pat
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("ddp-rank train: error")]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert errors[0].startswith("ddp-rank train: error: step 1: the global-batch loss failed on rank(s) [1]")
+    assert errors[0].startswith("ddp-rank train: error: step 2: the global-batch loss failed on rank(s) [1]")
     assert MESSAGE in errors[0]
     assert seconds < 90, f"the job took {seconds:.0f} s to end"
 

@@ -184,8 +184,8 @@ def make_accelerator(cfg: Config) -> Any:
         # Checked with accelerate 1.15: Accelerator(cpu=True) silently drops the DeepSpeed plugin (plain DDP),
         # and Accelerator(cpu=False) without a GPU reports every process as rank 0 of 1. Neither is what was asked.
         raise TrainError(
-            "a DeepSpeed launcher config needs GPUs (accelerate cannot run DeepSpeed on CPU processes); on CPU use "
-            "launch/accelerate_cpu_2proc.yaml"
+            "a DeepSpeed launcher config needs one GPU per process (accelerate cannot run DeepSpeed on CPU "
+            "processes); on CPU use launch/accelerate_cpu_2proc.yaml"
         )
     return Accelerator(
         cpu=cpu,
@@ -240,9 +240,8 @@ class Trainer:
     def __init__(self, cfg: Config, accelerator: Any | None = None) -> None:
         self.cfg = cfg
         self.manifest = check_inputs(cfg)
-        set_deterministic(
-            cfg.train.deterministic
-        )  # before the first CUDA matmul (cuBLAS reads its workspace then)
+        # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
+        set_deterministic(cfg.train.deterministic)
         self.accelerator = accelerator if accelerator is not None else make_accelerator(cfg)
         acc = self.accelerator
         self.world_size = acc.num_processes
@@ -399,7 +398,7 @@ class Trainer:
         except (ValueError, RankFailure) as exc:
             # Raised on every rank alike by the loss layer: NaN / Inf embeddings (the network diverged), or an
             # exception inside the loss on some rank (its message names the rank).
-            raise TrainError(f"step {self.progress.step}: {exc}") from exc
+            raise TrainError(f"step {self.progress.step + 1}: {exc}") from exc
         grad_norm = None
         if self.cfg.optim.grad_clip and not self._deepspeed:
             grad_norm = float(
@@ -819,7 +818,10 @@ def run_training(cfg: Config) -> dict[str, Any]:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             if trainer is not None:
                 trainer.close()  # flushes metrics.jsonl; no collective
-            end_process_after_failure("ddp-rank train", exc, trainer.step if trainer is not None else None)
+            # The step that failed, counted from 1 as in the logs.
+            end_process_after_failure(
+                "ddp-rank train", exc, trainer.step + 1 if trainer is not None else None
+            )
         raise
     finally:
         if trainer is not None:
