@@ -127,7 +127,7 @@ class ShardStream(IterableDataset):
         self.plan = GlobalPlan(
             Catalog.from_manifest(self.manifest, split), self.schedule_config, global_batch
         )
-        for left in self.plan.left_out:
+        for left in self.plan.left_out if self.rank == 0 else ():  # every rank plans alike: say it once
             warnings.warn(f"category left out of the schedule: {left}", stacklevel=2)
         self.reader = ClassReader(self.manifest, split, cache_dir=cache_dir)
         self._position = (0, 0)
