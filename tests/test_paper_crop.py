@@ -9,8 +9,7 @@ from PIL import Image
 
 from ddp_rank.config import load_config
 from ddp_rank.data import transforms
-from ddp_rank.data.transforms import TransformConfig
-from ddp_rank.eval.runner import model_transform
+from ddp_rank.data.transforms import TransformConfig, transform_from_config
 
 
 def noise_image(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -82,7 +81,7 @@ def test_deterministic_under_the_same_seed() -> None:
 
 def test_config_setting_reaches_the_transform() -> None:
     cfg = load_config(None, ["data.crop=paper"])
-    assert model_transform(cfg, augment=True).mode == "paper"
-    assert model_transform(load_config()).mode == "random_resized"
+    assert transform_from_config(cfg.data, augment=True).mode == "paper"
+    assert transform_from_config(load_config().data).mode == "random_resized"
     with pytest.raises(ValueError, match="valid choices: random_resized, paper"):
         load_config(None, ["data.crop=papers"])

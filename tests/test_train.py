@@ -39,6 +39,23 @@ def test_train_step_and_state(shards: Path, tmp_path: Path) -> None:
         trainer.close()
 
 
+def test_the_feed_reads_ahead_but_positions_are_those_trained(shards: Path, tmp_path: Path) -> None:
+    """The device feed holds the next batch; the stream's position (what a checkpoint saves) must not run ahead,
+    across an epoch's end too. The stream hands out uint8 pixels (the model scales them on its device)."""
+    trainer = Trainer(cfg_for(shards, tmp_path / "run", "train.steps=9"))
+    try:
+        per_epoch = trainer.steps_per_epoch
+        seen = []
+        for k in range(per_epoch + 2):
+            batch = trainer._next_batch()
+            assert batch["images"].dtype == torch.uint8
+            seen.append((batch["epoch"], batch["step"]))
+            assert trainer.stream.position == divmod(k + 1, per_epoch)
+        assert seen == [divmod(k, per_epoch) for k in range(per_epoch + 2)]
+    finally:
+        trainer.close()
+
+
 def test_resume_refuses_a_changed_data_schedule_unless_forced(shards: Path, tmp_path: Path) -> None:
     trainer = Trainer(cfg_for(shards, tmp_path / "run", "train.steps=3"))
     try:

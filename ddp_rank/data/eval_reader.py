@@ -25,7 +25,7 @@ from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.reader import ClassReader, ClassReadError
 from ddp_rank.data.stream import resolve_rank_world
 from ddp_rank.data.tario import SpanSample
-from ddp_rank.data.transforms import TransformConfig, decode_image, normalize_batch, test_transform
+from ddp_rank.data.transforms import TransformConfig, collate_images, decode_image, test_transform
 
 
 def contiguous_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -112,7 +112,7 @@ class EvalShards(IterableDataset):
         ]
         labels = torch.tensor([cid for cid, _ in items], dtype=torch.int64)
         return {
-            "images": normalize_batch(images, self.transform_config),
+            "images": collate_images(images, self.transform_config),
             "labels": labels,
             "categories": torch.from_numpy(self._class_category[labels.numpy()]),
             "keys": [s.key for _, s in items],

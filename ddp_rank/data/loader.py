@@ -4,6 +4,9 @@ DataLoader workers iterate pickled copies of the dataset, so the main-process ob
 workers got. ``StreamLoader`` records the (epoch, step) of every batch it hands out; ``stream.state_dict()`` is
 then the position to resume from, and the next ``iter`` starts there (the next epoch after a full one). Workers
 are not persistent, because each epoch's workers must see the stream's position when they start.
+
+A consumer that reads ahead (the trainer's ``DeviceFeed``) takes batches before it uses them: it passes
+``track_position=False`` and calls ``stream.advance(batch)`` itself when a batch is used.
 """
 
 from __future__ import annotations
@@ -20,10 +23,15 @@ class StreamLoader:
     """Iterate one epoch (from the stream's position) per ``iter``; ``len`` is the steps left in that epoch."""
 
     def __init__(
-        self, stream: ShardStream, pin_memory: bool = False, prefetch_factor: int | None = None
+        self,
+        stream: ShardStream,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        track_position: bool = True,
     ) -> None:
         self.stream = stream
         self.pin_memory = pin_memory
+        self.track_position = track_position
         self.prefetch_factor = prefetch_factor if stream.num_workers > 0 else None
 
     def __len__(self) -> int:
@@ -40,5 +48,6 @@ class StreamLoader:
             persistent_workers=False,
         )
         for batch in loader:
-            self.stream.advance(batch)
+            if self.track_position:
+                self.stream.advance(batch)
             yield batch

@@ -17,7 +17,7 @@ reserve (``GlobalPlan.reserve``: disjoint across ranks, never a class of the ste
 counted. When no replacement is left, the batch raises ``DataError`` naming the shards; the trainer shares it
 with every rank so that all of them stop with that message.
 
-Each yielded batch is a dict: ``images`` float32 [n, 3, H, W], ``labels`` / ``categories`` int64 [n] (global
+Each yielded batch is a dict: ``images`` [n, 3, H, W] (float32, or uint8 as ``TransformConfig.pixels`` says), ``labels`` / ``categories`` int64 [n] (global
 ids; category -1 = unlabelled), ``keys`` (sample keys), ``epoch``, ``step``, ``groups`` (the schedule's
 groups) and ``events`` (this batch's ``replaced_classes``, ``decode_errors``, ``bad_shards``).
 """
@@ -41,8 +41,8 @@ from ddp_rank.data.schedule import ScheduleConfig
 from ddp_rank.data.tario import SpanSample
 from ddp_rank.data.transforms import (
     TransformConfig,
+    collate_images,
     decode_image,
-    normalize_batch,
     test_transform,
     train_transform,
 )
@@ -215,7 +215,7 @@ class ShardStream(IterableDataset):
                 keys.extend(chosen)
         label_tensor = torch.tensor(labels, dtype=torch.int64)
         return {
-            "images": normalize_batch(images, self.transform_config),
+            "images": collate_images(images, self.transform_config),
             "labels": label_tensor,
             "categories": torch.from_numpy(self._class_category[label_tensor.numpy()]),
             "keys": keys,

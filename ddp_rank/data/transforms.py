@@ -11,7 +11,9 @@ Two crops (``TransformConfig.mode``):
 Sizes are configurable (the demo uses small images). Per image we decode with PIL (JPEG
 ``draft`` mode decodes big files directly at a reduced scale), do resize + crop (+ flip) as ONE resample of the
 PIL image and convert to a uint8 tensor; the float conversion and the ImageNet normalisation run once on the stacked batch,
-which is cheaper than per image.
+which is cheaper than per image. With ``pixels="uint8"`` the batch stays uint8 and the consumer converts it where it
+computes (the trainer: on the GPU, after a copy of a quarter of the float32 bytes); ``uint8_to_unit`` is that
+conversion, bit-identical to the float path's.
 
 Only image bytes are decoded here (jpg / png / webp through PIL); no generic or pickle decoder exists.
 """
@@ -21,11 +23,15 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
+
+if TYPE_CHECKING:
+    from ddp_rank.config import DataConfig
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -34,6 +40,7 @@ ImageTransform = Callable[[Image.Image], torch.Tensor]
 
 
 CROP_MODES = ("random_resized", "paper")
+PIXEL_TYPES = ("float", "uint8")
 
 
 @dataclass(frozen=True)
@@ -49,12 +56,36 @@ class TransformConfig:
     std: tuple[float, float, float] = IMAGENET_STD
     mode: str = "random_resized"
     """``paper`` (square resize, plain random crop) or ``random_resized`` (see the module doc)."""
+    pixels: str = "float"
+    """Batches of ``float`` (normalised float32) or ``uint8`` (raw 0-255: ``mean`` / ``std`` are then the
+    consumer's to apply)."""
 
     def __post_init__(self) -> None:
         if self.crop > self.resize:
             raise ValueError(f"crop ({self.crop}) must not exceed resize ({self.resize})")
         if self.mode not in CROP_MODES:
             raise ValueError(f"crop mode {self.mode!r}: valid are {', '.join(CROP_MODES)}")
+        if self.pixels not in PIXEL_TYPES:
+            raise ValueError(f"pixels {self.pixels!r}: valid are {', '.join(PIXEL_TYPES)}")
+
+
+def transform_from_config(
+    data: DataConfig, *, augment: bool = False, pixels: str = "float"
+) -> TransformConfig:
+    """The transform of ``data.crop`` at the configured sizes, pixels in [0, 1] (or uint8): what our models take.
+
+    No mean / std here: the model applies its backbone's own input normalisation (``EmbeddingNet``).
+    """
+    return TransformConfig(
+        resize=data.resize_size,
+        crop=data.image_size,
+        crop_scale=(data.crop_scale_min, 1.0),
+        flip=augment,
+        mean=(0.0, 0.0, 0.0),
+        std=(1.0, 1.0, 1.0),
+        mode=data.crop,
+        pixels=pixels,
+    )
 
 
 def decode_image(data: bytes, draft_size: int | None = None) -> Image.Image:
@@ -179,3 +210,17 @@ def normalize_batch(images: Sequence[torch.Tensor], config: TransformConfig) -> 
     scale = torch.tensor([1.0 / (255.0 * s) for s in config.std]).view(1, 3, 1, 1)
     shift = torch.tensor([m / s for m, s in zip(config.mean, config.std)]).view(1, 3, 1, 1)
     return batch.mul_(scale).sub_(shift)
+
+
+def collate_images(images: Sequence[torch.Tensor], config: TransformConfig) -> torch.Tensor:
+    """The batch as ``config.pixels`` asks: normalised float32, or the stacked uint8 images as they are."""
+    if config.pixels == "uint8":
+        return torch.stack(list(images))
+    return normalize_batch(images, config)
+
+
+def uint8_to_unit(images: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels to float32 in [0, 1], on the tensor's device, bit-identical to ``normalize_batch`` with mean 0
+    and std 1 (the same float32 multiply by 1/255: a division would round differently)."""
+    scale = torch.tensor(1.0 / 255.0, dtype=torch.float32, device=images.device)
+    return images.to(torch.float32).mul_(scale)

@@ -24,7 +24,7 @@ __all__ = ["EvalBatch", "embed_batches", "gather_embedded"]
 
 @dataclass
 class EvalBatch:
-    """One batch of test images: ``images [n, 3, H, W]`` in [0, 1], ``labels [n]``, ``subset_bits [n]``,
+    """One batch of test images: ``images [n, 3, H, W]`` in [0, 1] or uint8, ``labels [n]``, ``subset_bits [n]``,
     ``index [n]`` (a global index of each sample, derived from its key: the same whatever the world size)."""
 
     images: Tensor

@@ -5,7 +5,8 @@ part of the split (``ddp_rank.data.eval_reader.EvalShards``); the embeddings are
 rank; rank 0 runs the exact search and the protocol and broadcasts the numbers, so all ranks return the same
 dict (the trainer's best-checkpoint decision must be the same on every rank).
 
-The images reach the model in [0, 1]: the model applies its backbone's own input normalisation.
+The images reach the model as uint8 pixels: the model scales them on its device and applies its backbone's own input
+normalisation.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader
 from ddp_rank.config import Config
 from ddp_rank.data.eval_reader import EvalShards
 from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.transforms import TransformConfig
+from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.distributed.process_group import is_distributed, rank, world_size
 from ddp_rank.eval.embed import EvalBatch, embed_batches, gather_embedded
 from ddp_rank.eval.protocols import (
@@ -35,20 +36,7 @@ from ddp_rank.eval.protocols import (
     with_largest_list_as_headline,
 )
 
-__all__ = ["evaluate_model", "key_index", "model_transform", "read_eval_batches", "score", "vehicleid_splits"]
-
-
-def model_transform(cfg: Config, *, augment: bool = False) -> TransformConfig:
-    """The data layer's transform for our models: ``data.crop``'s resize/crop, pixels left in [0, 1]."""
-    return TransformConfig(
-        resize=cfg.data.resize_size,
-        crop=cfg.data.image_size,
-        crop_scale=(cfg.data.crop_scale_min, 1.0),
-        flip=augment,
-        mean=(0.0, 0.0, 0.0),
-        std=(1.0, 1.0, 1.0),
-        mode=cfg.data.crop,
-    )
+__all__ = ["evaluate_model", "key_index", "read_eval_batches", "score", "vehicleid_splits"]
 
 
 def key_index(key: str) -> int:
@@ -67,12 +55,12 @@ def read_eval_batches(
     rank_: int | None = None,
     world: int | None = None,
 ) -> Iterator[EvalBatch]:
-    """This rank's batches of ``split`` as :class:`EvalBatch` (images in [0, 1])."""
+    """This rank's batches of ``split`` as :class:`EvalBatch` (uint8 images: the models convert them)."""
     reader = EvalShards(
         cfg.data.shards,
         split=split,
         batch_size=cfg.eval.batch_size,
-        transform=model_transform(cfg),
+        transform=transform_from_config(cfg.data, pixels="uint8"),  # the model scales them on its device
         rank=rank() if rank_ is None else rank_,
         world_size=world_size() if world is None else world,
         cache_dir=cfg.data.cache_dir or None,

@@ -18,8 +18,8 @@ from PIL import Image
 from torch import nn
 
 from ddp_rank.config import Config, config_from_dict, load_config
+from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.eval.index import SearchIndex
-from ddp_rank.eval.runner import model_transform
 from ddp_rank.eval.sources import open_image, pil_batch
 
 __all__ = ["Hit", "Searcher"]
@@ -45,7 +45,7 @@ class Searcher:
         self.cfg = cfg
         self.index = index
         self.device = torch.device(device)
-        self.transform = model_transform(cfg)
+        self.transform = transform_from_config(cfg.data)
 
     @classmethod
     def from_index(

@@ -96,8 +96,8 @@ def export_cli(
     import torch
     import torch.distributed as dist
 
+    from ddp_rank.data.transforms import transform_from_config
     from ddp_rank.eval.export import embed_batches_to_arrays, write_manifest, write_part
-    from ddp_rank.eval.runner import model_transform
     from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
     from ddp_rank.eval.workflow import build_eval_model, check_split
     from ddp_rank.train.checkpoint import resolve_checkpoint
@@ -121,7 +121,7 @@ def export_cli(
         rank, world = accelerator.process_index, accelerator.num_processes
         model, _ = build_eval_model(cfg, ckpt, None)
         model.to(accelerator.device)
-        transform, bs = model_transform(cfg), cfg.eval.batch_size
+        transform, bs = transform_from_config(cfg.data), cfg.eval.batch_size
         if source["kind"] == "split":
             batches = split_batches(
                 cfg.data.shards, source["split"], transform, bs, rank, world, cfg.data.num_workers

