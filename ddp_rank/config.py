@@ -356,7 +356,7 @@ class TrainConfig(_Section):
     deterministic: bool = _field(
         False,
         "Deterministic algorithms everywhere (torch.use_deterministic_algorithms, cuDNN without autotuning, "
-        "FastAP's histogram without atomics): two runs, and a killed-and-resumed run, give bit-identical weights "
+        "float atomics replaced by sorted kernels): two runs, and a killed-and-resumed run, give bit-identical weights "
         "on a GPU as on CPU. Slower on GPUs (benchmarks/train.py measures it); CPU runs are deterministic anyway.",
     )
     log_every: int = _field(10, "Steps between metrics.jsonl records and progress-bar updates.", minimum=1)

@@ -9,20 +9,22 @@ num_bins``, and the triangular kernel ``K_l(d) = max(0, 1 - |d - z_l| / delta)``
     FastAP = (1 / |P|) sum_l h+_l H+_l / H_l          (terms with H_l = 0 are 0)
     loss   = 1 - mean over queries with |P| > 0 of FastAP
 
-Memory: a distance lies between two adjacent centres and touches only those two bins, with weights
-``1 - frac`` and ``frac``; the histograms are therefore two scatter-adds over ``[c, N]`` whatever
-``num_bins`` is, and ``[c, N, L]`` never exists.
+Computation, with no scatter and no ``[c, N, L]`` tensor: the weights an item puts on bins ``0..l`` sum to
+``C_l(t) = clamp(l + 1 - t, 0, 1)`` (``t = d / delta``), so the cumulative histogram of all items is
+``H_l = sum_j C_l(t_j)``, one elementwise pass and one row sum per bin over ``[c, N]``; ``H+`` comes from the
+``[c, P]`` same-class columns alone, and ``h+`` is its difference. Scatter-adds into a handful of bins per row
+(the obvious way) serialise on their atomics on a GPU and turn into a sort under deterministic algorithms.
 
-Gradient (the supplement's eqs. 37-46, written for scatter/gather). With ``a_l = h+_l / H_l`` and
+Gradient (the supplement's eqs. 37-46, written per bin). With ``a_l = h+_l / H_l`` and
 ``b_l = h+_l H+_l / H_l^2``, and ``rc`` the reverse cumulative sum:
 
     dFastAP/dh+_m = (H+_m / H_m + rc(a)_m - rc(b)_m) / |P|
     dFastAP/dh-_m = -rc(b)_m / |P|
 
 A distance in ``[z_l, z_{l+1}]`` moves bin l by ``-1/delta`` and bin l+1 by ``+1/delta``, so its gradient is
-a difference of two adjacent per-bin values, read back with one gather. This is the true gradient of the
-forward above (the authors' hand-written backward is off by a factor of ``n_valid / 2`` and ignores
-``grad_output``).
+a difference of two adjacent per-bin values, read back with one gather (the positives' from the ``[c, P]``
+columns). This is the true gradient of the forward above (the authors' hand-written backward is off by a
+factor of ``n_valid / 2`` and ignores ``grad_output``).
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ class FastAPLoss(ListwiseLoss):
         return f"num_bins={self.num_bins}, normalize={self.normalize}"
 
     def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
-        # The block (bin positions, then fractions, then G), the lower bins and the int64 histogram slots.
-        return n_database * (2 * itemsize + 8)
+        # The block (bin positions), one scratch row (kernel sums, then the gradient), the int64 lower bins,
+        # and the same-class columns' cumulative kernel weights [P, L] (twice: the weights and their masking).
+        return n_database * (2 * itemsize + 8) + 2 * max_positives * (self.num_bins + 1) * itemsize
 
     def _similarity_affine(self) -> tuple[float, float]:
         # Position on the bin axis, in bins: t = d / delta = (2 - 2 s) * num_bins / 4.
@@ -79,42 +82,41 @@ class FastAPLoss(ListwiseLoss):
         self, block: Tensor, chunk: ChunkInputs, need_grad: bool
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         t_cn = block
-        n_rows = t_cn.shape[0]
+        n_rows, n_database = t_cn.shape
         n_bins = self.num_bins
-        n_centres = n_bins + 1
-        trash = 2 * n_centres  # histogram slot that swallows each query's own column
+        rows = torch.arange(n_rows, device=t_cn.device)
 
         # Distances are clamped to [0, 4] (t to [0, num_bins]): rows a hair off unit length (rounding, or within
         # the tolerance of normalize=False) must not extrapolate the kernel, which could make the loss
         # negative. Where the clamp is active the gradient is 0, as for torch.clamp.
         outside = (t_cn < 0) | (t_cn > n_bins) if need_grad else None
         t_cn.clamp_(0, n_bins)
-        low_cn = torch.floor(t_cn, out=chunk.workspace.take("low", t_cn.shape, t_cn.dtype)).clamp_(
-            0, n_bins - 1
-        )
-        frac_cn = t_cn.sub_(low_cn)
-        # Histogram slot of each item's lower bin: negatives in [L, 2L), positives in [0, L), the query in
-        # the trash slot. Same-class columns come from the label index, so no [c, N] label comparison.
-        same_index, _ = chunk.same_class()  # padding repeats the query's column: harmless here
-        low_same = low_cn.gather(1, same_index)
-        slot_f = low_cn.add_(n_centres)
-        slot_f.scatter_(1, same_index, low_same)
-        slot_f[torch.arange(n_rows, device=t_cn.device), chunk.self_columns] = trash
-        slot_cn = chunk.workspace.take("slot", t_cn.shape, torch.int64).copy_(slot_f)
-        del low_cn, slot_f, low_same
 
-        # Each item adds (1 - frac) to its lower bin and frac to the next one:
-        # h[l] = count[l] - frac_sum[l] + frac_sum[l - 1].
-        count = t_cn.new_zeros(n_rows, trash + 1)
-        count.scatter_add_(1, slot_cn, t_cn.new_ones(()).expand_as(frac_cn))
-        frac_sum = t_cn.new_zeros(n_rows, trash + 1).scatter_add_(1, slot_cn, frac_cn)
-        hist = count - frac_sum
-        hist[:, 1:] += frac_sum[:, :-1]
-        h_pos, h_neg = hist[:, :n_centres], hist[:, n_centres:trash]
-        n_pos = count[:, :n_centres].sum(1)
+        # Cumulative histograms directly, with no scatter: the kernel weights an item puts on bins 0..l sum to
+        # C_l(t) = clamp(l + 1 - t, 0, 1), so H_l = sum_j C_l(t_j): a subtraction, a clamp and a row sum per bin
+        # over [c, N]. (Scatter-adds into a handful of bins per row serialise on their atomics on a GPU and fall
+        # back to a sorting kernel under deterministic algorithms.) Each C is formed before the sum: summing
+        # clamp(t, l, l + 1) and subtracting it from (l + 1) N would cancel away float32's digits at large N.
+        scratch = chunk.workspace.take("scratch", t_cn.shape, t_cn.dtype)
+        H_all = t_cn.new_empty(n_rows, n_bins + 1)
+        for level in range(n_bins):
+            torch.sub(t_cn, level + 1, out=scratch).clamp_(-1, 0)  # -C_l, exactly where it is not 0 or -1
+            H_all[:, level] = -scratch.sum(1)
+        H_all[:, n_bins] = n_database  # every t <= num_bins
+        # The same sums over the chunk's same-class columns ([c, P], P small): positives, and the query itself,
+        # which is neither positive nor negative. Padding repeats the query's column and is masked out.
+        same_index, same_mask = chunk.same_class()
+        is_self = same_index == chunk.self_columns[:, None]
+        positive = same_mask & ~is_self
+        t_same = t_cn.gather(1, same_index)
+        levels = torch.arange(n_bins + 1, device=t_cn.device, dtype=t_cn.dtype)
+        C_same = (levels + 1 - t_same[..., None]).clamp_(0, 1)  # [c, P, L]
+        H_pos = (C_same * positive[..., None]).sum(1)
+        H_self = (levels + 1 - t_cn[rows, chunk.self_columns][:, None]).clamp_(0, 1)
+        H = H_all - H_self
+        h_pos = torch.diff(H_pos, dim=1, prepend=H_pos.new_zeros(n_rows, 1))
+        n_pos = positive.sum(1).to(t_cn.dtype)
 
-        H_pos = torch.cumsum(h_pos, 1)
-        H = torch.cumsum(h_pos + h_neg, 1)
         H_safe = torch.where(H > 0, H, torch.ones_like(H))
         valid = n_pos > 0
         n_pos_safe = n_pos.clamp(min=1)
@@ -130,12 +132,19 @@ class FastAPLoss(ListwiseLoss):
         scale = (valid / n_pos_safe)[:, None]
         dloss_dh_pos = -(H_pos / H_safe + rc_a - rc_b) * scale
         dloss_dh_neg = rc_b * scale
-        # Per slot: d(loss)/dt for an item whose lower bin is that slot (kernel slopes -1, +1 per bin).
-        slope = t_cn.new_zeros(n_rows, trash + 1)
-        slope[:, : n_centres - 1] = dloss_dh_pos[:, 1:] - dloss_dh_pos[:, :-1]
-        slope[:, n_centres : trash - 1] = dloss_dh_neg[:, 1:] - dloss_dh_neg[:, :-1]
-        # The block (now the fractions) is no longer needed: the gradient goes into its memory.
-        grad = torch.gather(slope, 1, slot_cn, out=frac_cn)
+        # d(loss)/dt of an item whose lower bin is l (kernel slopes -1 on bin l, +1 on bin l + 1): a table per
+        # query, read with one gather for every column as if negative, then the positives' own values written
+        # over their columns. Every write to the query's column (its own entry and the padding) is 0.
+        slope_neg = dloss_dh_neg[:, 1:] - dloss_dh_neg[:, :-1]
+        slope_pos = dloss_dh_pos[:, 1:] - dloss_dh_pos[:, :-1]
+        low_cn = torch.floor(t_cn, out=scratch).clamp_(max=n_bins - 1)
+        low_index = chunk.workspace.take("low", t_cn.shape, torch.int64).copy_(low_cn)
+        grad = torch.gather(slope_neg, 1, low_index, out=scratch)
+        low_same = torch.floor(t_same).clamp_(max=n_bins - 1).long()
+        grad_same = torch.where(positive, slope_pos.gather(1, low_same), torch.zeros_like(t_same))
+        # index_put_ (not scatter_): deterministic on CUDA under deterministic algorithms; the repeated query
+        # column receives only zeros, so the order of its writes does not matter anyway.
+        grad.index_put_((rows[:, None].expand_as(same_index), same_index), grad_same)
         assert outside is not None
         return losses, valid, grad.masked_fill_(outside, 0.0)
 

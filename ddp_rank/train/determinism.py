@@ -2,8 +2,8 @@
 
 What varies from run to run on a GPU, and what fixes it:
 
-- float atomics: ``scatter_add_`` / ``index_add_`` on CUDA (FastAP's histograms, the backward of gathers and
-  embeddings) add in arrival order. ``torch.use_deterministic_algorithms(True)`` switches them to sorted,
+- float atomics: ``scatter_add_`` / ``index_add_`` on CUDA (PNP's and Smooth-AP's gradients, the backward of
+  gathers and embeddings; FastAP's histograms need none) add in arrival order. ``torch.use_deterministic_algorithms(True)`` switches them to sorted,
   atomic-free kernels, and raises on the few operations that have none (so nothing non-deterministic runs
   silently);
 - cuDNN's autotuner picks a convolution algorithm by timing, which may differ between runs, and some of its
