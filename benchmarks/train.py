@@ -372,8 +372,8 @@ def main() -> None:
         f"--warmup {args.warmup} --repeats {args.repeats}{' --deterministic' if args.deterministic else ''}"
     )
     section = (
-        f"## {args.device}, {args.backbone}, {args.image_size} px, {args.precision}, global batch {args.batch}, "
-        f"chunk {args.chunk}\n\nMachine: {machine_description()}.\n\nCommand: `{command}`. Median over "
+        f"## {args.device}, {args.backbone}, {args.image_size} px, precision {args.precision}, "
+        f"global batch {args.batch}, chunk {args.chunk}\n\nMachine: {machine_description()}.\n\nCommand: `{command}`. Median over "
         f"{args.steps} steps after {args.warmup} warm-up steps; the fastest of {args.repeats} jobs.\n\n{text}\n"
     )
     header = (
