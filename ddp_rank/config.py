@@ -274,6 +274,13 @@ class LossConfig(_Section):
 
     name: str = _field("fastap", "Loss family.", choices=("fastap", "pnp", "smoothap"))
     num_bins: int = _field(10, "FastAP: histogram bins L (paper: 10 is best).", minimum=2)
+    fastap_histogram: str = _field(
+        "torch",
+        "FastAP's cumulative histograms: 'torch' (a pass per bin, any device) or 'triton' (one fused pass on "
+        "CUDA float32, the torch path elsewhere; unmeasured on a GPU as of 2026-11-23: "
+        "benchmarks/loss.py --device cuda --fastap-histogram triton).",
+        choices=("torch", "triton"),
+    )
     matmul_precision: str = _field(
         "highest",
         "Precision of the similarity matmuls: 'highest' (float32), 'tf32' (CUDA tensor cores), 'bf16' "

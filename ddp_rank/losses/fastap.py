@@ -11,8 +11,9 @@ num_bins``, and the triangular kernel ``K_l(d) = max(0, 1 - |d - z_l| / delta)``
 
 Computation, with no scatter and no ``[c, N, L]`` tensor: the weights an item puts on bins ``0..l`` sum to
 ``C_l(t) = clamp(l + 1 - t, 0, 1)`` (``t = d / delta``), so the cumulative histogram of all items is
-``H_l = sum_j C_l(t_j)``, one elementwise pass and one row sum per bin over ``[c, N]``; ``H+`` comes from the
-``[c, P]`` same-class columns alone, and ``h+`` is its difference. Scatter-adds into a handful of bins per row
+``H_l = sum_j C_l(t_j)``: a pass per bin over ``[c, N]``, or one fused pass with Triton on CUDA
+(``histogram="triton"``); ``H+`` comes from the ``[c, P]`` same-class columns alone, and ``h+`` is its
+difference. Scatter-adds into a handful of bins per row
 (the obvious way) serialise on their atomics on a GPU and turn into a sort under deterministic algorithms.
 
 Gradient (the supplement's eqs. 37-46, written per bin). With ``a_l = h+_l / H_l`` and
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ddp_rank.losses.base import ListwiseLoss
+from ddp_rank.losses.histogram import HISTOGRAM_KERNELS, cumulative_histograms
 from ddp_rank.losses.rows import ChunkInputs
 
 
@@ -41,6 +43,8 @@ class FastAPLoss(ListwiseLoss):
 
     Args:
         num_bins: histogram intervals on [0, 4]; ``num_bins + 1`` bin centres (the authors' default is 10).
+        histogram: ``"torch"`` (a pass per bin, anywhere) or ``"triton"`` (one fused pass on CUDA float32; the
+            torch path elsewhere). The same function; the sums' rounding differs.
         normalize, memory_budget, chunk_rows: see ``ListwiseLoss``.
     """
 
@@ -48,6 +52,7 @@ class FastAPLoss(ListwiseLoss):
         self,
         num_bins: int = 10,
         *,
+        histogram: str = "torch",
         normalize: bool = True,
         memory_budget: int | None = None,
         chunk_rows: int | None = None,
@@ -62,6 +67,9 @@ class FastAPLoss(ListwiseLoss):
         if int(num_bins) != num_bins or num_bins < 1:
             raise ValueError(f"num_bins must be a positive integer, got {num_bins}")
         self.num_bins = int(num_bins)
+        if histogram not in HISTOGRAM_KERNELS:
+            raise ValueError(f"histogram must be one of {', '.join(HISTOGRAM_KERNELS)}, got {histogram!r}")
+        self.histogram = histogram
 
     def hyper_parameters(self) -> dict[str, object]:
         return {**super().hyper_parameters(), "num_bins": self.num_bins}
@@ -82,7 +90,7 @@ class FastAPLoss(ListwiseLoss):
         self, block: Tensor, chunk: ChunkInputs, need_grad: bool
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         t_cn = block
-        n_rows, n_database = t_cn.shape
+        n_rows = t_cn.shape[0]
         n_bins = self.num_bins
         rows = torch.arange(n_rows, device=t_cn.device)
 
@@ -93,16 +101,11 @@ class FastAPLoss(ListwiseLoss):
         t_cn.clamp_(0, n_bins)
 
         # Cumulative histograms directly, with no scatter: the kernel weights an item puts on bins 0..l sum to
-        # C_l(t) = clamp(l + 1 - t, 0, 1), so H_l = sum_j C_l(t_j): a subtraction, a clamp and a row sum per bin
-        # over [c, N]. (Scatter-adds into a handful of bins per row serialise on their atomics on a GPU and fall
-        # back to a sorting kernel under deterministic algorithms.) Each C is formed before the sum: summing
-        # clamp(t, l, l + 1) and subtracting it from (l + 1) N would cancel away float32's digits at large N.
+        # C_l(t) = clamp(l + 1 - t, 0, 1), so H_l = sum_j C_l(t_j) (``ddp_rank.losses.histogram``). Scatter-adds
+        # into a handful of bins per row serialise on their atomics on a GPU and fall back to a sorting kernel
+        # under deterministic algorithms.
         scratch = chunk.workspace.take("scratch", t_cn.shape, t_cn.dtype)
-        H_all = t_cn.new_empty(n_rows, n_bins + 1)
-        for level in range(n_bins):
-            torch.sub(t_cn, level + 1, out=scratch).clamp_(-1, 0)  # -C_l, exactly where it is not 0 or -1
-            H_all[:, level] = -scratch.sum(1)
-        H_all[:, n_bins] = n_database  # every t <= num_bins
+        H_all = cumulative_histograms(t_cn, n_bins, scratch, self.histogram)
         # The same sums over the chunk's same-class columns ([c, P], P small): positives, and the query itself,
         # which is neither positive nor negative. Padding repeats the query's column and is masked out.
         same_index, same_mask = chunk.same_class()

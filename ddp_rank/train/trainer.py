@@ -88,7 +88,7 @@ def build_loss(cfg: Config) -> ListwiseLoss:
         "matmul_precision": lc.matmul_precision,
     }
     if lc.name == "fastap":
-        return FastAPLoss(num_bins=lc.num_bins, **common)
+        return FastAPLoss(num_bins=lc.num_bins, histogram=lc.fastap_histogram, **common)
     if lc.name == "pnp":
         return PNPLoss(
             variant=lc.pnp_variant, tau=lc.tau, b=lc.b, alpha=lc.alpha, count_self=lc.count_self, **common
