@@ -83,7 +83,7 @@ def _kernel() -> Any:
         LEVELS: tl.constexpr,
         BLOCK: tl.constexpr,
     ) -> None:
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * row_stride passes 2**31 in blocks over 8 GiB
         levels = tl.arange(0, LEVELS).to(tl.float32)
         sums = tl.zeros([LEVELS], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
