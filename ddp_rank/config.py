@@ -363,8 +363,8 @@ class TrainConfig(_Section):
     deterministic: bool = _field(
         False,
         "Deterministic algorithms everywhere (torch.use_deterministic_algorithms, cuDNN without autotuning, "
-        "float atomics replaced by sorted kernels): two runs, and a killed-and-resumed run, give bit-identical weights "
-        "on a GPU as on CPU. Slower on GPUs (benchmarks/train.py measures it); CPU runs are deterministic anyway.",
+        "float atomics replaced by sorted kernels): two runs, and a killed-and-resumed run, give bit-identical "
+        "weights on a GPU as on CPU. Slower on GPUs (benchmarks/train.py measures it); CPU runs are deterministic anyway.",
     )
     log_every: int = _field(10, "Steps between metrics.jsonl records and progress-bar updates.", minimum=1)
     checkpoint_every: int = _field(

@@ -17,9 +17,10 @@ reserve (``GlobalPlan.reserve``: disjoint across ranks, never a class of the ste
 counted. When no replacement is left, the batch raises ``DataError`` naming the shards; the trainer shares it
 with every rank so that all of them stop with that message.
 
-Each yielded batch is a dict: ``images`` [n, 3, H, W] (float32, or uint8 as ``TransformConfig.pixels`` says), ``labels`` / ``categories`` int64 [n] (global
-ids; category -1 = unlabelled), ``keys`` (sample keys), ``epoch``, ``step``, ``groups`` (the schedule's
-groups) and ``events`` (this batch's ``replaced_classes``, ``decode_errors``, ``bad_shards``).
+Each yielded batch is a dict: ``images`` [n, 3, H, W] (float32, or uint8 as ``TransformConfig.pixels`` says),
+``labels`` / ``categories`` int64 [n] (global ids; category -1 = unlabelled), ``keys`` (sample keys),
+``epoch``, ``step``, ``groups`` (the schedule's groups) and ``events`` (this batch's ``replaced_classes``,
+``decode_errors``, ``bad_shards``).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ Computation, with no scatter and no ``[c, N, L]`` tensor: the weights an item pu
 ``C_l(t) = clamp(l + 1 - t, 0, 1)`` (``t = d / delta``), so the cumulative histogram of all items is
 ``H_l = sum_j C_l(t_j)``: a pass per bin over ``[c, N]``, or one fused pass with Triton on CUDA
 (``histogram="triton"``); ``H+`` comes from the ``[c, P]`` same-class columns alone, and ``h+`` is its
-difference. Scatter-adds into a handful of bins per row
-(the obvious way) serialise on their atomics on a GPU and turn into a sort under deterministic algorithms.
+difference. Scatter-adds into a handful of bins per row (the obvious way) serialise on their atomics on a GPU
+and turn into a sort under deterministic algorithms.
 
 Gradient (the supplement's eqs. 37-46, written per bin). With ``a_l = h+_l / H_l`` and
 ``b_l = h+_l H+_l / H_l^2``, and ``rc`` the reverse cumulative sum:
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ddp_rank.losses.base import ListwiseLoss
-from ddp_rank.losses.histogram import HISTOGRAM_KERNELS, cumulative_histograms
+from ddp_rank.losses.histogram import HISTOGRAM_KERNELS, cumulative_histograms, cumulative_weights
 from ddp_rank.losses.rows import ChunkInputs
 
 
@@ -92,7 +92,6 @@ class FastAPLoss(ListwiseLoss):
         t_cn = block
         n_rows = t_cn.shape[0]
         n_bins = self.num_bins
-        rows = torch.arange(n_rows, device=t_cn.device)
 
         # Distances are clamped to [0, 4] (t to [0, num_bins]): rows a hair off unit length (rounding, or within
         # the tolerance of normalize=False) must not extrapolate the kernel, which could make the loss
@@ -106,17 +105,15 @@ class FastAPLoss(ListwiseLoss):
         # under deterministic algorithms.
         scratch = chunk.workspace.take("scratch", t_cn.shape, t_cn.dtype)
         H_all = cumulative_histograms(t_cn, n_bins, scratch, self.histogram)
-        # The same sums over the chunk's same-class columns ([c, P], P small): positives, and the query itself,
-        # which is neither positive nor negative. Padding repeats the query's column and is masked out.
+        # The same sums over the chunk's same-class columns ([c, P], P small): the positives, and the query's
+        # own entry, which is neither positive nor negative. Padding repeats the query's column, masked out.
         same_index, same_mask = chunk.same_class()
         is_self = same_index == chunk.self_columns[:, None]
         positive = same_mask & ~is_self
         t_same = t_cn.gather(1, same_index)
-        levels = torch.arange(n_bins + 1, device=t_cn.device, dtype=t_cn.dtype)
-        C_same = (levels + 1 - t_same[..., None]).clamp_(0, 1)  # [c, P, L]
+        C_same = cumulative_weights(t_same, n_bins)  # [c, P, L]
         H_pos = (C_same * positive[..., None]).sum(1)
-        H_self = (levels + 1 - t_cn[rows, chunk.self_columns][:, None]).clamp_(0, 1)
-        H = H_all - H_self
+        H = H_all - (C_same * (same_mask & is_self)[..., None]).sum(1)
         h_pos = torch.diff(H_pos, dim=1, prepend=H_pos.new_zeros(n_rows, 1))
         n_pos = positive.sum(1).to(t_cn.dtype)
 
@@ -147,7 +144,8 @@ class FastAPLoss(ListwiseLoss):
         grad_same = torch.where(positive, slope_pos.gather(1, low_same), torch.zeros_like(t_same))
         # index_put_ (not scatter_): deterministic on CUDA under deterministic algorithms; the repeated query
         # column receives only zeros, so the order of its writes does not matter anyway.
-        grad.index_put_((rows[:, None].expand_as(same_index), same_index), grad_same)
+        rows = torch.arange(n_rows, device=t_cn.device)[:, None].expand_as(same_index)
+        grad.index_put_((rows, same_index), grad_same)
         assert outside is not None
         return losses, valid, grad.masked_fill_(outside, 0.0)
 

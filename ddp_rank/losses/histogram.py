@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["HISTOGRAM_KERNELS", "cumulative_histograms", "triton_runs_on"]
+__all__ = ["HISTOGRAM_KERNELS", "cumulative_histograms", "cumulative_weights", "triton_runs_on"]
 
 HISTOGRAM_KERNELS = ("torch", "triton")
 
@@ -42,6 +42,14 @@ def cumulative_histograms(t: Tensor, num_bins: int, scratch: Tensor, kernel: str
         H[:, level] = -scratch.sum(1)
     H[:, num_bins] = n_cols  # every t <= num_bins
     return H
+
+
+def cumulative_weights(t: Tensor, num_bins: int) -> Tensor:
+    """``[..., num_bins + 1]``: the weights an item at ``t`` puts on bins ``0..l``, ``clamp(l + 1 - t, 0, 1)``,
+    for every ``l``. For the few columns of a row (``[c, P]``); whole blocks go through
+    :func:`cumulative_histograms`."""
+    levels = torch.arange(1, num_bins + 2, device=t.device, dtype=t.dtype)
+    return (levels - t[..., None]).clamp_(0, 1)
 
 
 def triton_runs_on(t: Tensor) -> bool:

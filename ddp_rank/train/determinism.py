@@ -3,9 +3,9 @@
 What varies from run to run on a GPU, and what fixes it:
 
 - float atomics: ``scatter_add_`` / ``index_add_`` on CUDA (PNP's and Smooth-AP's gradients, the backward of
-  gathers and embeddings; FastAP's histograms need none) add in arrival order. ``torch.use_deterministic_algorithms(True)`` switches them to sorted,
-  atomic-free kernels, and raises on the few operations that have none (so nothing non-deterministic runs
-  silently);
+  gathers and embeddings; FastAP's histograms need none) add in arrival order.
+  ``torch.use_deterministic_algorithms(True)`` switches them to sorted, atomic-free kernels, and raises on the
+  few operations that have none (so nothing non-deterministic runs silently);
 - cuDNN's autotuner picks a convolution algorithm by timing, which may differ between runs, and some of its
   algorithms use atomics: ``cudnn.benchmark = False``, ``cudnn.deterministic = True``;
 - cuBLAS splits reductions over a workspace whose layout must be fixed: ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
