@@ -9,8 +9,8 @@ three N x N x d matmuls any exact method needs (S = E E^T, G E, G^T E), done in 
     python benchmarks/loss.py --sizes 256,...,65536 # the full table (long on 2 cores)
     python benchmarks/loss.py --device cuda --dim 512 --sizes 1024,...,65536 --dtype bfloat16 \
         --matmul-precision tf32                     # on a GPU: also the floor with TF32 matmuls
-    python benchmarks/loss.py --device cuda --dim 512 --losses fastap --fastap-histogram triton
-                                                    # FastAP's fused Triton histogram pass
+    python benchmarks/loss.py --device cuda --dim 512 --kernel triton
+                                                    # ours with the fused Triton kernels
 
 On CUDA, times are taken between ``torch.cuda.synchronize()`` calls and memory is the peak allocated by the
 caching allocator above the inputs. Note on the peer's Smooth-AP: pytorch-metric-learning's ``SmoothAPLoss``
@@ -38,13 +38,14 @@ SAMPLES_PER_CLASS = 4
 LOSSES = ("fastap", "pnp_dq", "smooth_ap")
 
 
-def _ours(name: str, precision: str = "highest", histogram: str = "torch"):
+def _ours(name: str, precision: str = "highest", kernel: str = "torch"):
     from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss
 
+    settings = {"matmul_precision": precision, "kernel": kernel}
     return {
-        "fastap": lambda: FastAPLoss(10, histogram=histogram, matmul_precision=precision),
-        "pnp_dq": lambda: PNPLoss("Dq", alpha=4.0, matmul_precision=precision),
-        "smooth_ap": lambda: SmoothAPLoss(matmul_precision=precision),
+        "fastap": lambda: FastAPLoss(10, **settings),
+        "pnp_dq": lambda: PNPLoss("Dq", alpha=4.0, **settings),
+        "smooth_ap": lambda: SmoothAPLoss(**settings),
     }[name]()
 
 
@@ -91,7 +92,7 @@ def worker(kind: str, name: str, n: int, args: argparse.Namespace) -> dict:
     device = args.device
     x, labels = _inputs(n, args.dim, device, args.dtype)
     if not kind.startswith("floor"):
-        loss_fn = _ours(name, args.matmul_precision, args.fastap_histogram) if kind == "ours" else _peer(name)
+        loss_fn = _ours(name, args.matmul_precision, args.kernel) if kind == "ours" else _peer(name)
     torch.backends.cuda.matmul.allow_tf32 = kind == "floor-tf32"
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if device == "cuda":
@@ -144,8 +145,8 @@ def run_one(kind: str, name: str, n: int, args: argparse.Namespace) -> dict:
         args.dtype,
         "--matmul-precision",
         args.matmul_precision,
-        "--fastap-histogram",
-        args.fastap_histogram,
+        "--kernel",
+        args.kernel,
     ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.time_limit_s, check=False)
@@ -189,10 +190,10 @@ def main() -> None:
         help="ours' similarity matmuls",
     )
     parser.add_argument(
-        "--fastap-histogram",
+        "--kernel",
         default="torch",
         choices=("torch", "triton"),
-        help="FastAP's cumulative histograms: a pass per bin, or one fused Triton pass (CUDA)",
+        help="ours' per-block passes: plain torch ops, or the fused Triton kernels (CUDA float32)",
     )
     parser.add_argument("--worker", nargs=3, metavar=("KIND", "LOSS", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -261,7 +262,7 @@ def main() -> None:
     table = markdown_table(header, rows)
     body = (
         f"Forward + backward of one batch on {args.device}, d = {args.dim}, {args.dtype} inputs, ours with "
-        f"matmul_precision={args.matmul_precision} (FastAP histograms: {args.fastap_histogram}), "
+        f"matmul_precision={args.matmul_precision} and kernel={args.kernel}, "
         f"{SAMPLES_PER_CLASS} images per class, "
         f"{args.threads} threads; best of {args.repeats} runs after the first; peak = "
         + (

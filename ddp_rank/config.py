@@ -274,11 +274,12 @@ class LossConfig(_Section):
 
     name: str = _field("fastap", "Loss family.", choices=("fastap", "pnp", "smoothap"))
     num_bins: int = _field(10, "FastAP: histogram bins L (paper: 10 is best).", minimum=2)
-    fastap_histogram: str = _field(
+    kernel: str = _field(
         "torch",
-        "FastAP's cumulative histograms: 'torch' (a pass per bin, any device) or 'triton' (one fused pass on "
-        "CUDA float32, the torch path elsewhere; unmeasured on a GPU as of 2026-11-23: "
-        "benchmarks/loss.py --device cuda --fastap-histogram triton).",
+        "The loss's per-block passes: 'torch' (plain tensor ops, any device) or 'triton' (fused kernels on "
+        "CUDA float32, the torch path elsewhere: FastAP's histograms in one pass, PNP's and Smooth-AP's "
+        "sigmoid ranks without [c, P, N]; compiled for sm_80/sm_90 in the tests but not yet timed on a GPU: "
+        "benchmarks/loss.py --device cuda --kernel triton).",
         choices=("torch", "triton"),
     )
     matmul_precision: str = _field(

@@ -48,6 +48,11 @@ class ListwiseLoss(nn.Module, abc.ABC):
             over a batch the loss moves far less: on 512 images in 128 dimensions, bf16 changed FastAP by
             9e-5, PNP-Dq by 9e-6 and Smooth-AP by 2e-6 (``tests/test_losses_precision.py`` bounds it). The
             gradient matmuls are unchanged.
+        kernel: the per-block passes after the matmul. ``"torch"``: plain tensor ops, anywhere. ``"triton"``:
+            fused Triton kernels on CUDA float32 (``triton_kernels.py``; elsewhere the torch path runs), which
+            read each block once: FastAP's histograms in one pass instead of one per bin, PNP's and Smooth-AP's
+            sigmoid ranks without their ``[c, P, N]`` tensor. The same function; sums are rounded in another
+            order.
     """
 
     def __init__(
@@ -57,13 +62,17 @@ class ListwiseLoss(nn.Module, abc.ABC):
         memory_budget: int | None = None,
         chunk_rows: int | None = None,
         matmul_precision: str = "highest",
+        kernel: str = "torch",
     ) -> None:
         super().__init__()
         if matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(
                 f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got {matmul_precision!r}"
             )
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         self.matmul_precision = matmul_precision
+        self.kernel = kernel
         if memory_budget is not None and memory_budget <= 0:
             raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
         if chunk_rows is not None and chunk_rows <= 0:
@@ -231,6 +240,7 @@ class _ListwiseLossFunction(torch.autograd.Function):
 
 
 MATMUL_PRECISIONS = ("highest", "tf32", "bf16")
+KERNELS = ("torch", "triton")
 
 
 @contextlib.contextmanager

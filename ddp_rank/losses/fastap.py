@@ -12,7 +12,7 @@ num_bins``, and the triangular kernel ``K_l(d) = max(0, 1 - |d - z_l| / delta)``
 Computation, with no scatter and no ``[c, N, L]`` tensor: the weights an item puts on bins ``0..l`` sum to
 ``C_l(t) = clamp(l + 1 - t, 0, 1)`` (``t = d / delta``), so the cumulative histogram of all items is
 ``H_l = sum_j C_l(t_j)``: a pass per bin over ``[c, N]``, or one fused pass with Triton on CUDA
-(``histogram="triton"``); ``H+`` comes from the ``[c, P]`` same-class columns alone, and ``h+`` is its
+(``kernel="triton"``); ``H+`` comes from the ``[c, P]`` same-class columns alone, and ``h+`` is its
 difference. Scatter-adds into a handful of bins per row (the obvious way) serialise on their atomics on a GPU
 and turn into a sort under deterministic algorithms.
 
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ddp_rank.losses.base import ListwiseLoss
-from ddp_rank.losses.histogram import HISTOGRAM_KERNELS, cumulative_histograms, cumulative_weights
+from ddp_rank.losses.histogram import bin_gradient, cumulative_histograms, cumulative_weights
 from ddp_rank.losses.rows import ChunkInputs
 
 
@@ -43,33 +43,30 @@ class FastAPLoss(ListwiseLoss):
 
     Args:
         num_bins: histogram intervals on [0, 4]; ``num_bins + 1`` bin centres (the authors' default is 10).
-        histogram: ``"torch"`` (a pass per bin, anywhere) or ``"triton"`` (one fused pass on CUDA float32; the
-            torch path elsewhere). The same function; the sums' rounding differs.
-        normalize, memory_budget, chunk_rows: see ``ListwiseLoss``.
+        normalize, memory_budget, chunk_rows, matmul_precision, kernel: see ``ListwiseLoss`` (``kernel``: the
+            cumulative histograms, a pass per bin or one fused pass).
     """
 
     def __init__(
         self,
         num_bins: int = 10,
         *,
-        histogram: str = "torch",
         normalize: bool = True,
         memory_budget: int | None = None,
         chunk_rows: int | None = None,
         matmul_precision: str = "highest",
+        kernel: str = "torch",
     ) -> None:
         super().__init__(
             normalize=normalize,
             memory_budget=memory_budget,
             chunk_rows=chunk_rows,
             matmul_precision=matmul_precision,
+            kernel=kernel,
         )
         if int(num_bins) != num_bins or num_bins < 1:
             raise ValueError(f"num_bins must be a positive integer, got {num_bins}")
         self.num_bins = int(num_bins)
-        if histogram not in HISTOGRAM_KERNELS:
-            raise ValueError(f"histogram must be one of {', '.join(HISTOGRAM_KERNELS)}, got {histogram!r}")
-        self.histogram = histogram
 
     def hyper_parameters(self) -> dict[str, object]:
         return {**super().hyper_parameters(), "num_bins": self.num_bins}
@@ -93,24 +90,23 @@ class FastAPLoss(ListwiseLoss):
         n_rows = t_cn.shape[0]
         n_bins = self.num_bins
 
-        # Distances are clamped to [0, 4] (t to [0, num_bins]): rows a hair off unit length (rounding, or within
-        # the tolerance of normalize=False) must not extrapolate the kernel, which could make the loss
-        # negative. Where the clamp is active the gradient is 0, as for torch.clamp.
-        outside = (t_cn < 0) | (t_cn > n_bins) if need_grad else None
-        t_cn.clamp_(0, n_bins)
-
+        # Distances are taken as clamped to [0, 4] (t to [0, num_bins]): rows a hair off unit length (rounding,
+        # or within the tolerance of normalize=False) must not extrapolate the kernel, which could make the loss
+        # negative. The block passes (``ddp_rank.losses.histogram``) clamp as they read; where the clamp is
+        # active the gradient is 0, as for torch.clamp.
+        #
         # Cumulative histograms directly, with no scatter: the kernel weights an item puts on bins 0..l sum to
-        # C_l(t) = clamp(l + 1 - t, 0, 1), so H_l = sum_j C_l(t_j) (``ddp_rank.losses.histogram``). Scatter-adds
-        # into a handful of bins per row serialise on their atomics on a GPU and fall back to a sorting kernel
-        # under deterministic algorithms.
+        # C_l(t) = clamp(l + 1 - t, 0, 1), so H_l = sum_j C_l(t_j). Scatter-adds into a handful of bins per row
+        # serialise on their atomics on a GPU and fall back to a sorting kernel under deterministic algorithms.
         scratch = chunk.workspace.take("scratch", t_cn.shape, t_cn.dtype)
-        H_all = cumulative_histograms(t_cn, n_bins, scratch, self.histogram)
+        H_all = cumulative_histograms(t_cn, n_bins, scratch, self.kernel)
         # The same sums over the chunk's same-class columns ([c, P], P small): the positives, and the query's
         # own entry, which is neither positive nor negative. Padding repeats the query's column, masked out.
         same_index, same_mask = chunk.same_class()
         is_self = same_index == chunk.self_columns[:, None]
         positive = same_mask & ~is_self
-        t_same = t_cn.gather(1, same_index)
+        t_same_raw = t_cn.gather(1, same_index)
+        t_same = t_same_raw.clamp(0, n_bins)
         C_same = cumulative_weights(t_same, n_bins)  # [c, P, L]
         H_pos = (C_same * positive[..., None]).sum(1)
         H = H_all - (C_same * (same_mask & is_self)[..., None]).sum(1)
@@ -137,17 +133,14 @@ class FastAPLoss(ListwiseLoss):
         # over their columns. Every write to the query's column (its own entry and the padding) is 0.
         slope_neg = dloss_dh_neg[:, 1:] - dloss_dh_neg[:, :-1]
         slope_pos = dloss_dh_pos[:, 1:] - dloss_dh_pos[:, :-1]
-        low_cn = torch.floor(t_cn, out=scratch).clamp_(max=n_bins - 1)
-        low_index = chunk.workspace.take("low", t_cn.shape, torch.int64).copy_(low_cn)
-        grad = torch.gather(slope_neg, 1, low_index, out=scratch)
+        grad = bin_gradient(t_cn, slope_neg, scratch, chunk.workspace, self.kernel)
         low_same = torch.floor(t_same).clamp_(max=n_bins - 1).long()
-        grad_same = torch.where(positive, slope_pos.gather(1, low_same), torch.zeros_like(t_same))
+        counted = positive & (t_same == t_same_raw)  # 0 where the clamp is active
+        grad_same = torch.where(counted, slope_pos.gather(1, low_same), torch.zeros_like(t_same))
         # index_put_ (not scatter_): deterministic on CUDA under deterministic algorithms; the repeated query
         # column receives only zeros, so the order of its writes does not matter anyway.
         rows = torch.arange(n_rows, device=t_cn.device)[:, None].expand_as(same_index)
-        grad.index_put_((rows, same_index), grad_same)
-        assert outside is not None
-        return losses, valid, grad.masked_fill_(outside, 0.0)
+        return losses, valid, grad.index_put_((rows, same_index), grad_same)
 
 
 def _reverse_cumsum(x: Tensor) -> Tensor:

@@ -20,19 +20,19 @@ positive set in the batch) instead of the authors' ``[N, N, N]``. With ``c_ai = 
 
     G[a, j in N_a] =  sum_i c_ai sigma'_aij            G[a, i in P_a] -= c_ai sum_j sigma'_aij
 
-one batched matmul and one scatter-add. The authors clamp the sigmoid's argument to [-50, 50]; this only
+(``sigmoid_ranks.py``: one batched matmul and one scatter-add, or two fused Triton passes with no
+``[c, P, N]`` at all). The authors clamp the sigmoid's argument to [-50, 50]; this only
 guards their exp against overflow (``torch.sigmoid`` needs no guard) and changes values by < 2e-22.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from ddp_rank.losses.base import ListwiseLoss, check_positive
-from ddp_rank.losses.rows import ChunkInputs, Workspace
+from ddp_rank.losses.rows import ChunkInputs
+from ddp_rank.losses.sigmoid_ranks import NegativeRanks
 
 VARIANTS = ("O", "Iu", "Ib", "Ds", "Dq")
 
@@ -46,7 +46,8 @@ class PNPLoss(ListwiseLoss):
         b: the slope of variant "Ib".
         alpha: the exponent of variant "Dq".
         count_self: count the query among its own positives, as the authors' code does.
-        normalize, memory_budget, chunk_rows: see ``ListwiseLoss``.
+        normalize, memory_budget, chunk_rows, matmul_precision, kernel: see ``ListwiseLoss`` (``kernel``: the
+            sigmoid ranks through ``[c, P, N]`` or two fused passes).
     """
 
     def __init__(
@@ -61,12 +62,14 @@ class PNPLoss(ListwiseLoss):
         memory_budget: int | None = None,
         chunk_rows: int | None = None,
         matmul_precision: str = "highest",
+        kernel: str = "torch",
     ) -> None:
         super().__init__(
             normalize=normalize,
             memory_budget=memory_budget,
             chunk_rows=chunk_rows,
             matmul_precision=matmul_precision,
+            kernel=kernel,
         )
         if variant not in VARIANTS:
             raise ValueError(f"unknown PNP variant {variant!r}; choose one of {', '.join(VARIANTS)}")
@@ -110,16 +113,14 @@ class PNPLoss(ListwiseLoss):
         weights = pos_mask.to(block.dtype)
         weights *= valid[:, None] / weights.sum(1, keepdim=True).clamp(min=1)  # [c, P]
 
-        sigma_cpn, ranks, _ = negative_ranks(block, same_index, chunk.workspace)
-        f, f_prime = self._penalty(ranks)
+        ranks = NegativeRanks(block, same_index, chunk.workspace, self.kernel)
+        f, f_prime = self._penalty(ranks.values)
         losses = (f * weights).sum(1)
         if self.variant == "Dq":  # 1 - mean (1 + R)^-alpha, with f = -(1 + R)^-alpha
             losses += valid
         if not need_grad:
             return losses, valid, None
-        g_cn = block.zero_()  # the block was consumed by negative_ranks: reuse its memory
-        add_rank_gradient(g_cn, sigma_cpn, same_index, f_prime * weights)
-        return losses, valid, g_cn
+        return losses, valid, ranks.gradient(f_prime * weights)
 
     def _penalty(self, ranks: Tensor) -> tuple[Tensor, Tensor]:
         """``(f(R), df/dR)`` of the variant ("Dq": ``f = -(1 + R)^-alpha``, its loss adds 1 to valid queries)."""
@@ -142,30 +143,3 @@ def counted_positives(
 ) -> Tensor:
     """[c, P] mask of the same-class columns that count as positives (the query only with ``count_self``)."""
     return same_mask if count_self else same_mask & (same_index != self_columns[:, None])
-
-
-def negative_ranks(scores: Tensor, same_index: Tensor, workspace: Workspace) -> tuple[Tensor, Tensor, Tensor]:
-    """Sigmoids of every (query, same-class item, negative) triple, and their sums over the negatives.
-
-    ``scores`` are ``S / tau`` ``[c, N]``; returns ``(sigma [c, P, N], R [c, P], s_same [c, P])`` with
-    ``sigma[a, i, j] = sigmoid(scores[a, j] - scores[a, same_index[a, i]])`` and ``s_same`` the scores of the
-    same-class columns. Consumes ``scores``: its same-class columns are set to -inf, so their sigmoid and
-    its derivative are exactly 0 and no mask pass is needed.
-    """
-    s_same = scores.gather(1, same_index)  # [c, P]
-    s_neg = scores.scatter_(1, same_index, -math.inf)  # [c, N]
-    c, p = same_index.shape
-    sigma_cpn = workspace.take("sigma", (c, p, scores.shape[1]), scores.dtype)
-    torch.sub(s_neg[:, None, :], s_same[:, :, None], out=sigma_cpn).sigmoid_()
-    return sigma_cpn, sigma_cpn.sum(2), s_same
-
-
-def add_rank_gradient(g_cn: Tensor, sigma_cpn: Tensor, index: Tensor, dloss_dranks: Tensor) -> None:
-    """Add ``d(loss)/d scores`` for ``R[a, i] = sum_j sigma(scores[a, j] - scores[a, index[a, i]])``.
-
-    Given ``d(loss)/dR [c, P]``: every j gets ``sum_i dloss/dR_ai sigma'_aij``, every ``index[a, i]`` loses
-    ``dloss/dR_ai sum_j sigma'_aij``. Consumes ``sigma_cpn`` (turned into its derivative in place).
-    """
-    dsigma_cpn = sigma_cpn.addcmul_(sigma_cpn, sigma_cpn, value=-1.0)  # sigma (1 - sigma)
-    g_cn += torch.bmm(dloss_dranks[:, None, :], dsigma_cpn).squeeze(1)
-    g_cn.scatter_add_(1, index, -dloss_dranks * dsigma_cpn.sum(2))

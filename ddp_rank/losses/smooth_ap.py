@@ -12,7 +12,7 @@ query with no other positive out of the mean.
 
 Memory: ``[c, P, N]`` for the negatives and ``[c, P, P]`` among the positives, never ``[N, N, N]``. With
 ``Rn = Ra - Rp``, ``dT/dRp = Rn / Ra^2`` and ``dT/dRn = -Rp / Ra^2`` for ``T = Rp / Ra``; both sums are
-sigmoid ranks, whose similarity gradient ``add_rank_gradient`` (shared with PNP) applies.
+sigmoid ranks, whose similarity gradient ``sigmoid_ranks.py`` (shared with PNP) computes.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 
 from ddp_rank.losses.base import ListwiseLoss, check_positive
-from ddp_rank.losses.pnp import add_rank_gradient, counted_positives, negative_ranks
+from ddp_rank.losses.pnp import counted_positives
 from ddp_rank.losses.rows import ChunkInputs
+from ddp_rank.losses.sigmoid_ranks import NegativeRanks, add_rank_gradient
 
 
 class SmoothAPLoss(ListwiseLoss):
@@ -34,7 +35,8 @@ class SmoothAPLoss(ListwiseLoss):
             valid, a singleton too (its AP is 1: its only positive, itself, ranks first), so singletons count
             in the mean; with ``False`` a query without another positive is left out of it, as in FastAPLoss
             and PNPLoss (where that holds for both settings).
-        normalize, memory_budget, chunk_rows, matmul_precision: see ``ListwiseLoss``.
+        normalize, memory_budget, chunk_rows, matmul_precision, kernel: see ``ListwiseLoss`` (``kernel``: the
+            ranks among the negatives through ``[c, P, N]`` or two fused passes).
     """
 
     def __init__(
@@ -46,12 +48,14 @@ class SmoothAPLoss(ListwiseLoss):
         memory_budget: int | None = None,
         chunk_rows: int | None = None,
         matmul_precision: str = "highest",
+        kernel: str = "torch",
     ) -> None:
         super().__init__(
             normalize=normalize,
             memory_budget=memory_budget,
             chunk_rows=chunk_rows,
             matmul_precision=matmul_precision,
+            kernel=kernel,
         )
         self.tau, self.count_self = check_positive("tau", tau), count_self
 
@@ -77,7 +81,8 @@ class SmoothAPLoss(ListwiseLoss):
         valid = n_pos > 0
         weights = pos_mask.to(block.dtype) / n_pos.clamp(min=1)[:, None]  # [c, P]; 0 if invalid
 
-        sigma_cpn, ranks_neg, s_pos = negative_ranks(block, same_index, chunk.workspace)
+        negatives = NegativeRanks(block, same_index, chunk.workspace, self.kernel)
+        ranks_neg, s_pos = negatives.values, negatives.same_scores
         # Ranks among the positives: the same sigmoids on the [c, P, P] block of positive scores.
         others = pos_mask[:, None, :] & ~torch.eye(same_index.shape[1], dtype=torch.bool, device=block.device)
         sigma_cpp = torch.sub(s_pos[:, None, :], s_pos[:, :, None]).sigmoid_().mul_(others)
@@ -92,8 +97,7 @@ class SmoothAPLoss(ListwiseLoss):
         # loss = 1 - sum_i w_i Rp_i / Ra_i with Ra = Rp + Rn.
         dloss_dranks_pos = -weights * ranks_neg / ranks_all**2
         dloss_dranks_neg = weights * ranks_pos / ranks_all**2
-        g_cn = block.zero_()  # the block was consumed by negative_ranks: reuse its memory
-        add_rank_gradient(g_cn, sigma_cpn, same_index, dloss_dranks_neg)
+        g_cn = negatives.gradient(dloss_dranks_neg)
         g_cp = block.new_zeros(s_pos.shape)
         within = torch.arange(same_index.shape[1], device=block.device).expand_as(same_index)
         add_rank_gradient(g_cp, sigma_cpp, within, dloss_dranks_pos)

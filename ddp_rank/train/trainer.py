@@ -86,9 +86,10 @@ def build_loss(cfg: Config) -> ListwiseLoss:
         "normalize": lc.normalize,
         "memory_budget": budget,
         "matmul_precision": lc.matmul_precision,
+        "kernel": lc.kernel,
     }
     if lc.name == "fastap":
-        return FastAPLoss(num_bins=lc.num_bins, histogram=lc.fastap_histogram, **common)
+        return FastAPLoss(num_bins=lc.num_bins, **common)
     if lc.name == "pnp":
         return PNPLoss(
             variant=lc.pnp_variant, tau=lc.tau, b=lc.b, alpha=lc.alpha, count_self=lc.count_self, **common
