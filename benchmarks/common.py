@@ -35,9 +35,18 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def write_result(name: str, title: str, body: str) -> Path:
-    """Write ``results/<name>-<YYYY-MM-DD>.md`` and return its path."""
+    """Write ``results/<name>-<YYYY-MM-DD>.md`` and return its path.
+
+    A later run on the same day is appended as a section of its own (with its time and machine): an earlier
+    table, and the notes written under it, are never overwritten.
+    """
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    today = _dt.date.today().isoformat()
+    now = _dt.datetime.now()
+    today = now.date().isoformat()
     path = RESULTS_DIR / f"{name}-{today}.md"
-    path.write_text(f"# {title}\n\nDate: {today}  \nMachine: {machine_description()}\n\n{body}\n")
+    if path.exists():
+        with path.open("a") as results:
+            results.write(f"\n## Run of {now:%H:%M}\n\nMachine: {machine_description()}\n\n{body}\n")
+    else:
+        path.write_text(f"# {title}\n\nDate: {today}  \nMachine: {machine_description()}\n\n{body}\n")
     return path

@@ -82,6 +82,16 @@ def test_bad_kernel_names_and_where_triton_runs(loss: type) -> None:
     assert not triton_runs_on(torch.zeros(3, 2).T)  # rows not contiguous
 
 
+def test_asking_for_triton_without_triton_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ddp_rank.losses.base as base
+
+    monkeypatch.setattr(base, "jit_kernels", lambda: None)
+    with pytest.warns(UserWarning, match="needs Triton, which is not installed: the torch path runs"):
+        loss = PNPLoss(kernel="triton")
+    x, labels = torch.randn(8, 4), torch.arange(8) // 2
+    assert loss(x, labels).item() == PNPLoss()(x, labels).item()
+
+
 CHILD = textwrap.dedent(
     """
     import json, os, warnings

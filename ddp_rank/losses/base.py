@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ddp_rank.losses.rows import ChunkInputs, LabelIndex, RowsOutput, Workspace, compute_dtype, plan_chunks
+from ddp_rank.losses.triton_kernels import jit_kernels
 
 # How far from 1 a row norm may be when ``normalize=False`` promises unit rows.
 _UNIT_NORM_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -71,6 +73,12 @@ class ListwiseLoss(nn.Module, abc.ABC):
             )
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        if kernel == "triton" and jit_kernels() is None:
+            warnings.warn(
+                "kernel='triton' needs Triton, which is not installed: the torch path runs instead "
+                "(pip install triton, or set kernel='torch')",
+                stacklevel=3,
+            )
         self.matmul_precision = matmul_precision
         self.kernel = kernel
         if memory_budget is not None and memory_budget <= 0:

@@ -52,9 +52,10 @@ def fused_cumulative_histograms(t: Tensor, num_bins: int) -> Tensor:
     n_rows, n_cols = t.shape
     out = torch.empty(n_rows, num_bins + 1, dtype=torch.float32, device=t.device)
     levels = 1 << num_bins.bit_length()  # a power of two > num_bins, as tl.arange needs
-    kernels.cumulative_histogram_rows[(n_rows,)](
-        t, out, n_cols, t.stride(0), NUM_BINS=num_bins, LEVELS=levels, BLOCK=256
-    )
+    if n_rows:
+        kernels.cumulative_histogram_rows[(n_rows,)](
+            t, out, n_cols, t.stride(0), NUM_BINS=num_bins, LEVELS=levels, BLOCK=256
+        )
     return out
 
 
