@@ -44,7 +44,7 @@ class FastAPLoss(ListwiseLoss):
     Args:
         num_bins: histogram intervals on [0, 4]; ``num_bins + 1`` bin centres (the authors' default is 10).
         normalize, memory_budget, chunk_rows, matmul_precision, kernel: see ``ListwiseLoss`` (``kernel``: the
-            cumulative histograms, a pass per bin or one fused pass).
+            cumulative histograms and the bin gradient, plain torch passes or one fused pass each).
     """
 
     def __init__(
