@@ -19,7 +19,7 @@ from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.losses.histogram import bin_gradient, cumulative_histograms
 from ddp_rank.losses.rows import Workspace
 from ddp_rank.losses.sigmoid_ranks import NegativeRanks
-from ddp_rank.losses.triton_kernels import triton_runs_on
+from ddp_rank.losses.triton_kernels import fused_cumulative_histograms, fused_kernels_run
 
 LOSSES = (FastAPLoss, PNPLoss, SmoothAPLoss)
 
@@ -76,10 +76,29 @@ def test_the_torch_sigmoid_ranks_are_the_definition() -> None:
 def test_bad_kernel_names_and_where_triton_runs(loss: type) -> None:
     with pytest.raises(ValueError, match="kernel must be one of torch, triton, got 'cuda'"):
         loss(kernel="cuda")
+    cpu = torch.device("cpu")
     if os.environ.get("TRITON_INTERPRET") != "1":
-        assert not triton_runs_on(torch.zeros(2, 3))  # CPU tensors take the torch path
-    assert not triton_runs_on(torch.zeros(2, 3, dtype=torch.float64))
-    assert not triton_runs_on(torch.zeros(3, 2).T)  # rows not contiguous
+        assert not fused_kernels_run(cpu, torch.float32)  # CPU tensors take the torch path
+    assert not fused_kernels_run(cpu, torch.float64)
+
+
+def test_the_kernels_refuse_blocks_they_cannot_read() -> None:
+    pytest.importorskip("triton")
+    with pytest.raises(ValueError, match=r"float32 .* contiguous rows, got torch.float32 of shape \(2, 3\)"):
+        fused_cumulative_histograms(torch.zeros(3, 2).T, 10)
+    with pytest.raises(ValueError, match=r"got torch\.float64"):
+        fused_cumulative_histograms(torch.zeros(2, 3, dtype=torch.float64), 10)
+
+
+@pytest.mark.parametrize("make", LOSSES)
+def test_the_fused_path_plans_larger_chunks(make: type) -> None:
+    """Without the ``[c, P, N]`` sigmoids (and FastAP's int64 bins), a row costs less work space, so the same
+    budget holds more rows; the plan follows the path the chunks take (checked under the interpreter below)."""
+    loss = make()
+    for width in (1, 4, 64):
+        fused = loss._bytes_per_query_row(65_536, width, 4, True)
+        assert fused < loss._bytes_per_query_row(65_536, width, 4, False)
+        assert fused <= 2 * 65_536 * 4 + 2 * width * 11 * 4 + 2 * width * width * 4
 
 
 def test_asking_for_triton_without_triton_warns(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,7 +121,8 @@ CHILD = textwrap.dedent(
     from ddp_rank.losses.histogram import bin_gradient, cumulative_histograms
     from ddp_rank.losses.rows import Workspace
     from ddp_rank.losses.sigmoid_ranks import NegativeRanks
-    from ddp_rank.losses.triton_kernels import triton_runs_on
+    import ddp_rank.losses.base as base
+    from ddp_rank.losses.triton_kernels import fused_kernels_run
 
     def relative(a, b):
         return float((a - b).abs().max() / b.abs().max())
@@ -112,13 +132,13 @@ CHILD = textwrap.dedent(
     for bins, cols in ((10, 1000), (15, 257), (3, 64)):
         t = torch.rand(5, cols, generator=g) * (bins + 0.2) - 0.1  # some a hair outside [0, bins]
         t[:, 0], t[:, 1] = 0.0, float(bins)
-        assert triton_runs_on(t)
-        fused = cumulative_histograms(t, bins, torch.empty_like(t), "triton")
-        plain = cumulative_histograms(t, bins, torch.empty_like(t), "torch")
+        assert fused_kernels_run(t.device, t.dtype)
+        fused = cumulative_histograms(t, bins, torch.empty_like(t), fused=True)
+        plain = cumulative_histograms(t, bins, torch.empty_like(t), fused=False)
         out[f"hist-{bins}-{cols}"] = relative(fused, plain)
         slopes = torch.randn(5, bins, generator=g)
-        fused = bin_gradient(t, slopes, torch.empty_like(t), Workspace(t.device), "triton")
-        plain = bin_gradient(t, slopes, torch.empty_like(t), Workspace(t.device), "torch")
+        fused = bin_gradient(t, slopes, torch.empty_like(t), Workspace(t.device), fused=True)
+        plain = bin_gradient(t, slopes, torch.empty_like(t), Workspace(t.device), fused=False)
         out[f"bins-{bins}-{cols}"] = float((fused - plain).abs().max())  # the same reads: exact
 
     # Same-class widths below, at and past one tile of 32; row lengths off the tile.
@@ -127,21 +147,25 @@ CHILD = textwrap.dedent(
         index = torch.stack([torch.randperm(cols, generator=g)[:width] for _ in range(6)])
         weights = torch.randn(6, width, generator=g)
         results = []
-        for kernel in ("torch", "triton"):
-            ranks = NegativeRanks(scores.clone(), index, Workspace(scores.device), kernel)
+        for fused in (False, True):
+            ranks = NegativeRanks(scores.clone(), index, Workspace(scores.device), fused)
             results.append((ranks.values, ranks.gradient(weights)))
         out[f"ranks-{width}-{cols}"] = relative(results[1][0], results[0][0])
         out[f"grad-{width}-{cols}"] = relative(results[1][1], results[0][1])
 
+    # The losses under a small budget: the chunk plan is recorded, to see it follow the path.
+    plan = base.plan_chunks
+    planned = []
+    base.plan_chunks = lambda *args, **kwargs: planned.append(plan(*args, **kwargs)) or planned[-1]
     x = torch.randn(300, 16, generator=g)
     labels = torch.randint(0, 40, (300,), generator=g)
     labels[:45] = 1000  # one class of 45: two tiles of same-class columns
     for make in (FastAPLoss, PNPLoss, SmoothAPLoss):
         for kernel in ("torch", "triton"):
             e = x.clone().requires_grad_()
-            loss = make(kernel=kernel, chunk_rows=128)(e, labels)
+            loss = make(kernel=kernel, memory_budget=64 * 1024)(e, labels)
             loss.backward()
-            out[f"{make.__name__}-{kernel}"] = [loss.item(), e.grad.tolist()]
+            out[f"{make.__name__}-{kernel}"] = [loss.item(), e.grad.tolist(), len(planned[-1])]
     print(json.dumps(out))
     """
 )
@@ -159,8 +183,9 @@ def test_the_fused_triton_kernels_match_the_torch_paths() -> None:
         if key.startswith("bins-"):
             assert error == 0.0, (key, error)
     for make in LOSSES:
-        loss_t, grad_t = out[f"{make.__name__}-torch"]
-        loss_f, grad_f = out[f"{make.__name__}-triton"]
+        loss_t, grad_t, chunks_t = out[f"{make.__name__}-torch"]
+        loss_f, grad_f, chunks_f = out[f"{make.__name__}-triton"]
+        assert chunks_f < chunks_t, (make.__name__, chunks_f, chunks_t)
         assert loss_f == pytest.approx(loss_t, rel=1e-6), make.__name__
         torch.testing.assert_close(torch.tensor(grad_f), torch.tensor(grad_t), rtol=1e-4, atol=1e-7)
 

@@ -7,8 +7,8 @@ A loss family subclasses ``ListwiseLoss`` and implements:
   or two passes over every ``[c, N]`` block, and multiplies the gradient matmuls by ``scale`` in return;
 - ``_score_chunk(B_cn, chunk, need_grad)`` turns that block into per-query losses, validity and
   ``G_cn = d(sum of losses)/dB_cn`` (it may overwrite ``B_cn``);
-- ``_bytes_per_query_row(n_database, max_positives, itemsize)``: the work space one query row costs, so the
-  driver can size chunks from the memory budget.
+- ``_bytes_per_query_row(n_database, max_positives, itemsize, fused)``: the work space one query row costs
+  (on the torch path, or with the fused kernels), so the driver can size chunks from the memory budget.
 
 Everything else (validation, normalisation, chunking, the two gradient matmuls, autograd) lives here.
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ddp_rank.losses.rows import ChunkInputs, LabelIndex, RowsOutput, Workspace, compute_dtype, plan_chunks
-from ddp_rank.losses.triton_kernels import jit_kernels
+from ddp_rank.losses.triton_kernels import fused_kernels_run, jit_kernels
 
 # How far from 1 a row norm may be when ``normalize=False`` promises unit rows.
 _UNIT_NORM_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -101,8 +101,8 @@ class ListwiseLoss(nn.Module, abc.ABC):
         """``B_cn [c, N]`` -> ``(losses [c], valid [c], dl/dB_cn [c, N] or None)``."""
 
     @abc.abstractmethod
-    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
-        """Peak work space of one query row inside ``_score_chunk``."""
+    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int, fused: bool) -> int:
+        """Peak work space of one query row inside ``_score_chunk`` (``fused``: ``chunk.fused`` is set)."""
 
     # ------------------------------------------------------------------------------------------ public API
     def prepare(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -168,13 +168,15 @@ class ListwiseLoss(nn.Module, abc.ABC):
         grad_queries = torch.zeros_like(queries) if need_grad else None
         grad_database = torch.zeros_like(database) if need_grad else None
 
+        # One choice of path for every chunk, so that the plan sizes chunks for the path they take.
+        fused = self.kernel == "triton" and fused_kernels_run(queries.device, dtype)
         # Queries sorted by class size, chunked at each chunk's own widest class (one device sync per call).
         sizes = labels.class_sizes_of(query_labels)
         order = torch.argsort(sizes, stable=True)
         sorted_sizes = sizes[order].tolist()
         chunks = plan_chunks(
             sorted_sizes,
-            lambda width: self._bytes_per_query_row(n_database, width, dtype.itemsize),
+            lambda width: self._bytes_per_query_row(n_database, width, dtype.itemsize, fused),
             self.memory_budget,
             queries.device,
             self.chunk_rows,
@@ -191,7 +193,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
         for start, stop, width in chunks:
             idx = order[start:stop]
             q_c = queries[idx]
-            chunk = ChunkInputs(query_labels[idx], query_index[idx], labels, width, workspace)
+            chunk = ChunkInputs(query_labels[idx], query_index[idx], labels, width, workspace, fused)
             b_cn = workspace.take("block", (q_c.shape[0], n_database), dtype)
             with _matmul_precision(self.matmul_precision):
                 if low_precision:

@@ -74,10 +74,12 @@ class FastAPLoss(ListwiseLoss):
     def extra_repr(self) -> str:
         return f"num_bins={self.num_bins}, normalize={self.normalize}"
 
-    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
-        # The block (bin positions), one scratch row (kernel sums, then the gradient), the int64 lower bins,
-        # and the same-class columns' cumulative kernel weights [P, L] (twice: the weights and their masking).
-        return n_database * (2 * itemsize + 8) + 2 * max_positives * (self.num_bins + 1) * itemsize
+    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int, fused: bool) -> int:
+        # The block (bin positions), one scratch row (kernel sums, then the gradient), on the torch path the
+        # int64 lower bins and three bool masks (positions outside [0, num_bins]), and the same-class columns'
+        # cumulative kernel weights [P, L] (twice: the weights and their masking).
+        per_column = 2 * itemsize + (0 if fused else 8 + 3)
+        return n_database * per_column + 2 * max_positives * (self.num_bins + 1) * itemsize
 
     def _similarity_affine(self) -> tuple[float, float]:
         # Position on the bin axis, in bins: t = d / delta = (2 - 2 s) * num_bins / 4.
@@ -99,7 +101,7 @@ class FastAPLoss(ListwiseLoss):
         # C_l(t) = clamp(l + 1 - t, 0, 1), so H_l = sum_j C_l(t_j). Scatter-adds into a handful of bins per row
         # serialise on their atomics on a GPU and fall back to a sorting kernel under deterministic algorithms.
         scratch = chunk.workspace.take("scratch", t_cn.shape, t_cn.dtype)
-        H_all = cumulative_histograms(t_cn, n_bins, scratch, self.kernel)
+        H_all = cumulative_histograms(t_cn, n_bins, scratch, chunk.fused)
         # The same sums over the chunk's same-class columns ([c, P], P small): the positives, and the query's
         # own entry, which is neither positive nor negative. Padding repeats the query's column, masked out.
         same_index, same_mask = chunk.same_class()
@@ -133,7 +135,7 @@ class FastAPLoss(ListwiseLoss):
         # over their columns. Every write to the query's column (its own entry and the padding) is 0.
         slope_neg = dloss_dh_neg[:, 1:] - dloss_dh_neg[:, :-1]
         slope_pos = dloss_dh_pos[:, 1:] - dloss_dh_pos[:, :-1]
-        grad = bin_gradient(t_cn, slope_neg, scratch, chunk.workspace, self.kernel)
+        grad = bin_gradient(t_cn, slope_neg, scratch, chunk.workspace, chunk.fused)
         low_same = torch.floor(t_same).clamp_(max=n_bins - 1).long()
         counted = positive & (t_same == t_same_raw)  # 0 where the clamp is active
         grad_same = torch.where(counted, slope_pos.gather(1, low_same), torch.zeros_like(t_same))

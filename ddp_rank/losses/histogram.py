@@ -21,18 +21,18 @@ import torch
 from torch import Tensor
 
 from ddp_rank.losses.rows import Workspace
-from ddp_rank.losses.triton_kernels import fused_bin_gradient, fused_cumulative_histograms, triton_runs_on
+from ddp_rank.losses.triton_kernels import fused_bin_gradient, fused_cumulative_histograms
 
 __all__ = ["bin_gradient", "cumulative_histograms", "cumulative_weights"]
 
 
-def cumulative_histograms(t: Tensor, num_bins: int, scratch: Tensor, kernel: str = "torch") -> Tensor:
+def cumulative_histograms(t: Tensor, num_bins: int, scratch: Tensor, fused: bool = False) -> Tensor:
     """``[c, num_bins + 1]`` cumulative histograms of ``clamp(t, 0, num_bins)``, ``t [c, N]``.
 
-    ``scratch`` is a ``[c, N]`` buffer the torch path may overwrite. ``kernel="triton"`` takes the fused pass
-    where it can run (float32 on CUDA, or the interpreter) and the torch path elsewhere.
+    ``scratch`` is a ``[c, N]`` buffer the torch path may overwrite; ``fused`` takes the Triton pass instead
+    (where ``fused_kernels_run``).
     """
-    if kernel == "triton" and triton_runs_on(t):
+    if fused:
         return fused_cumulative_histograms(t, num_bins)
     n_rows, n_cols = t.shape
     H = t.new_empty(n_rows, num_bins + 1)
@@ -54,14 +54,14 @@ def cumulative_weights(t: Tensor, num_bins: int) -> Tensor:
 
 
 def bin_gradient(
-    t: Tensor, slopes: Tensor, scratch: Tensor, workspace: Workspace, kernel: str = "torch"
+    t: Tensor, slopes: Tensor, scratch: Tensor, workspace: Workspace, fused: bool = False
 ) -> Tensor:
     """``[c, N]``: ``slopes[r, l]`` at every position ``t[r, j]`` whose lower bin is ``l`` (``slopes`` is
     ``[c, num_bins]``, the top position ``num_bins`` reads bin ``num_bins - 1``), 0 outside ``[0, num_bins]``.
 
-    Written into ``scratch`` (which must not be ``t``).
+    Written into ``scratch`` (which must not be ``t``); ``fused`` takes the Triton pass.
     """
-    if kernel == "triton" and triton_runs_on(t, scratch):
+    if fused:
         return fused_bin_gradient(t, slopes, scratch)
     num_bins = slopes.shape[1]
     low = torch.floor(t, out=scratch).clamp_(0, num_bins - 1)

@@ -97,7 +97,9 @@ class PNPLoss(ListwiseLoss):
             f"count_self={self.count_self}, normalize={self.normalize}"
         )
 
-    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
+    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int, fused: bool) -> int:
+        if fused:  # the block (scores) and G
+            return 2 * n_database * itemsize
         # The [P, N] sigmoids, the block (scores, then G) and the batched matmul's [N] result.
         return (max(1, max_positives) + 2) * n_database * itemsize
 
@@ -113,7 +115,7 @@ class PNPLoss(ListwiseLoss):
         weights = pos_mask.to(block.dtype)
         weights *= valid[:, None] / weights.sum(1, keepdim=True).clamp(min=1)  # [c, P]
 
-        ranks = NegativeRanks(block, same_index, chunk.workspace, self.kernel)
+        ranks = NegativeRanks(block, same_index, chunk.workspace, chunk.fused)
         f, f_prime = self._penalty(ranks.values)
         losses = (f * weights).sum(1)
         if self.variant == "Dq":  # 1 - mean (1 + R)^-alpha, with f = -(1 + R)^-alpha

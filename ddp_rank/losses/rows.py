@@ -81,6 +81,7 @@ class ChunkInputs:
     labels: LabelIndex
     max_class_size: int  # P: the largest class among the chunk's queries
     workspace: Workspace
+    fused: bool = False  # the block passes run as fused Triton kernels (decided once per call)
 
     def same_class(self) -> tuple[Tensor, Tensor]:
         """``(index [c, P], mask [c, P])``: the columns sharing each query's label, the query included."""

@@ -25,11 +25,7 @@ import torch
 from torch import Tensor
 
 from ddp_rank.losses.rows import Workspace
-from ddp_rank.losses.triton_kernels import (
-    fused_sigmoid_rank_gradient,
-    fused_sigmoid_rank_sums,
-    triton_runs_on,
-)
+from ddp_rank.losses.triton_kernels import fused_sigmoid_rank_gradient, fused_sigmoid_rank_sums
 
 __all__ = ["NegativeRanks", "add_rank_gradient"]
 
@@ -39,19 +35,19 @@ class NegativeRanks:
 
     Consumes ``scores``: their same-class columns are set to -inf, so that the sigmoid and its derivative are
     exactly 0 there and no mask pass is needed; ``gradient`` then reuses the block's memory (torch path) or
-    a workspace buffer (fused path).
+    a workspace buffer (``fused``: the Triton passes, where ``fused_kernels_run``).
 
     Attributes:
         values: ``R [c, P]``.
         same_scores: ``[c, P]``, the scores of the same-class columns (taken before they were masked).
     """
 
-    def __init__(self, scores: Tensor, index: Tensor, workspace: Workspace, kernel: str = "torch") -> None:
+    def __init__(self, scores: Tensor, index: Tensor, workspace: Workspace, fused: bool = False) -> None:
         self.same_scores = scores.gather(1, index)
         scores.scatter_(1, index, -math.inf)
         self._scores, self._index, self._workspace = scores, index, workspace
         self._sigma: Tensor | None = None
-        if kernel == "triton" and triton_runs_on(scores, self.same_scores):
+        if fused:
             self.values = fused_sigmoid_rank_sums(scores, self.same_scores)
             return
         c, p = index.shape

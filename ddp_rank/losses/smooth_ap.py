@@ -65,9 +65,11 @@ class SmoothAPLoss(ListwiseLoss):
     def extra_repr(self) -> str:
         return f"tau={self.tau}, count_self={self.count_self}, normalize={self.normalize}"
 
-    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
+    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int, fused: bool) -> int:
+        # The block and G, the [P, N] sigmoids on the torch path, and the [P, P] sigmoids among the positives.
         p = max(1, max_positives)
-        return (p + 2) * n_database * itemsize + 2 * p * p * itemsize
+        per_column = 2 if fused else p + 2
+        return per_column * n_database * itemsize + 2 * p * p * itemsize
 
     def _similarity_affine(self) -> tuple[float, float]:
         return 1.0 / self.tau, 0.0
@@ -81,7 +83,7 @@ class SmoothAPLoss(ListwiseLoss):
         valid = n_pos > 0
         weights = pos_mask.to(block.dtype) / n_pos.clamp(min=1)[:, None]  # [c, P]; 0 if invalid
 
-        negatives = NegativeRanks(block, same_index, chunk.workspace, self.kernel)
+        negatives = NegativeRanks(block, same_index, chunk.workspace, chunk.fused)
         ranks_neg, s_pos = negatives.values, negatives.same_scores
         # Ranks among the positives: the same sigmoids on the [c, P, P] block of positive scores.
         others = pos_mask[:, None, :] & ~torch.eye(same_index.shape[1], dtype=torch.bool, device=block.device)

@@ -1,7 +1,8 @@
 """Fused Triton kernels for the losses' per-block passes, and where they may run.
 
 Every kernel here computes the same function as a plain torch path beside its caller
-(``histogram.py``, ``sigmoid_ranks.py``); a loss takes them with ``kernel="triton"``. They run on float32
+(``histogram.py``, ``sigmoid_ranks.py``); a loss takes them with ``kernel="triton"`` where
+:func:`fused_kernels_run` says they can run. They run on float32
 CUDA tensors, and on CPU tensors only under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton
 is imported), which is how the tests check them against the torch paths. ``tests/test_losses_kernels.py``
 also compiles each one for real GPUs (sm_80, sm_90) on a machine without one: the interpreter runs Python
@@ -24,31 +25,41 @@ from torch import Tensor
 __all__ = [
     "fused_bin_gradient",
     "fused_cumulative_histograms",
+    "fused_kernels_run",
     "fused_sigmoid_rank_gradient",
     "fused_sigmoid_rank_sums",
     "jit_kernels",
-    "triton_runs_on",
 ]
 
 # Elements of one [rows, BLOCK] tile held in registers (4 warps: 32 per thread).
 _TILE_ELEMENTS = 4096
 
 
-def triton_runs_on(*tensors: Tensor) -> bool:
-    """Whether the fused kernels can take these tensors: float32, rows contiguous, on CUDA (or on CPU under the
-    interpreter), and Triton importable."""
-    for t in tensors:
-        if t.dtype != torch.float32 or t.stride(-1) != 1:
-            return False
-        if not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-            return False
+def fused_kernels_run(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fused kernels run for blocks of ``dtype`` on ``device``: float32, on CUDA (or on CPU under
+    the interpreter), and Triton importable. The loss driver asks once per call, so that the chunk plan and
+    every chunk agree on the path."""
+    if dtype != torch.float32:
+        return False
+    if not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
     return jit_kernels() is not None
+
+
+def _check_rows(*tensors: Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(
+                f"the fused kernels take float32 [rows, columns] tensors with contiguous rows, got {t.dtype} "
+                f"of shape {tuple(t.shape)} and strides {t.stride()}"
+            )
 
 
 def fused_cumulative_histograms(t: Tensor, num_bins: int) -> Tensor:
     """``H[r, l] = sum_j clamp(l + 1 - t'[r, j], 0, 1)`` for ``l = 0..num_bins``, ``t' = clamp(t, 0, num_bins)``:
     ``[c, num_bins + 1]``."""
     kernels = _required()
+    _check_rows(t)
     n_rows, n_cols = t.shape
     out = torch.empty(n_rows, num_bins + 1, dtype=torch.float32, device=t.device)
     levels = 1 << num_bins.bit_length()  # a power of two > num_bins, as tl.arange needs
@@ -63,6 +74,7 @@ def fused_bin_gradient(t: Tensor, slopes: Tensor, out: Tensor) -> Tensor:
     """``out[r, j] = slopes[r, min(floor(t[r, j]), num_bins - 1)]`` where ``0 <= t[r, j] <= num_bins``, else 0;
     ``slopes`` is ``[c, num_bins]``. Returns ``out`` (``[c, N]``, laid out like ``t``)."""
     kernels = _required()
+    _check_rows(t, out)
     n_rows, n_cols = t.shape
     if out.stride() != t.stride():
         raise ValueError("the gradient buffer must be laid out like the bin positions")
@@ -82,9 +94,10 @@ def fused_bin_gradient(t: Tensor, slopes: Tensor, out: Tensor) -> Tensor:
 def fused_sigmoid_rank_sums(scores: Tensor, same_scores: Tensor) -> Tensor:
     """``R[a, i] = sum_j sigmoid(scores[a, j] - same_scores[a, i])``: ``[c, P]``, with no ``[c, P, N]``."""
     kernels = _required()
+    _check_rows(scores)
     n_rows, n_cols = scores.shape
     n_same = same_scores.shape[1]
-    same_scores = same_scores.contiguous()
+    same_scores = same_scores.to(torch.float32).contiguous()
     out = torch.empty(n_rows, n_same, dtype=torch.float32, device=scores.device)
     p_tile, block = _rank_tiles(n_same)
     if n_rows and n_same:
@@ -103,6 +116,7 @@ def fused_sigmoid_rank_gradient(
     Returns ``(out, D)``. ``out`` is a contiguous ``[c, N]`` buffer other than ``scores``.
     """
     kernels = _required()
+    _check_rows(scores, out)
     n_rows, n_cols = scores.shape
     n_same = same_scores.shape[1]
     if out.data_ptr() == scores.data_ptr() or out.stride(0) != scores.stride(0):
@@ -114,7 +128,7 @@ def fused_sigmoid_rank_gradient(
     if n_rows:
         kernels.sigmoid_rank_gradient[(n_rows,)](
             scores,
-            same_scores.contiguous(),
+            same_scores.to(torch.float32).contiguous(),
             dloss_dranks.to(torch.float32).contiguous(),
             out,
             slope_sums,
