@@ -15,6 +15,7 @@ torch path reads and writes it several times, or builds ``[c, P, N]`` from it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from types import SimpleNamespace
@@ -64,9 +65,10 @@ def fused_cumulative_histograms(t: Tensor, num_bins: int) -> Tensor:
     out = torch.empty(n_rows, num_bins + 1, dtype=torch.float32, device=t.device)
     levels = 1 << num_bins.bit_length()  # a power of two > num_bins, as tl.arange needs
     if n_rows:
-        kernels.cumulative_histogram_rows[(n_rows,)](
-            t, out, n_cols, t.stride(0), NUM_BINS=num_bins, LEVELS=levels, BLOCK=256
-        )
+        with _on_device(t):
+            kernels.cumulative_histogram_rows[(n_rows,)](
+                t, out, n_cols, t.stride(0), NUM_BINS=num_bins, LEVELS=levels, BLOCK=256
+            )
     return out
 
 
@@ -79,15 +81,16 @@ def fused_bin_gradient(t: Tensor, slopes: Tensor, out: Tensor) -> Tensor:
     if out.stride() != t.stride():
         raise ValueError("the gradient buffer must be laid out like the bin positions")
     if n_rows:
-        kernels.bin_gradient_rows[(n_rows,)](
-            t,
-            slopes.to(torch.float32).contiguous(),
-            out,
-            n_cols,
-            t.stride(0),
-            NUM_BINS=slopes.shape[1],
-            BLOCK=1024,
-        )
+        with _on_device(t):
+            kernels.bin_gradient_rows[(n_rows,)](
+                t,
+                slopes.to(torch.float32).contiguous(),
+                out,
+                n_cols,
+                t.stride(0),
+                NUM_BINS=slopes.shape[1],
+                BLOCK=1024,
+            )
     return out
 
 
@@ -101,9 +104,10 @@ def fused_sigmoid_rank_sums(scores: Tensor, same_scores: Tensor) -> Tensor:
     out = torch.empty(n_rows, n_same, dtype=torch.float32, device=scores.device)
     p_tile, block = _rank_tiles(n_same)
     if n_rows and n_same:
-        kernels.sigmoid_rank_sums[(n_rows, -(-n_same // p_tile))](
-            scores, same_scores, out, n_cols, n_same, scores.stride(0), P_TILE=p_tile, BLOCK=block
-        )
+        with _on_device(scores):
+            kernels.sigmoid_rank_sums[(n_rows, -(-n_same // p_tile))](
+                scores, same_scores, out, n_cols, n_same, scores.stride(0), P_TILE=p_tile, BLOCK=block
+            )
     return out
 
 
@@ -126,18 +130,19 @@ def fused_sigmoid_rank_gradient(
         return out.zero_(), slope_sums
     p_tile, block = _rank_tiles(n_same)
     if n_rows:
-        kernels.sigmoid_rank_gradient[(n_rows,)](
-            scores,
-            same_scores.to(torch.float32).contiguous(),
-            dloss_dranks.to(torch.float32).contiguous(),
-            out,
-            slope_sums,
-            n_cols,
-            n_same,
-            scores.stride(0),
-            P_TILE=p_tile,
-            BLOCK=block,
-        )
+        with _on_device(scores):
+            kernels.sigmoid_rank_gradient[(n_rows,)](
+                scores,
+                same_scores.to(torch.float32).contiguous(),
+                dloss_dranks.to(torch.float32).contiguous(),
+                out,
+                slope_sums,
+                n_cols,
+                n_same,
+                scores.stride(0),
+                P_TILE=p_tile,
+                BLOCK=block,
+            )
     return out, slope_sums
 
 
@@ -145,6 +150,11 @@ def _rank_tiles(n_same: int) -> tuple[int, int]:
     """``(P_TILE, BLOCK)``: up to 32 same-class columns per tile, and as many block columns as fill it."""
     p_tile = min(32, 1 << max(0, n_same - 1).bit_length())
     return p_tile, max(128, _TILE_ELEMENTS // p_tile)
+
+
+def _on_device(t: Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: make it the tensor's (a rank may hold tensors on another)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _required() -> SimpleNamespace:
