@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss
+from ddp_rank.losses.base import SAME_CLASS_BYTES
 from ddp_rank.losses.histogram import bin_gradient, cumulative_histograms
 from ddp_rank.losses.rows import Workspace
 from ddp_rank.losses.sigmoid_ranks import NegativeRanks
@@ -98,15 +99,21 @@ def test_the_fused_path_plans_larger_chunks(make: type) -> None:
     for width in (1, 4, 64):
         fused = loss._bytes_per_query_row(65_536, width, 4, True)
         assert fused < loss._bytes_per_query_row(65_536, width, 4, False)
-        assert fused <= 2 * 65_536 * 4 + 2 * width * 11 * 4 + 2 * width * width * 4
+        assert fused <= 2 * 65_536 * 4 + width * (2 * 11 * 4 + 2 * width * 4 + SAME_CLASS_BYTES)
 
 
-def test_asking_for_triton_without_triton_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_asking_for_triton_without_triton_warns_and_takes_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import ddp_rank.losses.base as base
+    import ddp_rank.losses.triton_kernels as triton_kernels
 
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors would take the fused kernels if Triton were there
     monkeypatch.setattr(base, "jit_kernels", lambda: None)
+    monkeypatch.setattr(triton_kernels, "jit_kernels", lambda: None)
     with pytest.warns(UserWarning, match="needs Triton, which is not installed: the torch path runs"):
         loss = PNPLoss(kernel="triton")
+    assert not fused_kernels_run(torch.device("cpu"), torch.float32)
     x, labels = torch.randn(8, 4), torch.arange(8) // 2
     assert loss(x, labels).item() == PNPLoss()(x, labels).item()
 
@@ -153,19 +160,34 @@ CHILD = textwrap.dedent(
         out[f"ranks-{width}-{cols}"] = relative(results[1][0], results[0][0])
         out[f"grad-{width}-{cols}"] = relative(results[1][1], results[0][1])
 
-    # The losses under a small budget: the chunk plan is recorded, to see it follow the path.
+    # The losses under a small budget: the chunk plan and the work space taken are recorded, to see both
+    # follow the path.
     plan = base.plan_chunks
     planned = []
     base.plan_chunks = lambda *args, **kwargs: planned.append(plan(*args, **kwargs)) or planned[-1]
+    take = Workspace.take
+    taken = []  # per chunk (each starts with its similarity block): {name: bytes of the view asked for}
+
+    def recording_take(self, name, shape, dtype):
+        if name == "block":
+            taken.append({})
+        view = take(self, name, shape, dtype)
+        taken[-1][name] = view.numel() * view.element_size()
+        return view
+
+    Workspace.take = recording_take
     x = torch.randn(300, 16, generator=g)
     labels = torch.randint(0, 40, (300,), generator=g)
     labels[:45] = 1000  # one class of 45: two tiles of same-class columns
     for make in (FastAPLoss, PNPLoss, SmoothAPLoss):
         for kernel in ("torch", "triton"):
             e = x.clone().requires_grad_()
+            taken.clear()
             loss = make(kernel=kernel, memory_budget=64 * 1024)(e, labels)
             loss.backward()
-            out[f"{make.__name__}-{kernel}"] = [loss.item(), e.grad.tolist(), len(planned[-1])]
+            names = sorted({name for chunk in taken for name in chunk})
+            largest = max(sum(chunk.values()) for chunk in taken)
+            out[f"{make.__name__}-{kernel}"] = [loss.item(), e.grad.tolist(), len(planned[-1]), names, largest]
     print(json.dumps(out))
     """
 )
@@ -183,9 +205,14 @@ def test_the_fused_triton_kernels_match_the_torch_paths() -> None:
         if key.startswith("bins-"):
             assert error == 0.0, (key, error)
     for make in LOSSES:
-        loss_t, grad_t, chunks_t = out[f"{make.__name__}-torch"]
-        loss_f, grad_f, chunks_f = out[f"{make.__name__}-triton"]
+        loss_t, grad_t, chunks_t, names_t, largest_t = out[f"{make.__name__}-torch"]
+        loss_f, grad_f, chunks_f, names_f, largest_f = out[f"{make.__name__}-triton"]
         assert chunks_f < chunks_t, (make.__name__, chunks_f, chunks_t)
+        # The fused path takes neither the [c, P, N] sigmoids nor FastAP's int64 bins, and on both paths no
+        # chunk's buffers pass the 64 KiB budget.
+        torch_only = "low" if make is FastAPLoss else "sigma"
+        assert torch_only in names_t and torch_only not in names_f, (make.__name__, names_t, names_f)
+        assert largest_t <= 64 * 1024 and largest_f <= 64 * 1024, (make.__name__, largest_t, largest_f)
         assert loss_f == pytest.approx(loss_t, rel=1e-6), make.__name__
         torch.testing.assert_close(torch.tensor(grad_f), torch.tensor(grad_t), rtol=1e-4, atol=1e-7)
 
@@ -233,25 +260,32 @@ def test_the_kernels_compile_for_gpus_without_spilling(arch: int) -> None:
     kernels = jit_kernels()
     assert kernels is not None
     compiled = {
-        "histogram": _compiled_resources(
+        f"histogram {bins} bins": _compiled_resources(
             kernels.cumulative_histogram_rows,
             _HISTOGRAM_SIGNATURE,
-            {"NUM_BINS": 10, "LEVELS": 16, "BLOCK": 256},
+            {"NUM_BINS": bins, "LEVELS": levels, "BLOCK": 4096 // levels},
             arch,
-        ),
-        "bin gradient": _compiled_resources(
-            kernels.bin_gradient_rows,
-            {"t_ptr": "*fp32", "slopes_ptr": "*fp32", "out_ptr": "*fp32", "n_cols": "i32", "row_stride": "i32"},
-            {"NUM_BINS": 10, "BLOCK": 1024},
-            arch,
-        ),
+        )
+        for bins, levels in ((10, 16), (100, 128))
     }
+    compiled["bin gradient"] = _compiled_resources(
+        kernels.bin_gradient_rows,
+        {"t_ptr": "*fp32", "slopes_ptr": "*fp32", "out_ptr": "*fp32", "n_cols": "i32", "row_stride": "i32"},
+        {"NUM_BINS": 10, "BLOCK": 1024},
+        arch,
+    )
     for width in (1, 4, 40):
         p_tile, block = _rank_tiles(width)
         tiles = {"P_TILE": p_tile, "BLOCK": block}
         compiled[f"rank sums {width}"] = _compiled_resources(
             kernels.sigmoid_rank_sums,
-            {"scores_ptr": "*fp32", "same_ptr": "*fp32", "out_ptr": "*fp32", **_RANK_SIGNATURE},
+            {
+                "scores_ptr": "*fp32",
+                "same_ptr": "*fp32",
+                "ranks_ptr": "*fp32",
+                "slope_sums_ptr": "*fp32",
+                **_RANK_SIGNATURE,
+            },
             tiles,
             arch,
         )
@@ -262,7 +296,6 @@ def test_the_kernels_compile_for_gpus_without_spilling(arch: int) -> None:
                 "same_ptr": "*fp32",
                 "weight_ptr": "*fp32",
                 "grad_ptr": "*fp32",
-                "slope_sum_ptr": "*fp32",
                 **_RANK_SIGNATURE,
             },
             tiles,

@@ -40,7 +40,8 @@ class ListwiseLoss(nn.Module, abc.ABC):
         normalize: L2-normalise the embeddings inside (the gradient flows through the normalisation). With
             ``False`` the rows must already be unit vectors; this is checked.
         memory_budget: bytes of work space one chunk of query rows may use. ``None`` picks 32 MiB on CPU and
-            1 GiB on CUDA. Results do not depend on it.
+            1 GiB on CUDA. Results do not depend on it. The buffers are reused from chunk to chunk, each at its
+            largest size, which can hold up to twice the budget at once (``rows.Workspace``).
         chunk_rows: force a number of query rows per chunk (tests, tuning); overrides ``memory_budget``.
         matmul_precision: the similarity matmul ``Q E^T`` of every chunk. ``"highest"``: float32 (or float64);
             ``"tf32"``: TF32 tensor cores on CUDA (10-bit mantissa; float32 on CPU), about 6x faster on an
@@ -101,8 +102,15 @@ class ListwiseLoss(nn.Module, abc.ABC):
         """``B_cn [c, N]`` -> ``(losses [c], valid [c], dl/dB_cn [c, N] or None)``."""
 
     @abc.abstractmethod
-    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int, fused: bool) -> int:
-        """Peak work space of one query row inside ``_score_chunk`` (``fused``: ``chunk.fused`` is set)."""
+    def _bytes_per_query_row(
+        self, n_database: int, max_positives: int, itemsize: int, fused: bool = False
+    ) -> int:
+        """Peak work space of one query row inside ``_score_chunk`` (``fused``: ``chunk.fused`` is set).
+
+        Families count their ``[N]`` and ``[P, N]`` buffers and add ``SAME_CLASS_BYTES`` per same-class column
+        for the ``[c, P]`` index, masks and per-column values, which dominate when a class is a large share of
+        the batch.
+        """
 
     # ------------------------------------------------------------------------------------------ public API
     def prepare(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -174,9 +182,13 @@ class ListwiseLoss(nn.Module, abc.ABC):
         sizes = labels.class_sizes_of(query_labels)
         order = torch.argsort(sizes, stable=True)
         sorted_sizes = sizes[order].tolist()
+        # bf16 similarity operands: their float32 product exists beside the block until it is copied in.
+        product_bytes = n_database * 4 if self.matmul_precision == "bf16" else 0
         chunks = plan_chunks(
             sorted_sizes,
-            lambda width: self._bytes_per_query_row(n_database, width, dtype.itemsize, fused),
+            lambda width: (
+                product_bytes + self._bytes_per_query_row(n_database, width, dtype.itemsize, fused=fused)
+            ),
             self.memory_budget,
             queries.device,
             self.chunk_rows,
@@ -251,6 +263,9 @@ class _ListwiseLossFunction(torch.autograd.Function):
 
 MATMUL_PRECISIONS = ("highest", "tf32", "bf16")
 KERNELS = ("torch", "triton")
+# Work space per same-class column of a query row: the int64 index, bool masks, and a dozen float [c, P]
+# values (scores, ranks, penalties, weights, gradients), with room to spare.
+SAME_CLASS_BYTES = 128
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ddp_rank.losses.base import ListwiseLoss
+from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss
 from ddp_rank.losses.histogram import bin_gradient, cumulative_histograms, cumulative_weights
 from ddp_rank.losses.rows import ChunkInputs
 
@@ -74,12 +74,15 @@ class FastAPLoss(ListwiseLoss):
     def extra_repr(self) -> str:
         return f"num_bins={self.num_bins}, normalize={self.normalize}"
 
-    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int, fused: bool) -> int:
+    def _bytes_per_query_row(
+        self, n_database: int, max_positives: int, itemsize: int, fused: bool = False
+    ) -> int:
         # The block (bin positions), one scratch row (kernel sums, then the gradient), on the torch path the
         # int64 lower bins and three bool masks (positions outside [0, num_bins]), and the same-class columns'
         # cumulative kernel weights [P, L] (twice: the weights and their masking).
         per_column = 2 * itemsize + (0 if fused else 8 + 3)
-        return n_database * per_column + 2 * max_positives * (self.num_bins + 1) * itemsize
+        p = max(1, max_positives)
+        return n_database * per_column + 2 * p * (self.num_bins + 1) * itemsize + p * SAME_CLASS_BYTES
 
     def _similarity_affine(self) -> tuple[float, float]:
         # Position on the bin axis, in bins: t = d / delta = (2 - 2 s) * num_bins / 4.

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ddp_rank.losses.base import ListwiseLoss, check_positive
+from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss, check_positive
 from ddp_rank.losses.rows import ChunkInputs
 from ddp_rank.losses.sigmoid_ranks import NegativeRanks
 
@@ -97,11 +97,14 @@ class PNPLoss(ListwiseLoss):
             f"count_self={self.count_self}, normalize={self.normalize}"
         )
 
-    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int, fused: bool) -> int:
-        if fused:  # the block (scores) and G
-            return 2 * n_database * itemsize
-        # The [P, N] sigmoids, the block (scores, then G) and the batched matmul's [N] result.
-        return (max(1, max_positives) + 2) * n_database * itemsize
+    def _bytes_per_query_row(
+        self, n_database: int, max_positives: int, itemsize: int, fused: bool = False
+    ) -> int:
+        # The block (scores) and G; on the torch path the [P, N] sigmoids (G reuses the block, plus the
+        # batched matmul's [N] result).
+        p = max(1, max_positives)
+        per_column = 2 if fused else p + 2
+        return per_column * n_database * itemsize + p * SAME_CLASS_BYTES
 
     def _similarity_affine(self) -> tuple[float, float]:
         return 1.0 / self.tau, 0.0

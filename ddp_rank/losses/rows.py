@@ -54,8 +54,13 @@ class Workspace:
 
     The per-chunk tensors are tens of MB; allocating them afresh for each chunk costs more than the maths on
     CPU (the allocator hands big blocks back to the kernel, and every new one is page-faulted in again: a
-    38 MB subtraction took 39 ms into a new tensor and 4 ms into a reused one). A buffer is sized by the
-    first (largest) chunk and viewed at the size of each later one.
+    38 MB subtraction took 39 ms into a new tensor and 4 ms into a reused one). A buffer grows to the
+    largest size any chunk asks of it and is viewed at the size of each later one.
+
+    Each chunk's buffers fit the memory budget, but each buffer keeps its own largest size: where chunks of
+    many rows and few same-class columns come before chunks of few rows and many (the rank losses' torch
+    path: the block, then the ``[c, P, N]`` sigmoids), the work space held reaches up to twice the budget
+    until the call returns.
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -13,8 +13,9 @@ Two implementations of one function:
 
 - ``torch``: the sigmoids as a ``[c, P, N]`` tensor, read and written about eight times (subtraction,
   sigmoid, sum, derivative, one batched matmul, sum). Runs anywhere.
-- ``triton``: two fused passes over ``[c, N]`` (``triton_kernels.py``), one for ``R``, one for ``G``; the
-  ``[c, P, N]`` tensor never exists. Where they cannot run, the torch path does.
+- ``triton``: two fused passes over ``[c, N]`` (``triton_kernels.py``): one for ``R`` and the slope sums
+  ``sum_j sigma'``, one for ``G``; the ``[c, P, N]`` tensor never exists. Where they cannot run, the torch
+  path does.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class NegativeRanks:
         self._scores, self._index, self._workspace = scores, index, workspace
         self._sigma: Tensor | None = None
         if fused:
-            self.values = fused_sigmoid_rank_sums(scores, self.same_scores)
+            self.values, self._slope_sums = fused_sigmoid_rank_sums(scores, self.same_scores)
             return
         c, p = index.shape
         sigma = workspace.take("sigma", (c, p, scores.shape[1]), scores.dtype)
@@ -59,8 +60,8 @@ class NegativeRanks:
         """``G [c, N] = d(loss)/d scores`` from ``d(loss)/dR [c, P]``; call once."""
         if self._sigma is None:
             out = self._workspace.take("rank_gradient", tuple(self._scores.shape), torch.float32)
-            grad, slope_sums = fused_sigmoid_rank_gradient(self._scores, self.same_scores, dloss_dranks, out)
-            grad.scatter_add_(1, self._index, -dloss_dranks * slope_sums)
+            grad = fused_sigmoid_rank_gradient(self._scores, self.same_scores, dloss_dranks, out)
+            grad.scatter_add_(1, self._index, -dloss_dranks * self._slope_sums)
             return grad
         grad = self._scores.zero_()  # the scores are spent: reuse their memory
         add_rank_gradient(grad, self._sigma, self._index, dloss_dranks)

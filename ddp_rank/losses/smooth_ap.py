@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ddp_rank.losses.base import ListwiseLoss, check_positive
+from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss, check_positive
 from ddp_rank.losses.pnp import counted_positives
 from ddp_rank.losses.rows import ChunkInputs
 from ddp_rank.losses.sigmoid_ranks import NegativeRanks, add_rank_gradient
@@ -65,11 +65,13 @@ class SmoothAPLoss(ListwiseLoss):
     def extra_repr(self) -> str:
         return f"tau={self.tau}, count_self={self.count_self}, normalize={self.normalize}"
 
-    def _bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int, fused: bool) -> int:
+    def _bytes_per_query_row(
+        self, n_database: int, max_positives: int, itemsize: int, fused: bool = False
+    ) -> int:
         # The block and G, the [P, N] sigmoids on the torch path, and the [P, P] sigmoids among the positives.
         p = max(1, max_positives)
         per_column = 2 if fused else p + 2
-        return per_column * n_database * itemsize + 2 * p * p * itemsize
+        return per_column * n_database * itemsize + 2 * p * p * itemsize + p * SAME_CLASS_BYTES
 
     def _similarity_affine(self) -> tuple[float, float]:
         return 1.0 / self.tau, 0.0

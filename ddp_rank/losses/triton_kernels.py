@@ -64,10 +64,11 @@ def fused_cumulative_histograms(t: Tensor, num_bins: int) -> Tensor:
     n_rows, n_cols = t.shape
     out = torch.empty(n_rows, num_bins + 1, dtype=torch.float32, device=t.device)
     levels = 1 << num_bins.bit_length()  # a power of two > num_bins, as tl.arange needs
+    block = max(16, _TILE_ELEMENTS // levels)  # a [LEVELS, BLOCK] tile of about the same size for any bins
     if n_rows:
         with _on_device(t):
             kernels.cumulative_histogram_rows[(n_rows,)](
-                t, out, n_cols, t.stride(0), NUM_BINS=num_bins, LEVELS=levels, BLOCK=256
+                t, out, n_cols, t.stride(0), NUM_BINS=num_bins, LEVELS=levels, BLOCK=block
             )
     return out
 
@@ -94,48 +95,24 @@ def fused_bin_gradient(t: Tensor, slopes: Tensor, out: Tensor) -> Tensor:
     return out
 
 
-def fused_sigmoid_rank_sums(scores: Tensor, same_scores: Tensor) -> Tensor:
-    """``R[a, i] = sum_j sigmoid(scores[a, j] - same_scores[a, i])``: ``[c, P]``, with no ``[c, P, N]``."""
+def fused_sigmoid_rank_sums(scores: Tensor, same_scores: Tensor) -> tuple[Tensor, Tensor]:
+    """``R[a, i] = sum_j sigma_aij`` and ``D[a, i] = sum_j sigma'_aij`` (``sigma' = sigma (1 - sigma)``, which
+    the gradient needs) for ``sigma_aij = sigmoid(scores[a, j] - same_scores[a, i])``: two ``[c, P]``, with no
+    ``[c, P, N]``."""
     kernels = _required()
     _check_rows(scores)
     n_rows, n_cols = scores.shape
     n_same = same_scores.shape[1]
     same_scores = same_scores.to(torch.float32).contiguous()
-    out = torch.empty(n_rows, n_same, dtype=torch.float32, device=scores.device)
+    ranks = torch.zeros(n_rows, n_same, dtype=torch.float32, device=scores.device)
+    slope_sums = torch.zeros_like(ranks)
     p_tile, block = _rank_tiles(n_same)
     if n_rows and n_same:
         with _on_device(scores):
             kernels.sigmoid_rank_sums[(n_rows, -(-n_same // p_tile))](
-                scores, same_scores, out, n_cols, n_same, scores.stride(0), P_TILE=p_tile, BLOCK=block
-            )
-    return out
-
-
-def fused_sigmoid_rank_gradient(
-    scores: Tensor, same_scores: Tensor, dloss_dranks: Tensor, out: Tensor
-) -> tuple[Tensor, Tensor]:
-    """For the ranks above and ``w = d(loss)/dR [c, P]``, with ``sigma' = sigma (1 - sigma)``:
-    ``out[a, j] = sum_i w[a, i] sigma'_aij`` (written, not added) and ``D[a, i] = sum_j sigma'_aij``.
-
-    Returns ``(out, D)``. ``out`` is a contiguous ``[c, N]`` buffer other than ``scores``.
-    """
-    kernels = _required()
-    _check_rows(scores, out)
-    n_rows, n_cols = scores.shape
-    n_same = same_scores.shape[1]
-    if out.data_ptr() == scores.data_ptr() or out.stride(0) != scores.stride(0):
-        raise ValueError("the gradient needs its own [c, N] buffer, laid out like the scores")
-    slope_sums = torch.zeros(n_rows, n_same, dtype=torch.float32, device=scores.device)
-    if n_same == 0:
-        return out.zero_(), slope_sums
-    p_tile, block = _rank_tiles(n_same)
-    if n_rows:
-        with _on_device(scores):
-            kernels.sigmoid_rank_gradient[(n_rows,)](
                 scores,
-                same_scores.to(torch.float32).contiguous(),
-                dloss_dranks.to(torch.float32).contiguous(),
-                out,
+                same_scores,
+                ranks,
                 slope_sums,
                 n_cols,
                 n_same,
@@ -143,7 +120,40 @@ def fused_sigmoid_rank_gradient(
                 P_TILE=p_tile,
                 BLOCK=block,
             )
-    return out, slope_sums
+    return ranks, slope_sums
+
+
+def fused_sigmoid_rank_gradient(
+    scores: Tensor, same_scores: Tensor, dloss_dranks: Tensor, out: Tensor
+) -> Tensor:
+    """``out[a, j] = sum_i w[a, i] sigma'_aij`` for ``w = d(loss)/dR [c, P]`` (written, not added).
+
+    ``out`` is a ``[c, N]`` buffer other than ``scores``, laid out like it. Each program owns a tile of
+    columns of one row and walks all the same-class tiles for it, so every output element is written once.
+    """
+    kernels = _required()
+    _check_rows(scores, out)
+    n_rows, n_cols = scores.shape
+    n_same = same_scores.shape[1]
+    if out.data_ptr() == scores.data_ptr() or out.stride() != scores.stride():
+        raise ValueError("the gradient needs its own [c, N] buffer, laid out like the scores")
+    if n_same == 0:
+        return out.zero_()
+    p_tile, block = _rank_tiles(n_same)
+    if n_rows and n_cols:
+        with _on_device(scores):
+            kernels.sigmoid_rank_gradient[(n_rows, -(-n_cols // block))](
+                scores,
+                same_scores.to(torch.float32).contiguous(),
+                dloss_dranks.to(torch.float32).contiguous(),
+                out,
+                n_cols,
+                n_same,
+                scores.stride(0),
+                P_TILE=p_tile,
+                BLOCK=block,
+            )
+    return out
 
 
 def _rank_tiles(n_same: int) -> tuple[int, int]:
@@ -228,7 +238,8 @@ def jit_kernels() -> SimpleNamespace | None:
     def sigmoid_rank_sums(
         scores_ptr,
         same_ptr,
-        out_ptr,
+        ranks_ptr,
+        slope_sums_ptr,
         n_cols,
         n_same,
         row_stride,
@@ -236,17 +247,21 @@ def jit_kernels() -> SimpleNamespace | None:
         BLOCK: tl.constexpr,
     ):
         # Program (row, tile of same-class columns). Padding columns and rows are masked on load (-inf
-        # scores: a sigmoid of exactly 0) and on store.
+        # scores: a sigmoid and a slope of exactly 0) and on store.
         row = tl.program_id(0).to(tl.int64)
         same = tl.program_id(1) * P_TILE + tl.arange(0, P_TILE)
         same_ok = same < n_same
         s_same = tl.load(same_ptr + row * n_same + same, mask=same_ok, other=0.0)
         ranks = tl.zeros([P_TILE], dtype=tl.float32)
+        slope_sums = tl.zeros([P_TILE], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             s = tl.load(scores_ptr + row * row_stride + cols, mask=cols < n_cols, other=float("-inf"))
-            ranks += tl.sum(tl.sigmoid(s[None, :] - s_same[:, None]), axis=1)
-        tl.store(out_ptr + row * n_same + same, ranks, mask=same_ok)
+            sigma = tl.sigmoid(s[None, :] - s_same[:, None])
+            ranks += tl.sum(sigma, axis=1)
+            slope_sums += tl.sum(sigma - sigma * sigma, axis=1)
+        tl.store(ranks_ptr + row * n_same + same, ranks, mask=same_ok)
+        tl.store(slope_sums_ptr + row * n_same + same, slope_sums, mask=same_ok)
 
     @triton.jit
     def sigmoid_rank_gradient(
@@ -254,33 +269,27 @@ def jit_kernels() -> SimpleNamespace | None:
         same_ptr,
         weight_ptr,
         grad_ptr,
-        slope_sum_ptr,
         n_cols,
         n_same,
         row_stride,
         P_TILE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # Program: one row, all its same-class tiles in turn. The first tile writes the row's gradient, the
-        # others add to it (their load is masked off on the first), so the buffer needs no zeroing pass.
+        # Program (row, tile of columns): the tile's gradient summed over every same-class tile in
+        # registers, then stored once.
         row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        cols_ok = cols < n_cols
+        s = tl.load(scores_ptr + row * row_stride + cols, mask=cols_ok, other=float("-inf"))
+        grad = tl.zeros([BLOCK], dtype=tl.float32)
         for first in range(0, n_same, P_TILE):
             same = first + tl.arange(0, P_TILE)
             same_ok = same < n_same
             s_same = tl.load(same_ptr + row * n_same + same, mask=same_ok, other=0.0)
             weight = tl.load(weight_ptr + row * n_same + same, mask=same_ok, other=0.0)
-            slope_sums = tl.zeros([P_TILE], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                cols_ok = cols < n_cols
-                s = tl.load(scores_ptr + row * row_stride + cols, mask=cols_ok, other=float("-inf"))
-                sigma = tl.sigmoid(s[None, :] - s_same[:, None])
-                slope = sigma - sigma * sigma
-                slope_sums += tl.sum(slope, axis=1)
-                grad = tl.sum(slope * weight[:, None], axis=0)
-                grad += tl.load(grad_ptr + row * row_stride + cols, mask=cols_ok & (first > 0), other=0.0)
-                tl.store(grad_ptr + row * row_stride + cols, grad, mask=cols_ok)
-            tl.store(slope_sum_ptr + row * n_same + same, slope_sums, mask=same_ok)
+            sigma = tl.sigmoid(s[None, :] - s_same[:, None])
+            grad += tl.sum((sigma - sigma * sigma) * weight[:, None], axis=0)
+        tl.store(grad_ptr + row * row_stride + cols, grad, mask=cols_ok)
 
     return SimpleNamespace(
         cumulative_histogram_rows=cumulative_histogram_rows,
