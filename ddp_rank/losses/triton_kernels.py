@@ -1,16 +1,16 @@
 """Fused Triton kernels for the losses' per-block passes, and where they may run.
 
-Every kernel here computes the same function as a plain torch path beside its caller
-(``histogram.py``, ``sigmoid_ranks.py``); a loss takes them with ``kernel="triton"`` where
-:func:`fused_kernels_run` says they can run. They run on float32
-CUDA tensors, and on CPU tensors only under Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton
-is imported), which is how the tests check them against the torch paths. ``tests/test_losses_kernels.py``
+Every kernel here computes the same function as a plain torch path beside its caller (``histogram.py``,
+``sigmoid_ranks.py``); a loss takes them with ``kernel="triton"`` where :func:`fused_kernels_run` says they
+can: float32 CUDA tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set before
+Triton is imported), which is how the tests check them against the torch paths. ``tests/test_losses_kernels.py``
 also compiles each one for real GPUs (sm_80, sm_90) on a machine without one: the interpreter runs Python
 that the compiler may refuse.
 
-Each program owns one row of a ``[c, N]`` block (row offsets in 64 bits: a block passes 2**31 elements
-at 8 GiB) and walks it in tiles, keeping its per-row sums in registers, so a block is read once where the
-torch path reads and writes it several times, or builds ``[c, P, N]`` from it.
+A program owns one row of a ``[c, N]`` block (the rank sums: a row and a tile of its same-class columns; the
+rank gradient: a tile of a row's columns) and keeps its sums in registers, so each pass reads a block once
+where the torch path reads and writes it several times, or builds ``[c, P, N]`` from it. Row offsets are
+64-bit: a block passes 2**31 elements at 8 GiB.
 """
 
 from __future__ import annotations
