@@ -278,7 +278,7 @@ class LossConfig(_Section):
         "torch",
         "The loss's per-block passes: 'torch' (plain tensor ops, any device) or 'triton' (fused kernels on "
         "CUDA float32, the torch path elsewhere: FastAP's histograms in one pass, PNP's and Smooth-AP's "
-        "sigmoid ranks without [c, P, N]; compiled for sm_80/sm_90 in the tests but not yet timed on a GPU: "
+        "sigmoid ranks without [c, P, N]; compiled for sm_70 to sm_100 in the tests but not yet timed on a GPU: "
         "benchmarks/loss.py --device cuda --kernel triton).",
         choices=("torch", "triton"),
     )

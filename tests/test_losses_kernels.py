@@ -250,10 +250,10 @@ def _compiled_resources(kernel: object, signature: dict, constants: dict, arch: 
     return int(found.group(1)), int(found.group(2))
 
 
-@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("arch", [70, 80, 90, 100])
 def test_the_kernels_compile_for_gpus_without_spilling(arch: int) -> None:
     """The interpreter runs Python the compiler may refuse (the first histogram kernel's ``typing.Any``
-    annotations passed every interpreter test and failed to compile), so build real cubins for A100 / H100."""
+    annotations passed every interpreter test and failed to compile), so build real cubins for V100, A100, H100 and B200."""
     pytest.importorskip("triton")
     from ddp_rank.losses.triton_kernels import _rank_tiles, jit_kernels
 

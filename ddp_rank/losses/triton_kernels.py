@@ -3,9 +3,9 @@
 Every kernel here computes the same function as a plain torch path beside its caller (``histogram.py``,
 ``sigmoid_ranks.py``); a loss takes them with ``kernel="triton"`` where :func:`fused_kernels_run` says they
 can: float32 CUDA tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set before
-Triton is imported), which is how the tests check them against the torch paths. ``tests/test_losses_kernels.py``
-also compiles each one for real GPUs (sm_80, sm_90) on a machine without one: the interpreter runs Python
-that the compiler may refuse.
+Triton is imported), which is how the tests check them against the torch paths. The tests also compile each
+one for real GPUs (V100 to B200: sm_70 to sm_100) without one: the interpreter runs Python that the
+compiler may refuse.
 
 A program owns one row of a ``[c, N]`` block (the rank sums: a row and a tile of its same-class columns; the
 rank gradient: a tile of a row's columns) and keeps its sums in registers, so each pass reads a block once
