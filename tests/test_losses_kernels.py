@@ -235,8 +235,8 @@ def _compiled_resources(kernel: object, signature: dict, constants: dict, arch: 
     )
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
-        pytest.skip(f"{cuobjdump} is missing: cannot read the compiled kernel's resources")
+    # Triton's wheel (pinned in constraints.txt) ships it with ptxas; without it the install is broken.
+    assert cuobjdump.exists(), f"{cuobjdump} is missing: reinstall triton (make install)"
     cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"ddp_rank_kernel_{os.getpid()}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     try:

@@ -110,9 +110,8 @@ class FastAPLoss(ListwiseLoss):
         same_index, same_mask = chunk.same_class()
         is_self = same_index == chunk.self_columns[:, None]
         positive = same_mask & ~is_self
-        t_same_raw = t_cn.gather(1, same_index)
-        t_same = t_same_raw.clamp(0, n_bins)
-        C_same = cumulative_weights(t_same, n_bins)  # [c, P, L]
+        t_same = t_cn.gather(1, same_index)
+        C_same = cumulative_weights(t_same.clamp(0, n_bins), n_bins)  # [c, P, L]
         H_pos = (C_same * positive[..., None]).sum(1)
         H = H_all - (C_same * (same_mask & is_self)[..., None]).sum(1)
         h_pos = torch.diff(H_pos, dim=1, prepend=H_pos.new_zeros(n_rows, 1))
@@ -139,9 +138,9 @@ class FastAPLoss(ListwiseLoss):
         slope_neg = dloss_dh_neg[:, 1:] - dloss_dh_neg[:, :-1]
         slope_pos = dloss_dh_pos[:, 1:] - dloss_dh_pos[:, :-1]
         grad = bin_gradient(t_cn, slope_neg, scratch, chunk.workspace, chunk.fused)
-        low_same = torch.floor(t_same).clamp_(max=n_bins - 1).long()
-        counted = positive & (t_same == t_same_raw)  # 0 where the clamp is active
-        grad_same = torch.where(counted, slope_pos.gather(1, low_same), torch.zeros_like(t_same))
+        # The same read for the same-class columns, from the positives' table (its int64 bins reuse the block's).
+        slopes_same = bin_gradient(t_same, slope_pos, torch.empty_like(t_same), chunk.workspace, chunk.fused)
+        grad_same = torch.where(positive, slopes_same, torch.zeros_like(slopes_same))
         # index_put_ (not scatter_): deterministic on CUDA under deterministic algorithms; the repeated query
         # column receives only zeros, so the order of its writes does not matter anyway.
         rows = torch.arange(n_rows, device=t_cn.device)[:, None].expand_as(same_index)

@@ -376,12 +376,8 @@ class Trainer:
 
     def _fetch(self) -> dict[str, Any]:
         """The next batch from the device feed (one batch read and copied ahead), its position recorded."""
-        batch = None
-        if self._batches is not None:
-            try:
-                batch = next(self._batches)
-            except StopIteration:  # end of an epoch: the loader's next iter starts the next one
-                batch = None
+        # None at the end of an epoch: the loader's next iter starts the next one.
+        batch = next(self._batches, None) if self._batches is not None else None
         if batch is None:
             # A new DataLoader iterator draws its worker base seed from the global RNG; fork it so that a resumed
             # run (which starts a new iterator mid-epoch) keeps the model's RNG stream identical to an
