@@ -122,6 +122,10 @@ def _misuse_worker(rank: int, world: int) -> dict[str, str]:
         "nan": lambda: (e.clone().index_fill_(0, torch.tensor([0]), float("nan")) if rank == 1 else e, y),
         "float-labels": lambda: (e, y.double() if rank == 0 else y),
         "dtype": lambda: (e.float() if rank == 1 else e, y),
+        # Half precision travels in its own dtype: both are float32 after prepare, not on the wire.
+        "half-dtypes": lambda: (e.half() if rank == 0 else e.bfloat16(), y),
+        "half-and-float": lambda: (e.bfloat16() if rank == 0 else e.float(), y),
+        "empty-placeholder": lambda: (e.bfloat16() if rank == 0 else e.float()[:0], y[:0] if rank else y),
         "grad-mode": lambda: (e.clone().requires_grad_(rank == 0), y),
     }
     errors = {}
@@ -141,7 +145,9 @@ def test_bad_inputs_fail_on_every_rank_without_hanging() -> None:
     assert "embedding width" in results[0]["width"] and "embedding width" in results[1]["width"]
     assert "NaN" in results[1]["nan"] and "rank(s) [1]" in results[0]["nan"]
     assert "int64" in results[0]["float-labels"] and "rank(s) [0]" in results[1]["float-labels"]
-    assert all("dtype" in r["dtype"] for r in results)
+    for name in ("dtype", "half-dtypes", "half-and-float", "empty-placeholder"):
+        assert all("embedding dtype" in r[name] for r in results), name
+    assert "['bfloat16', 'float32']" in results[0]["empty-placeholder"]
     assert all("grad mode" in r["grad-mode"] for r in results)
 
 

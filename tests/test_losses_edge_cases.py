@@ -94,6 +94,7 @@ def test_grad_output_is_honoured(name):
         (torch.arange(12).reshape(4, 3), torch.tensor([0, 1, 0, 1]), "floating point"),
         (torch.tensor([[1.0, 0.0], [float("nan"), 1.0]]), torch.tensor([0, 0]), "NaN or Inf"),
         (torch.tensor([[1.0, 0.0], [float("inf"), 1.0]]), torch.tensor([0, 0]), "NaN or Inf"),
+        (torch.tensor([[1.0, 0.0], [1e20, 1.0]]), torch.tensor([0, 0]), "row 1 is too long to normalise"),
     ],
 )
 @pytest.mark.parametrize("name", ALL)

@@ -44,6 +44,7 @@ GradReduction = Literal["mean", "sum"]
 
 # Fixed codes so that ranks can compare dtypes through an integer all-gather.
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in _DTYPE_CODES.items()}
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,9 @@ class GlobalBatchLoss(nn.Module):
             return self.loss(embeddings, labels)
         x, labels, problem = _prepare_or_report(self.loss, embeddings, labels)
         need_grad = torch.is_grad_enabled() and x.requires_grad
-        meta = exchange_layout(x, labels, problem, self.loss, need_grad, self.group, self.comm_counter)
+        meta = exchange_layout(
+            x, embeddings.dtype, labels, problem, self.loss, need_grad, self.group, self.comm_counter
+        )
         wire = _Wire(
             layout=meta.layout,
             label_dtype=meta.label_dtype,
@@ -271,6 +274,7 @@ def _label_dtype(low: int, high: int) -> torch.dtype:
 
 def exchange_layout(
     x: Tensor,
+    wire_dtype: torch.dtype,
     labels: Tensor,
     problem: ValueError | None,
     loss: ListwiseLoss,
@@ -281,9 +285,12 @@ def exchange_layout(
     """All-gather ``[rows, width, dtype, grad, failed, loss signature, min label, max label]`` and check that
     the ranks agree.
 
+    ``wire_dtype`` is the dtype the rows are gathered in (the caller's, not ``x``'s compute dtype: fp16 and
+    bf16 both prepare to float32, but travel as 2-byte values that the receiver must read in the same format).
+
     Raises ``ValueError`` on every rank when a rank rejected its inputs, or when ranks disagree on the
-    embedding width, dtype, grad mode or the loss and its hyper-parameters (any of which would otherwise hang,
-    corrupt the collectives or mix two different losses into one number).
+    embedding width, wire dtype, grad mode or the loss and its hyper-parameters (any of which would otherwise
+    hang, corrupt the collectives or mix two different losses into one number).
     """
     me = rank(group)
     signature = zlib.crc32(loss.signature().encode("utf-8"))
@@ -291,7 +298,8 @@ def exchange_layout(
     if labels.numel() and problem is None:  # one device sync for both ends (this runs every step)
         low, high = torch.stack(torch.aminmax(labels)).tolist()
     if problem is None:
-        mine = [x.shape[0], x.shape[1], _DTYPE_CODES.get(x.dtype, 0), int(need_grad), 0, signature, low, high]
+        code = _DTYPE_CODES.get(wire_dtype, 0)
+        mine = [x.shape[0], x.shape[1], code, int(need_grad), 0, signature, low, high]
     else:
         mine = [0, 0, 0, 0, 1, signature, 0, 0]
     meta = all_gather_ints(mine, group, counter)
@@ -310,8 +318,12 @@ def exchange_layout(
             f"ranks run different losses or hyper-parameters ({shown}): build the same loss everywhere"
         )
     for column, what in ((1, "embedding width d"), (2, "embedding dtype"), (3, "grad mode (requires_grad)")):
-        if len(set(meta[:, column].tolist())) > 1:
-            raise ValueError(f"ranks disagree on the {what}: {meta[:, column].tolist()} (rank order)")
+        values = meta[:, column].tolist()
+        if len(set(values)) > 1:
+            if column == 2:
+                values = [_DTYPE_NAMES.get(code, "other") for code in values]
+                what += " (cast every rank's embeddings to one dtype, empty ones too)"
+            raise ValueError(f"ranks disagree on the {what}: {values} (rank order)")
     rows = meta[:, 0].tolist()
     has_rows = [r for r in range(meta.shape[0]) if rows[r]]
     low = min((int(meta[r, 6]) for r in has_rows), default=0)
