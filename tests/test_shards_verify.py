@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import shutil
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,62 @@ def test_scan_reads_tars_from_other_writers(tmp_path: Path) -> None:
     scan = scan_shard(path, expected=2)
     assert scan.error is None
     assert [(s.key, s.class_id) for s in scan.samples] == [("a" * 120, 7), ("b", 7)]
+
+
+def _foreign_tar(path: Path, keys: list[tuple[str, str]], with_cls: bool) -> None:
+    """A shard as other tools write them: ``(key, label)`` samples, a json label and, if asked, a ``.cls``
+    member holding the class NAME (not a ddp_rank class id)."""
+    write_image_folder(path.parent / "img", [[1]], image_size=8)
+    image = next((path.parent / "img").rglob("*.png")).read_bytes()
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for key, label in keys:
+            members = [("png", image), ("json", f'{{"label": "{label}"}}'.encode())]
+            if with_cls:
+                members.append(("cls", label.encode()))
+            for ext, data in members:
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("with_cls", [False, True])
+def test_indexed_foreign_shards_verify(tmp_path: Path, with_cls: bool) -> None:
+    """Indexed shards take their classes from the manifest: no .cls member (img2dataset), or one holding a
+    name, is no problem."""
+    _foreign_tar(tmp_path / "wds" / "x.tar", [(f"k{n}", "ab"[n // 3]) for n in range(6)], with_cls)
+    assert main(["shards", "index", str(tmp_path / "wds"), "--class-field", "label"]) == 0
+    assert verify_shards(tmp_path / "wds") == []
+
+
+def test_keys_with_directories_are_distinct_samples(tmp_path: Path) -> None:
+    """``a/0000`` and ``b/0000`` are two samples (WebDataset's key keeps the directory)."""
+    keys = [(f"{label}/{k:04d}", label) for label in "abc" for k in range(3)]
+    _foreign_tar(tmp_path / "wds" / "x.tar", keys, with_cls=False)
+    assert main(["shards", "index", str(tmp_path / "wds"), "--class-field", "label"]) == 0
+    assert verify_shards(tmp_path / "wds") == []
+
+
+def test_built_shards_still_need_their_cls_member(shards: Path) -> None:
+    shard = Manifest.load(shards).split("train").shards[0]
+    path = shards / shard.path
+    with tarfile.open(path) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for info, data in members:
+            if not info.name.endswith(".cls"):
+                tar.addfile(info, io.BytesIO(data))
+    messages = [p.message for p in verify_shards(shards) if p.shard == shard.path]
+    assert any("incomplete sample" in m for m in messages), messages
+
+
+def test_verify_reads_the_shards_where_the_manifest_says(shards: Path, tmp_path: Path) -> None:
+    """A manifest kept away from its shards (``shards_root``) is verified against those shards; shards behind a
+    URL are refused with the way out instead of being reported missing."""
+    manifest = Manifest.load(shards)
+    elsewhere = replace(manifest, shards_root=str(shards.resolve()))
+    (tmp_path / "m").mkdir()
+    elsewhere.save(tmp_path / "m")
+    assert verify_shards(tmp_path / "m") == []
+    replace(manifest, shards_root="http://127.0.0.1:1/bucket").save(tmp_path / "m")
+    with pytest.raises(ValueError, match="verify reads local files"):
+        verify_shards(tmp_path / "m")

@@ -10,7 +10,11 @@ with ONE ranged read. When they are not, the error names the class and the place
 
 The shards may sit behind a URL (then name them with brace ranges, ``train-{000..099}.tar``: a URL cannot be
 listed); the manifest, written with ``--out DIR``, then points at that URL (``shards_root``) and training reads
-the shards from there with ``data.shards=DIR``.
+the shards from there with ``data.shards=DIR``. A manifest written with ``--out`` away from a local shard
+directory points at that directory the same way (its absolute path).
+
+A damaged tar (a corrupt header, a file cut short, an empty file, a json member that does not parse) is refused
+with its name: indexing never records part of a shard. Samples without an image member are left out (counted).
 
 ``--upgrade`` turns a version-1 ddp_rank manifest into the current one in place, keeping its class ids.
 """
@@ -27,7 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from braceexpand import braceexpand
 
@@ -90,39 +94,86 @@ class IndexOptions:
 
 
 def read_category_map(path: str | os.PathLike[str]) -> dict[str, str]:
-    with open(path, newline="", encoding="utf-8") as f:
+    # utf-8-sig: Excel's "CSV UTF-8" starts the file with a byte-order mark.
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         if not reader.fieldnames or not {"class", "category"} <= set(reader.fieldnames):
             raise ShardIndexError(f"{path}: the mapping needs a header with columns class,category")
         return {row["class"].strip(): row["category"].strip() for row in reader}
 
 
-def _samples(path: str) -> Iterator[_Sample]:
+_REDO = "re-create the shard from its source, or drop it from the split (--split NAME=PATTERN)"
+
+
+def _samples(path: str, name: str) -> Iterator[_Sample]:
     """The samples of a tar in stored order with their byte extents (header of the first member to the end
-    of the last member's padded data). Members of one sample must be adjacent, as WebDataset requires."""
+    of the last member's padded data). Members of one sample must be adjacent, as WebDataset requires.
+    Raises ``ShardIndexError`` naming the shard (``name``) when the tar is damaged or ends early."""
     current: _Sample | None = None
-    with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
-        for info in tar:
-            if not info.isfile():
-                continue
-            key, ext = sample_key(info.name)
-            end = info.offset_data + -(-info.size // _BLOCK) * _BLOCK
-            if current is None or current.key != key:
-                if current is not None:
-                    yield current
-                current = _Sample(key, info.offset, end)
-            current.end = end
-            if ext in IMAGE_EXTENSIONS:
-                current.image = True
-            elif ext in ("cls", "json", "txt") and info.size <= 1 << 20:
-                member = tar.extractfile(info)
-                raw = member.read() if member is not None else b""
-                if ext == "cls":
-                    current.cls = raw.decode("utf-8").strip()
-                elif ext == "json":
-                    current.meta = json.loads(raw.decode("utf-8"))
+    if os.path.getsize(path) == 0:
+        raise ShardIndexError(f"{name}: empty file (0 bytes; an interrupted copy?): {_REDO}")
+    with open(path, "rb") as f:
+        try:
+            with tarfile.open(fileobj=f, mode="r:") as tar:
+                for info in tar:
+                    if not info.isfile():
+                        continue
+                    key, ext = sample_key(info.name)
+                    end = info.offset_data + -(-info.size // _BLOCK) * _BLOCK
+                    if current is None or current.key != key:
+                        if current is not None:
+                            yield current
+                        current = _Sample(key, info.offset, end)
+                    current.end = end
+                    if ext in IMAGE_EXTENSIONS:
+                        current.image = True
+                    elif ext in ("cls", "json") and info.size <= 1 << 20:
+                        _read_label(tar, info, current, name)
+                stopped = tar.offset
+        except (tarfile.TarError, EOFError) as exc:
+            near = f" near sample {current.key}" if current is not None else ""
+            raise ShardIndexError(
+                f"{name}: unreadable tar{near}, cut short or corrupt ({exc}): {_REDO}"
+            ) from exc
+        _check_archive_end(f, stopped, name)
     if current is not None:
         yield current
+
+
+def _read_label(tar: tarfile.TarFile, info: tarfile.TarInfo, sample: _Sample, name: str) -> None:
+    """Fill ``sample.cls`` or ``sample.meta`` from a ``.cls`` / ``.json`` member."""
+    member = tar.extractfile(info)
+    raw = member.read() if member is not None else b""
+    if len(raw) != info.size:
+        raise ShardIndexError(f"{name}: sample {sample.key}: {info.name} is cut short: {_REDO}")
+    try:
+        if info.name.lower().endswith(".cls"):
+            sample.cls = raw.decode("utf-8").strip()
+        else:
+            sample.meta = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        kind = "UTF-8 text" if info.name.lower().endswith(".cls") else "valid JSON"
+        raise ShardIndexError(
+            f"{name}: sample {sample.key}: {info.name} is not {kind} ({exc}); fix or remove that sample, or "
+            f"{_REDO}"
+        ) from exc
+
+
+def _check_archive_end(f: IO[bytes], offset: int, name: str) -> None:
+    """Refuse a tar whose walk stopped anywhere but at its end-of-archive marker (zero blocks): tarfile stops
+    quietly at a corrupt header or at a file cut between members, which would index only part of the shard."""
+    f.seek(offset)
+    block = f.read(_BLOCK)
+    if not block:
+        problem = f"no end-of-archive marker after byte {offset}: the file was cut short"
+    elif block.count(0) == len(block):
+        return
+    elif len(block) < _BLOCK:
+        problem = f"the file was cut short inside the header at byte {offset}"
+    else:
+        size = os.fstat(f.fileno()).st_size
+        problem = f"corrupt tar header at byte {offset} of {size}; the rest of the shard cannot be read"
+    raise ShardIndexError(f"{name}: {problem}: {_REDO}")
 
 
 def _class_of(sample: _Sample, options: IndexOptions, where: str) -> tuple[str, str | None]:
@@ -154,15 +205,20 @@ def _runs(path: str, name: str, options: IndexOptions) -> tuple[list[_Run], int,
     """The class runs of one shard, its size and the number of samples without an image (left out)."""
     runs: list[_Run] = []
     skipped = 0
-    for sample in _samples(path):
+    reach = -1  # end of the image-less samples right after the last run: they do not break it
+    for sample in _samples(path, name):
         if not sample.image:
             skipped += 1
+            if runs and sample.start in (runs[-1].end, reach):
+                reach = sample.end
             continue
         cls, category = _class_of(sample, options, name)
-        if runs and runs[-1].cls == cls and runs[-1].end == sample.start:
-            runs[-1].end, runs[-1].count = sample.end, runs[-1].count + 1
+        last = runs[-1] if runs else None
+        if last and (last.category, last.cls) == (category, cls) and sample.start in (last.end, reach):
+            last.end, last.count = sample.end, last.count + 1
         else:
             runs.append(_Run(cls, category, sample.start, sample.end, 1, sample.key))
+        reach = -1
     return runs, os.path.getsize(path), skipped
 
 
@@ -199,7 +255,7 @@ def find_splits(root: str | os.PathLike[str], patterns: Sequence[str]) -> dict[s
             base = Path(root)
             found = sorted(
                 {str(Path(p).relative_to(base)) for e in expanded for p in glob.glob(str(base / e))},
-                key=natural_key,
+                key=_name_order,
             )
         if not found:
             raise ShardIndexError(f"--split {pattern!r}: no file of {root} matches {expr!r}")
@@ -212,11 +268,11 @@ def find_splits(root: str | os.PathLike[str], patterns: Sequence[str]) -> dict[s
         )
     base = Path(root)
     for sub in sorted(p for p in base.iterdir() if p.is_dir()):
-        tars = sorted((str(p.relative_to(base)) for p in sub.glob("*.tar")), key=natural_key)
+        tars = sorted((str(p.relative_to(base)) for p in sub.glob("*.tar")), key=_name_order)
         if tars:
             splits[sub.name] = tars
     if not splits:
-        tars = sorted((p.name for p in base.glob("*.tar")), key=natural_key)
+        tars = sorted((p.name for p in base.glob("*.tar")), key=_name_order)
         if not tars:
             raise ShardIndexError(f"no .tar shard found in {base} or its sub-directories")
         splits["train"] = tars
@@ -247,12 +303,16 @@ class IndexReport:
 
 
 def index_shards(
-    directory: str | os.PathLike[str], splits: Mapping[str, Sequence[str]], options: IndexOptions
+    directory: str | os.PathLike[str],
+    splits: Mapping[str, Sequence[str]],
+    options: IndexOptions,
+    out: str | os.PathLike[str] | None = None,
 ) -> IndexReport:
     """Index the shards under ``directory`` (a local directory or a URL; split -> relative paths) into a
-    manifest, returned and not saved. For a URL the manifest's ``shards_root`` is that URL, so the manifest can
-    be kept anywhere (``Manifest.save``)."""
-    root = os.fspath(directory).rstrip("/")
+    manifest, returned and not saved. ``out`` is where the manifest will be saved (default: ``directory``);
+    when that is not the shard directory, the manifest's ``shards_root`` points at the shards (see
+    ``_shards_root``), so the manifest can be kept anywhere (``Manifest.save``)."""
+    root = os.fspath(directory).rstrip("/") or "/"
     walked: dict[str, list[tuple[str, list[_Run], int, str, list[str]]]] = {}
     skipped = 0
     for split, paths in splits.items():
@@ -267,11 +327,11 @@ def index_shards(
         {split: [(rel, runs, size) for rel, runs, size, _, _ in shards] for split, shards in walked.items()}
     )
     every_run = [r for shards in walked.values() for _, runs, _, _, _ in shards for r in runs]
-    categories = sorted({r.category for r in every_run if r.category is not None}, key=natural_key)
+    categories = sorted({r.category for r in every_run if r.category is not None}, key=_name_order)
     category_id = {c: i for i, c in enumerate(categories)}
     names = sorted(
         {(r.category, r.cls) for r in every_run},
-        key=lambda cc: (cc[0] is None, natural_key(cc[0] or ""), natural_key(cc[1])),
+        key=lambda cc: (cc[0] is None, _name_order(cc[0] or ""), _name_order(cc[1])),
     )
     class_id = {cc: i for i, cc in enumerate(names)}
     classes = tuple(ClassInfo(i, cls, category_id.get(cat or "")) for (cat, cls), i in class_id.items())
@@ -296,16 +356,32 @@ def index_shards(
             )
             counts.update({x.id: x.count for x in spans})
         split_infos[split] = SplitInfo(split, counts, tuple(infos))
-    remote = is_url(root)
+    saved_in = root if out is None else os.fspath(out)
     manifest = Manifest(
         tuple(categories),
         classes,
         split_infos,
         build={"indexed": True},
-        root=None if remote else root,
-        shards_root=root if remote else None,
+        root=None if is_url(saved_in) else saved_in,
+        shards_root=_shards_root(root, out),
     )
     return IndexReport(manifest, skipped)
+
+
+def _shards_root(root: str, out: str | os.PathLike[str] | None) -> str | None:
+    """What a manifest saved in ``out`` records as its shards' location: nothing when they sit beside it, the
+    URL of shards behind a URL, else the shard directory's absolute path."""
+    if is_url(root):
+        return root
+    if out is None or Path(out).resolve() == Path(root).resolve():
+        return None
+    return str(Path(root).resolve())
+
+
+def _name_order(name: str) -> tuple[tuple[tuple[int, int | str], ...], str]:
+    """Natural order, then the raw name: "7", "07" and "007" tie on ``natural_key`` and would otherwise take
+    their ids from set order, which changes with PYTHONHASHSEED."""
+    return natural_key(name), name
 
 
 def _check_contiguous(walked: Mapping[str, list[tuple[str, list[_Run], int]]]) -> None:

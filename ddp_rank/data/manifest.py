@@ -99,14 +99,12 @@ class Manifest:
         return self.splits[name]
 
     def shard_path(self, shard: ShardInfo) -> Path:
-        """The local path of a shard (only for a shard directory on this machine's file system)."""
-        if self.root is None:
-            raise ValueError("manifest has no root directory; load it with Manifest.load(directory)")
-        if is_url(self.root):
+        """The local path of a shard (only for shards on this machine's file system; see ``location``)."""
+        if is_url(self.location):
             raise ValueError(
-                f"{self.root} is a URL, not a local directory; read it through ddp_rank.data.storage"
+                f"{self.location} is a URL, not a local directory; read it through ddp_rank.data.storage"
             )
-        return Path(self.root) / shard.path
+        return Path(join_location(self.location, shard.path))
 
     @property
     def location(self) -> str:

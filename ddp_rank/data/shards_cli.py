@@ -226,7 +226,7 @@ def _index(args: argparse.Namespace) -> int:
                 raise ShardIndexError(
                     f"{args.directory} is a URL: pass --out DIR, where to write manifest.json"
                 )
-            report = index_shards(args.directory, find_splits(args.directory, args.split), options)
+            report = index_shards(args.directory, find_splits(args.directory, args.split), options, out)
             if report.skipped_samples:
                 print(f"left out {report.skipped_samples} sample(s) without an image member", file=sys.stderr)
             Path(out).mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,11 @@ each class's byte range and its digest as it goes (classes are written contiguou
 Reading a class: ``parse_span`` turns the bytes of one class's range back into samples (any tar dialect).
 
 Checking: ``scan_shard`` walks the tar headers once (seeking over the data) and records where each sample's image
-and ``.cls`` members live; ``ddp-rank shards verify`` uses it to prove a whole shard is sound. A corrupt header or a truncated file ends the
-scan with a reason instead of an exception, and samples missing a required member are dropped, so one bad shard
-costs its own samples and nothing else. Only image, ``.cls`` and ``.json`` bytes are ever interpreted: there is
-no pickle decoder anywhere in the read path.
+and ``.cls`` members live; ``ddp-rank shards verify`` uses it to prove a whole shard is sound. A corrupt header or a
+truncated file ends the scan with a reason instead of an exception, and samples missing a required member are
+dropped, so one bad shard costs its own samples and nothing else. Shards made by other tools and indexed
+(``labelled=False``) need only an image per sample: their classes come from the manifest. Only image, ``.cls``
+and ``.json`` bytes are ever interpreted: there is no pickle decoder anywhere in the read path.
 """
 
 from __future__ import annotations
@@ -138,15 +139,16 @@ def shard_writer(path: Path) -> Iterator[ShardWriter]:
 
 @dataclass(frozen=True)
 class SampleEntry:
-    """Where one complete sample lives inside its shard."""
+    """Where one complete sample lives inside its shard. ``class_id`` and the json extent are None for a
+    sample of an indexed shard (``scan_shard(labelled=False)``), whose class the manifest holds."""
 
     key: str
-    class_id: int
+    class_id: int | None
     image_ext: str
     image_offset: int
     image_size: int
-    json_offset: int
-    json_size: int
+    json_offset: int | None
+    json_size: int | None
 
 
 @dataclass
@@ -232,10 +234,13 @@ def _tarfile_members(f: IO[bytes]) -> tuple[list[Member], str | None]:
                 members.append(Member(info.name, info.offset_data, info.size))
 
 
-def scan_shard(path: str | os.PathLike[str], expected: int | None = None) -> ShardScan:
+def scan_shard(path: str | os.PathLike[str], expected: int | None = None, labelled: bool = True) -> ShardScan:
     """Index a shard's samples by walking headers; never raises for a bad shard (see ``ShardScan.error``).
 
-    ``expected`` (the manifest's count) also catches samples lost in ways the walk cannot see.
+    ``expected`` (the manifest's count) also catches samples lost in ways the walk cannot see. ``labelled``:
+    a sample needs its ``.cls`` (the class id) and ``.json`` members, as ddp_rank writes them; False for shards
+    made by other tools and indexed, where a sample needs only an image (the manifest knows its class, and the
+    index left out samples without an image, so they are skipped here too).
     """
     scan = ShardScan(path=Path(path))
     try:
@@ -248,10 +253,12 @@ def scan_shard(path: str | os.PathLike[str], expected: int | None = None) -> Sha
                 members, scan.error = _tarfile_members(f)
             groups: dict[str, dict[str, Member]] = {}
             for m in members:
-                key, _, ext = os.path.basename(m.name).partition(".")
-                groups.setdefault(key, {})[ext.lower()] = m
+                key, ext = sample_key(m.name)
+                groups.setdefault(key, {})[ext] = m
             for key, parts in groups.items():
-                entry = _complete_sample(f, key, parts, file_size)
+                if not labelled and not any(e in parts for e in IMAGE_EXTENSIONS):
+                    continue
+                entry = _complete_sample(f, key, parts, file_size, labelled)
                 if entry is None:
                     scan.dropped += 1
                 else:
@@ -259,34 +266,41 @@ def scan_shard(path: str | os.PathLike[str], expected: int | None = None) -> Sha
     except (tarfile.TarError, OSError, EOFError) as exc:
         scan.error = f"unreadable shard: {exc}"
     if scan.dropped and scan.error is None:
-        scan.error = f"{scan.dropped} incomplete sample(s) (missing image/.cls/.json or truncated data)"
+        missing = "image/.cls/.json" if labelled else "image"
+        scan.error = f"{scan.dropped} incomplete sample(s) (missing {missing} or truncated data)"
     if expected is not None and len(scan.samples) < expected and scan.error is None:
         scan.error = f"only {len(scan.samples)} of {expected} samples"
     return scan
 
 
 def _complete_sample(
-    f: IO[bytes], key: str, members: dict[str, Member], file_size: int
+    f: IO[bytes], key: str, members: dict[str, Member], file_size: int, labelled: bool = True
 ) -> SampleEntry | None:
+    """The sample, or None when a required member is missing or cut short (``scan_shard``'s ``labelled``)."""
     image_ext = next((e for e in IMAGE_EXTENSIONS if e in members), None)
-    if image_ext is None or "cls" not in members or "json" not in members:
+    if image_ext is None:
         return None
-    image, cls, meta = members[image_ext], members["cls"], members["json"]
-    if any(m.offset_data + m.size > file_size for m in (image, cls, meta)):
+    if any(m.offset_data + m.size > file_size for m in members.values()):
         return None
-    try:
-        raw = cls.data if cls.data is not None else _read_at(f, cls.offset_data, cls.size)
-        class_id = int(raw.decode("ascii").strip())
-    except (ValueError, UnicodeDecodeError, EOFError):
-        return None
+    image, meta = members[image_ext], members.get("json")
+    class_id = None
+    if labelled:
+        if "cls" not in members or meta is None:
+            return None
+        cls = members["cls"]
+        try:
+            raw = cls.data if cls.data is not None else _read_at(f, cls.offset_data, cls.size)
+            class_id = int(raw.decode("ascii").strip())
+        except (ValueError, UnicodeDecodeError, EOFError):
+            return None
     return SampleEntry(
         key=key,
         class_id=class_id,
         image_ext=image_ext,
         image_offset=image.offset_data,
         image_size=image.size,
-        json_offset=meta.offset_data,
-        json_size=meta.size,
+        json_offset=None if meta is None else meta.offset_data,
+        json_size=None if meta is None else meta.size,
     )
 
 

@@ -1,8 +1,12 @@
 """``ddp-rank shards verify``: prove a shard directory matches its manifest and every image decodes.
 
 Checks, per shard: the file exists, its size and sha256 match, the tar reads to the end, every class's byte
-range has the manifest's digest and holds its samples (what the stream reads), and every image decodes. Problems are returned by shard name
-so the CLI can print them and exit non-zero; nothing is fixed silently.
+range has the manifest's digest and holds its samples (what the stream reads), and every image decodes. Problems
+are returned by shard name so the CLI can print them and exit non-zero; nothing is fixed silently.
+
+The shards are read where the manifest says they are (``Manifest.location``: beside it, or its ``shards_root``).
+Shards made by other tools and indexed (``build.indexed``) take their classes from the manifest, so their samples
+need only an image; ddp_rank's own also need the ``.cls`` and ``.json`` members it writes.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from ddp_rank.data.manifest import Manifest, ShardInfo, sha256_file
+from ddp_rank.data.manifest import Manifest, ShardInfo, is_url, sha256_file
 from ddp_rank.data.tario import SpanError, SpanSample, parse_span, scan_shard, span_digest
 
 
@@ -30,9 +34,9 @@ class Problem:
         return f"{self.shard}: {self.message}"
 
 
-def verify_shard(root: Path, shard: ShardInfo, decode: bool = True) -> list[Problem]:
-    """Every check for one shard (module level so worker processes can run it)."""
-    path = root / shard.path
+def verify_shard(path: Path, shard: ShardInfo, decode: bool = True, labelled: bool = True) -> list[Problem]:
+    """Every check for one shard at ``path`` (module level so worker processes can run it); ``labelled`` as in
+    ``scan_shard``."""
     if not path.is_file():
         return [Problem(shard.path, "missing file")]
     problems = []
@@ -46,7 +50,7 @@ def verify_shard(root: Path, shard: ShardInfo, decode: bool = True) -> list[Prob
                 shard.path, f"sha256 {digest[:12]}... does not match the manifest's {shard.sha256[:12]}..."
             )
         )
-    scan = scan_shard(path, expected=shard.samples)
+    scan = scan_shard(path, expected=shard.samples, labelled=labelled)
     if scan.error is not None:
         problems.append(Problem(shard.path, scan.error))
     with path.open("rb") as f:
@@ -81,14 +85,19 @@ def _undecodable(samples: list[SpanSample], class_id: int, name: str) -> Iterato
 def verify_shards(directory: str | os.PathLike[str], decode: bool = True, workers: int = 1) -> list[Problem]:
     """All problems of a shard directory (empty list: it is sound)."""
     manifest = Manifest.load(directory)
-    root = Path(directory)
+    if is_url(manifest.location):
+        raise ValueError(
+            f"the shards of {directory} are at {manifest.location}: verify reads local files; copy the shards "
+            "to this machine, index the copy (`ddp-rank shards index COPY`) and verify that"
+        )
     shards = [s for split in manifest.splits.values() for s in split.shards]
-    check = partial(verify_shard, root, decode=decode)
+    paths = [manifest.shard_path(s) for s in shards]
+    check = partial(verify_shard, decode=decode, labelled=not manifest.build.get("indexed", False))
     if workers > 1 and len(shards) > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(check, shards))
+            results = list(pool.map(check, paths, shards))
     else:
-        results = [check(s) for s in shards]
+        results = [check(p, s) for p, s in zip(paths, shards)]
     problems = [p for r in results for p in r]
     for split in manifest.splits.values():
         listed = sum(s.samples for s in split.shards)
