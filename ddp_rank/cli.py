@@ -33,9 +33,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_command(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse a command line; ``section.key=value`` overrides may stand on both sides of the flags.
+
+    argparse fills a sub-command's ``overrides`` positional with the first run of them only and leaves the
+    rest unrecognised (``train.steps=2 --config c.yaml train.seed=1``); those are appended here, while an
+    unknown flag is still an error.
+    """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and not any(a.startswith("-") for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_command(argv)
     return int(args.func(args) or 0)
 
 

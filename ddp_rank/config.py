@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -56,8 +57,10 @@ def _meta(
     choices: Sequence[Any] | None = None,
     minimum: float | None = None,
     maximum: float | None = None,
+    above: float | None = None,
 ) -> dict[str, Any]:
-    """Field metadata: the documentation and the validation rules of one config key.
+    """Field metadata: the documentation and the validation rules of one config key (``above``: an exclusive
+    lower bound, for keys that must be strictly positive).
 
     Why metadata and not a docstring per field: the checks in ``_Section.__post_init__`` and the help text are
     generated from the same place, so a field cannot gain a choice that its doc or its check does not know.
@@ -67,6 +70,7 @@ def _meta(
         "choices": tuple(choices) if choices is not None else None,
         "min": minimum,
         "max": maximum,
+        "above": above,
     }
 
 
@@ -77,9 +81,12 @@ def _field(
     choices: Sequence[Any] | None = None,
     minimum: float | None = None,
     maximum: float | None = None,
+    above: float | None = None,
 ) -> Any:
     """A dataclass field with an immutable default and its :func:`_meta` (lists use ``field(default_factory=...)``)."""
-    return field(default=default, metadata=_meta(doc, choices=choices, minimum=minimum, maximum=maximum))
+    return field(
+        default=default, metadata=_meta(doc, choices=choices, minimum=minimum, maximum=maximum, above=above)
+    )
 
 
 class _Section:
@@ -98,10 +105,14 @@ class _Section:
                             f"{where}={v!r} is not a valid choice; valid choices: {', '.join(map(str, choices))}."
                             + _suggest(str(v), [str(c) for c in choices])
                         )
-            lo, hi = f.metadata.get("min"), f.metadata.get("max")
+            lo, hi, above = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("above")
             nums = value if isinstance(value, list) else [value]
             for v in nums:
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    if not math.isfinite(v):  # NaN compares False with every bound: it would pass them all
+                        raise ConfigError(f"{where}={v!r} must be a finite number, not nan or inf")
+                    if above is not None and v <= above:
+                        raise ConfigError(f"{where}={v!r} must be > {above}")
                     if lo is not None and v < lo:
                         raise ConfigError(f"{where}={v!r} must be >= {lo}")
                     if hi is not None and v > hi:
@@ -297,14 +308,22 @@ class LossConfig(_Section):
     pnp_variant: str = _field(
         "Dq", "PNP variant (PNP paper eqs. 5-13).", choices=("O", "Iu", "Ib", "Ds", "Dq")
     )
-    tau: float = _field(0.01, "PNP / Smooth-AP: sigmoid temperature (papers: 0.01).", minimum=0.0)
-    b: float = _field(2.0, "PNP-Ib: the b of the bounded increasing function.", minimum=0.0)
+    tau: float = _field(0.01, "PNP / Smooth-AP: sigmoid temperature (papers: 0.01).", above=0.0)
+    b: float = _field(
+        2.0, "PNP-Ib: the b of the bounded increasing function (> 0 whenever loss.name=pnp).", minimum=0.0
+    )
     alpha: float = _field(
-        1.0, "PNP-D: the alpha of the decreasing function (PNP-Dq paper setup: 4).", minimum=0.0
+        1.0, "PNP-D: the alpha of the decreasing function (PNP-Dq paper setup: 4).", above=0.0
     )
     count_self: bool = _field(
         True, "PNP / Smooth-AP: count the query itself among its positives (authors' convention)."
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # PNPLoss checks b > 0 for every variant (only Ib uses it); the other losses ignore b.
+        if self.name == "pnp" and self.b <= 0:
+            raise ConfigError(f"loss.b={self.b!r} must be > 0 with loss.name=pnp (e.g. the default 2.0)")
 
 
 @dataclass
@@ -353,7 +372,9 @@ class TrainConfig(_Section):
         1, "Epochs (an epoch is the sampler's schedule: e.g. SOP hard = 66 pairs x 5 = 330 steps).", minimum=1
     )
     steps: int = _field(0, "Total optimizer steps; overrides epochs when > 0.", minimum=0)
-    seed: int = _field(0, "Seed of the model init, the data schedule and the augmentations (PNP: 0).")
+    seed: int = _field(
+        0, "Seed of the model init, the data schedule and the augmentations (PNP: 0).", minimum=0
+    )
     mixed_precision: str = _field(
         "auto",
         "Autocast precision (the losses compute in float32 whatever this is); 'auto' = the launcher's "
@@ -385,13 +406,15 @@ class TrainConfig(_Section):
         "auto",
         "'auto' = continue from the latest checkpoint in output_dir if there is one, 'never' = start afresh "
         "(refused if output_dir holds checkpoints), or a checkpoint to continue from (a step-* directory, or a "
-        "run directory: its latest checkpoint), with its optimizer state and step counter. To start a new run "
-        "from another run's weights only, use model.init_from.",
+        "run directory: its latest checkpoint), with its optimizer state and step counter. Continuing at an "
+        "earlier step than output_dir's latest checkpoint moves the later ones to checkpoints/abandoned-<time>/. "
+        "To start a new run from another run's weights only, use model.init_from.",
     )
     force_resume: bool = _field(
         False,
         "Resume even when the checkpoint differs from this config: another world size or data schedule, a "
-        "changed model or optimizer (name or hyper-parameters). Without it such a resume is refused with the "
+        "changed model or optimizer (name or hyper-parameters), saved weights of another shape (a ViT after a new "
+        "data.image_size). Without it such a resume is refused with the "
         "list of differences; with it the new values apply (and are listed in the log).",
     )
     tensorboard: bool = _field(False, "Also write TensorBoard event files (needs the tensorboard package).")
@@ -402,6 +425,15 @@ class TrainConfig(_Section):
         "learning rates, memory, ETA).",
     )
     plots: bool = _field(True, "Write PNG plots of the loss and Recall@k curves (needs matplotlib).")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.resume.strip():
+            # An empty path would be Path(""): the checkpoints/ of whatever directory the job starts in.
+            raise ConfigError(
+                "train.resume is empty; set it to 'auto' (continue the latest checkpoint in train.output_dir), "
+                "'never' (start afresh) or the path of a checkpoint or run directory to continue from"
+            )
 
 
 @dataclass

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -153,3 +155,61 @@ def test_load_model_weights_strips_ddp_prefix(tmp_path: Path) -> None:
         load_model_weights(torch.nn.Linear(3, 5, bias=False), tmp_path)
     with pytest.raises(CheckpointError, match=r"no model\.safetensors"):
         load_model_weights(dst, tmp_path / "empty")
+
+
+def test_replacing_a_step_survives_a_kill_while_the_old_one_is_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step written again (a rewound run) while an older step-* of that number exists: a kill while the old
+    files are deleted must leave the new checkpoint whole, not an old one that lost files but kept meta.json."""
+    import ddp_rank.train.checkpoint as ck
+
+    def files(tag: str):
+        def save(directory: Path) -> None:
+            for name in ("model.safetensors", "optimizer.bin"):
+                (directory / name).write_text(tag)
+
+        return save
+
+    CheckpointManager(tmp_path).save(7, {"tag": "old"}, files("old"))
+    real = shutil.rmtree
+
+    def killed(path: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(path).name.endswith("step-00000007"):
+            os.unlink(Path(path) / "model.safetensors")  # the deletion got this far when the process died
+            raise SystemExit("killed")
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(ck.shutil, "rmtree", killed)
+    with pytest.raises(SystemExit):
+        CheckpointManager(tmp_path).save(7, {"tag": "new"}, files("new"))
+    monkeypatch.setattr(ck.shutil, "rmtree", real)
+    m = CheckpointManager(tmp_path)
+    assert [p.name for p in m.cleanup_partial()] == [".tmp-trash-step-00000007"]
+    assert read_meta(m.latest())["tag"] == "new"
+    assert sorted(os.listdir(m.latest())) == ["meta.json", "model.safetensors", "optimizer.bin"]
+    assert sorted(os.listdir(tmp_path)) == ["step-00000007"]
+
+
+def test_abandon_after_moves_the_later_checkpoints_aside(tmp_path: Path) -> None:
+    """A run rewound to step 6: steps 7, 8 and a best.json naming 8 move to abandoned-*/, nothing is deleted,
+    the resumed checkpoint's own best becomes best.json again; another rank only meets the barriers."""
+    calls: list[str] = []
+    m = CheckpointManager(tmp_path, keep_last=5, barrier=lambda: calls.append("barrier"))
+    for step in (5, 6, 7, 8):
+        m.save(step, {}, writer(step))
+    m.mark_best(5, "recall@1", 0.3)
+    m.mark_best(8, "recall@1", 0.5)
+    calls.clear()
+    other = CheckpointManager(tmp_path, is_main=False, barrier=lambda: calls.append("barrier"))
+    assert other.abandon_after(6) == (None, []) and [s for s, _ in m.complete()] == [5, 6, 7, 8]
+    folder, moved = m.abandon_after(6, best=(5, "recall@1", 0.3))
+    assert calls == ["barrier"] * 4
+    assert folder is not None and folder.parent == tmp_path and folder.name.startswith("abandoned-")
+    assert moved == ["step-00000007", "step-00000008", "best.json"]
+    assert sorted(os.listdir(folder)) == ["best.json", "step-00000007", "step-00000008"]
+    assert (folder / "step-00000008" / "state.txt").read_text() == "8"
+    assert [s for s, _ in m.complete()] == [5, 6] and m.latest() == m.path_for(6)
+    assert m.best() == {"step": 5, "metric": "recall@1", "value": 0.3, "path": "step-00000005"}
+    assert m.abandon_after(6) == (None, [])  # nothing later any more
+    assert m.cleanup_partial() == [] and folder.is_dir()

@@ -42,6 +42,18 @@ def test_file_then_overrides_win(tmp_path: Path) -> None:
             ["data.image_size=300", "data.resize_size=256"],
             ["resize_size=256 is smaller than data.image_size=300"],
         ),
+        (["loss.tau=0"], ["loss.tau=0.0 must be > 0"]),
+        (["loss.alpha=0"], ["loss.alpha=0.0 must be > 0"]),
+        (["loss.name=pnp", "loss.pnp_variant=Dq", "loss.b=0"], ["loss.b=0.0 must be > 0 with loss.name=pnp"]),
+        (["loss.b=-1"], ["loss.b=-1.0 must be >= 0"]),
+        (["train.seed=-1"], ["train.seed=-1 must be >= 0"]),
+        (["optim.lr=nan"], ["optim.lr=nan must be a finite number"]),
+        (["optim.grad_clip=inf"], ["optim.grad_clip=inf must be a finite number"]),
+        (["optim.head_lr_mult=-inf"], ["optim.head_lr_mult=-inf must be a finite number"]),
+        (["loss.tau=nan"], ["loss.tau=nan must be a finite number"]),
+        (["optim.betas=nan,0.999"], ["optim.betas=nan must be a finite number"]),
+        (["train.resume="], ["train.resume is empty", "'auto'", "'never'", "path"]),
+        (["train.resume= "], ["train.resume is empty"]),
     ],
 )
 def test_bad_values_are_rejected_with_the_fix(overrides: list[str], fragments: list[str]) -> None:
@@ -49,6 +61,20 @@ def test_bad_values_are_rejected_with_the_fix(overrides: list[str], fragments: l
         load_config(None, overrides)
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+def test_values_only_a_loss_that_uses_them_checks() -> None:
+    """loss.b belongs to PNP (whose loss refuses b <= 0 for every variant): other losses ignore it."""
+    assert load_config(None, ["loss.name=fastap", "loss.b=0"]).loss.b == 0.0
+    assert load_config(None, ["loss.name=smoothap", "loss.b=0"]).loss.b == 0.0
+
+
+def test_empty_resume_in_a_file_is_rejected(tmp_path: Path) -> None:
+    """``resume:`` with no value (YAML null) would be Path(""): the checkpoints/ of the current directory."""
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  resume:\n")
+    with pytest.raises(ConfigError, match=r"train\.resume is empty; set it to 'auto'.*'never'.*path"):
+        load_config(f)
 
 
 def test_unknown_key_in_file_names_the_file(tmp_path: Path) -> None:

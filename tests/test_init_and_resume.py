@@ -184,6 +184,64 @@ def test_unchanged_or_init_only_changes_resume_silently(
     assert "force" not in capsys.readouterr().err
 
 
+def test_rewind_moves_the_abandoned_checkpoints_aside(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Resuming a run from its own earlier checkpoint (e.g. with a lower optim.lr after a divergence): the later
+    checkpoints move to abandoned-*/, so that the next train.resume=auto continues the new timeline."""
+    from ddp_rank.train.checkpoint import CheckpointManager, read_meta
+
+    run = tmp_path / "run"
+    common = ["train.steps=4", "train.checkpoint_every=1", "train.keep_last=5", "data.test_split="]
+    run_training(cfg_for(shards, run, *common))
+    rewind = [*common, "optim.lr=1e-4", "train.force_resume=true"]
+    trainer = Trainer(cfg_for(shards, run, *rewind, f"train.resume={run}/checkpoints/step-00000002"))
+    try:
+        assert trainer.resume() is not None and trainer.step == 2
+        trainer.train_step()
+        trainer.save_checkpoint()  # step 3 of the new timeline; then the process is killed
+    finally:
+        trainer.close()
+    root = run / "checkpoints"
+    assert [s for s, _ in CheckpointManager(root).complete()] == [1, 2, 3]
+    (abandoned,) = root.glob("abandoned-*")
+    assert sorted(p.name for p in abandoned.iterdir()) == ["step-00000003", "step-00000004"]
+    assert read_meta(abandoned / "step-00000004")["config"]["optim"]["lr"] == 1e-3, "kept, not deleted"
+    err = capsys.readouterr().err
+    assert "rewound to step 2" in err and str(abandoned) in err
+    trainer = Trainer(cfg_for(shards, run, *rewind))  # the relaunch, train.resume=auto
+    try:
+        path = trainer.resume()
+        assert path == root / "step-00000003" and trainer.step == 3
+        assert read_meta(path)["config"]["optim"]["lr"] == 1e-4
+    finally:
+        trainer.close()
+
+
+def test_resume_with_other_weight_shapes_is_refused_or_forced(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A timm ViT's position embeddings follow data.image_size (no model.* key): the shapes are compared before
+    load_state, the resume refused with the tensors that differ, or forced with the weights that fit."""
+    pytest.importorskip("timm")
+    run = tmp_path / "run"
+    vit = ["model.backbone=timm:vit_tiny_patch16_224", "data.test_split=", "data.resize_size=32"]
+    run_training(cfg_for(shards, run, *vit, "train.steps=1"))
+    larger = [*vit, "train.steps=2", "data.image_size=32"]
+    with pytest.raises(CheckpointError) as info:
+        run_training(cfg_for(shards, run, *larger))
+    message = str(info.value)
+    assert "tensor backbone.net.pos_embed: [1, 2, 192] -> [1, 5, 192]" in message
+    assert "data.image_size" in message and "train.force_resume=true" in message
+    summary = run_training(cfg_for(shards, run, *larger, "train.force_resume=true"))
+    assert summary["steps"] == 2 and summary["steps_this_run"] == 1
+    err = capsys.readouterr().err
+    assert "optimizer state and RNG are not restored" in err
+    assert (
+        "kept freshly initialised (shape differs): backbone.net.pos_embed [1, 2, 192] -> [1, 5, 192]" in err
+    )
+
+
 # ---------------------------------------------------------------------------------------------- start-up checks
 @pytest.mark.parametrize(
     ("overrides", "valid"),

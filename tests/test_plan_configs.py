@@ -100,3 +100,26 @@ def test_plan_says_why_a_config_cannot_start(tmp_path: Path, capsys: pytest.Capt
         ]
     )
     assert code == 1 and "not divisible by 3" in capsys.readouterr().err
+
+
+def test_overrides_may_stand_on_both_sides_of_the_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddp_rank.cli import parse_command
+
+    args = parse_command(
+        ["train", "train.steps=2", "--config", "configs/demo.yaml", "train.seed=1", "eval.ks=1"]
+    )
+    assert args.config == "configs/demo.yaml"
+    assert args.overrides == ["train.steps=2", "train.seed=1", "eval.ks=1"]
+    args = parse_command(
+        ["plan", "data.sampler=pk", "--world-size", "4", "train.seed=1", "--steps", "1"]
+    )
+    assert (args.world_size, args.steps, args.overrides) == (4, 1, ["data.sampler=pk", "train.seed=1"])
+    with pytest.raises(SystemExit):
+        parse_command(["train", "train.steps=2", "--bogus", "train.seed=1"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    shards = write("sop", tmp_path / "s")
+    code = main(["plan", f"data.shards={shards}", "--config", "configs/sop_fastap_resnet18_m256.yaml",
+                 "--world-size", "2", "train.seed=3"])  # fmt: skip
+    assert code == 0 and "ok: the run can start" in capsys.readouterr().out

@@ -5,13 +5,21 @@ Layout under ``<output_dir>/checkpoints/``::
     step-00000120/          one complete checkpoint (whatever the save function writes: with accelerate, the
         meta.json           model, optimizer, scheduler, scaler, per-rank RNG) + meta.json, written LAST
     .tmp-step-00000160/     a checkpoint being written (ignored, removed at the next start)
+    .tmp-trash-step-*/      a checkpoint being deleted (ignored, removed at the next start)
     best.json               {"step": 120, "metric": "recall@1", "value": 0.41}
+    abandoned-<time>/       checkpoints of a later timeline, moved aside when a run was rewound (never read)
 
 Why directory rename: every rank writes into the temporary directory, all ranks meet at a barrier, then rank 0
 fsyncs the files, writes ``meta.json``, and renames the directory into place with ``os.replace`` (atomic on
 POSIX) and fsyncs the parent. A kill at any moment therefore leaves either the previous complete checkpoints or
 the new one, never a half-written ``step-*`` directory. A checkpoint counts only if it has its ``meta.json``.
+Deleting one (rotation, or a step written again) renames it to a ``.tmp-trash-`` name first, for the same reason.
 The checkpoint directory must be on a file system that every rank sees (the usual shared run directory).
+
+Rewinding (resuming at step s while checkpoints of later steps exist, e.g. from an earlier checkpoint after a
+divergence) abandons those later checkpoints: :meth:`CheckpointManager.abandon_after` moves them, and a
+``best.json`` naming one of them, into ``abandoned-<time>/``, so that the next ``train.resume=auto`` continues the
+new timeline and not the abandoned one.
 
 Resume with another world size is refused unless forced: the data stream gives every rank its share of each
 step's categories, so with a different world size the remaining steps would see different samples (and the
@@ -24,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -160,10 +169,13 @@ class CheckpointManager:
             atomic_write_text(
                 tmp / META_NAME, json.dumps({**meta, "step": step}, indent=1, sort_keys=True) + "\n"
             )
-            if final.exists():
-                shutil.rmtree(final)
+            # A leftover of this step (an earlier timeline) goes to a trash name first: a kill before the new one is
+            # in place leaves the older checkpoints, never a step-* that lost part of its files but kept meta.json.
+            trash = self._to_trash(final) if final.exists() else None
             os.replace(tmp, final)
             fsync_dir(self.root)
+            if trash is not None:
+                shutil.rmtree(trash, ignore_errors=True)
             self._rotate()
         self.barrier()
         self._last_saved_step = step
@@ -172,13 +184,16 @@ class CheckpointManager:
     def mark_best(self, step: int, metric: str, value: float) -> None:
         """Record checkpoint ``step`` as the best (it must exist); the rotation keeps it."""
         if self.is_main:
-            atomic_write_text(
-                self.root / BEST_NAME,
-                json.dumps({"step": step, "metric": metric, "value": value, "path": self.path_for(step).name})
-                + "\n",
-            )
+            self._write_best(step, metric, value)
             self._rotate()
         self.barrier()
+
+    def _write_best(self, step: int, metric: str, value: float) -> None:
+        atomic_write_text(
+            self.root / BEST_NAME,
+            json.dumps({"step": step, "metric": metric, "value": value, "path": self.path_for(step).name})
+            + "\n",
+        )
 
     def _rotate(self) -> None:
         ckpts = self.complete()
@@ -189,9 +204,59 @@ class CheckpointManager:
         for s, p in ckpts:
             if s not in keep:
                 # Rename first so that a kill during rmtree never leaves a step-* without its files.
-                trash = self.root / f".tmp-trash-{p.name}"
-                os.replace(p, trash)
-                shutil.rmtree(trash, ignore_errors=True)
+                shutil.rmtree(self._to_trash(p), ignore_errors=True)
+
+    def _to_trash(self, path: Path) -> Path:
+        """Rename ``path`` to its ``.tmp-trash-`` name (what :meth:`cleanup_partial` removes); returns that name."""
+        trash = self.root / f".tmp-trash-{path.name}"
+        if trash.exists():  # left by a kill during an earlier deletion
+            shutil.rmtree(trash)
+        os.replace(path, trash)
+        return trash
+
+    def abandon_after(
+        self, step: int, best: tuple[int, str, float] | None = None
+    ) -> tuple[Path | None, list[str]]:
+        """Move the checkpoints of steps after ``step`` (a run rewound to ``step``) aside; all ranks call it.
+
+        They go, with a ``best.json`` that names one of them, into ``abandoned-<time>/`` under the root, where
+        :meth:`latest` and :meth:`complete` no longer see them; nothing is deleted. ``best`` is the resumed
+        checkpoint's own best-so-far ``(step, metric, value)``: it becomes ``best.json`` again if that checkpoint
+        is still here. The main rank moves after every rank has chosen its checkpoint (a barrier before and
+        after), so all ranks see one state. Returns, on the main rank, (the folder, the names moved), and
+        (None, []) when nothing was later or on the other ranks.
+        """
+        self.barrier()
+        folder: Path | None = None
+        moved: list[str] = []
+        if self.is_main and self.root.is_dir():
+            later = [p for s, p in self.complete() if s > step]
+            recorded = self.best()
+            stale_best = recorded is not None and int(recorded["step"]) > step
+            if later or stale_best:
+                stamp = time.strftime("%Y%m%d-%H%M%S")
+                folder = self.root / f"abandoned-{stamp}"
+                n = 1
+                while folder.exists():
+                    n += 1
+                    folder = self.root / f"abandoned-{stamp}-{n}"
+                folder.mkdir()
+                for p in later:
+                    os.replace(p, folder / p.name)
+                    moved.append(p.name)
+                if stale_best:
+                    os.replace(self.root / BEST_NAME, folder / BEST_NAME)
+                    moved.append(BEST_NAME)
+                    if (
+                        best is not None
+                        and best[0] <= step
+                        and (self.path_for(best[0]) / META_NAME).is_file()
+                    ):
+                        self._write_best(*best)
+                fsync_dir(folder)
+                fsync_dir(self.root)
+        self.barrier()
+        return folder, moved
 
 
 def resolve_checkpoint(path: str | os.PathLike[str], prefer: str = "best") -> Path:

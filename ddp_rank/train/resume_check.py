@@ -10,19 +10,29 @@ checkpoint replaces them anyway), every ``optim`` key, and the length of the run
 schedule depends on it (cosine and linear decay end at the last step). A change is *structural* when the saved
 state cannot be loaded as it is (other parameters, other optimizer state); a forced resume then loads the
 weights that fit and starts the optimizer afresh.
+
+The config does not decide every shape: a timm ViT's position embeddings follow ``data.image_size``, for one.
+So :func:`tensor_changes` also compares the shapes of the checkpoint's saved weights with the model's (read from
+the file's header, not loaded), and any difference is structural too: listed per tensor, refused unless forced.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ddp_rank.config import Config, to_dict
 
-__all__ = ["ConfigChange", "describe_changes", "resume_changes"]
+__all__ = ["ConfigChange", "describe_changes", "resume_changes", "saved_shapes", "tensor_changes"]
 
 INIT_ONLY_KEYS = ("weights", "init_from")
 STRUCTURAL = {("model", "backbone"), ("model", "embedding_dim"), ("model", "pooling"), ("optim", "name")}
+TENSOR_PREFIX = "tensor "
+"""Key prefix of a :class:`ConfigChange` that is a saved tensor of another shape (``tensor head.weight``)."""
+SHOWN_TENSORS = 8
+"""Tensor changes :func:`describe_changes` lists one by one (another backbone would list hundreds)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,64 @@ def resume_changes(meta: dict[str, Any], cfg: Config, total_steps: int | None = 
     return changes
 
 
+def saved_shapes(checkpoint: str | os.PathLike[str]) -> dict[str, tuple[int, ...]] | None:
+    """``{name: shape}`` of the model weights an accelerate checkpoint holds (``module.`` prefix removed), or
+    None when it holds no ``model.safetensors`` / ``pytorch_model.bin`` (then nothing can be compared)."""
+    st, pt = Path(checkpoint) / "model.safetensors", Path(checkpoint) / "pytorch_model.bin"
+    shapes: dict[str, tuple[int, ...]] = {}
+    if st.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(st), framework="pt") as f:
+            for k in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                shapes[k] = tuple(f.get_slice(k).get_shape())
+    elif pt.is_file():
+        import torch
+
+        state = torch.load(str(pt), map_location="cpu", weights_only=True, mmap=True)
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+    else:
+        return None
+    return {k.removeprefix("module."): v for k, v in shapes.items()}
+
+
+def tensor_changes(checkpoint: str | os.PathLike[str], model: Any) -> list[ConfigChange]:
+    """The weights of ``checkpoint`` whose shape differs from ``model``'s (a bare, unwrapped module), and those
+    only one side has: each a structural :class:`ConfigChange` keyed ``tensor <name>``, shapes as lists."""
+    saved = saved_shapes(checkpoint)
+    if saved is None:
+        return []
+    state = model.state_dict()
+    own = {k: tuple(v.shape) for k, v in state.items()}
+
+    # accelerate writes one name per shared (tied) storage to safetensors: the other names are not missing.
+    def storage(t: Any) -> int | None:
+        return t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else None
+
+    saved_storage = {storage(state[k]) for k in saved if k in state} - {None}
+    tied = {k for k, v in state.items() if k not in saved and storage(v) in saved_storage}
+    changes = []
+    for k in sorted((saved.keys() | own.keys()) - tied):
+        old, new = saved.get(k), own.get(k)
+        if old != new:
+            changes.append(
+                ConfigChange(
+                    TENSOR_PREFIX + k,
+                    list(old) if old is not None else "absent",
+                    list(new) if new is not None else "absent",
+                    True,
+                )
+            )
+    return changes
+
+
 def describe_changes(changes: list[ConfigChange]) -> str:
-    """``optim.lr: 1e-05 -> 0.001, model.embedding_dim: 512 -> 128``."""
-    return ", ".join(f"{c.key}: {c.saved!r} -> {c.new!r}" for c in changes)
+    """``optim.lr: 1e-05 -> 0.001, model.embedding_dim: 512 -> 128``; tensors after the first few are counted."""
+    shown, tensors = [], 0
+    for c in changes:
+        tensors += c.key.startswith(TENSOR_PREFIX)
+        if tensors <= SHOWN_TENSORS or not c.key.startswith(TENSOR_PREFIX):
+            shown.append(f"{c.key}: {c.saved!r} -> {c.new!r}")
+    if tensors > SHOWN_TENSORS:
+        shown.append(f"and {tensors - SHOWN_TENSORS} more tensors of another shape")
+    return ", ".join(shown)

@@ -61,7 +61,7 @@ from ddp_rank.train.init_weights import init_from
 from ddp_rank.train.model import EmbeddingNet, ModelError, build_model, freeze_batchnorm, is_convolutional
 from ddp_rank.train.optim import build_optimizer, build_scheduler, lr_factor
 from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, write_summary
-from ddp_rank.train.resume_check import describe_changes, resume_changes
+from ddp_rank.train.resume_check import TENSOR_PREFIX, describe_changes, resume_changes, tensor_changes
 
 __all__ = [
     "StepResult",
@@ -525,12 +525,19 @@ class Trainer:
         force = self.cfg.train.force_resume
         # Only DeepSpeed's partitioned optimizer state ties a checkpoint to its world size: the data plan does not.
         check_world_size(meta, self.world_size, force or not self._deepspeed, str(path))
-        changes = resume_changes(meta, self.cfg, self.total_steps)
+        # The saved weights' shapes as well: not every shape is a model.* key (a ViT's position embeddings follow
+        # data.image_size), and load_state would fail on them with a bare size-mismatch traceback.
+        changes = resume_changes(meta, self.cfg, self.total_steps) + tensor_changes(path, self.unwrapped)
         if changes and not force:
+            shapes = (
+                " (its weights have other shapes: a timm ViT's position embeddings follow data.image_size)"
+                if any(c.key.startswith(TENSOR_PREFIX) for c in changes)
+                else ""
+            )
             raise CheckpointError(
-                f"checkpoint {path} was trained with another model or optimizer setting ({describe_changes(changes)}); "
-                "resuming would ignore or break on them. Restore those values, start a new run from its weights "
-                f"with model.init_from={path} and a new train.output_dir, or set train.force_resume=true to "
+                f"checkpoint {path} was trained with another model or optimizer setting ({describe_changes(changes)})"
+                f"{shapes}; resuming would ignore or break on them. Restore those values, start a new run from its "
+                f"weights with model.init_from={path} and a new train.output_dir, or set train.force_resume=true to "
                 "continue with the new values"
             )
         if any(c.structural for c in changes):
@@ -545,13 +552,33 @@ class Trainer:
         self.load_state_dict(meta)
         if changes:
             self._apply_optim_config()
-            self._note(f"forced resume from {path}: the new values apply: {describe_changes(changes)}")
+            # Tensors of another shape are in init_from's report above.
+            settings = [c for c in changes if not c.key.startswith(TENSOR_PREFIX)]
+            if settings:
+                self._note(f"forced resume from {path}: the new values apply: {describe_changes(settings)}")
         if mode != "auto" and self.out_dir.resolve() not in path.resolve().parents:
             self._note(
                 f"continuing {mode} at step {self.step} with its optimizer state (train.resume); to start from "
                 "its weights only, use model.init_from"
             )
+        self._abandon_later_checkpoints(meta)
         return path
+
+    def _abandon_later_checkpoints(self, meta: dict[str, Any]) -> None:
+        """A rewind (this run continues at step s while its output_dir holds checkpoints after s, e.g. resumed
+        from an earlier one after a divergence): move those aside, as metrics.jsonl is cut back to s, so that the
+        next ``train.resume=auto`` continues this timeline, not the abandoned one. Collective (all ranks)."""
+        best = None
+        if meta.get("best_step") is not None and meta.get("best_value") is not None:
+            metric = str(meta.get("best_metric", self.cfg.train.best_metric))
+            best = (int(meta["best_step"]), metric, float(meta["best_value"]))
+        folder, moved = self.checkpoints.abandon_after(self.step, best)
+        if folder is not None:
+            self._note(
+                f"rewound to step {self.step}: the later checkpoints of this run ({', '.join(moved)}) were moved to "
+                f"{folder} so that train.resume=auto continues from here; delete that folder once you no longer "
+                "need them"
+            )
 
     def _apply_optim_config(self) -> None:
         """Make this config's optimizer hyper-parameters apply at the current step (the restored optimizer and
