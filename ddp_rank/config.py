@@ -340,7 +340,9 @@ class OptimConfig(_Section):
         10.0, "Learning-rate multiplier of the embedding head (FastAP: 10x).", minimum=0.0
     )
     weight_decay: float = _field(0.0, "Weight decay (FastAP: 0, PNP: 4e-4).", minimum=0.0)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=_meta("Adam betas."))
+    betas: list[float] = field(
+        default_factory=lambda: [0.9, 0.999], metadata=_meta("Adam betas, each in [0, 1).", minimum=0.0)
+    )
     momentum: float = _field(0.9, "SGD momentum.", minimum=0.0)
     schedule: str = _field(
         "constant",
@@ -350,10 +352,11 @@ class OptimConfig(_Section):
     )
     warmup_steps: int = _field(0, "Linear warm-up steps from 0 to the base rate.", minimum=0)
     min_lr_ratio: float = _field(
-        0.0, "Cosine / linear: final rate as a fraction of the base rate.", minimum=0.0
+        0.0, "Cosine / linear: final rate as a fraction of the base rate.", minimum=0.0, maximum=1.0
     )
     step_milestones: list[int] = field(
-        default_factory=list, metadata=_meta("Step schedule: steps at which the rate is multiplied.")
+        default_factory=list,
+        metadata=_meta("Step schedule: steps at which the rate is multiplied.", minimum=1),
     )
     step_gamma: float = _field(0.1, "Step schedule: the multiplier.", minimum=0.0)
     grad_clip: float = _field(
@@ -519,8 +522,12 @@ class Config:
         milestones = self.optim.step_milestones
         if milestones != sorted(milestones):
             raise ConfigError(f"optim.step_milestones={milestones} must be increasing")
-        if len(self.optim.betas) != 2:
-            raise ConfigError(f"optim.betas={self.optim.betas} must have two values, e.g. [0.9, 0.999]")
+        if len(self.optim.betas) != 2 or not all(b < 1 for b in self.optim.betas):
+            raise ConfigError(
+                f"optim.betas={self.optim.betas} must be two values in [0, 1), e.g. [0.9, 0.999]"
+            )
+        if len(set(self.eval.ks)) != len(self.eval.ks):
+            raise ConfigError(f"eval.ks={self.eval.ks} lists a cut-off twice; list each k once")
 
 
 _SECTIONS: dict[str, type] = {

@@ -54,6 +54,11 @@ def test_file_then_overrides_win(tmp_path: Path) -> None:
         (["optim.betas=nan,0.999"], ["optim.betas=nan must be a finite number"]),
         (["train.resume="], ["train.resume is empty", "'auto'", "'never'", "path"]),
         (["train.resume= "], ["train.resume is empty"]),
+        (["optim.betas=1.5,0.999"], ["optim.betas=[1.5, 0.999] must be two values in [0, 1)"]),
+        (["optim.betas=0.9,1"], ["must be two values in [0, 1)"]),
+        (["optim.min_lr_ratio=5"], ["optim.min_lr_ratio=5.0 must be <= 1.0"]),
+        (["optim.step_milestones=-5"], ["optim.step_milestones=-5 must be >= 1"]),
+        (["eval.ks=1,1"], ["eval.ks=[1, 1] lists a cut-off twice"]),
     ],
 )
 def test_bad_values_are_rejected_with_the_fix(overrides: list[str], fragments: list[str]) -> None:
