@@ -8,15 +8,18 @@ batch shows as many categories as drawing classes uniformly does; replay in any 
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddp_rank.data import plan as plan_module
 from ddp_rank.data.pack import PackError, best_take, pack
-from ddp_rank.data.plan import Catalog, GlobalPlan, PlanError, deal
+from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, StepPlan, deal
 from ddp_rank.data.schedule import ALL, UNLABELLED, ScheduleConfig
 
 
@@ -266,3 +269,99 @@ def test_an_impossible_dealing_is_named_or_relaxed() -> None:
         deal(plan.step(0, 0), 2, strict=True)
     parts = deal(plan.step(0, 0), 2)
     assert [sum(p.size for p in part) for part in parts] == [15, 15]
+
+
+def _step_of(sizes: list[int], step: int) -> StepPlan:
+    return StepPlan(0, step, (0,), tuple(Piece(i, range(n), 0) for i, n in enumerate(sizes)))
+
+
+def _dealable(sizes: list[int], world: int) -> bool:
+    """Brute force: can each class be split over the ranks (0 or >= 2 images per rank) so every rank holds
+    exactly sum / world images?"""
+    local = sum(sizes) // world
+
+    def splits(n: int, ranks: int) -> Iterator[tuple[int, ...]]:
+        if ranks == 1:
+            if n == 0 or n >= 2:
+                yield (n,)
+            return
+        for a in [0, *range(2, n + 1)]:
+            for rest in splits(n - a, ranks - 1):
+                yield (a, *rest)
+
+    @functools.cache
+    def go(i: int, rooms: tuple[int, ...]) -> bool:
+        if i == len(sizes):
+            return not any(rooms)
+        for split in set(splits(sizes[i], world)):
+            left = tuple(r - s for r, s in zip(rooms, split))
+            if min(left) >= 0 and go(i + 1, tuple(sorted(left))):
+                return True
+        return False
+
+    return go(0, (local,) * world)
+
+
+def _assert_strict(parts: list[list[Piece]], sizes: list[int], world: int) -> None:
+    assert [sum(p.size for p in part) for part in parts] == [sum(sizes) // world] * world
+    dealt = sorted((p.class_id, i) for part in parts for p in part for i in p.images)
+    assert dealt == [(c, i) for c, n in enumerate(sizes) for i in range(n)], "every image exactly once"
+    for part in parts:
+        per_class: Counter[int] = Counter()
+        for p in part:
+            per_class[p.class_id] += p.size
+        assert min(per_class.values()) >= 2, "a class with a single image on a rank"
+
+
+@pytest.mark.parametrize(
+    ("sizes", "world"),
+    [
+        ([4, 3, 2, 6], 3),  # {3, 2} | {2 of 4, 3 of 6} | {2 of 4, 3 of 6}: greedy took 3 + 2 of the 6 first
+        ([7, 8, 3, 3], 3),
+        ([4, 2, 6, 7, 2, 7], 4),
+        ([6, 7, 3, 4, 4, 2, 2], 4),
+        ([4, 4, 3, 2, 8], 3),
+        ([7, 8, 3, 3, 3, 4], 4),
+    ],
+)
+def test_deal_finds_a_strict_dealing_whenever_one_exists(sizes: list[int], world: int) -> None:
+    """The greedy dealing could leave a later rank unfillable although a dealing with >= 2 images of a class
+    per rank exists; the dealing backs up instead, for every shuffle of the pieces (every step)."""
+    assert _dealable(sizes, world)
+    for step in range(30):
+        _assert_strict(deal(_step_of(sizes, step), world, strict=True), sizes, world)
+
+
+def test_deal_is_strict_on_random_plans_that_can_be_dealt() -> None:
+    rng = np.random.default_rng(0)
+    for trial in range(600):
+        sizes = rng.integers(2, 9, size=int(rng.integers(1, 9))).tolist()
+        for world in (2, 3, 4):
+            if sum(sizes) % world:
+                continue
+            try:
+                parts = deal(_step_of(sizes, trial), world, strict=True)
+            except PlanError:
+                assert not _dealable(sizes, world), (sizes, world)
+                continue
+            _assert_strict(parts, sizes, world)
+
+
+def test_deal_is_a_pure_function_of_its_inputs() -> None:
+    """Same plan, world size and seed: the same dealing (every rank and DataLoader worker computes it alone),
+    also where the search had to back up; a search that runs out of steps falls back to the relaxed dealing."""
+    stuck = [_step_of([4, 3, 2, 6], step) for step in range(50)]
+    first = [deal(sp, 3) for sp in stuck]
+    assert first == [deal(sp, 3) for sp in stuck]
+    plan = GlobalPlan(sop_like(12, 300, seed=2), ScheduleConfig(batches_per_pair=1, seed=0), 120)
+    steps = [plan.step(0, s) for s in range(20)]
+    assert [deal(sp, 24) for sp in steps] == [deal(sp, 24) for sp in steps]
+
+
+def test_deal_search_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_module, "DEAL_SEARCH_STEPS", 0)
+    sp = _step_of([4, 3, 2, 6], 28)  # a shuffle the greedy dealing cannot finish
+    with pytest.raises(PlanError, match="none found in 0 search steps"):
+        deal(sp, 3, strict=True)
+    parts = deal(sp, 3)
+    assert [sum(p.size for p in part) for part in parts] == [5, 5, 5]

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import csv
+import json
+import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -241,3 +245,103 @@ def test_webdataset_reads_the_shards(tmp_path: Path) -> None:
     assert len(samples) == shard.samples
     assert {k for k in samples[0] if not k.startswith("__")} == {"png", "cls", "json"}
     assert [int(s["cls"]) for s in samples] == [c for c, n in shard.classes for _ in range(n)]
+
+
+def test_overwrite_refuses_an_output_that_holds_the_source_images(tmp_path: Path) -> None:
+    """`shards build photos . --overwrite` (OUT the image folder's parent, or the folder itself) must not delete
+    a single image: it is refused before anything is touched."""
+    root = _folder(tmp_path, [[3, 3]])
+    (tmp_path / "notes.txt").write_text("mine")
+    before = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    for out in (tmp_path, root, root / "cat0"):
+        with pytest.raises(ListingError, match=r"holds source images .*outside the image folders"):
+            build_shards(read_image_folder(root), out, BuildOptions(overwrite=True, **QUIET))
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == before
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_shard_directory(tmp_path: Path) -> None:
+    records = read_image_folder(_folder(tmp_path, [[2, 2]]))
+    out = tmp_path / "out"
+    (out / "papers").mkdir(parents=True)
+    (out / "papers" / "fastap.pdf").write_bytes(b"%PDF")
+    (out / "todo.txt").write_text("x")
+    for overwrite in (False, True):
+        with pytest.raises(FileExistsError, match=r"not a shard directory .*papers/fastap\.pdf, todo\.txt"):
+            build_shards(records, out, BuildOptions(overwrite=overwrite, **QUIET))
+    assert (out / "papers" / "fastap.pdf").read_bytes() == b"%PDF" and (out / "todo.txt").exists()
+
+
+def test_overwrite_replaces_only_what_a_build_wrote(tmp_path: Path) -> None:
+    records = read_image_folder(_folder(tmp_path))
+    out = tmp_path / "out"
+    build_shards(records, out, BuildOptions(max_samples=4, test_fraction=0.4, **QUIET))
+    old = {p.relative_to(out) for p in out.rglob("*.tar")}
+    assert any(p.parts[0] == "test" for p in old) and len(old) > 4
+    (out / "README.txt").write_text("kept")
+    (out / "train" / "keep.txt").write_text("kept")
+    (out / "extra").mkdir()
+    (out / "extra" / "data.bin").write_bytes(b"kept")
+    build_shards(records, out, BuildOptions(max_samples=1000, overwrite=True, **QUIET))
+    manifest = Manifest.load(out)
+    assert set(manifest.splits) == {"train"}
+    new = {p.relative_to(out) for p in out.rglob("*.tar")}
+    assert new == {Path(s.path) for s in manifest.split("train").shards}, "old shards left behind"
+    assert not (out / "test").exists(), "the emptied split folder is removed"
+    for kept in ("README.txt", "train/keep.txt", "extra/data.bin"):
+        assert (out / kept).exists(), kept
+
+
+def test_bad_input_keeps_an_earlier_build_and_an_unfinished_one_is_replaced(tmp_path: Path) -> None:
+    root = _folder(tmp_path, [[3, 2]])
+    out = tmp_path / "out"
+    build_shards(read_image_folder(root), out, BuildOptions(**QUIET))
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    (root / "cat0" / "cls0_0" / "0001.png").write_bytes(b"not an image")
+    with pytest.raises(ListingError, match="unreadable image"):
+        build_shards(read_image_folder(root), out, BuildOptions(overwrite=True, **QUIET))
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    (out / "manifest.json").unlink()  # what an interrupted build leaves: shards, no manifest
+    (out / "train" / ".train-c0000-00001.tar.partial").write_bytes(b"half")
+    with pytest.raises(FileExistsError, match=r"unfinished build.*--overwrite"):
+        build_shards(read_image_folder(root), out, BuildOptions(on_bad="skip", **QUIET))
+    build_shards(read_image_folder(root), out, BuildOptions(on_bad="skip", overwrite=True, **QUIET))
+    assert Manifest.load(out).split("train").samples == 4
+    assert not list(out.rglob("*.partial"))
+
+
+def test_csv_listing_with_a_byte_order_mark(tmp_path: Path) -> None:
+    """Excel's "CSV UTF-8" starts the file with a BOM; the header is still read as path,class."""
+    paths = write_image_folder(tmp_path / "img", [[2]], image_size=8)
+    listing = tmp_path / "excel.csv"
+    listing.write_text("path,class\n" + "".join(f"{p},a\n" for p in paths), encoding="utf-8-sig")
+    assert listing.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert [r.cls for r in read_csv_listing(listing)] == ["a", "a"]
+
+
+def test_ids_of_names_that_tie_as_numbers_do_not_depend_on_the_hash_seed() -> None:
+    """Names "7", "07" and "007" are equal as numbers; their ids (and the held-out classes) must not follow the
+    iteration order of a set, which changes with PYTHONHASHSEED."""
+    script = (
+        "import json\n"
+        "from ddp_rank.data.build import _number\n"
+        "from ddp_rank.data.listing import Record, assign_splits\n"
+        "recs = [Record(f'/x/{g}/{c}/{i}.png', c, g) for g in ('1', '01') for c in ('7', '07', '007', '8')"
+        " for i in range(2)]\n"
+        "cats, classes, _ = _number(recs)\n"
+        "test = sorted({(r.category, r.cls) for r in assign_splits(recs, 0.5, 0) if r.split == 'test'})\n"
+        "print(json.dumps([cats, [(c.name, c.category) for c in classes], test]))\n"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in range(6)
+    }
+    assert len(outputs) == 1, outputs
+    categories, classes, _ = json.loads(outputs.pop())
+    assert categories == ["01", "1"]
+    assert [name for name, _ in classes] == ["007", "07", "7", "8"] * 2

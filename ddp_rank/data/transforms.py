@@ -30,6 +30,8 @@ import torch
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
+from ddp_rank.data.image_modes import grey16_to_l, is_grey16
+
 if TYPE_CHECKING:
     from ddp_rank.config import DataConfig
 
@@ -92,11 +94,16 @@ def decode_image(data: bytes, draft_size: int | None = None) -> Image.Image:
     """Decode image bytes to RGB; with ``draft_size`` a JPEG is decoded at the smallest scale >= that size.
 
     Transparent images (emoji artwork) are laid on white: a plain RGB conversion would expose whatever colour
-    the transparent pixels happen to store, usually black.
+    the transparent pixels happen to store, usually black. 16-bit grey images (PNG) are scaled to 8 bits first:
+    PIL's RGB conversion clips their 0-65535 values at 255, which turns almost every pixel white. (PIL already
+    reads 16-bit colour PNGs as 8-bit RGB / RGBA.)
     """
-    image = Image.open(io.BytesIO(data))
-    if draft_size is not None and image.format == "JPEG":
-        image.draft("RGB", (draft_size, draft_size))
+    opened = Image.open(io.BytesIO(data))
+    if draft_size is not None and opened.format == "JPEG":
+        opened.draft("RGB", (draft_size, draft_size))
+    image: Image.Image = opened
+    if is_grey16(image):
+        image = grey16_to_l(image)
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
