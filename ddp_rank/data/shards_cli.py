@@ -105,7 +105,11 @@ def _add_build(sub: Any) -> None:
         help="stop on bad input (default) or skip it and list what was skipped",
     )
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing shard directory")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the shards and manifest of an earlier build in OUT (nothing else there is touched)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_build)
 
