@@ -111,10 +111,8 @@ def test_cli_build_verify_info(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main(["shards", "info", str(out)]) == 2
 
 
-def test_scan_reads_tars_from_other_writers(tmp_path: Path) -> None:
-    """Shards written by another tool (pax headers, long names) are indexed through tarfile instead."""
-    from ddp_rank.data.tario import scan_shard
-
+def _pax_shard(tmp_path: Path) -> Path:
+    """Two labelled samples as another tool writes them: pax headers, a name over 100 bytes."""
     write_image_folder(tmp_path / "img", [[2]], image_size=8)
     image = next((tmp_path / "img").rglob("*.png")).read_bytes()
     path = tmp_path / "pax.tar"
@@ -125,9 +123,32 @@ def test_scan_reads_tars_from_other_writers(tmp_path: Path) -> None:
                 info.size = len(data)
                 info.pax_headers = {"comment": "from elsewhere"}
                 tar.addfile(info, io.BytesIO(data))
-    scan = scan_shard(path, expected=2)
+    return path
+
+
+def test_scan_reads_tars_from_other_writers(tmp_path: Path) -> None:
+    """Shards written by another tool (pax headers, long names) are indexed through tarfile instead."""
+    from ddp_rank.data.tario import scan_shard
+
+    scan = scan_shard(_pax_shard(tmp_path), expected=2)
     assert scan.error is None
     assert [(s.key, s.class_id) for s in scan.samples] == [("a" * 120, 7), ("b", 7)]
+
+
+def test_scan_of_tars_from_other_writers_sees_where_tarfile_stops_quietly(tmp_path: Path) -> None:
+    """tarfile ends its walk without an error at a corrupt header after the first, or where a file was cut
+    between members: the scan names that place instead of reporting a sound shard (even with no count)."""
+    from ddp_rank.data.tario import scan_shard
+
+    path = _pax_shard(tmp_path)
+    with tarfile.open(path) as tar:
+        last_header = tar.getmembers()[-1].offset
+    sound = path.read_bytes()
+    path.write_bytes(sound[:last_header] + b"\xff" * 20 + sound[last_header + 20 :])
+    corrupt = f"corrupt tar header at byte {last_header} of {len(sound)}; the rest of the shard cannot be read"
+    assert scan_shard(path).error == corrupt
+    path.write_bytes(sound[:last_header])
+    assert "no end-of-archive marker" in str(scan_shard(path).error)
 
 
 def _foreign_tar(path: Path, keys: list[tuple[str, str]], with_cls: bool) -> None:

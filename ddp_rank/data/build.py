@@ -30,7 +30,7 @@ from ddp_rank.data.listing import (
     Report,
     assign_splits,
     check_records,
-    natural_sort_key,
+    natural_key,
 )
 from ddp_rank.data.manifest import MANIFEST_NAME, ClassInfo, Manifest, ShardInfo, SplitInfo
 from ddp_rank.data.tario import shard_writer
@@ -227,7 +227,7 @@ def _drop_unreadable(recs: list[Record], options: BuildOptions, report: Report) 
 
 
 def _category_order(name: str | None) -> tuple[bool, tuple[tuple[tuple[int, int | str], ...], str]]:
-    return (name is None, natural_sort_key(name or ""))
+    return (name is None, natural_key(name or ""))
 
 
 def class_key(record: Record) -> tuple[str | None, str]:
@@ -238,9 +238,9 @@ def class_key(record: Record) -> tuple[str | None, str]:
 def _number(recs: Sequence[Record]) -> tuple[list[str], list[ClassInfo], dict[tuple[str | None, str], int]]:
     """Category ids by sorted name; class ids grouped by category, then by name (contiguous within a category).
     Also returns the class id of each (category, class) key."""
-    categories = sorted({r.category for r in recs if r.category is not None}, key=natural_sort_key)
+    categories = sorted({r.category for r in recs if r.category is not None}, key=natural_key)
     cat_id = {c: i for i, c in enumerate(categories)}
-    keys = sorted({class_key(r) for r in recs}, key=lambda k: (_category_order(k[0]), natural_sort_key(k[1])))
+    keys = sorted({class_key(r) for r in recs}, key=lambda k: (_category_order(k[0]), natural_key(k[1])))
     classes = [ClassInfo(id=i, name=cls, category=cat_id.get(cat or "")) for i, (cat, cls) in enumerate(keys)]
     return categories, classes, {k: i for i, k in enumerate(keys)}
 
@@ -266,7 +266,7 @@ def _plan(
                     _PlannedSample(r, cid, category, f"c{cid:07d}_{j:05d}")
                     for cid in chunk
                     for j, r in enumerate(
-                        sorted(by_class[cid], key=lambda r: (r.subset or "", natural_sort_key(r.path)))
+                        sorted(by_class[cid], key=lambda r: (r.subset or "", natural_key(r.path)))
                     )
                 )
                 plans.append(_ShardPlan(f"{split}/{split}-{label}-{index:05d}.tar", category, samples))

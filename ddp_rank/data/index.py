@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from braceexpand import braceexpand
 
@@ -50,7 +50,7 @@ from ddp_rank.data.manifest import (
     join_location,
     sha256_file,
 )
-from ddp_rank.data.tario import sample_key, span_digest
+from ddp_rank.data.tario import end_of_archive_problem, sample_key, span_digest
 
 _BLOCK = 512
 
@@ -135,7 +135,9 @@ def _samples(path: str, name: str) -> Iterator[_Sample]:
             raise ShardIndexError(
                 f"{name}: unreadable tar{near}, cut short or corrupt ({exc}): {_REDO}"
             ) from exc
-        _check_archive_end(f, stopped, name)
+        problem = end_of_archive_problem(f, stopped)
+        if problem is not None:
+            raise ShardIndexError(f"{name}: {problem}: {_REDO}")
     if current is not None:
         yield current
 
@@ -157,23 +159,6 @@ def _read_label(tar: tarfile.TarFile, info: tarfile.TarInfo, sample: _Sample, na
             f"{name}: sample {sample.key}: {info.name} is not {kind} ({exc}); fix or remove that sample, or "
             f"{_REDO}"
         ) from exc
-
-
-def _check_archive_end(f: IO[bytes], offset: int, name: str) -> None:
-    """Refuse a tar whose walk stopped anywhere but at its end-of-archive marker (zero blocks): tarfile stops
-    quietly at a corrupt header or at a file cut between members, which would index only part of the shard."""
-    f.seek(offset)
-    block = f.read(_BLOCK)
-    if not block:
-        problem = f"no end-of-archive marker after byte {offset}: the file was cut short"
-    elif block.count(0) == len(block):
-        return
-    elif len(block) < _BLOCK:
-        problem = f"the file was cut short inside the header at byte {offset}"
-    else:
-        size = os.fstat(f.fileno()).st_size
-        problem = f"corrupt tar header at byte {offset} of {size}; the rest of the shard cannot be read"
-    raise ShardIndexError(f"{name}: {problem}: {_REDO}")
 
 
 def _class_of(sample: _Sample, options: IndexOptions, where: str) -> tuple[str, str | None]:
@@ -255,7 +240,7 @@ def find_splits(root: str | os.PathLike[str], patterns: Sequence[str]) -> dict[s
             base = Path(root)
             found = sorted(
                 {str(Path(p).relative_to(base)) for e in expanded for p in glob.glob(str(base / e))},
-                key=_name_order,
+                key=natural_key,
             )
         if not found:
             raise ShardIndexError(f"--split {pattern!r}: no file of {root} matches {expr!r}")
@@ -268,11 +253,11 @@ def find_splits(root: str | os.PathLike[str], patterns: Sequence[str]) -> dict[s
         )
     base = Path(root)
     for sub in sorted(p for p in base.iterdir() if p.is_dir()):
-        tars = sorted((str(p.relative_to(base)) for p in sub.glob("*.tar")), key=_name_order)
+        tars = sorted((str(p.relative_to(base)) for p in sub.glob("*.tar")), key=natural_key)
         if tars:
             splits[sub.name] = tars
     if not splits:
-        tars = sorted((p.name for p in base.glob("*.tar")), key=_name_order)
+        tars = sorted((p.name for p in base.glob("*.tar")), key=natural_key)
         if not tars:
             raise ShardIndexError(f"no .tar shard found in {base} or its sub-directories")
         splits["train"] = tars
@@ -327,11 +312,11 @@ def index_shards(
         {split: [(rel, runs, size) for rel, runs, size, _, _ in shards] for split, shards in walked.items()}
     )
     every_run = [r for shards in walked.values() for _, runs, _, _, _ in shards for r in runs]
-    categories = sorted({r.category for r in every_run if r.category is not None}, key=_name_order)
+    categories = sorted({r.category for r in every_run if r.category is not None}, key=natural_key)
     category_id = {c: i for i, c in enumerate(categories)}
     names = sorted(
         {(r.category, r.cls) for r in every_run},
-        key=lambda cc: (cc[0] is None, _name_order(cc[0] or ""), _name_order(cc[1])),
+        key=lambda cc: (cc[0] is None, natural_key(cc[0] or ""), natural_key(cc[1])),
     )
     class_id = {cc: i for i, cc in enumerate(names)}
     classes = tuple(ClassInfo(i, cls, category_id.get(cat or "")) for (cat, cls), i in class_id.items())
@@ -376,12 +361,6 @@ def _shards_root(root: str, out: str | os.PathLike[str] | None) -> str | None:
     if out is None or Path(out).resolve() == Path(root).resolve():
         return None
     return str(Path(root).resolve())
-
-
-def _name_order(name: str) -> tuple[tuple[tuple[int, int | str], ...], str]:
-    """Natural order, then the raw name: "7", "07" and "007" tie on ``natural_key`` and would otherwise take
-    their ids from set order, which changes with PYTHONHASHSEED."""
-    return natural_key(name), name
 
 
 def _check_contiguous(walked: Mapping[str, list[tuple[str, list[_Run], int]]]) -> None:

@@ -215,7 +215,7 @@ def assign_splits(records: Sequence[Record], test_fraction: float, seed: int) ->
     test_classes: set[tuple[str | None, str]] = set()
     rng = np.random.default_rng(seed)
     for category in sorted(by_category, key=lambda c: (c is None, c or "")):
-        names = sorted(by_category[category], key=natural_sort_key)
+        names = sorted(by_category[category], key=natural_key)
         n_test = round(test_fraction * len(names))
         chosen = rng.permutation(len(names))[:n_test]
         test_classes.update((category, names[i]) for i in chosen)
@@ -230,12 +230,9 @@ def assign_splits(records: Sequence[Record], test_fraction: float, seed: int) ->
 _DIGITS = re.compile(r"(\d+)")
 
 
-def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
-    """Sort key with numbers compared as numbers (class "10" after "9"), so ids follow the dataset's own order."""
-    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in _DIGITS.split(text) if p)
-
-
-def natural_sort_key(text: str) -> tuple[tuple[tuple[int, int | str], ...], str]:
-    """``natural_key`` with the text itself as tie-breaker: "7", "07" and "007" tie as numbers, and sorting a
-    set by ``natural_key`` alone would order them as the set iterates (it changes with PYTHONHASHSEED)."""
-    return natural_key(text), text
+def natural_key(text: str) -> tuple[tuple[tuple[int, int | str], ...], str]:
+    """Sort key with numbers compared as numbers (class "10" after "9"), so ids follow the dataset's own order;
+    then the text itself: "7", "07" and "007" tie as numbers, and sorting a set by the numbers alone would order
+    them as the set iterates (which changes with PYTHONHASHSEED)."""
+    parts = tuple((0, int(p)) if p.isdigit() else (1, p) for p in _DIGITS.split(text) if p)
+    return parts, text

@@ -229,9 +229,25 @@ def _tarfile_members(f: IO[bytes]) -> tuple[list[Member], str | None]:
             except (tarfile.TarError, OSError, EOFError) as exc:
                 return members, f"corrupt tar after {len(members)} member(s): {exc}"
             if info is None:
-                return members, None
+                return members, end_of_archive_problem(f, tar.offset)
             if info.isfile():
                 members.append(Member(info.name, info.offset_data, info.size))
+
+
+def end_of_archive_problem(f: IO[bytes], offset: int) -> str | None:
+    """Why a tarfile walk that stopped at ``offset`` did not reach the end of the archive, or None: it stopped at
+    the end-of-archive marker (zero bytes). tarfile stops quietly at a corrupt header after the first, or where a
+    file was cut between members, so a walk that trusts it reads only part of the shard."""
+    f.seek(offset)
+    block = f.read(_BLOCK)
+    if not block:
+        return f"no end-of-archive marker after byte {offset}: the file was cut short"
+    if block.count(0) == len(block):
+        return None
+    if len(block) < _BLOCK:
+        return f"the file was cut short inside the header at byte {offset}"
+    size = os.fstat(f.fileno()).st_size
+    return f"corrupt tar header at byte {offset} of {size}; the rest of the shard cannot be read"
 
 
 def scan_shard(path: str | os.PathLike[str], expected: int | None = None, labelled: bool = True) -> ShardScan:

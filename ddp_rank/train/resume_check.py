@@ -44,6 +44,11 @@ class ConfigChange:
     new: Any
     structural: bool
 
+    @property
+    def is_tensor(self) -> bool:
+        """A saved weight of another shape (:func:`tensor_changes`), not a config key."""
+        return self.key.startswith(TENSOR_PREFIX)
+
 
 def resume_changes(meta: dict[str, Any], cfg: Config, total_steps: int | None = None) -> list[ConfigChange]:
     """The model / optimizer differences between a checkpoint's ``meta.json`` and ``cfg``.
@@ -130,8 +135,8 @@ def describe_changes(changes: list[ConfigChange]) -> str:
     """``optim.lr: 1e-05 -> 0.001, model.embedding_dim: 512 -> 128``; tensors after the first few are counted."""
     shown, tensors = [], 0
     for c in changes:
-        tensors += c.key.startswith(TENSOR_PREFIX)
-        if tensors <= SHOWN_TENSORS or not c.key.startswith(TENSOR_PREFIX):
+        tensors += c.is_tensor
+        if tensors <= SHOWN_TENSORS or not c.is_tensor:
             shown.append(f"{c.key}: {c.saved!r} -> {c.new!r}")
     if tensors > SHOWN_TENSORS:
         shown.append(f"and {tensors - SHOWN_TENSORS} more tensors of another shape")

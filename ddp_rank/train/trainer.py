@@ -61,7 +61,7 @@ from ddp_rank.train.init_weights import init_from
 from ddp_rank.train.model import EmbeddingNet, ModelError, build_model, freeze_batchnorm, is_convolutional
 from ddp_rank.train.optim import build_optimizer, build_scheduler, lr_factor
 from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, write_summary
-from ddp_rank.train.resume_check import TENSOR_PREFIX, describe_changes, resume_changes, tensor_changes
+from ddp_rank.train.resume_check import describe_changes, resume_changes, tensor_changes
 
 __all__ = [
     "StepResult",
@@ -531,7 +531,7 @@ class Trainer:
         if changes and not force:
             shapes = (
                 " (its weights have other shapes: a timm ViT's position embeddings follow data.image_size)"
-                if any(c.key.startswith(TENSOR_PREFIX) for c in changes)
+                if any(c.is_tensor for c in changes)
                 else ""
             )
             raise CheckpointError(
@@ -553,7 +553,7 @@ class Trainer:
         if changes:
             self._apply_optim_config()
             # Tensors of another shape are in init_from's report above.
-            settings = [c for c in changes if not c.key.startswith(TENSOR_PREFIX)]
+            settings = [c for c in changes if not c.is_tensor]
             if settings:
                 self._note(f"forced resume from {path}: the new values apply: {describe_changes(settings)}")
         if mode != "auto" and self.out_dir.resolve() not in path.resolve().parents:
