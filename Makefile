@@ -21,8 +21,9 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# Everything but the tests that start several processes (gloo ranks, accelerate launch, DeepSpeed).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not distributed"
 
 lint: $(STAMP)
 	$(BIN)/ruff check ddp_rank tests benchmarks

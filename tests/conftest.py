@@ -1,12 +1,9 @@
-"""Shared test set-up: the tests folder is importable (helpers such as reference_cases, brute_force), and tests
-marked ``cuda`` are skipped with the reason where no CUDA GPU is visible."""
+"""Shared test set-up: tests marked ``cuda`` are skipped with the reason where no CUDA GPU is visible.
 
-import sys
-from pathlib import Path
+The helpers are the package ``tests.helpers`` (the repository root is on ``sys.path`` through pytest's rootdir
+and ``pythonpath`` setting), never a folder put on ``sys.path`` by hand."""
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -121,14 +121,14 @@ def test_losses_are_bit_identical_under_deterministic_algorithms(make) -> None: 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from train_helpers import build_tiny_shards
+    from tests.helpers.training import build_tiny_shards
 
     return build_tiny_shards(tmp_path_factory.mktemp("tiny-cuda"))
 
 
 def _train_on_gpu(shards: Path, out: Path, *extra: str) -> dict[str, torch.Tensor]:
     from accelerate.state import AcceleratorState
-    from train_helpers import TINY_OVERRIDES
+    from tests.helpers.training import TINY_OVERRIDES
 
     from ddp_rank.config import load_config
     from ddp_rank.train.trainer import Trainer
@@ -161,7 +161,7 @@ def test_one_gpu_trainer_is_deterministic(shards: Path, tmp_path: Path, chunk: i
 @pytest.mark.slow
 def test_deepspeed_bf16_on_one_gpu(shards: Path, tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
-    from train_helpers import REPO, TINY_OVERRIDES, free_port
+    from tests.helpers.training import REPO, TINY_OVERRIDES, free_port
 
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",

@@ -1,0 +1,125 @@
+"""`ddp-rank plan` and every shipped config against manifests shaped like the real datasets (no images)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tests.helpers.dataset_shapes import write
+
+from ddp_rank.cli import main
+from ddp_rank.config import load_config
+from ddp_rank.data.manifest import Manifest
+from ddp_rank.train.plan_cli import describe_plan
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+# The world sizes each config is meant for (its header comment): one GPU and the launchers' node sizes.
+WORLDS = {"demo": (1, 2), "inat_fastap_resnet50_global65536": (8, 64)}
+
+
+def _shape(stem: str) -> str:
+    return stem.split("_")[0]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_config_can_start_on_its_dataset(path: Path, tmp_path: Path) -> None:
+    shards = write(_shape(path.stem), tmp_path / "shards")
+    cfg = load_config(path, [f"data.shards={shards}"])
+    for world in WORLDS.get(path.stem, (1, 8)):
+        facts, problems = describe_plan(cfg, world)
+        assert problems == [], f"{path.name} on {world} rank(s): {problems}"
+        steps = int(dict(facts)["steps per epoch"].replace(",", ""))
+        if path.stem.startswith("sop_fastap"):
+            assert steps == 66 * 5, "FastAP supplement A: 12 categories, every pair 5 times"
+        if path.stem.startswith("inshop"):
+            assert steps == 253 * 2, "FastAP supplement A: 23 categories, every pair twice"
+
+
+def test_the_papers_vehicleid_epoch(tmp_path: Path) -> None:
+    """Each labelled model gives ceil(N_c / (M/2)) steps (supplement A: sum 2 N_c / M), small ones left out."""
+    shards = write("vehicleid", tmp_path / "s")
+    cfg = load_config(Path("configs/vehicleid_fastap_resnet50_m256.yaml"), [f"data.shards={shards}"])
+    facts, problems = describe_plan(cfg, 8)
+    assert not problems
+    left = [v for k, v in facts if k == "left out"]
+    assert left and all("a step needs 128 images" in v for v in left)
+    manifest = Manifest.load(shards)
+    per_model: dict[int, int] = {}
+    for cid, n in manifest.split("train").class_counts.items():
+        model = manifest.classes[cid].category
+        if model is not None:
+            per_model[model] = per_model.get(model, 0) + n
+    expected = sum(-(-n // 128) for n in per_model.values() if n >= 128)
+    assert int(dict(facts)["steps per epoch"].replace(",", "")) == expected
+
+
+def test_plan_command_prints_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shards = write("inat", tmp_path / "s")
+    code = main(
+        [
+            "plan",
+            "--config",
+            "configs/inat_fastap_resnet50_global65536.yaml",
+            "--world-size",
+            "64",
+            f"data.shards={shards}",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "64 / 1,024 images" in out
+    assert "chunked, 4 chunks of 256" in out
+    assert "left out" in out and "Protozoa: a step needs 32768 images" in out
+    assert "ok: the run can start" in out
+
+
+def test_plan_says_why_a_config_cannot_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The old SOP 65,536 setup: no SOP category holds 32,768 images."""
+    shards = write("sop", tmp_path / "s")
+    code = main(
+        [
+            "plan",
+            "--config",
+            "configs/sop_fastap_resnet18_m256.yaml",
+            "data.global_batch_size=65536",
+            f"data.shards={shards}",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "cannot start" in captured.err and "needs 2 categories" in captured.err
+    assert "bicycle: a step needs 32768 images" in captured.err
+    code = main(
+        [
+            "plan",
+            "--config",
+            "configs/sop_fastap_resnet18_m256.yaml",
+            "--world-size",
+            "3",
+            f"data.shards={shards}",
+        ]
+    )
+    assert code == 1 and "not divisible by 3" in capsys.readouterr().err
+
+
+def test_overrides_may_stand_on_both_sides_of_the_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddp_rank.cli import parse_command
+
+    args = parse_command(
+        ["train", "train.steps=2", "--config", "configs/demo.yaml", "train.seed=1", "eval.ks=1"]
+    )
+    assert args.config == "configs/demo.yaml"
+    assert args.overrides == ["train.steps=2", "train.seed=1", "eval.ks=1"]
+    args = parse_command(
+        ["plan", "data.sampler=pk", "--world-size", "4", "train.seed=1", "--steps", "1"]
+    )
+    assert (args.world_size, args.steps, args.overrides) == (4, 1, ["data.sampler=pk", "train.seed=1"])
+    with pytest.raises(SystemExit):
+        parse_command(["train", "train.steps=2", "--bogus", "train.seed=1"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    shards = write("sop", tmp_path / "s")
+    code = main(["plan", f"data.shards={shards}", "--config", "configs/sop_fastap_resnet18_m256.yaml",
+                 "--world-size", "2", "train.seed=3"])  # fmt: skip
+    assert code == 0 and "ok: the run can start" in capsys.readouterr().out

@@ -1,0 +1,228 @@
+"""export -> index -> search on tiny shards: the exact index finds what `ddp-rank eval`'s search finds."""
+
+from __future__ import annotations
+
+import hashlib
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards, launch
+
+from ddp_rank.cli import main
+from ddp_rank.config import load_config
+from ddp_rank.eval.export import load_export
+from ddp_rank.eval.index import IndexSpec, SearchIndex
+from ddp_rank.eval.retrieval import ExactSearch, knn_search
+from ddp_rank.eval.runner import embed_split, key_index
+from ddp_rank.eval.search import Searcher
+from ddp_rank.eval.workflow import build_eval_model, run_config
+from ddp_rank.train.trainer import run_training
+
+pytest.importorskip("faiss")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("serve")
+    shards = build_tiny_shards(root)
+    run = root / "run"
+    run_training(load_config(None, [*TINY_OVERRIDES, f"data.shards={shards}", f"train.output_dir={run}",
+                                    "train.steps=3"]))  # fmt: skip
+    export = root / "export"
+    assert main(["export", "--checkpoint", str(run), "--output", str(export)]) == 0
+    return {"root": root, "shards": shards, "run": run, "export": export, "images": root / "images"}
+
+
+def shard_keys_by_content(shards: Path) -> dict[str, str]:
+    """md5 of each image's bytes -> its sample key in the shards."""
+    out = {}
+    for tar in shards.glob("*/*.tar"):
+        with tarfile.open(tar) as tf:
+            for m in tf.getmembers():
+                if m.name.endswith(".png"):
+                    out[hashlib.md5(tf.extractfile(m).read()).hexdigest()] = m.name.rsplit(".", 1)[0]
+    return out
+
+
+def test_export_holds_the_evaluation_embeddings_with_keys_labels_categories(tiny: dict[str, Path]) -> None:
+    data = load_export(tiny["export"])
+    assert len(data) == 24 and data.dim == 16 and len(set(data.keys.tolist())) == 24
+    assert data.meta["source"] == {"kind": "split", "shards": str(tiny["shards"]), "split": "test"}
+    assert set(data.categories.tolist()) == {"cat0", "cat1", "cat2"}
+    assert all(int(k[1:8]) == label for k, label in zip(data.keys, data.labels))  # key c<class>_<n>
+    cfg = run_config(None, str(tiny["run"]), [])
+    model, _ = build_eval_model(cfg, str(tiny["run"]), None)
+    evaluated = embed_split(model, cfg, "test")  # the evaluation's rows, sorted by the key hash
+    order = np.argsort([key_index(k) for k in data.keys])
+    np.testing.assert_allclose(data.embeddings[order], evaluated.embeddings.numpy(), rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(data.labels[order], evaluated.labels.numpy())
+
+
+def test_exact_index_returns_the_neighbours_of_the_eval_search(
+    tiny: dict[str, Path], capsys: pytest.CaptureFixture
+) -> None:
+    out = tiny["root"] / "index-flat"
+    assert main(["index", str(tiny["export"]), "--kind", "flat", "--output", str(out)]) == 0
+    assert "recall@10 against exact search: 1.0000 (24 queries" in capsys.readouterr().out
+    index = SearchIndex.load(out)
+    e = load_export(tiny["export"]).embeddings
+    scores, rows = index.search(e, 7)
+    ref_scores, ref_rows = knn_search(torch.from_numpy(e), torch.from_numpy(e), 7, backend="torch")
+    np.testing.assert_array_equal(rows, ref_rows.numpy())
+    np.testing.assert_allclose(scores, ref_scores.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "settings"), [("hnsw", "hnsw_m=32"), ("ivfpq", "nlist=1, nprobe=1, pq_m=8, pq_bits=4")]
+)
+def test_approximate_indexes_print_their_recall(
+    tiny: dict[str, Path], kind: str, settings: str, capsys: pytest.CaptureFixture
+) -> None:
+    out = tiny["root"] / f"index-{kind}"
+    assert main(["index", str(tiny["export"]), "--kind", kind, "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"{kind} index of 24 embeddings (dim 16): {settings}" in printed
+    index = SearchIndex.load(out)
+    assert f"recall@10 against exact search: {index.recall:.4f} (24 queries" in printed
+    assert 0.5 <= index.recall <= 1.0  # measured, not assumed: PQ with 4-bit codes on 24 points loses some
+
+
+def test_recall_measurement_detects_a_poor_index() -> None:
+    """An IVF index that visits 1 of 8 cells must score below exact search: the measurement is real."""
+    g = np.random.default_rng(0)
+    x = g.standard_normal((2000, 16)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    from ddp_rank.eval.export import Embeddings
+
+    data = Embeddings(x, np.array([str(i) for i in range(2000)]), np.zeros(2000, dtype=np.int64),
+                      np.array([""] * 2000), np.array([""] * 2000))  # fmt: skip
+    poor = SearchIndex.build(
+        data, IndexSpec("ivfpq", nlist=8, nprobe=1, pq_m=4, pq_bits=6), recall_queries=200
+    )
+    exact = SearchIndex.build(data, IndexSpec("flat"), recall_queries=200)
+    assert exact.recall == 1.0 and poor.recall < 0.6
+
+
+def test_bad_index_settings_name_the_fix(tiny: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    args = ["index", str(tiny["export"]), "--output", str(tiny["root"] / "bad"), "--kind", "ivfpq"]
+    assert main([*args, "--pq-bits", "8"]) == 2
+    assert "pq_bits=8 needs at least 256 vectors" in capsys.readouterr().err
+    assert main([*args, "--pq-m", "5"]) == 2
+    assert "pq_m=5 does not divide the dimension 16" in capsys.readouterr().err
+    assert main(["index", str(tiny["root"] / "nowhere"), "--output", str(tiny["root"] / "bad")]) == 2
+    assert "ddp-rank export" in capsys.readouterr().err
+
+
+def test_search_answers_a_query_image(tiny: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    out = tiny["root"] / "index-search"
+    assert main(["index", str(tiny["export"]), "--output", str(out)]) == 0
+    keys = shard_keys_by_content(tiny["shards"])
+    exported = set(load_export(tiny["export"]).keys.tolist())
+    query = next(
+        p
+        for p in sorted(tiny["images"].rglob("*.png"))
+        if keys[hashlib.md5(p.read_bytes()).hexdigest()] in exported
+    )
+    own_key = keys[hashlib.md5(query.read_bytes()).hexdigest()]
+    capsys.readouterr()
+    assert main(["search", str(out), str(query), "-k", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == str(query) and len(lines) == 4
+    rank, score, key, *_ = lines[1].split()
+    assert (rank, key) == ("1", own_key) and float(score) > 0.999
+    # The Python API gives the same answer.
+    hits = Searcher.from_index(out).search_files([query], k=3)[0]
+    assert [h.key for h in hits] == [line.split()[2] for line in lines[1:]]
+    assert hits[0].label == int(own_key[1:8]) and hits[0].category.startswith("cat")
+
+
+def test_export_of_an_image_folder(tiny: dict[str, Path]) -> None:
+    out = tiny["root"] / "folder-export"
+    assert (
+        main(
+            [
+                "export",
+                "--checkpoint",
+                str(tiny["run"]),
+                "--images",
+                str(tiny["images"]),
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    folder, split = load_export(out), load_export(tiny["export"])
+    assert (
+        len(folder) == 72 and folder.keys[0] == "cat0/cls0_0/0000.png" and set(folder.labels.tolist()) == {-1}
+    )
+    keys = shard_keys_by_content(tiny["shards"])
+    by_key = dict(zip(split.keys.tolist(), split.embeddings))
+    matched = 0
+    for rel, emb in zip(folder.keys, folder.embeddings):
+        key = keys[hashlib.md5((tiny["images"] / rel).read_bytes()).hexdigest()]
+        if key in by_key:
+            np.testing.assert_allclose(emb, by_key[key], atol=1e-6)
+            matched += 1
+    assert matched == 24
+
+
+@pytest.fixture()
+def http_shards(tiny: dict[str, Path]) -> Iterator[str]:
+    from ddp_rank.data.serve import serve_directory
+
+    with serve_directory(tiny["shards"]) as url:
+        yield url
+
+
+def test_export_of_shards_at_a_url(tiny: dict[str, Path], http_shards: str) -> None:
+    out = tiny["root"] / "url-export"
+    url = f"{http_shards}/test/test-c{{0000..0002}}-00000.tar"
+    assert main(["export", "--checkpoint", str(tiny["run"]), "--shards-url", url, "--output", str(out)]) == 0
+    remote, local = load_export(out), load_export(tiny["export"])
+    assert sorted(remote.keys.tolist()) == sorted(local.keys.tolist())
+    by_key = dict(zip(local.keys.tolist(), local.embeddings))
+    for key, emb, label in zip(remote.keys, remote.embeddings, remote.labels):
+        np.testing.assert_allclose(emb, by_key[key], atol=1e-6)
+        assert label == int(key[1:8])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_processes_write_one_part_each(tiny: dict[str, Path]) -> None:
+    out = tiny["root"] / "export-2proc"
+    result = launch("export", "--checkpoint", str(tiny["run"]), "--output", str(out), "data.num_workers=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("part-*.npz")) == [
+        "part-00000-of-00002.npz",
+        "part-00001-of-00002.npz",
+    ]
+    two, one = load_export(out), load_export(tiny["export"])
+    assert sorted(two.keys.tolist()) == sorted(one.keys.tolist())
+    by_key = dict(zip(one.keys.tolist(), one.embeddings))
+    for key, emb in zip(two.keys, two.embeddings):
+        np.testing.assert_allclose(emb, by_key[key], atol=1e-6)
+
+
+def test_exact_search_in_device_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked top-k (the GPU path, run here on the CPU) splits the queries into blocks whose score matrix
+    fits SCORE_BYTES and returns what one block and faiss return."""
+    import ddp_rank.eval.retrieval as retrieval
+
+    g = torch.Generator().manual_seed(0)
+    db = torch.nn.functional.normalize(torch.randn(300, 8, generator=g), dim=1)
+    one_block = ExactSearch(db, "torch", "cpu").search(db[:50], 5)
+    monkeypatch.setattr(retrieval, "SCORE_BYTES", 4 * 300 * 7)  # 7 query rows per block
+    blocks = ExactSearch(db, "torch", "cpu").search(db[:50], 5)
+    faiss_result = ExactSearch(db, "faiss").search(db[:50], 5)
+    assert torch.equal(blocks[1], one_block[1]) and torch.equal(blocks[1], faiss_result[1])
+    assert ExactSearch(db, "auto", "cpu").backend == "faiss"
+    assert (
+        ExactSearch(db, "auto", torch.device("cuda")).backend == "torch"
+        if torch.cuda.is_available()
+        else True
+    )

@@ -1,0 +1,206 @@
+"""BatchNorm across ranks: global-batch statistics (``model.sync_bn``) and identical running buffers.
+
+References are single processes: plain BatchNorm on the concatenated batch, and a frozen-BatchNorm step on the
+ranks' averaged buffers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.helpers.distributed import run_distributed
+from torch import nn
+
+from ddp_rank.train.batchnorm import CrossRankBatchNorm, batchnorm_buffers, convert_to_cross_rank
+
+SIZES = (3, 5)  # uneven local batches: the global statistics weight rows, not ranks
+
+
+def small_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4, momentum=0.3),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 6),
+        nn.BatchNorm1d(6),
+    )
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    n = sum(SIZES)
+    return torch.randn(n, 3, 5, 5, generator=g, dtype=torch.float64), torch.randn(
+        n, 6, generator=g, dtype=torch.float64
+    )
+
+
+def local_slice(rank: int) -> slice:
+    start = sum(SIZES[:rank])
+    return slice(start, start + SIZES[rank])
+
+
+def _sync_bn_worker(rank: int, world: int) -> dict[str, object]:
+    model = convert_to_cross_rank(small_net().double())
+    assert sum(isinstance(m, CrossRankBatchNorm) for m in model.modules()) == 2
+    outputs, grads = [], []
+    for step in range(2):
+        x, w = global_batch(step)
+        rows = local_slice(rank)
+        model.zero_grad()
+        out = model(x[rows])
+        (out * w[rows]).sum().backward()
+        outputs.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    return {"outputs": outputs, "grads": grads, "buffers": [b.clone() for b in batchnorm_buffers(model)]}
+
+
+@pytest.mark.distributed
+def test_cross_rank_batchnorm_equals_one_process_on_the_global_batch() -> None:
+    got = run_distributed(_sync_bn_worker, len(SIZES))
+    reference = small_net().double()
+    for step in range(2):
+        x, w = global_batch(step)
+        reference.zero_grad()
+        out = reference(x)
+        (out * w).sum().backward()
+        torch.testing.assert_close(torch.cat([g["outputs"][step] for g in got]), out.detach())
+        for name, p in reference.named_parameters():
+            # Each rank holds the gradient of its own rows' share; the engine's reduction adds them.
+            summed = sum(g["grads"][step][name] for g in got)
+            torch.testing.assert_close(summed, p.grad, msg=f"step {step}, {name}")
+    for rank_result in got:
+        for mine, want in zip(rank_result["buffers"], batchnorm_buffers(reference)):
+            torch.testing.assert_close(mine, want)
+
+
+def _average_worker(rank: int, world: int) -> list[torch.Tensor]:
+    from ddp_rank.train.batchnorm import sync_batchnorm_buffers
+
+    model = small_net()
+    model.train()
+    x, _ = global_batch(0)
+    model(x[local_slice(rank)].float())  # each rank folds its own rows into the running statistics
+    sync_batchnorm_buffers(model)
+    return [b.clone() for b in batchnorm_buffers(model)]
+
+
+@pytest.mark.distributed
+def test_running_buffers_become_the_mean_over_ranks() -> None:
+    got = run_distributed(_average_worker, len(SIZES))
+    x, _ = global_batch(0)
+    per_rank = []
+    for rank in range(len(SIZES)):
+        model = small_net().train()
+        model(x[local_slice(rank)].float())
+        per_rank.append(batchnorm_buffers(model))
+    for i, (a, b) in enumerate(zip(*got)):
+        assert torch.equal(a, b), f"buffer {i} differs across ranks"
+        want = per_rank[0][i] if not a.is_floating_point() else (per_rank[0][i] + per_rank[1][i]) / 2
+        torch.testing.assert_close(a, want)
+    assert not torch.equal(per_rank[0][0], per_rank[1][0])  # they did differ before
+
+
+def _chunk_after_direct_worker(rank: int, world: int) -> dict[str, object]:
+    """A direct step (BatchNorm live: the ranks' buffers drift apart), then a chunked step under DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddp_rank.distributed import GlobalBatchLoss
+    from ddp_rank.losses import FastAPLoss
+    from ddp_rank.train.backends import DDPBackend
+    from ddp_rank.train.chunked import forward_backward
+
+    model = DistributedDataParallel(small_net().double())
+    backend = DDPBackend(model)
+    loss = GlobalBatchLoss(FastAPLoss())
+    labels = torch.arange(sum(SIZES)) % 3
+    rows = local_slice(rank)
+    x, _ = global_batch(0)
+    forward_backward(backend, x[rows], labels[rows], loss)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    model.zero_grad()
+    before = {"params": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
+    before["buffers"] = [b.clone() for b in batchnorm_buffers(model.module)]
+    x, _ = global_batch(1)
+    forward_backward(backend, x[rows], labels[rows], loss, chunk_size=2)
+    return {**before, "grads": {n: p.grad.clone() for n, p in model.module.named_parameters()}}
+
+
+@pytest.mark.distributed
+def test_a_chunked_step_after_a_direct_one_uses_the_same_statistics_in_both_passes() -> None:
+    from ddp_rank.losses import FastAPLoss
+
+    got = run_distributed(_chunk_after_direct_worker, len(SIZES))
+    assert not torch.equal(got[0]["buffers"][0], got[1]["buffers"][0]), "the direct step should drift them"
+    reference = small_net().double()
+    reference.load_state_dict(got[0]["params"], strict=False)
+    for buf, a, b in zip(batchnorm_buffers(reference), got[0]["buffers"], got[1]["buffers"]):
+        buf.copy_((a + b) / 2 if a.is_floating_point() else a)
+    reference.eval()  # the chunked step freezes BatchNorm: running statistics, averaged over the ranks
+    x, _ = global_batch(1)
+    labels = torch.arange(sum(SIZES)) % 3
+    FastAPLoss()(reference(x), labels).backward()
+    for name, p in reference.named_parameters():
+        for rank_result in got:
+            torch.testing.assert_close(rank_result["grads"][name], p.grad, msg=name)
+
+
+def _trainer_worker(rank: int, world: int, shards: str, out: str, extra: tuple[str, ...]) -> dict[str, object]:
+    from tests.helpers.training import TINY_OVERRIDES
+
+    from ddp_rank.config import load_config
+    from ddp_rank.train.trainer import Trainer
+
+    cfg = load_config(
+        None, [*TINY_OVERRIDES, f"data.shards={shards}", f"train.output_dir={out}", "train.steps=3", *extra]
+    )
+    trainer = Trainer(cfg)
+    try:
+        for _ in range(3):
+            trainer.train_step()  # direct steps, BatchNorm in train mode
+        local = [b.clone() for b in batchnorm_buffers(trainer.unwrapped)]
+        metrics = trainer.evaluate()
+        path = trainer.save_checkpoint()
+        after = [b.clone() for b in batchnorm_buffers(trainer.unwrapped)]
+        layers = sum(isinstance(m, CrossRankBatchNorm) for m in trainer.unwrapped.modules())
+        return {"local": local, "after": after, "metrics": metrics, "path": str(path), "sync_layers": layers}
+    finally:
+        trainer.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("sync_bn", [False, True])
+def test_evaluation_equals_the_saved_checkpoint_rescored(sync_bn: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """2 ranks: the evaluation and the checkpoint see one model (the ranks' averaged BatchNorm statistics), so
+    re-scoring the checkpoint in one process gives the logged numbers."""
+    from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
+
+    from ddp_rank.config import load_config
+    from ddp_rank.eval.runner import evaluate_model
+    from ddp_rank.train.checkpoint import load_model_weights
+    from ddp_rank.train.model import build_model
+
+    shards = build_tiny_shards(tmp_path / "data")
+    extra = (f"model.sync_bn={str(sync_bn).lower()}",)
+    got = run_distributed(_trainer_worker, 2, args=(str(shards), str(tmp_path / "run"), extra), timeout=300)
+    assert got[0]["sync_layers"] == (4 if sync_bn else 0)
+    local0, local1 = got[0]["local"], got[1]["local"]
+    if not sync_bn:
+        assert not torch.equal(local0[0], local1[0]), "each rank folds its own rows into its statistics"
+    for i, (a, b) in enumerate(zip(got[0]["after"], got[1]["after"])):
+        assert torch.equal(a, b), f"buffer {i} differs across ranks after the synchronisation"
+        if a.is_floating_point():
+            torch.testing.assert_close(a, (local0[i] + local1[i]) / 2)
+    assert got[0]["metrics"] == got[1]["metrics"]
+
+    cfg = load_config(None, [*TINY_OVERRIDES, f"data.shards={shards}"])
+    model = build_model(cfg.model, cfg.data.image_size)
+    load_model_weights(model, got[0]["path"])
+    rescored = evaluate_model(model, cfg)
+    for name, value in got[0]["metrics"].items():
+        assert rescored[name] == pytest.approx(value, abs=1e-6), name
