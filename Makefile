@@ -32,7 +32,7 @@ lint: $(STAMP)
 
 # Builds the emoji shards (npm pack), trains FastAP on 2 CPU processes, evaluates; outputs in runs/demo/.
 demo: $(STAMP)
-	$(BIN)/python -m ddp_rank.train.demo
+	$(BIN)/python -m ddp_rank.cli.demo
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/loss.py

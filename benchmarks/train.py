@@ -104,8 +104,8 @@ def bare_worker(args: argparse.Namespace) -> None:
     import torch
 
     from ddp_rank.config import load_config
-    from ddp_rank.train.determinism import set_deterministic
-    from ddp_rank.train.model import build_model, is_convolutional
+    from ddp_rank.model.net import build_model, is_convolutional
+    from ddp_rank.runtime.determinism import set_deterministic
     from ddp_rank.train.optim import build_optimizer
     from ddp_rank.train.trainer import build_loss
 

@@ -212,7 +212,7 @@ BACKBONES = (
     "efficientnet_lite0",
     "tiny_cnn",
 )
-"""Backbones ``ddp_rank.train.model`` can build (the config checks names without importing torchvision)."""
+"""Backbones ``ddp_rank.model.net`` can build (the config checks names without importing torchvision)."""
 
 
 @dataclass

@@ -102,7 +102,7 @@ def test_losses_are_bit_identical_under_deterministic_algorithms(make) -> None: 
     """PNP's and Smooth-AP's gradient scatter-adds use atomics on CUDA (FastAP has none, but its row sums must
     not vary either); in deterministic mode two runs agree bit for bit, and nothing raises for want of a
     deterministic kernel."""
-    from ddp_rank.train.determinism import set_deterministic
+    from ddp_rank.runtime.determinism import set_deterministic
 
     x, labels = embeddings(n=4096, d=64, classes=512)
     was = torch.are_deterministic_algorithms_enabled()
@@ -128,10 +128,10 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _train_on_gpu(shards: Path, out: Path, *extra: str) -> dict[str, torch.Tensor]:
     from accelerate.state import AcceleratorState
-    from tests.helpers.training import TINY_OVERRIDES
 
     from ddp_rank.config import load_config
     from ddp_rank.train.trainer import Trainer
+    from tests.helpers.training import TINY_OVERRIDES
 
     AcceleratorState._reset_state(True)  # earlier tests left a CPU accelerator state in this process
     cfg = load_config(

@@ -2,7 +2,8 @@
 
 ``Searcher`` is the Python API for serving from your own code; ``ddp-rank search`` prints what it returns. The
 model is rebuilt from what the index records: the checkpoint the export was made with and the exact config used
-(image size, crop, backbone), so a query is embedded exactly like the indexed collection.
+(image size, crop, backbone) and the precision it embedded in, so a query is embedded exactly like the indexed
+collection.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from torch import nn
 
 from ddp_rank.config import Config, config_from_dict, load_config
 from ddp_rank.data.transforms import transform_from_config
+from ddp_rank.eval.embed import autocast
 from ddp_rank.eval.index import SearchIndex
 from ddp_rank.eval.sources import open_image, pil_batch
+from ddp_rank.runtime.accelerator import precision_dtype
 
 __all__ = ["Hit", "Searcher"]
 
@@ -39,12 +42,18 @@ class Searcher:
     """``Searcher.from_index("runs/demo/index").search_files(["query.jpg"], k=5)`` -> ``[[Hit, ...]]``."""
 
     def __init__(
-        self, model: nn.Module, cfg: Config, index: SearchIndex, device: torch.device | str = "cpu"
+        self,
+        model: nn.Module,
+        cfg: Config,
+        index: SearchIndex,
+        device: torch.device | str = "cpu",
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model.to(device).eval()
         self.cfg = cfg
         self.index = index
         self.device = torch.device(device)
+        self.autocast_dtype = autocast_dtype
         self.transform = transform_from_config(cfg.data)
 
     @classmethod
@@ -56,7 +65,7 @@ class Searcher:
         device: torch.device | str | None = None,
     ) -> Searcher:
         """Load the index and the model it was exported with (or ``checkpoint`` / ``config`` if given)."""
-        from ddp_rank.eval.workflow import build_eval_model, run_config
+        from ddp_rank.eval.workflow import build_eval_model, load_run_config
 
         index = SearchIndex.load(index_dir)
         export = index.info.get("export", {})
@@ -66,11 +75,12 @@ class Searcher:
         elif "config" in export:
             cfg = config_from_dict(export["config"], origin=f"{index_dir}/index.json")
         else:
-            cfg = run_config(None, checkpoint, [])
+            cfg = load_run_config(None, checkpoint, [])
         model, _ = build_eval_model(cfg, checkpoint, None)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        searcher = cls(model, cfg, index, device)
+        dtype = precision_dtype(export.get("mixed_precision", "no"))
+        searcher = cls(model, cfg, index, device, autocast_dtype=dtype)
         probe = searcher.embed([Image.new("RGB", (cfg.data.image_size,) * 2)])
         if probe.shape[1] != index.items.dim:
             raise ValueError(
@@ -83,7 +93,8 @@ class Searcher:
     def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
         """``[len(images), d]`` float32 embeddings (the test-time transform of the export)."""
         batch = pil_batch(images, self.transform).to(self.device)
-        return self.model(batch).float().cpu().numpy()
+        with autocast(self.device, self.autocast_dtype):
+            return self.model(batch).float().cpu().numpy()
 
     def search(self, images: Sequence[Image.Image], k: int = 5) -> list[list[Hit]]:
         """The top-``k`` indexed items of each image, best first."""

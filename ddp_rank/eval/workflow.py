@@ -13,14 +13,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_rank.config import Config, ConfigError, config_from_dict, load_config
+from ddp_rank.config import Config, ConfigError, config_from_dict, load_config, to_dict
+from ddp_rank.data.transforms import transform_from_config
+from ddp_rank.eval.export import embed_batches_to_arrays, write_manifest, write_part
 from ddp_rank.eval.protocols import VEHICLEID_SIZES
 from ddp_rank.eval.report import format_table, write_json
 from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
-from ddp_rank.train.checkpoint import load_model_weights, read_meta, resolve_checkpoint
-from ddp_rank.train.model import RawPixels, build_model
+from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
+from ddp_rank.model import RawPixels, build_model, load_model_weights, read_meta, resolve_checkpoint
+from ddp_rank.runtime import autocast_dtype, make_accelerator, open_shards
+from ddp_rank.runtime.shards import check_split as _check_in_manifest
 
-__all__ = ["build_eval_model", "check_split", "evaluate_cli", "results_table", "run_config"]
+__all__ = [
+    "build_eval_model",
+    "check_split",
+    "evaluate_cli",
+    "export_embeddings",
+    "load_run_config",
+    "results_table",
+]
 
 RAW_PIXEL_SIZE = 64
 """Raw-pixel baseline: images are resized to at most this side before flattening (64 x 64 x 3 = 12,288-d)."""
@@ -28,14 +39,12 @@ RAW_PIXEL_SIZE = 64
 
 def check_split(cfg: Config, split: str | None) -> None:
     """The shards open (``split`` None) and hold ``split``; errors say how to fix it."""
-    from ddp_rank.train.trainer import open_shards  # the trainer imports the evaluation: import late
-
     manifest = open_shards(cfg)
-    if split is not None and split not in manifest.splits:
-        raise ConfigError(f"split '{split}' is not in {cfg.data.shards} (it has {sorted(manifest.splits)})")
+    if split is not None:
+        _check_in_manifest(manifest, cfg, split)
 
 
-def run_config(config: str | None, checkpoint: str | None, overrides: list[str]) -> Config:
+def load_run_config(config: str | None, checkpoint: str | None, overrides: list[str]) -> Config:
     """The config to evaluate with: ``config`` if given, else the run's own ``config.yaml`` found from the
     checkpoint (a run directory, its ``checkpoints/`` folder or a ``step-*`` directory), else the config stored
     in the checkpoint's ``meta.json``. Overrides apply on top."""
@@ -103,8 +112,6 @@ def evaluate_cli(
     output: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate on every rank; rank 0 prints the table and writes/updates the JSON. Tears down the group."""
-    from ddp_rank.train.trainer import make_accelerator
-
     check_split(cfg, None)
     split, described = _splits_to_evaluate(cfg, split)
     if checkpoint is not None and baseline is not None:
@@ -113,8 +120,9 @@ def evaluate_cli(
     try:
         model, default_name = build_eval_model(cfg, checkpoint, baseline)
         model.to(accelerator.device)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
-        metrics = evaluate_model(model, cfg, split, device=accelerator.device, autocast_dtype=dtype)
+        metrics = evaluate_model(
+            model, cfg, split, device=accelerator.device, autocast_dtype=autocast_dtype(accelerator)
+        )
         label = name or default_name
         out_path = Path(output) if output else Path(cfg.train.output_dir) / "eval.json"
         if accelerator.is_main_process:
@@ -137,3 +145,74 @@ def evaluate_cli(
         accelerator.end_training()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def export_embeddings(
+    cfg: Config,
+    checkpoint: str | None,
+    output: str,
+    split: str | None = None,
+    images: str | None = None,
+    shards_url: str | None = None,
+) -> dict[str, Any]:
+    """Embed the source on every rank, each writing its part; rank 0 writes ``export.json``. Tears down."""
+    if images is None and shards_url is None:
+        split = split or cfg.data.test_split
+        if not split:
+            raise ConfigError(
+                "nothing to export: pass --split, --images or --shards-url (or set data.test_split)"
+            )
+        check_split(cfg, split)
+        source: dict[str, Any] = {"kind": "split", "shards": cfg.data.shards, "split": split}
+    elif images is not None:
+        source = {"kind": "images", "folder": images}
+    else:
+        source = {"kind": "shards_url", "url": shards_url}
+    ckpt = str(resolve_checkpoint(checkpoint).resolve()) if checkpoint else None
+    accelerator = make_accelerator(cfg)
+    try:
+        rank, world = accelerator.process_index, accelerator.num_processes
+        model, _ = build_eval_model(cfg, ckpt, None)
+        model.to(accelerator.device)
+        transform, bs = transform_from_config(cfg.data), cfg.eval.batch_size
+        if source["kind"] == "split":
+            batches = split_batches(
+                cfg.data.shards, source["split"], transform, bs, rank, world, cfg.data.num_workers
+            )
+        elif source["kind"] == "images":
+            batches = folder_batches(source["folder"], transform, bs, rank, world)
+        else:
+            batches = url_shard_batches(source["url"], transform, bs, rank, world)
+        dtype = autocast_dtype(accelerator)
+        data = embed_batches_to_arrays(model, batches, cfg.model.embedding_dim, accelerator.device, dtype)
+        write_part(output, rank, world, data)
+        accelerator.wait_for_everyone()
+        manifest: dict[str, Any] = {}
+        if accelerator.is_main_process:
+            meta = {
+                "source": source,
+                "checkpoint": ckpt,
+                "model": cfg.model.backbone,
+                # ``search`` embeds its queries in the precision the collection was embedded in.
+                "mixed_precision": str(accelerator.mixed_precision),
+                "config": to_dict(cfg),
+            }
+            manifest = write_manifest(output, world, meta)
+            print(
+                f"exported {manifest['rows']} embeddings of dim {manifest['dim']} ({_describe(source)}) to {output} "
+                f"in {world} part(s)"
+            )
+        accelerator.wait_for_everyone()
+        return manifest
+    finally:
+        accelerator.end_training()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _describe(source: dict[str, Any]) -> str:
+    if source["kind"] == "split":
+        return f"split '{source['split']}' of {source['shards']}"
+    if source["kind"] == "images":
+        return f"images under {source['folder']}"
+    return f"shards at {source['url']}"

@@ -1,4 +1,7 @@
-"""Atomic checkpoints: keep the last K and the best, find the latest, refuse an unsafe resume.
+"""Writing atomic checkpoints: keep the last K and the best, rotate, abandon a rewound timeline.
+
+Reading them (``read_meta``, ``resolve_checkpoint``, ``load_model_weights``) lives in ``ddp_rank.model.checkpoints``,
+which evaluation and export share; the names are re-exported here for the trainer's callers.
 
 Layout under ``<output_dir>/checkpoints/``::
 
@@ -30,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -38,6 +40,18 @@ from pathlib import Path
 from typing import Any
 
 from ddp_rank.atomic_io import atomic_write_text, fsync_dir, fsync_tree
+from ddp_rank.model.checkpoints import (
+    BEST_NAME,
+    META_NAME,
+    STEP_RE,
+    CheckpointError,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_model_weights,
+    read_best,
+    read_meta,
+    resolve_checkpoint,
+)
 
 __all__ = [
     "CheckpointError",
@@ -49,24 +63,6 @@ __all__ = [
     "read_meta",
     "resolve_checkpoint",
 ]
-
-META_NAME = "meta.json"
-BEST_NAME = "best.json"
-_STEP_RE = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used as asked; the message says why and how to proceed."""
-
-
-def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``meta.json`` of a checkpoint directory (raises :class:`CheckpointError` if it is not complete)."""
-    p = Path(path) / META_NAME
-    if not p.is_file():
-        raise CheckpointError(
-            f"{path} is not a complete checkpoint (no {META_NAME}); pick a step-* directory"
-        )
-    return json.loads(p.read_text())
 
 
 def check_world_size(meta: dict[str, Any], world_size: int, force: bool, where: str = "") -> None:
@@ -109,24 +105,15 @@ class CheckpointManager:
 
     def complete(self) -> list[tuple[int, Path]]:
         """Complete checkpoints as (step, path), oldest first."""
-        if not self.root.is_dir():
-            return []
-        out = []
-        for p in self.root.iterdir():
-            m = _STEP_RE.match(p.name)
-            if m and p.is_dir() and (p / META_NAME).is_file():
-                out.append((int(m.group(1)), p))
-        return sorted(out)
+        return complete_checkpoints(self.root)
 
     def latest(self) -> Path | None:
         """The complete checkpoint with the highest step, or None."""
-        ckpts = self.complete()
-        return ckpts[-1][1] if ckpts else None
+        return latest_checkpoint(self.root)
 
     def best(self) -> dict[str, Any] | None:
         """The content of ``best.json`` (step, metric, value, path) if a best checkpoint was recorded."""
-        p = self.root / BEST_NAME
-        return json.loads(p.read_text()) if p.is_file() else None
+        return read_best(self.root)
 
     # -- writes --------------------------------------------------------------------------------------------
     def cleanup_partial(self) -> list[Path]:
@@ -134,7 +121,7 @@ class CheckpointManager:
         removed: list[Path] = []
         if self.is_main and self.root.is_dir():
             for p in self.root.iterdir():
-                if p.name.startswith(".tmp-") or (_STEP_RE.match(p.name) and not (p / META_NAME).is_file()):
+                if p.name.startswith(".tmp-") or (STEP_RE.match(p.name) and not (p / META_NAME).is_file()):
                     shutil.rmtree(p, ignore_errors=True)
                     removed.append(p)
         self.barrier()
@@ -257,57 +244,3 @@ class CheckpointManager:
                 fsync_dir(self.root)
         self.barrier()
         return folder, moved
-
-
-def resolve_checkpoint(path: str | os.PathLike[str], prefer: str = "best") -> Path:
-    """A checkpoint directory from a run directory (its best, else latest), a checkpoints/ folder, or itself."""
-    p = Path(path)
-    if (p / META_NAME).is_file():
-        return p
-    for root in (p / "checkpoints", p):
-        if root.is_dir():
-            manager = CheckpointManager(root)
-            best = manager.best() if prefer == "best" else None
-            if best is not None and (root / best["path"] / META_NAME).is_file():
-                return root / best["path"]
-            latest = manager.latest()
-            if latest is not None:
-                return latest
-    raise CheckpointError(
-        f"no complete checkpoint at or under '{path}': pass a run directory or a step-* directory"
-    )
-
-
-def load_model_weights(model: Any, checkpoint: str | os.PathLike[str]) -> Path:
-    """Load the model weights of an accelerate checkpoint directory into a bare (unwrapped) model.
-
-    Reads ``model.safetensors`` (or ``pytorch_model.bin``), strips the ``module.`` prefix a DDP wrapper leaves,
-    and loads strictly, so a checkpoint of another architecture fails with the mismatching keys.
-    """
-    import torch
-
-    ckpt = Path(checkpoint)
-    st, pt = ckpt / "model.safetensors", ckpt / "pytorch_model.bin"
-    if st.is_file():
-        from safetensors.torch import load_file
-
-        state = load_file(str(st))
-    elif pt.is_file():
-        state = torch.load(str(pt), map_location="cpu", weights_only=True)
-    else:
-        raise CheckpointError(
-            f"{ckpt} holds no model.safetensors / pytorch_model.bin (a DeepSpeed checkpoint keeps the weights in "
-            "its own layout: convert it with DeepSpeed's zero_to_fp32.py first)"
-        )
-    state = {k[len("module.") :] if k.startswith("module.") else k: v for k, v in state.items()}
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    unexpected += [k for k in state if k in own and state[k].shape != own[k].shape]
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{ckpt} does not fit this model: missing {missing[:3]}, unexpected or reshaped {unexpected[:3]}; "
-            "use the config the run was trained with (its config.yaml)"
-        )
-    model.load_state_dict(state, strict=True)
-    return ckpt

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.train.checkpoint import atomic_write_text
+from ddp_rank.atomic_io import atomic_write_text
 
 __all__ = ["MetricsLogger", "read_metrics", "write_plots", "write_summary"]
 

@@ -20,7 +20,6 @@ so it restarts at the checkpoint's step; a resumed run ends with the parameters 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -42,23 +41,18 @@ from ddp_rank.eval.protocols import metric_names
 from ddp_rank.eval.report import format_table
 from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
+from ddp_rank.model import EmbeddingNet, build_model, freeze_batchnorm, init_from, is_convolutional
+from ddp_rank.model.checkpoints import CheckpointError, read_meta, resolve_checkpoint
+from ddp_rank.runtime import AGREED_ERRORS, TrainError, autocast_dtype, make_accelerator, open_shards
+from ddp_rank.runtime.data_setup import schedule_config
+from ddp_rank.runtime.determinism import set_deterministic
+from ddp_rank.runtime.failure import end_process_after_failure
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batchnorm import convert_to_cross_rank, sync_batchnorm_buffers
-from ddp_rank.train.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    check_world_size,
-    read_meta,
-    resolve_checkpoint,
-)
+from ddp_rank.train.checkpoint import CheckpointManager, check_world_size
 from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.console import StepLine, announce, peak_memory
-from ddp_rank.train.data_setup import schedule_config
-from ddp_rank.train.determinism import set_deterministic
 from ddp_rank.train.device_feed import DeviceFeed
-from ddp_rank.train.failure import end_process_after_failure
-from ddp_rank.train.init_weights import init_from
-from ddp_rank.train.model import EmbeddingNet, ModelError, build_model, freeze_batchnorm, is_convolutional
 from ddp_rank.train.optim import build_optimizer, build_scheduler, lr_factor
 from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, write_summary
 from ddp_rank.train.resume_check import describe_changes, resume_changes, tensor_changes
@@ -72,10 +66,6 @@ __all__ = [
     "make_accelerator",
     "run_training",
 ]
-
-
-class TrainError(RuntimeError):
-    """A run that cannot start or continue as configured; the message says what to change."""
 
 
 def build_loss(cfg: Config) -> ListwiseLoss:
@@ -95,24 +85,6 @@ def build_loss(cfg: Config) -> ListwiseLoss:
             variant=lc.pnp_variant, tau=lc.tau, b=lc.b, alpha=lc.alpha, count_self=lc.count_self, **common
         )
     return SmoothAPLoss(tau=lc.tau, count_self=lc.count_self, **common)
-
-
-def open_shards(cfg: Config) -> Manifest:
-    """The manifest of ``data.shards``, or an error that says how to get one."""
-    if not cfg.data.shards:
-        raise ConfigError(
-            "data.shards is empty: set it to a shard directory built by `ddp-rank shards build`"
-        )
-    try:
-        manifest = Manifest.load(cfg.data.shards)
-    except FileNotFoundError as exc:
-        raise TrainError(
-            f"data.shards='{cfg.data.shards}': {exc}. Build the shards first (`ddp-rank shards build SOURCE "
-            f"{cfg.data.shards}`) or point data.shards at an existing shard directory"
-        ) from exc
-    except ValueError as exc:
-        raise TrainError(f"data.shards='{cfg.data.shards}': {exc}") from exc
-    return manifest
 
 
 def check_evaluation(cfg: Config) -> None:
@@ -155,64 +127,6 @@ def check_inputs(cfg: Config) -> Manifest:
         )
     check_evaluation(cfg)
     return manifest
-
-
-def resolve_mixed_precision(configured: str, launcher: str | None = None) -> str:
-    """The one precision of a run, from ``train.mixed_precision`` and the launcher's (``accelerate launch``
-    exports it as ACCELERATE_MIXED_PRECISION; "no" there is also what it exports when nothing was asked)."""
-    launcher = (
-        launcher if launcher is not None else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    ).lower()
-    if configured == "auto":
-        return launcher if launcher in ("fp16", "bf16") else "no"
-    if launcher in ("fp16", "bf16") and launcher != configured:
-        raise ConfigError(
-            f"the launcher asks for mixed precision {launcher} but train.mixed_precision={configured}: set "
-            f"train.mixed_precision=auto (or {launcher}) to follow the launcher, or change the launcher's "
-            "mixed_precision"
-        )
-    return configured
-
-
-def make_accelerator(cfg: Config) -> Any:
-    """An ``Accelerator`` for this machine: gloo on CPU (also under ``accelerate launch --multi_gpu`` with no
-    GPU), NCCL on GPUs, DeepSpeed when the launcher config asks for it."""
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
-
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    cpu = cfg.distributed.cpu or not torch.cuda.is_available() or _too_few_gpus()
-    if deepspeed and cpu:
-        # Checked with accelerate 1.15: Accelerator(cpu=True) silently drops the DeepSpeed plugin (plain DDP),
-        # and Accelerator(cpu=False) without a GPU reports every process as rank 0 of 1. Neither is what was asked.
-        raise TrainError(
-            "a DeepSpeed launcher config needs one GPU per process (accelerate cannot run DeepSpeed on CPU "
-            "processes); on CPU use launch/accelerate_cpu_2proc.yaml"
-        )
-    return Accelerator(
-        cpu=cpu,
-        mixed_precision=resolve_mixed_precision(cfg.train.mixed_precision),
-        kwargs_handlers=[
-            DistributedDataParallelKwargs(find_unused_parameters=cfg.distributed.find_unused_parameters)
-        ],
-    )
-
-
-def _too_few_gpus() -> bool:
-    """More processes on this node than visible GPUs (a 2-process CPU launcher on a 1-GPU machine): NCCL refuses
-    two ranks on one device, so these processes run on the CPU with gloo, and rank 0 says so."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    gpus = torch.cuda.device_count()
-    if local <= gpus:
-        return False
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(
-            f"ddp-rank train: {local} processes on this node but {gpus} GPU(s): training on the CPU (gloo). "
-            "Launch one process per GPU (--num_processes) to use them.",
-            file=sys.stderr,
-            flush=True,
-        )
-    return True
 
 
 @dataclass
@@ -602,7 +516,7 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """Retrieval metrics on ``data.test_split`` (all ranks; same numbers everywhere)."""
         self.sync_batchnorm()
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(self.accelerator.mixed_precision))
+        dtype = autocast_dtype(self.accelerator)
         with torch.random.fork_rng(devices=[]):  # evaluation must not shift the training RNG stream
             return evaluate_model(
                 self.unwrapped,
@@ -834,10 +748,6 @@ class Trainer:
         if self._batches is not None:
             self._batches.close()
             self._batches = None
-
-
-AGREED_ERRORS = (ConfigError, ModelError, CheckpointError, TrainError)
-"""The trainer's own errors: raised on every rank alike, so every rank can unwind (``ddp_rank.train.failure``)."""
 
 
 def run_training(cfg: Config) -> dict[str, Any]:

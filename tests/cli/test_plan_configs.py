@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tests.helpers.dataset_shapes import write
 
 from ddp_rank.cli import main
+from ddp_rank.cli.plan import describe_plan
 from ddp_rank.config import load_config
 from ddp_rank.data.manifest import Manifest
-from ddp_rank.train.plan_cli import describe_plan
+from tests.helpers.dataset_shapes import write
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 # The world sizes each config is meant for (its header comment): one GPU and the launchers' node sizes.

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tests.helpers.distributed import run_distributed
 
 from ddp_rank.distributed.agreement import RankFailure, gather_counts, raise_if_any_failed
+from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.distributed import run_distributed
 from torch.testing import assert_close
 
 from ddp_rank.distributed import CommCounter, GlobalBatchLoss, global_batch_loss
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
+from tests.helpers.distributed import run_distributed
 
 LOSSES = ["fastap", "fastap-chunked", "pnp-O", "pnp-Iu", "pnp-Ib", "pnp-Ds", "pnp-Dq", "smooth-ap"]
 # (world size, local sizes): uneven, and one rank without any sample.

@@ -155,7 +155,7 @@ def test_vehicleid_splits_from_the_data_layer_recipe(tmp_path: Path) -> None:
     from ddp_rank.data.listing import read_image_folder
     from ddp_rank.data.synthetic import write_image_folder
     from ddp_rank.eval.runner import evaluate_model
-    from ddp_rank.train.model import build_model
+    from ddp_rank.model.net import build_model
 
     write_image_folder(tmp_path / "img", [[3] * 6, [3] * 6], image_size=16)
     records = []

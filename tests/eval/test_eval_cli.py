@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.helpers.recipe_datasets import recipe_shards
-from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
 from ddp_rank.train.trainer import run_training
+from tests.helpers.recipe_datasets import recipe_shards
+from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
 
 @pytest.fixture(scope="module")
@@ -72,18 +72,18 @@ def test_one_vehicleid_list_by_split_name(
 
 
 def test_config_comes_from_the_run_or_the_checkpoint(run_dir: Path, tmp_path: Path) -> None:
-    from ddp_rank.eval.workflow import run_config
+    from ddp_rank.eval.workflow import load_run_config
 
     step_dir = next((run_dir / "checkpoints").glob("step-*"))
     for where in (run_dir, run_dir / "checkpoints", step_dir):
-        assert run_config(None, str(where), []).model.embedding_dim == 12
-    assert run_config(None, str(run_dir), ["model.embedding_dim=7"]).model.embedding_dim == 7
+        assert load_run_config(None, str(where), []).model.embedding_dim == 12
+    assert load_run_config(None, str(run_dir), ["model.embedding_dim=7"]).model.embedding_dim == 7
     # A checkpoint copied away from its run still carries its config in meta.json.
     import shutil
 
     lone = tmp_path / "copied" / "step"
     shutil.copytree(step_dir, lone)
-    assert run_config(None, str(lone), []).model.embedding_dim == 12
+    assert load_run_config(None, str(lone), []).model.embedding_dim == 12
 
 
 def test_eval_without_a_config_or_checkpoint_says_what_to_pass(capsys: pytest.CaptureFixture) -> None:

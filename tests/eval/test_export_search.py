@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards, launch
 
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
@@ -19,8 +18,9 @@ from ddp_rank.eval.index import IndexSpec, SearchIndex
 from ddp_rank.eval.retrieval import ExactSearch, knn_search
 from ddp_rank.eval.runner import embed_split, key_index
 from ddp_rank.eval.search import Searcher
-from ddp_rank.eval.workflow import build_eval_model, run_config
+from ddp_rank.eval.workflow import build_eval_model, load_run_config
 from ddp_rank.train.trainer import run_training
+from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards, launch
 
 pytest.importorskip("faiss")
 
@@ -54,7 +54,7 @@ def test_export_holds_the_evaluation_embeddings_with_keys_labels_categories(tiny
     assert data.meta["source"] == {"kind": "split", "shards": str(tiny["shards"]), "split": "test"}
     assert set(data.categories.tolist()) == {"cat0", "cat1", "cat2"}
     assert all(int(k[1:8]) == label for k, label in zip(data.keys, data.labels))  # key c<class>_<n>
-    cfg = run_config(None, str(tiny["run"]), [])
+    cfg = load_run_config(None, str(tiny["run"]), [])
     model, _ = build_eval_model(cfg, str(tiny["run"]), None)
     evaluated = embed_split(model, cfg, "test")  # the evaluation's rows, sorted by the key hash
     order = np.argsort([key_index(k) for k in data.keys])

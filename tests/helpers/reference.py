@@ -44,7 +44,9 @@ def reference_files() -> list[str]:
     listed = sorted({entry["file"] for entry in json.loads(manifest.read_text())})
     missing = [name for name in listed if not (REFERENCE_DIR / name).is_file()]
     if missing:
-        raise FileNotFoundError(f"{len(missing)} reference file(s) listed in {manifest} are missing, e.g. {missing[0]}")
+        raise FileNotFoundError(
+            f"{len(missing)} reference file(s) listed in {manifest} are missing, e.g. {missing[0]}"
+        )
     return listed
 
 

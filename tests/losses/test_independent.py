@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from tests.helpers import brute_force
 import pytest
 import torch
 from pytorch_metric_learning import losses as pml
 
 from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss
+from tests.helpers import brute_force
 
 VARIANTS = ["O", "Iu", "Ib", "Ds", "Dq"]
 

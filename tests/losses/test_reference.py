@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from tests.helpers.reference import REFERENCE_DIR, load_case, reference_files
 
 FILES = reference_files()

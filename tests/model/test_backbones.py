@@ -11,9 +11,9 @@ from torch.testing import assert_close
 
 from ddp_rank.config import ConfigError, ModelConfig
 from ddp_rank.losses import FastAPLoss
+from ddp_rank.model.backbones import Pooling
+from ddp_rank.model.net import ModelError, build_model, has_batchnorm
 from ddp_rank.train import PlainBackend, forward_backward
-from ddp_rank.train.backbones import Pooling
-from ddp_rank.train.model import ModelError, build_model, has_batchnorm
 
 timm = pytest.importorskip("timm")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddp_rank.config import ModelConfig, OptimConfig
-from ddp_rank.train.model import (
+from ddp_rank.model.net import (
     EmbeddingNet,
     ModelError,
     RawPixels,

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.distributed import run_distributed
 from torch import nn
 
 from ddp_rank.train.batchnorm import CrossRankBatchNorm, batchnorm_buffers, convert_to_cross_rank
+from tests.helpers.distributed import run_distributed
 
 SIZES = (3, 5)  # uneven local batches: the global statistics weight rows, not ranks
 
@@ -150,10 +150,9 @@ def test_a_chunked_step_after_a_direct_one_uses_the_same_statistics_in_both_pass
 
 
 def _trainer_worker(rank: int, world: int, shards: str, out: str, extra: tuple[str, ...]) -> dict[str, object]:
-    from tests.helpers.training import TINY_OVERRIDES
-
     from ddp_rank.config import load_config
     from ddp_rank.train.trainer import Trainer
+    from tests.helpers.training import TINY_OVERRIDES
 
     cfg = load_config(
         None, [*TINY_OVERRIDES, f"data.shards={shards}", f"train.output_dir={out}", "train.steps=3", *extra]
@@ -178,12 +177,11 @@ def _trainer_worker(rank: int, world: int, shards: str, out: str, extra: tuple[s
 def test_evaluation_equals_the_saved_checkpoint_rescored(sync_bn: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """2 ranks: the evaluation and the checkpoint see one model (the ranks' averaged BatchNorm statistics), so
     re-scoring the checkpoint in one process gives the logged numbers."""
-    from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
-
     from ddp_rank.config import load_config
     from ddp_rank.eval.runner import evaluate_model
+    from ddp_rank.model.net import build_model
     from ddp_rank.train.checkpoint import load_model_weights
-    from ddp_rank.train.model import build_model
+    from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
     shards = build_tiny_shards(tmp_path / "data")
     extra = (f"model.sync_bn={str(sync_bn).lower()}",)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.helpers.training import REPO, TINY_OVERRIDES, build_tiny_shards, cpu_env
 
 
@@ -16,7 +17,7 @@ def test_demo_driver_on_tiny_shards(tmp_path: Path) -> None:
     shards = build_tiny_shards(tmp_path)
     out = tmp_path / "demo"
     overrides = [o for o in TINY_OVERRIDES if not o.startswith("eval.ks")]
-    cmd = [sys.executable, "-m", "ddp_rank.train.demo", "--out", str(out), "--shards", str(shards), "--steps", "3",
+    cmd = [sys.executable, "-m", "ddp_rank.cli.demo", "--out", str(out), "--shards", str(shards), "--steps", "3",
            *overrides, "eval.ks=1,10", "model.weights=none"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400, env=cpu_env())
     assert proc.returncode == 0, proc.stderr[-3000:]

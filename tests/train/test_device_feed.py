@@ -14,8 +14,8 @@ import torch
 
 from ddp_rank.config import ModelConfig
 from ddp_rank.data.transforms import TransformConfig, collate_images, normalize_batch, uint8_to_unit
+from ddp_rank.model.net import RawPixels, build_model, is_convolutional
 from ddp_rank.train.device_feed import DeviceFeed
-from ddp_rank.train.model import RawPixels, build_model, is_convolutional
 
 
 def pixels(n: int = 6, side: int = 16, seed: int = 0) -> list[torch.Tensor]:

@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from tests.helpers.distributed import run_distributed
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing import assert_close
@@ -23,6 +22,7 @@ from ddp_rank.train import (
     backend_for_accelerator,
     forward_backward,
 )
+from tests.helpers.distributed import run_distributed
 
 D_IN, STEPS, CHUNK = 6, 3, 3
 SPLITS = {2: (6, 10), 3: (7, 0, 9)}  # uneven; W=3 has a rank without samples (it takes the direct path)

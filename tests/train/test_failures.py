@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.helpers.training import REPO, TINY_OVERRIDES, build_tiny_shards, cpu_env, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
 from ddp_rank.cli import main
 from ddp_rank.config import ConfigError, load_config
+from ddp_rank.model.net import ModelError
 from ddp_rank.train.checkpoint import CheckpointError, resolve_checkpoint
-from ddp_rank.train.model import ModelError
 from ddp_rank.train.trainer import Trainer, run_training
+from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +66,8 @@ def test_init_from_a_run_with_a_changed_head_size(
 
 
 def test_init_from_files_and_mismatches(shards: Path, source_run: Path, tmp_path: Path) -> None:
-    from ddp_rank.train.init_weights import init_from
-    from ddp_rank.train.model import build_model
+    from ddp_rank.model.init_weights import init_from
+    from ddp_rank.model.net import build_model
 
     cfg = cfg_for(shards, tmp_path)
     source = weights_of(source_run)

@@ -76,10 +76,9 @@ def test_a_run_without_a_terminal_reports_what_it_does(tmp_path: Path, capsys: p
     checkpoints, the best model, and on a second start the resume."""
     import re
 
-    from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
-
     from ddp_rank.config import load_config
     from ddp_rank.train.trainer import run_training
+    from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
     shards = build_tiny_shards(tmp_path / "data")
     args = [*TINY_OVERRIDES, f"data.shards={shards}", f"train.output_dir={tmp_path / 'run'}", "train.log_every=2",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.helpers.training import (
     REPO,
     TINY_OVERRIDES,

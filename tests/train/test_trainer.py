@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards, final_weights
 
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
 from ddp_rank.train.checkpoint import CheckpointError
 from ddp_rank.train.trainer import Trainer, TrainError, check_inputs, run_training
+from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards, final_weights
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +195,7 @@ def test_one_source_of_truth_for_the_precision(
     shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ddp_rank.config import ConfigError
-    from ddp_rank.train.trainer import resolve_mixed_precision
+    from ddp_rank.runtime import resolve_mixed_precision
 
     assert resolve_mixed_precision("auto", "bf16") == "bf16"
     assert resolve_mixed_precision("auto", "no") == "no"

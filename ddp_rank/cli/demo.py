@@ -1,7 +1,7 @@
 """The emoji demo, end to end on CPU or GPUs: shards -> baselines -> FastAP training -> Recall table.
 
-    python -m ddp_rank.train.demo                     # what `make demo` runs; outputs under runs/demo/
-    python -m ddp_rank.train.demo --steps 40          # shorter
+    python -m ddp_rank.cli.demo                     # what `make demo` runs; outputs under runs/demo/
+    python -m ddp_rank.cli.demo --steps 40          # shorter
 
 Steps (each skipped when its output exists, so a second run only retrains):
 

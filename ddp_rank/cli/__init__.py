@@ -1,24 +1,25 @@
-"""The ``ddp-rank`` command: a thin dispatcher over the sub-commands each layer registers.
+"""The ``ddp-rank`` command: a thin dispatcher over the sub-commands of this package.
 
-Each sub-command lives beside the code it drives and exposes ``register(subparsers)``, which adds its
-parser and sets ``func`` (a callable taking the parsed namespace and returning an exit code). This file holds
-no logic of its own.
+Every command-line front end lives here, at the top of the layers, one module per group of sub-commands
+(``shards``, ``plan``, ``train``, ``eval``, ``deploy`` for export / index / search). Each exposes
+``register(subparsers)``, which adds its parser and sets ``func`` (a callable taking the parsed namespace and
+returning an exit code); the work itself is in the library below. Config-driven commands take their
+``--config`` and overrides from ``ddp_rank.cli.arguments``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from collections.abc import Sequence
 
 # Modules that provide a ``register(subparsers)`` function, in the order they appear in ``--help``.
 _COMMAND_MODULES: tuple[str, ...] = (
-    "ddp_rank.data.shards_cli",
-    "ddp_rank.train.plan_cli",
-    "ddp_rank.train.cli",
-    "ddp_rank.eval.cli",
-    "ddp_rank.eval.serve_cli",
+    "ddp_rank.cli.shards",
+    "ddp_rank.cli.plan",
+    "ddp_rank.cli.train",
+    "ddp_rank.cli.eval",
+    "ddp_rank.cli.deploy",
 )
 
 
@@ -52,7 +53,3 @@ def parse_command(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_command(argv)
     return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``ddp-rank train --config FILE [section.key=value ...]``: thin; the loop is ``ddp_rank.train.trainer``.
+"""``ddp-rank train --config FILE [section.key=value ...]``: thin; the loop is ``ddp_rank.train``.
 
 Examples::
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ddp_rank.cli.arguments import add_config_arguments
 from ddp_rank.config import ConfigError, describe, load_config
 
 __all__ = ["register", "run"]
@@ -28,8 +29,7 @@ def register(subparsers: Any) -> None:
         description="Train with the config FILE, overridden by section.key=value pairs "
         "(see --help-config). The merged config is saved as OUTPUT_DIR/config.yaml.",
     )
-    p.add_argument("--config", help="experiment YAML (configs/*.yaml); defaults are used without it")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    add_config_arguments(p, "experiment YAML (configs/*.yaml); defaults are used without it")
     p.add_argument("--help-config", action="store_true", help="list every config key and exit")
     p.set_defaults(func=run)
 
@@ -39,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
     if args.help_config:
         print(describe())
         return 0
-    from ddp_rank.train.failure import launch_rank, report_agreed_error
-    from ddp_rank.train.trainer import AGREED_ERRORS, run_training
+    from ddp_rank.runtime import AGREED_ERRORS
+    from ddp_rank.runtime.failure import launch_rank, report_agreed_error
+    from ddp_rank.train.trainer import run_training
 
     try:
         cfg = load_config(args.config, args.overrides)

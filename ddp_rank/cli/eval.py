@@ -17,6 +17,7 @@ import argparse
 import sys
 from typing import Any
 
+from ddp_rank.cli.arguments import add_config_arguments
 from ddp_rank.config import ConfigError
 
 __all__ = ["register", "run"]
@@ -29,11 +30,10 @@ def register(subparsers: Any) -> None:
         help="retrieval evaluation (Recall@k, MAP@R) with the SOP / In-Shop / VehicleID protocols",
         description="Embed the test split of data.shards and report Recall@k and MAP@R (eval.protocol).",
     )
-    p.add_argument(
-        "--config",
-        help="experiment YAML; default with --checkpoint: the run's own config.yaml (else the checkpoint's meta.json)",
+    add_config_arguments(
+        p,
+        "experiment YAML; default with --checkpoint: the run's own config.yaml (else the checkpoint's meta.json)",
     )
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.add_argument(
         "--checkpoint", help="run directory (its best, else latest checkpoint) or a step-* directory"
     )
@@ -54,13 +54,12 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Parse, evaluate, print. Setup errors print one clear line and exit 2."""
     from ddp_rank.eval.protocols import EvalError
-    from ddp_rank.eval.workflow import evaluate_cli, run_config
-    from ddp_rank.train.checkpoint import CheckpointError
-    from ddp_rank.train.model import ModelError
-    from ddp_rank.train.trainer import TrainError
+    from ddp_rank.eval.workflow import evaluate_cli, load_run_config
+    from ddp_rank.model import CheckpointError, ModelError
+    from ddp_rank.runtime import TrainError
 
     try:
-        cfg = run_config(args.config, args.checkpoint, args.overrides)
+        cfg = load_run_config(args.config, args.checkpoint, args.overrides)
         evaluate_cli(
             cfg,
             checkpoint=args.checkpoint,

@@ -26,7 +26,7 @@ from torch import nn
 
 from ddp_rank.config import BACKBONES, TIMM_PREFIX, ModelConfig
 from ddp_rank.data.transforms import uint8_to_unit
-from ddp_rank.train.backbones import build_timm_backbone, replace_pooling
+from ddp_rank.model.backbones import build_timm_backbone, replace_pooling
 
 __all__ = [
     "BACKBONES",

@@ -19,9 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.config import Config, ConfigError, to_dict
+from ddp_rank.cli.arguments import add_config_arguments
+from ddp_rank.config import ConfigError
 
-__all__ = ["export_cli", "register"]
+__all__ = ["register"]
 
 
 def register(subparsers: Any) -> None:
@@ -32,13 +33,12 @@ def register(subparsers: Any) -> None:
         description="Embed every image of the source with a checkpoint; each process writes its part as .npz.",
     )
     p.add_argument("--checkpoint", help="run directory (best, else latest checkpoint) or a step-* directory")
-    p.add_argument("--config", help="experiment YAML; default: the run's own config.yaml")
+    add_config_arguments(p, "experiment YAML; default: the run's own config.yaml")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--split", help="split of data.shards (default: data.test_split)")
     source.add_argument("--images", help="a folder of images (searched recursively; keys: relative paths)")
     source.add_argument("--shards-url", help="WebDataset shards: a URL or path, brace patterns allowed")
     p.add_argument("--output", required=True, help="export directory to write")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.set_defaults(func=_run_export)
 
     p = subparsers.add_parser(
@@ -76,94 +76,19 @@ def _errors() -> tuple[type[Exception], ...]:
     from ddp_rank.eval.index import IndexBuildError
     from ddp_rank.eval.protocols import EvalError
     from ddp_rank.eval.sources import SourceError
-    from ddp_rank.train.checkpoint import CheckpointError
-    from ddp_rank.train.model import ModelError
-    from ddp_rank.train.trainer import TrainError
+    from ddp_rank.model import CheckpointError, ModelError
+    from ddp_rank.runtime import TrainError
 
     return (ConfigError, ModelError, CheckpointError, TrainError, EvalError, SourceError, IndexBuildError,
             FileNotFoundError)  # fmt: skip
 
 
-def export_cli(
-    cfg: Config,
-    checkpoint: str | None,
-    output: str,
-    split: str | None = None,
-    images: str | None = None,
-    shards_url: str | None = None,
-) -> dict[str, Any]:
-    """Embed the source on every rank, each writing its part; rank 0 writes ``export.json``. Tears down."""
-    import torch
-    import torch.distributed as dist
-
-    from ddp_rank.data.transforms import transform_from_config
-    from ddp_rank.eval.export import embed_batches_to_arrays, write_manifest, write_part
-    from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
-    from ddp_rank.eval.workflow import build_eval_model, check_split
-    from ddp_rank.train.checkpoint import resolve_checkpoint
-    from ddp_rank.train.trainer import make_accelerator
-
-    if images is None and shards_url is None:
-        split = split or cfg.data.test_split
-        if not split:
-            raise ConfigError(
-                "nothing to export: pass --split, --images or --shards-url (or set data.test_split)"
-            )
-        check_split(cfg, split)
-        source: dict[str, Any] = {"kind": "split", "shards": cfg.data.shards, "split": split}
-    elif images is not None:
-        source = {"kind": "images", "folder": images}
-    else:
-        source = {"kind": "shards_url", "url": shards_url}
-    ckpt = str(resolve_checkpoint(checkpoint).resolve()) if checkpoint else None
-    accelerator = make_accelerator(cfg)
-    try:
-        rank, world = accelerator.process_index, accelerator.num_processes
-        model, _ = build_eval_model(cfg, ckpt, None)
-        model.to(accelerator.device)
-        transform, bs = transform_from_config(cfg.data), cfg.eval.batch_size
-        if source["kind"] == "split":
-            batches = split_batches(
-                cfg.data.shards, source["split"], transform, bs, rank, world, cfg.data.num_workers
-            )
-        elif source["kind"] == "images":
-            batches = folder_batches(source["folder"], transform, bs, rank, world)
-        else:
-            batches = url_shard_batches(source["url"], transform, bs, rank, world)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
-        data = embed_batches_to_arrays(model, batches, cfg.model.embedding_dim, accelerator.device, dtype)
-        write_part(output, rank, world, data)
-        accelerator.wait_for_everyone()
-        manifest: dict[str, Any] = {}
-        if accelerator.is_main_process:
-            meta = {"source": source, "checkpoint": ckpt, "model": cfg.model.backbone, "config": to_dict(cfg)}
-            manifest = write_manifest(output, world, meta)
-            print(
-                f"exported {manifest['rows']} embeddings of dim {manifest['dim']} ({_describe(source)}) to {output} "
-                f"in {world} part(s)"
-            )
-        accelerator.wait_for_everyone()
-        return manifest
-    finally:
-        accelerator.end_training()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _describe(source: dict[str, Any]) -> str:
-    if source["kind"] == "split":
-        return f"split '{source['split']}' of {source['shards']}"
-    if source["kind"] == "images":
-        return f"images under {source['folder']}"
-    return f"shards at {source['url']}"
-
-
 def _run_export(args: argparse.Namespace) -> int:
-    from ddp_rank.eval.workflow import run_config
+    from ddp_rank.eval.workflow import export_embeddings, load_run_config
 
     try:
-        cfg = run_config(args.config, args.checkpoint, args.overrides)
-        export_cli(cfg, args.checkpoint, args.output, args.split, args.images, args.shards_url)
+        cfg = load_run_config(args.config, args.checkpoint, args.overrides)
+        export_embeddings(cfg, args.checkpoint, args.output, args.split, args.images, args.shards_url)
     except _errors() as exc:
         return _fail("export", exc)
     return 0

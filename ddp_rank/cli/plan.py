@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from ddp_rank.cli.arguments import add_config_arguments
 from ddp_rank.config import Config, ConfigError, load_config
 
 EXIT_CANNOT_START = 1
@@ -30,7 +31,7 @@ def register(subparsers: Any) -> None:
         "plan",
         help="dry run: steps per epoch, categories used and left out, per-rank batch and memory, from the manifest",
     )
-    p.add_argument("--config", help="experiment YAML (configs/*.yaml)")
+    add_config_arguments(p, "experiment YAML (configs/*.yaml)")
     p.add_argument(
         "--world-size",
         type=int,
@@ -38,7 +39,6 @@ def register(subparsers: Any) -> None:
         help="number of processes (GPUs) to plan for (default: $WORLD_SIZE or 1)",
     )
     p.add_argument("--steps", type=int, default=3, help="steps to draw and deal as a check (default 3)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.set_defaults(func=run)
 
 
@@ -52,7 +52,7 @@ def describe_plan(cfg: Config, world_size: int, steps: int = 3) -> tuple[list[tu
     """(facts, problems) of ``cfg`` on ``world_size`` ranks; an empty problem list means the run can start."""
     from ddp_rank.data.manifest import Manifest
     from ddp_rank.data.plan import Catalog, GlobalPlan, PlanError, deal
-    from ddp_rank.train.data_setup import schedule_config
+    from ddp_rank.runtime.data_setup import schedule_config
 
     data = cfg.data
     facts: list[tuple[str, str]] = [("shards", data.shards), ("split", data.train_split)]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_rank.train.checkpoint import CheckpointError, resolve_checkpoint
+from ddp_rank.model.checkpoints import CheckpointError, resolve_checkpoint
 
 __all__ = ["InitReport", "init_from", "read_weights"]
 
