@@ -6,7 +6,7 @@ then the position to resume from, and the next ``iter`` starts there (the next e
 are not persistent, because each epoch's workers must see the stream's position when they start.
 
 A consumer that reads ahead (the trainer's ``DeviceFeed``) takes batches before it uses them: it passes
-``track_position=False`` and calls ``stream.advance(batch)`` itself when a batch is used.
+``track_position=False`` and reports each batch it hands on with :meth:`StreamLoader.consumed`.
 """
 
 from __future__ import annotations
@@ -49,5 +49,9 @@ class StreamLoader:
         )
         for batch in loader:
             if self.track_position:
-                self.stream.advance(batch)
+                self.consumed(batch)
             yield batch
+
+    def consumed(self, batch: Any) -> None:
+        """Record that ``batch`` was used: the next ``iter`` (and ``stream.state_dict()``) starts after it."""
+        self.stream.advance(batch)

@@ -42,6 +42,20 @@ class PlanError(ValueError):
     """The sampler settings cannot be met by these shards; the message says why and what to change."""
 
 
+def local_batch_size(global_batch: int, world_size: int) -> int:
+    """Each rank's share of a global batch: every rank holds exactly ``global_batch / world_size`` images (the
+    one definition the dealing, the stream and the trainer's layout share); raises PlanError when it does not
+    divide."""
+    if world_size < 1:
+        raise PlanError(f"world_size must be at least 1, got {world_size}")
+    if global_batch % world_size:
+        raise PlanError(
+            f"a global batch of {global_batch} images is not divisible by {world_size} ranks: every rank must "
+            "hold the same number of images"
+        )
+    return global_batch // world_size
+
+
 class Piece(NamedTuple):
     """Images of one class in a step: ``images`` are indices into the class's stored samples (a ``range`` for
     a whole class). A named tuple: a 65,536-image step has thousands of them."""
@@ -389,10 +403,7 @@ def deal(plan: StepPlan, world_size: int, seed: int = 0, strict: bool = False) -
     are still in the global batch, which is what the loss ranks against. ``strict`` raises ``PlanError``
     instead (``ddp-rank plan`` reports it).
     """
-    total = plan.size
-    if total % world_size:
-        raise PlanError(f"a global batch of {total} images cannot be dealt evenly to {world_size} ranks")
-    local = total // world_size
+    local = local_batch_size(plan.size, world_size)
     rng = np.random.default_rng([seed, plan.epoch, plan.step, 19])
     queue = [plan.pieces[int(i)] for i in rng.permutation(len(plan.pieces))]
     search = _DealSearch([p.size for p in queue], world_size, local, DEAL_SEARCH_STEPS)

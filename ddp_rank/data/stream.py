@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, deal
+from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, deal, local_batch_size
 from ddp_rank.data.reader import ClassReader, ClassReadError
 from ddp_rank.data.schedule import ScheduleConfig
 from ddp_rank.data.tario import SpanSample
@@ -114,13 +114,8 @@ class ShardStream(IterableDataset):
         self.manifest = shards if isinstance(shards, Manifest) else Manifest.load(shards)
         self.split = split
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
-        if global_batch % self.world_size:
-            raise ValueError(
-                f"global_batch {global_batch} is not divisible by world_size {self.world_size}: every rank must "
-                "hold the same number of images"
-            )
         self.global_batch = global_batch
-        self.local_batch = global_batch // self.world_size
+        self.local_batch = local_batch_size(global_batch, self.world_size)
         self.num_workers = num_workers
         self.schedule_config = schedule or ScheduleConfig()
         self.transform_config = transform or TransformConfig()

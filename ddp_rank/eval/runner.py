@@ -54,10 +54,12 @@ def read_eval_batches(
     num_workers: int | None = None,
     rank_: int | None = None,
     world: int | None = None,
+    manifest: Manifest | None = None,
 ) -> Iterator[EvalBatch]:
-    """This rank's batches of ``split`` as :class:`EvalBatch` (uint8 images: the models convert them)."""
+    """This rank's batches of ``split`` as :class:`EvalBatch` (uint8 images: the models convert them).
+    ``manifest``: the already loaded manifest of ``data.shards`` (read from there when None)."""
     reader = EvalShards(
-        cfg.data.shards,
+        manifest if manifest is not None else cfg.data.shards,
         split=split,
         batch_size=cfg.eval.batch_size,
         transform=transform_from_config(cfg.data, pixels="uint8"),  # the model scales them on its device
@@ -83,11 +85,11 @@ def embed_split(
     device: torch.device | str = "cpu",
     autocast_dtype: torch.dtype | None = None,
     num_workers: int | None = None,
+    manifest: Manifest | None = None,
 ) -> EmbeddedSet:
     """Embed ``split`` on all ranks and gather it onto every rank (rows sorted by sample key hash)."""
-    e, y, bits, idx = embed_batches(
-        model, read_eval_batches(cfg, split, num_workers), device=device, autocast_dtype=autocast_dtype
-    )
+    batches = read_eval_batches(cfg, split, num_workers, manifest=manifest)
+    e, y, bits, idx = embed_batches(model, batches, device=device, autocast_dtype=autocast_dtype)
     return gather_embedded(e, y, bits, idx, device=device)
 
 
@@ -98,16 +100,23 @@ def evaluate_model(
     device: torch.device | str = "cpu",
     autocast_dtype: torch.dtype | None = None,
     num_workers: int | None = None,
+    manifest: Manifest | None = None,
 ) -> dict[str, Any]:
     """Recall@k / MAP@R of ``model`` on ``split`` (default ``data.test_split``) with ``eval.protocol``.
 
-    Must be called on every rank; returns the same dict on every rank.
+    Must be called on every rank; returns the same dict on every rank. ``manifest``: the loaded manifest of
+    ``data.shards`` (the trainer passes its own, so a periodic evaluation reads no manifest); loaded once here
+    when None.
     """
+    manifest = manifest if manifest is not None else Manifest.load(cfg.data.shards)
     if cfg.eval.protocol == "vehicleid":
-        per_size = vehicleid_splits(cfg) if split is None else _vehicleid_list_split(split)
+        per_size = vehicleid_splits(cfg, manifest) if split is None else _vehicleid_list_split(split)
         if per_size:
-            return _evaluate_vehicleid_splits(model, cfg, per_size, device, autocast_dtype, num_workers)
-    data = embed_split(model, cfg, split or cfg.data.test_split, device, autocast_dtype, num_workers)
+            return _evaluate_vehicleid_splits(
+                model, cfg, per_size, device, autocast_dtype, num_workers, manifest
+            )
+    target = split or cfg.data.test_split
+    data = embed_split(model, cfg, target, device, autocast_dtype, num_workers, manifest)
     return score(data, cfg, device=device)
 
 
@@ -117,10 +126,10 @@ def _vehicleid_list_split(split: str) -> dict[str, str]:
     return {size: split} if split.startswith("test_") and size in VEHICLEID_SIZES else {}
 
 
-def vehicleid_splits(cfg: Config) -> dict[str, str]:
+def vehicleid_splits(cfg: Config, manifest: Manifest | None = None) -> dict[str, str]:
     """``{size: split}`` for the VehicleID test lists stored as splits ``test_small`` / ``test_medium`` /
     ``test_large`` (the data layer's VehicleID recipe); empty when the shards carry subset tokens instead."""
-    splits = Manifest.load(cfg.data.shards).splits
+    splits = (manifest if manifest is not None else Manifest.load(cfg.data.shards)).splits
     found = {size: f"test_{size}" for size in cfg.eval.vehicleid_sizes if f"test_{size}" in splits}
     missing = [s for s in cfg.eval.vehicleid_sizes if s not in found]
     if found and missing:
@@ -138,11 +147,12 @@ def _evaluate_vehicleid_splits(
     device: torch.device | str,
     autocast_dtype: torch.dtype | None,
     num_workers: int | None,
+    manifest: Manifest,
 ) -> dict[str, Any]:
     """VehicleID with one split per test list: embed each list, mark it with its size, run the protocol."""
     out: dict[str, Any] = {}
     for size, split in per_size.items():
-        data = embed_split(model, cfg, split, device, autocast_dtype, num_workers)
+        data = embed_split(model, cfg, split, device, autocast_dtype, num_workers, manifest)
         data.subset_bits = data.subset_bits | (1 << SUBSET_TOKENS.index(size))
         result = score(data, cfg, vehicleid_sizes=[size], device=device)
         out.update({k: v for k, v in result.items() if k.startswith(f"{size}/")})

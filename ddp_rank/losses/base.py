@@ -19,7 +19,7 @@ import abc
 import contextlib
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -185,13 +185,9 @@ class ListwiseLoss(nn.Module, abc.ABC):
         sizes = labels.class_sizes_of(query_labels)
         order = torch.argsort(sizes, stable=True)
         sorted_sizes = sizes[order].tolist()
-        # bf16 similarity operands: their float32 product exists beside the block until it is copied in.
-        product_bytes = n_database * 4 if self.matmul_precision == "bf16" else 0
         chunks = plan_chunks(
             sorted_sizes,
-            lambda width: (
-                product_bytes + self._bytes_per_query_row(n_database, width, dtype.itemsize, fused=fused)
-            ),
+            self._row_bytes(n_database, dtype, fused),
             self.memory_budget,
             queries.device,
             self.chunk_rows,
@@ -221,6 +217,36 @@ class ListwiseLoss(nn.Module, abc.ABC):
                 grad_queries[idx] = torch.mm(g_cn, database).mul_(scale)
                 grad_database.addmm_(g_cn.T, q_c, alpha=scale)
         return RowsOutput(losses, valid, grad_queries, grad_database)
+
+    def _row_bytes(self, n_database: int, dtype: torch.dtype, fused: bool) -> Callable[[int], int]:
+        """Work space of one query row at a chunk's widest class (the chunk plan's measure)."""
+        # bf16 similarity operands: their float32 product exists beside the block until it is copied in.
+        product_bytes = n_database * 4 if self.matmul_precision == "bf16" else 0
+        return lambda width: (
+            product_bytes + self._bytes_per_query_row(n_database, width, dtype.itemsize, fused=fused)
+        )
+
+    def work_space(
+        self,
+        n_queries: int,
+        n_database: int,
+        max_positives: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> tuple[int, int]:
+        """``(bytes, rows)``: the work space the largest chunk of query rows takes and its row count, for
+        ``n_queries`` queries whose classes have at most ``max_positives`` members against ``n_database`` rows,
+        on ``device``: the plan ``rows`` would make, without any data (``ddp-rank plan`` reports it). The
+        budget bounds it; each buffer keeps its own largest size, so what stays held can reach twice that."""
+        device = torch.device(device)
+        cdtype = compute_dtype(dtype)
+        fused = self.kernel == "triton" and fused_kernels_run(device, cdtype)
+        row_bytes = self._row_bytes(n_database, cdtype, fused)
+        chunks = plan_chunks(
+            [max_positives] * n_queries, row_bytes, self.memory_budget, device, self.chunk_rows
+        )
+        rows = max((stop - start for start, stop, _ in chunks), default=0)
+        return rows * row_bytes(max_positives), rows
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         """Mean per-query loss over the queries that have a positive (0 with a zero gradient if none)."""

@@ -10,9 +10,9 @@ Two things a look-ahead must not change:
 - **Errors belong to their batch.** An exception raised while fetching batch ``k + 1`` is kept and raised when the
   trainer asks for ``k + 1``, so the trainer's per-step agreement between ranks (``Trainer._next_batch``) still
   sees it at the step it concerns, on the same call as every other rank.
-- **Positions are those consumed.** The loader's notion of "handed out" runs one batch ahead; the trainer records
-  the stream's position from the batches it takes (``StreamLoader(track_position=False)``), so a checkpoint
-  resumes at the first batch not trained on.
+- **Positions are those consumed.** The loader's notion of "handed out" runs one batch ahead; the feed reports
+  each batch when it hands it on (``consumed``, with ``StreamLoader(track_position=False)``: the loader's
+  ``consumed``), so a checkpoint resumes at the first batch not trained on.
 
 On the CPU the feed does the same look-ahead with no copy, so the CPU tests run the code path a GPU run takes.
 """
@@ -20,7 +20,7 @@ On the CPU the feed does the same look-ahead with no copy, so the CPU tests run 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -36,9 +36,15 @@ class DeviceFeed:
     Tensors among the batch's values are moved; everything else (keys, counts, events) passes through as is.
     """
 
-    def __init__(self, batches: Iterator[Batch], device: torch.device) -> None:
+    def __init__(
+        self,
+        batches: Iterator[Batch],
+        device: torch.device,
+        consumed: Callable[[Batch], None] | None = None,
+    ) -> None:
         self._source = batches
         self.device = device
+        self._consumed = consumed
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ahead: Batch | BaseException | None = None
         self._done = False
@@ -63,6 +69,8 @@ class DeviceFeed:
                 if isinstance(value, torch.Tensor) and value.device.type == "cuda":
                     # The allocator must not reuse this memory for the side stream while the step still reads it.
                     value.record_stream(current)
+        if self._consumed is not None:
+            self._consumed(ahead)
         self._read_ahead()
         return ahead
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from ddp_rank.cli import main
-from ddp_rank.cli.plan import describe_plan
 from ddp_rank.config import load_config
 from ddp_rank.data.manifest import Manifest
+from ddp_rank.train.plan_report import describe_plan
 from tests.helpers.dataset_shapes import write
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
@@ -123,3 +123,15 @@ def test_overrides_may_stand_on_both_sides_of_the_flags(
     code = main(["plan", f"data.shards={shards}", "--config", "configs/sop_fastap_resnet18_m256.yaml",
                  "--world-size", "2", "train.seed=3"])  # fmt: skip
     assert code == 0 and "ok: the run can start" in capsys.readouterr().out
+
+
+def test_plan_reports_the_work_space_the_step_uses(tmp_path: Path) -> None:
+    """The work space line is the loss's own chunk plan for this batch on the run's device, beside the budget
+    (a 128-image batch on a CPU takes well under a MiB, not the budget)."""
+    shards = write("sop", tmp_path / "s")
+    cfg = load_config(None, [f"data.shards={shards}", "data.global_batch_size=128", "loss.name=pnp"])
+    facts, problems = describe_plan(cfg, 2, device="cpu")
+    assert not problems
+    line = dict(facts)["loss work space per rank"]
+    assert "on cpu" in line and "budget 32 MiB" in line and "1 chunk(s) of 64 query rows" in line
+    assert "GiB" not in line

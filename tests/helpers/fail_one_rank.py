@@ -13,6 +13,7 @@ import sys
 
 from torch import nn
 
+import ddp_rank.train.setup as setup_module
 import ddp_rank.train.trainer as trainer_module
 from ddp_rank.cli import main
 
@@ -61,10 +62,10 @@ def _failing_model(*args, **kwargs):  # type: ignore[no-untyped-def]
     return model
 
 
-_build_loss, _build_model = trainer_module.build_loss, trainer_module.build_model
+_build_loss, _build_model = trainer_module.build_loss, setup_module.build_model
 if WHERE == "loss":
     trainer_module.build_loss = _failing_loss
 else:
-    trainer_module.build_model = _failing_model
+    setup_module.build_model = _failing_model
 
 sys.exit(main(["train", *sys.argv[2:]]))

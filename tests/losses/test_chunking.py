@@ -51,3 +51,31 @@ def test_sorted_chunks_give_the_same_loss_and_gradient_as_one_chunk() -> None:
         results.append((value.detach(), e.grad))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-10, atol=1e-13)
+
+
+def test_work_space_is_the_plan_rows_makes() -> None:
+    """``work_space`` (what ``ddp-rank plan`` reports) sizes chunks exactly as ``rows`` does on a batch of
+    equal classes: the same rows per chunk, and within the budget."""
+    budget = 2**20
+    loss = PNPLoss("Dq", memory_budget=budget)
+    n, per_class = 512, 4
+    x = torch.nn.functional.normalize(torch.randn(n, 32), dim=1)
+    y = torch.arange(n) // per_class
+    blocks: list[int] = []
+    score = loss._score_chunk
+
+    def spy(block, chunk, need_grad):  # type: ignore[no-untyped-def]
+        blocks.append(block.shape[0])
+        return score(block, chunk, need_grad)
+
+    loss._score_chunk = spy  # type: ignore[method-assign]
+    loss.rows(x, torch.arange(n), x, y)
+    work, rows = loss.work_space(n, n, per_class, "cpu")
+    assert rows == max(blocks) and len(blocks) == -(-n // rows)
+    assert 0 < work <= budget
+
+
+def test_work_space_follows_the_budget_not_the_cap() -> None:
+    """A small batch on the CPU uses far less than the 32 MiB default budget, and the report says so."""
+    work, rows = PNPLoss("Dq").work_space(64, 128, 4, "cpu")
+    assert rows == 64 and work < 2**20

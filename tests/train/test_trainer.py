@@ -47,7 +47,7 @@ def test_the_feed_reads_ahead_but_positions_are_those_trained(shards: Path, tmp_
         per_epoch = trainer.steps_per_epoch
         seen = []
         for k in range(per_epoch + 2):
-            batch = trainer._next_batch()
+            batch = trainer.batches.next()
             assert batch["images"].dtype == torch.uint8
             seen.append((batch["epoch"], batch["step"]))
             assert trainer.stream.position == divmod(k + 1, per_epoch)

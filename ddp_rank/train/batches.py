@@ -1,0 +1,73 @@
+"""The trainer's batches: this rank's local batch of each step, read ahead onto the device, agreed on by every
+rank, with the data layer's events counted for the logs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ddp_rank.data.loader import StreamLoader
+from ddp_rank.data.stream import DataError, ShardStream
+from ddp_rank.distributed.agreement import RankFailure, gather_counts, raise_if_any_failed
+from ddp_rank.runtime import TrainError
+from ddp_rank.train.device_feed import DeviceFeed
+
+__all__ = ["TrainBatches"]
+
+
+class TrainBatches:
+    """``next()`` gives the next local batch on ``device``; the stream's position follows the batches handed out,
+    so ``stream.state_dict()`` is always the first batch not trained on."""
+
+    def __init__(self, stream: ShardStream, device: torch.device) -> None:
+        self.stream = stream
+        self.device = device
+        # Pinned host batches: their copy to the GPU is asynchronous (DeviceFeed overlaps it with the step).
+        self.loader = StreamLoader(stream, pin_memory=device.type == "cuda", track_position=False)
+        self.events: dict[str, Any] = {"replaced_classes": 0, "decode_errors": 0, "bad_shards": []}
+        self._feed: DeviceFeed | None = None
+
+    def next(self) -> dict[str, Any]:
+        """The next local batch, agreed on by every rank: if any rank's data layer fails (no readable
+        replacement left), every rank raises that rank's message instead of waiting in the next collective."""
+        error: str | None = None
+        batch: dict[str, Any] = {}
+        try:
+            batch = self._fetch()
+        except DataError as exc:
+            error = str(exc)
+        try:
+            raise_if_any_failed(error)
+        except RankFailure as exc:
+            raise TrainError(f"data: {exc}") from None
+        for key in ("replaced_classes", "decode_errors"):
+            self.events[key] += int(batch["events"][key])
+        self.events["bad_shards"] = sorted(
+            set(self.events["bad_shards"]) | set(batch["events"]["bad_shards"])
+        )
+        return batch
+
+    def counts(self) -> dict[str, Any]:
+        """The data events of every rank so far (a collective: call it on every rank)."""
+        return gather_counts(self.events)
+
+    def restart(self) -> None:
+        """Forget the batch read ahead (after the stream was moved, e.g. by a resume)."""
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
+
+    close = restart
+
+    def _fetch(self) -> dict[str, Any]:
+        # None at the end of an epoch: the loader's next iter starts the next one.
+        batch = next(self._feed, None) if self._feed is not None else None
+        if batch is None:
+            # A new DataLoader iterator draws its worker base seed from the global RNG; fork it so that a resumed
+            # run (which starts a new iterator mid-epoch) keeps the model's RNG stream identical to an
+            # uninterrupted one. The stream seeds each image's augmentation from (seed, epoch, step, class, image).
+            with torch.random.fork_rng(devices=[]):
+                self._feed = DeviceFeed(iter(self.loader), self.device, consumed=self.loader.consumed)
+                batch = next(self._feed)
+        return batch

@@ -1,0 +1,55 @@
+"""The batch layout of a run: the global batch, each rank's share, and the chunk of the chunked step.
+
+Decided once, from the config and the number of processes, and passed down: the trainer, DeepSpeed's batch
+settings, the start-up report and ``ddp-rank plan`` all read it from here. The data layer checks the same
+division for its own callers (``ddp_rank.data.plan.local_batch_size``); this is where the config's keys are named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddp_rank.config import Config, ConfigError
+from ddp_rank.data.plan import local_batch_size
+
+__all__ = ["BatchLayout"]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """``global_batch`` images per step over ``world_size`` ranks, ``local_batch`` each; ``chunk_size`` is the
+    most rows one forward with autograd holds (None: the direct step, the local batch fits)."""
+
+    global_batch: int
+    world_size: int
+    local_batch: int
+    chunk_size: int | None
+
+    @classmethod
+    def from_config(cfg_cls, cfg: Config, world_size: int, chunk_size: int | None = None) -> BatchLayout:
+        """The layout of ``cfg`` on ``world_size`` ranks; ``chunk_size`` overrides ``distributed.chunk_size``
+        (an automatic choice measured elsewhere). A chunk at least as large as the local batch is no chunk."""
+        try:
+            local = local_batch_size(cfg.data.global_batch_size, world_size)
+        except ValueError as exc:
+            raise ConfigError(
+                f"data.global_batch_size={cfg.data.global_batch_size} does not split over {world_size} "
+                f"process(es) ({exc}): every rank holds the same number of images; change the batch or "
+                "--num_processes"
+            ) from None
+        chunk = cfg.distributed.chunk_size if chunk_size is None else chunk_size
+        return cfg_cls(
+            global_batch=cfg.data.global_batch_size,
+            world_size=world_size,
+            local_batch=local,
+            chunk_size=chunk if chunk and local > chunk else None,
+        )
+
+    @property
+    def chunked(self) -> bool:
+        return self.chunk_size is not None
+
+    def describe(self) -> str:
+        """``128 (64 per rank, chunked step in chunks of 32)`` for logs and summaries."""
+        step = f"chunked step in chunks of {self.chunk_size}" if self.chunk_size else "direct step"
+        return f"{self.global_batch} ({self.local_batch} per rank, {step})"

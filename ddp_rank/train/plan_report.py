@@ -1,0 +1,108 @@
+"""The dry run behind ``ddp-rank plan``: what a config does on W ranks, read from the manifest alone.
+
+Steps per epoch, categories used and left out, the batch layout (from ``BatchLayout``, as the trainer computes
+it), the work space the loss's own chunk plan takes on the device the run will use, and a few steps planned and
+dealt as a check. No process group, no images, no GPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ddp_rank.config import Config, ConfigError
+from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.plan import Catalog, GlobalPlan, PlanError, deal
+from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
+from ddp_rank.runtime.data_setup import schedule_config
+from ddp_rank.train.layout import BatchLayout
+from ddp_rank.train.setup import build_loss
+
+__all__ = ["describe_plan", "format_bytes"]
+
+Facts = list[tuple[str, str]]
+
+
+def format_bytes(n: float) -> str:
+    """``512 KiB``, ``48 MiB``, ``1.50 GiB``."""
+    if n < 2**20:
+        return f"{n / 2**10:,.0f} KiB"
+    return f"{n / 2**20:,.0f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def describe_plan(
+    cfg: Config, world_size: int, steps: int = 3, device: str | None = None
+) -> tuple[Facts, list[str]]:
+    """(facts, problems) of ``cfg`` on ``world_size`` ranks; an empty problem list means the run can start.
+    ``device``: where the run will compute (``cuda`` / ``cpu``; default: a GPU if this machine has one)."""
+    data = cfg.data
+    facts: Facts = [("shards", data.shards), ("split", data.train_split)]
+    problems: list[str] = []
+    if world_size < 1:
+        return facts, [f"--world-size must be at least 1, got {world_size}"]
+    layout: BatchLayout | None = None
+    try:
+        layout = BatchLayout.from_config(cfg, world_size)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    try:
+        manifest = Manifest.load(data.shards)
+        catalog = Catalog.from_manifest(manifest, data.train_split)
+    except (OSError, ValueError, KeyError) as exc:
+        return facts, [*problems, f"data.shards: {exc}"]
+    images = sum(catalog.class_sizes.values())
+    facts.append(("usable classes / images", f"{len(catalog.class_sizes):,} / {images:,}"))
+    if catalog.singletons:
+        facts.append(("single-image classes", f"{catalog.singletons:,} (left out: no positive)"))
+    sampler = data.sampler + (f", K={data.images_per_class}" if data.sampler == "pk" else "")
+    facts.append(("sampler", sampler))
+    try:
+        plan = GlobalPlan(catalog, schedule_config(cfg), data.global_batch_size)
+    except PlanError as exc:
+        return facts, [*problems, f"the sampler cannot be met: {exc}"]
+    facts.append(("steps per epoch", f"{plan.steps_per_epoch:,}"))
+    used = [catalog.category_names[c] for c in plan.schedule.categories]
+    if plan.schedule.by_category or data.sampler == "hard_unlabelled":
+        facts.append(
+            ("categories used", f"{len(used)}: {', '.join(used[:12])}{' ...' if len(used) > 12 else ''}")
+        )
+    for left in plan.left_out:
+        facts.append(("left out", str(left)))
+    if layout is None:
+        return facts, problems
+    facts.append(("ranks / local batch", f"{world_size} / {layout.local_batch:,} images"))
+    chunk = layout.chunk_size
+    facts.append(
+        ("step", f"chunked, {-(-layout.local_batch // chunk)} chunks of {chunk}" if chunk else "direct")
+    )
+    largest_class = max(catalog.class_sizes.values(), default=1)
+    max_positives = (
+        data.images_per_class if data.sampler == "pk" else min(largest_class, data.global_batch_size)
+    )
+    facts.append(("loss work space per rank", _work_space(cfg, layout, max_positives, device)))
+    try:
+        t0 = time.perf_counter()
+        for s in range(min(steps, plan.steps_per_epoch)):
+            deal(plan.step(0, s), world_size, plan.config.seed)
+        per_step = (time.perf_counter() - t0) / max(1, min(steps, plan.steps_per_epoch))
+        facts.append(("plan + deal per step", f"{1000 * per_step:.1f} ms"))
+    except PlanError as exc:
+        problems.append(str(exc))
+    return facts, problems
+
+
+def _work_space(cfg: Config, layout: BatchLayout, max_positives: int, device: str | None) -> str:
+    """What the step's loss will hold on one rank: the gathered database and its gradient (float32), and the
+    largest chunk of this rank's query rows as the loss's own chunk plan sizes it, beside the chunk budget."""
+    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    loss = build_loss(cfg)
+    chunk_bytes, rows = loss.work_space(layout.local_batch, layout.global_batch, max_positives, where)
+    budget = loss.memory_budget or DEFAULT_BUDGET_BYTES["cuda" if where.type == "cuda" else "cpu"]
+    database = 2 * layout.global_batch * cfg.model.embedding_dim * 4
+    chunks = -(-layout.local_batch // max(rows, 1))
+    return (
+        f"{format_bytes(database + chunk_bytes)} on {where.type} (database {format_bytes(database)} + "
+        f"{chunks} chunk(s) of {rows:,} query rows, {format_bytes(chunk_bytes)} each; budget "
+        f"{format_bytes(budget)}, classes of up to {max_positives} images)"
+    )

@@ -1,0 +1,216 @@
+"""What a training run tells its user and leaves in its run directory: the start-up notes, the config of every
+start, the metrics log, the progress bar or timestamped lines, each evaluation's table and the final summary.
+
+Rank 0 writes; the other ranks keep the notes (so the summary can list them) and write nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddp_rank.atomic_io import atomic_write_text
+from ddp_rank.config import Config, save_config, to_dict
+from ddp_rank.eval.report import format_table
+from ddp_rank.train.console import StepLine, announce, peak_memory
+from ddp_rank.train.layout import BatchLayout
+from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, write_summary
+
+__all__ = ["RunReport", "StepResult"]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports: the global loss, chunks used, timings."""
+
+    loss: float
+    chunks: int
+    data_time: float
+    step_time: float
+    lr: float
+    grad_norm: float | None = None
+
+
+class RunReport:
+    """The reporting of one training process (``is_main``: rank 0, which writes and prints)."""
+
+    def __init__(self, cfg: Config, layout: BatchLayout, device: torch.device, is_main: bool) -> None:
+        self.cfg = cfg
+        self.layout = layout
+        self.device = device
+        self.is_main = is_main
+        self.out_dir = Path(cfg.train.output_dir)
+        self.notes: list[str] = []
+        self.logger: MetricsLogger | None = None
+        self._bar: Any = None
+        self._show_lines = False  # timestamped lines instead of the bar (no terminal)
+        self._clock = (0, time.perf_counter())  # (first step, start time) of this start, for the ETA
+
+    def note(self, message: str) -> None:
+        """Something the user must know about this start (printed by rank 0, kept for the summary)."""
+        self.notes.append(message)
+        if self.is_main:
+            print(f"ddp-rank train: {message}", file=sys.stderr, flush=True)
+
+    def start(self, step: int, total_steps: int, resumed: Path | None, data_facts: dict[str, Any]) -> None:
+        """Announce the start, write its config and open the metrics log (rank 0); start the clock (all)."""
+        self._clock = (step, time.perf_counter())
+        if not self.is_main:
+            return
+        if resumed is not None:
+            announce(f"resumed from {resumed} at step {step} of {total_steps}")
+        announce(
+            f"training steps {step + 1}-{total_steps} with {self.layout.world_size} process(es) on "
+            f"{self.device.type}, global batch {self.layout.describe()} into {self.out_dir}"
+        )
+        self._write_config(step)
+        self.logger = MetricsLogger(
+            self.out_dir / "metrics.jsonl",
+            self.out_dir / "tensorboard" if self.cfg.train.tensorboard else None,
+        )
+        # A resumed run drops what the killed one logged after its checkpoint; a fresh one starts empty.
+        self.logger.truncate_after(step if resumed else -1)
+        self.logger.log("data", step, data_facts)
+        if self.cfg.train.progress and sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+        # Without a terminal (a SLURM log, a pipe) a bar is noise: timestamped lines instead.
+        self._show_lines = self._bar is None
+
+    def _write_config(self, step: int) -> None:
+        """``config.yaml`` (what this start runs with), written only once the resume check has passed, and a copy
+        per start in ``config-history/`` so the config of every earlier start stays readable."""
+        history = self.out_dir / "config-history"
+        current = self.out_dir / "config.yaml"
+        if not history.is_dir() and current.is_file():  # a run started before the history existed
+            history.mkdir(parents=True)
+            atomic_write_text(history / "start-000-earlier.yaml", current.read_text())
+        start = len(list(history.glob("start-*.yaml"))) + (
+            0 if (history / "start-000-earlier.yaml").exists() else 1
+        )
+        save_config(self.cfg, history / f"start-{start:03d}-step-{step:08d}.yaml")
+        save_config(self.cfg, current)
+
+    def step_done(self, result: StepResult) -> None:
+        """Advance the progress bar by one step."""
+        if self._bar is not None:
+            self._bar.update(1)
+            ips = self.layout.global_batch / max(result.step_time, 1e-9)
+            self._bar.set_postfix(loss=f"{result.loss:.4f}", img_s=f"{ips:.1f}", refresh=False)
+
+    def log_train(
+        self,
+        step: int,
+        total_steps: int,
+        epoch: float,
+        window: list[StepResult],
+        lrs: list[float],
+        data: dict[str, Any],
+    ) -> None:
+        """One ``train`` record of the steps in ``window`` (and a timestamped line without a terminal)."""
+        if self.logger is None or not window:
+            return
+        step_time = sum(r.step_time for r in window) / len(window)
+        values: dict[str, Any] = {
+            "loss": sum(r.loss for r in window) / len(window),
+            "lr": window[-1].lr,
+            "images_per_s": self.layout.global_batch / max(step_time, 1e-9),
+            "step_time": step_time,
+            "data_time": sum(r.data_time for r in window) / len(window),
+            "chunks": window[-1].chunks,
+            "epoch": epoch,
+            "lr_backbone": lrs[0],
+            "lr_head": lrs[-1],
+        }
+        if window[-1].grad_norm is not None:
+            values["grad_norm"] = window[-1].grad_norm
+        values["data_replaced_classes"] = data["replaced_classes"]
+        values["data_decode_errors"] = data["decode_errors"]
+        values["data_bad_shards"] = data["bad_shards"]
+        self.logger.log("train", step, values)
+        if self._show_lines:
+            start_step, t_start = self._clock
+            per_step = (time.perf_counter() - t_start) / max(step - start_step, 1)
+            line = StepLine(
+                step=step,
+                total=total_steps,
+                epoch=epoch,
+                loss=values["loss"],
+                images_per_s=values["images_per_s"],
+                data_time=values["data_time"],
+                lrs=[lrs[0], lrs[-1]] if len(lrs) > 1 else lrs,
+                memory=peak_memory(self.device),
+                eta_s=per_step * (total_steps - step),
+            )
+            announce(str(line))
+
+    def evaluation(self, step: int, metrics: dict[str, Any]) -> None:
+        """Log an evaluation and print its table (rank 0)."""
+        if self.logger is not None:
+            self.logger.log("eval", step, metrics)
+        if self.is_main:
+            shown = {k: v for k, v in metrics.items() if not k.rsplit("/", 1)[-1].startswith("num_")}
+            announce(
+                f"evaluation at step {step} ({self.cfg.data.test_split}):\n"
+                + format_table({f"step {step}": shown})
+            )
+
+    def finish(self, summary: dict[str, Any], total_steps: int, processes: str) -> None:
+        """Close the bar; rank 0 writes the plots and ``summary.md``."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if not self.is_main:
+            return
+        records = read_metrics(self.out_dir / "metrics.jsonl")
+        plots = write_plots(records, self.out_dir) if self.cfg.train.plots else []
+        evals = [r for r in records if r.get("kind") == "eval"]
+        tables = {}
+        if evals:
+            rows = {
+                f"step {r['step']}": {k: v for k, v in r.items() if k not in ("kind", "step")} for r in evals
+            }
+            tables["Evaluation"] = format_table(rows)
+        facts = {
+            "processes": processes,
+            "global batch": f"{self.layout.global_batch} ({self.layout.local_batch} per rank)",
+            "step": f"chunked, chunk {self.layout.chunk_size}" if self.layout.chunked else "direct",
+            "steps": f"{summary['steps']} of {total_steps} ({summary['steps_this_run']} in this run)",
+            "time": f"{summary['seconds']:.1f} s, {summary['images_per_s']:.1f} images/s",
+        }
+        if summary["resumed_from"]:
+            facts["resumed from"] = summary["resumed_from"]
+        data = summary["data"]
+        facts["data"] = (
+            f"{data['replaced_classes']} class(es) replaced, {data['decode_errors']} decode error(s), "
+            f"bad shards: {', '.join(data['bad_shards']) or 'none'}"
+        )
+        if data["categories_left_out"]:
+            facts["categories left out"] = "; ".join(data["categories_left_out"])
+        for i, note in enumerate(self.notes, start=1):
+            facts[f"note {i}"] = note.replace("\n", " ")
+        if summary["best_step"] is not None:
+            facts["best"] = (
+                f"{self.cfg.train.best_metric} {100 * summary['best_value']:.2f} at step {summary['best_step']}"
+            )
+        write_summary(
+            self.out_dir / "summary.md",
+            title=f"Run {self.out_dir.name}",
+            config=to_dict(self.cfg),
+            records=records,
+            facts=facts,
+            tables=tables,
+            plots=plots,
+        )
+
+    def close(self) -> None:
+        """Flush and close the metrics log (safe to call twice)."""
+        if self.logger is not None:
+            self.logger.close()
+            self.logger = None

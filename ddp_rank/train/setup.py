@@ -1,0 +1,141 @@
+"""Starting a run: the checks that must fail before any process group exists, and the parts a trainer is built
+from (the loss, the data stream, the network, DeepSpeed's batch settings)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ddp_rank.config import Config, ConfigError
+from ddp_rank.data.manifest import Manifest, is_url
+from ddp_rank.data.stream import ShardStream
+from ddp_rank.data.transforms import transform_from_config
+from ddp_rank.eval.protocols import metric_names
+from ddp_rank.eval.runner import vehicleid_splits
+from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
+from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
+from ddp_rank.runtime import TrainError, open_shards
+from ddp_rank.runtime.data_setup import schedule_config
+from ddp_rank.train.batchnorm import convert_to_cross_rank
+from ddp_rank.train.layout import BatchLayout
+
+__all__ = [
+    "build_loss",
+    "build_network",
+    "build_stream",
+    "check_evaluation",
+    "check_inputs",
+    "configure_deepspeed",
+]
+
+
+def build_loss(cfg: Config) -> ListwiseLoss:
+    """The listwise loss of ``cfg.loss`` (it knows no ranks; :class:`GlobalBatchLoss` spreads it)."""
+    lc = cfg.loss
+    budget = lc.memory_budget_mb * 2**20 if lc.memory_budget_mb else None
+    common: dict[str, Any] = {
+        "normalize": lc.normalize,
+        "memory_budget": budget,
+        "matmul_precision": lc.matmul_precision,
+        "kernel": lc.kernel,
+    }
+    if lc.name == "fastap":
+        return FastAPLoss(num_bins=lc.num_bins, **common)
+    if lc.name == "pnp":
+        return PNPLoss(
+            variant=lc.pnp_variant, tau=lc.tau, b=lc.b, alpha=lc.alpha, count_self=lc.count_self, **common
+        )
+    return SmoothAPLoss(tau=lc.tau, count_self=lc.count_self, **common)
+
+
+def check_evaluation(cfg: Config, manifest: Manifest) -> None:
+    """What the evaluation needs, checked at start-up rather than at the first evaluation: the test lists of
+    VehicleID recipe shards, and ``train.best_metric`` among the metrics the protocol will report."""
+    if not cfg.data.test_split:
+        return
+    sizes = cfg.eval.vehicleid_sizes
+    if cfg.eval.protocol == "vehicleid":
+        sizes = list(vehicleid_splits(cfg, manifest)) or sizes
+    names = metric_names(
+        cfg.eval.protocol, cfg.eval.ks or None, map_at_r=cfg.eval.map_at_r, vehicleid_sizes=sizes
+    )
+    if cfg.train.best_metric not in names:
+        valid = [n for n in names if not n.rsplit("/", 1)[-1].startswith("num_")]
+        raise ConfigError(
+            f"train.best_metric='{cfg.train.best_metric}' is not among the metrics eval.protocol="
+            f"{cfg.eval.protocol} reports with these settings; valid: {', '.join(valid)}"
+        )
+
+
+def check_inputs(cfg: Config) -> Manifest:
+    """Fail fast, before any process group exists, on a missing shard directory or split, or on an evaluation
+    setting that would only fail at the first evaluation. Returns the manifest, loaded once for the run."""
+    manifest = open_shards(cfg)
+    for key, split in (("train_split", cfg.data.train_split), ("test_split", cfg.data.test_split)):
+        if split and split not in manifest.splits:
+            raise TrainError(
+                f"data.{key}='{split}' is not a split of {cfg.data.shards} (it has {sorted(manifest.splits)}); "
+                f"set data.{key}"
+                + (" (or data.test_split= to train without evaluation)" if key == "test_split" else "")
+            )
+    local = not is_url(manifest.location)
+    train_shards = manifest.split(cfg.data.train_split).shards
+    missing = [s.path for s in train_shards if local and not manifest.shard_path(s).is_file()]
+    if missing:
+        raise TrainError(
+            f"{len(missing)} shard file(s) of {cfg.data.shards} are missing, e.g. {missing[0]}: copy the whole "
+            "shard directory or rebuild it (`ddp-rank shards verify` checks it)"
+        )
+    check_evaluation(cfg, manifest)
+    return manifest
+
+
+def build_stream(cfg: Config, manifest: Manifest, rank: int, world_size: int) -> ShardStream:
+    """The data layer's category-aware stream of this rank's local batches (uint8 pixels)."""
+    try:
+        return ShardStream(
+            manifest,
+            cfg.data.global_batch_size,
+            split=cfg.data.train_split,
+            schedule=schedule_config(cfg),
+            transform=transform_from_config(cfg.data, augment=cfg.data.augment, pixels="uint8"),
+            augment=cfg.data.augment,
+            num_workers=cfg.data.num_workers,
+            rank=rank,
+            world_size=world_size,
+            cache_dir=cfg.data.cache_dir or None,
+        )
+    except ValueError as exc:  # the sampler settings cannot be met by these shards
+        raise TrainError(f"data: {exc}; `ddp-rank plan --config ...` shows what the shards allow") from exc
+
+
+def build_network(cfg: Config, device: torch.device) -> tuple[EmbeddingNet, list[str]]:
+    """The embedding network on this device's layout, with what the user must hear about it (``init_from``'s
+    report). Channels-last on CUDA for convolutional backbones; BatchNorm across ranks with ``model.sync_bn``."""
+    notes: list[str] = []
+    model = build_model(cfg.model, cfg.data.image_size)
+    if cfg.model.init_from:
+        notes.append(init_from(model, cfg.model.init_from).summary())
+    if device.type == "cuda" and is_convolutional(model):
+        model.use_channels_last()
+    if cfg.model.sync_bn:
+        # In place (an EmbeddingNet is not itself a BatchNorm layer); PyTorch's fused SyncBatchNorm on CUDA.
+        convert_to_cross_rank(model, cuda=device.type == "cuda")
+    return model, notes
+
+
+def configure_deepspeed(accelerator: Any, layout: BatchLayout, grad_clip: float) -> bool:
+    """Give DeepSpeed the batch sizes accelerate would otherwise take from a prepared loader; False when the
+    run does not use DeepSpeed."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return False
+    ds = plugin.deepspeed_config
+    ds["train_micro_batch_size_per_gpu"] = layout.local_batch
+    ds["train_batch_size"] = layout.global_batch
+    ds["gradient_accumulation_steps"] = 1
+    # Always set: DeepSpeed clips the gradient norm to 1.0 when the key is absent, which would silently
+    # change the update (0.0 turns clipping off, as optim.grad_clip = 0 means here).
+    ds["gradient_clipping"] = float(grad_clip)
+    return True
