@@ -3,6 +3,9 @@
 The helpers are the package ``tests.helpers`` (the repository root is on ``sys.path`` through pytest's rootdir
 and ``pythonpath`` setting), never a folder put on ``sys.path`` by hand."""
 
+import logging
+from collections.abc import Iterator
+
 import pytest
 
 
@@ -15,3 +18,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def ddp_rank_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """The records of the ``ddp_rank`` loggers (data faults, run events): once a run has configured them
+    (``ddp_rank.logs``) they no longer propagate to the root logger that ``caplog`` listens on."""
+    logger = logging.getLogger("ddp_rank")
+    logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)

@@ -84,11 +84,15 @@ def _errors() -> tuple[type[Exception], ...]:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from ddp_rank.eval.workflow import export_embeddings, load_run_config
+    from ddp_rank.eval.workflow import describe_export, export_embeddings, load_run_config
 
     try:
         cfg = load_run_config(args.config, args.checkpoint, args.overrides)
-        export_embeddings(cfg, args.checkpoint, args.output, args.split, args.images, args.shards_url)
+        manifest = export_embeddings(
+            cfg, args.checkpoint, args.output, args.split, args.images, args.shards_url
+        )
+        if manifest:  # rank 0
+            print(describe_export(manifest, args.output))
     except _errors() as exc:
         return _fail("export", exc)
     return 0

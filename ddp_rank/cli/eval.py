@@ -54,13 +54,13 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Parse, evaluate, print. Setup errors print one clear line and exit 2."""
     from ddp_rank.eval.protocols import EvalError
-    from ddp_rank.eval.workflow import evaluate_cli, load_run_config
+    from ddp_rank.eval.workflow import evaluate_and_record, load_run_config
     from ddp_rank.model import CheckpointError, ModelError
     from ddp_rank.runtime import TrainError
 
     try:
         cfg = load_run_config(args.config, args.checkpoint, args.overrides)
-        evaluate_cli(
+        done = evaluate_and_record(
             cfg,
             checkpoint=args.checkpoint,
             baseline=args.baseline,
@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
             name=args.name,
             output=args.output,
         )
+        if done.written:
+            print(f"\n{done.table()}\nresults: {done.path}")
     except (ConfigError, ModelError, CheckpointError, TrainError, EvalError) as exc:
         print(f"ddp-rank eval: error: {exc}", file=sys.stderr)
         return 2

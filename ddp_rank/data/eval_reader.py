@@ -12,8 +12,8 @@ read is left out with a warning (evaluation has no replacement to offer).
 from __future__ import annotations
 
 import json
+import logging
 import os
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +26,8 @@ from ddp_rank.data.reader import ClassReader, ClassReadError
 from ddp_rank.data.stream import resolve_rank_world
 from ddp_rank.data.tario import SpanSample
 from ddp_rank.data.transforms import TransformConfig, collate_images, decode_image, test_transform
+
+log = logging.getLogger(__name__)
 
 
 def contiguous_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -91,9 +93,7 @@ class EvalShards(IterableDataset):
                 try:
                     samples = self.reader.read(span.id)
                 except ClassReadError as exc:
-                    warnings.warn(
-                        f"{exc}; its {span.count} image(s) are left out of evaluation", stacklevel=2
-                    )
+                    log.warning(f"{exc}; its {span.count} image(s) are left out of evaluation")
                     continue
                 for sample in samples:
                     pending.append((span.id, sample))

@@ -25,8 +25,8 @@ Each yielded batch is a dict: ``images`` [n, 3, H, W] (float32, or uint8 as ``Tr
 
 from __future__ import annotations
 
+import logging
 import os
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -47,6 +47,8 @@ from ddp_rank.data.transforms import (
     test_transform,
     train_transform,
 )
+
+log = logging.getLogger(__name__)
 
 _MASK = (1 << 63) - 1
 
@@ -124,7 +126,7 @@ class ShardStream(IterableDataset):
             Catalog.from_manifest(self.manifest, split), self.schedule_config, global_batch
         )
         for left in self.plan.left_out if self.rank == 0 else ():  # every rank plans alike: say it once
-            warnings.warn(f"category left out of the schedule: {left}", stacklevel=2)
+            log.warning(f"category left out of the schedule: {left}")
         self.reader = ClassReader(self.manifest, split, cache_dir=cache_dir)
         self._position = (0, 0)
         self._class_category = np.array(
@@ -239,7 +241,7 @@ class ShardStream(IterableDataset):
                 failures.append(exc)
                 if exc.shard not in events["bad_shards"]:
                     events["bad_shards"].append(exc.shard)
-                warnings.warn(f"{exc}; replaced from the plan's reserve", stacklevel=2)
+                log.warning(f"{exc}; replaced from the plan's reserve")
             if candidates is None:
                 reserve = self.plan.reserve(epoch, step, piece.group, self.rank, self.world_size)
                 candidates = [c for c in reserve if self.plan.class_size(c) >= piece.size]

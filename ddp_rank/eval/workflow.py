@@ -7,6 +7,7 @@ untrained network, the trained one) can be written to the same file and printed 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,11 @@ from ddp_rank.runtime import autocast_dtype, make_accelerator, open_shards
 from ddp_rank.runtime.shards import check_split as _check_in_manifest
 
 __all__ = [
+    "Evaluation",
     "build_eval_model",
     "check_split",
-    "evaluate_cli",
+    "describe_export",
+    "evaluate_and_record",
     "export_embeddings",
     "load_run_config",
     "results_table",
@@ -103,15 +106,35 @@ def results_table(results: dict[str, dict[str, Any]]) -> str:
     return format_table({name: r.get("metrics", r) for name, r in results.items()})
 
 
-def evaluate_cli(
+@dataclass(frozen=True)
+class Evaluation:
+    """One evaluation as ``ddp-rank eval`` reports it: the metrics, the row name, what was evaluated, and the
+    results JSON it was added to (``written``: by this process, rank 0)."""
+
+    metrics: dict[str, Any]
+    label: str
+    protocol: str
+    split: str
+    path: Path
+    written: bool
+
+    def table(self) -> str:
+        queries = int(self.metrics.get("num_queries", 0))
+        return f"{self.protocol} protocol, split '{self.split}' ({queries} queries)\n" + format_table(
+            {self.label: self.metrics}
+        )
+
+
+def evaluate_and_record(
     cfg: Config,
     checkpoint: str | None = None,
     baseline: str | None = None,
     split: str | None = None,
     name: str | None = None,
     output: str | None = None,
-) -> dict[str, Any]:
-    """Evaluate on every rank; rank 0 prints the table and writes/updates the JSON. Tears down the group."""
+) -> Evaluation:
+    """Evaluate on every rank; rank 0 adds the result to the JSON (``output``, default OUTPUT_DIR/eval.json).
+    Tears down the process group."""
     check_split(cfg, None)
     split, described = _splits_to_evaluate(cfg, split)
     if checkpoint is not None and baseline is not None:
@@ -135,12 +158,7 @@ def evaluate_cli(
                 "checkpoint": checkpoint,
             }
             write_json(results, out_path)
-            print(
-                f"\n{cfg.eval.protocol} protocol, split '{described}' ({int(metrics.get('num_queries', 0))} queries)"
-            )
-            print(format_table({label: metrics}))
-            print(f"results: {out_path}")
-        return metrics
+        return Evaluation(metrics, label, cfg.eval.protocol, described, out_path, accelerator.is_main_process)
     finally:
         accelerator.end_training()
         if dist.is_available() and dist.is_initialized():
@@ -198,16 +216,20 @@ def export_embeddings(
                 "config": to_dict(cfg),
             }
             manifest = write_manifest(output, world, meta)
-            print(
-                f"exported {manifest['rows']} embeddings of dim {manifest['dim']} ({_describe(source)}) to {output} "
-                f"in {world} part(s)"
-            )
         accelerator.wait_for_everyone()
         return manifest
     finally:
         accelerator.end_training()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def describe_export(manifest: dict[str, Any], output: str) -> str:
+    """The line ``ddp-rank export`` prints for the ``export.json`` it wrote."""
+    return (
+        f"exported {manifest['rows']} embeddings of dim {manifest['dim']} ({_describe(manifest['source'])}) to "
+        f"{output} in {len(manifest['parts'])} part(s)"
+    )
 
 
 def _describe(source: dict[str, Any]) -> str:

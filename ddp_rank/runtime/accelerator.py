@@ -9,14 +9,16 @@ launcher).
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from typing import Any
 
 import torch
 
 from ddp_rank.config import Config, ConfigError
 from ddp_rank.runtime.errors import TrainError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["autocast_dtype", "make_accelerator", "precision_dtype", "resolve_mixed_precision"]
 
@@ -82,10 +84,8 @@ def _too_few_gpus() -> bool:
     if local <= gpus:
         return False
     if int(os.environ.get("RANK", "0")) == 0:
-        print(
-            f"ddp-rank train: {local} processes on this node but {gpus} GPU(s): training on the CPU (gloo). "
-            "Launch one process per GPU (--num_processes) to use them.",
-            file=sys.stderr,
-            flush=True,
+        log.warning(
+            f"{local} processes on this node but {gpus} GPU(s): training on the CPU (gloo). "
+            "Launch one process per GPU (--num_processes) to use them."
         )
     return True

@@ -1,4 +1,4 @@
-"""What the trainer prints while it runs (rank 0): timestamped lines that read well in a SLURM log.
+"""What the trainer reports while it runs (rank 0, through ``ddp_rank.logs``): lines that read well in a SLURM log.
 
 On a terminal with ``train.progress`` the tqdm bar shows the steps; anywhere else (a batch job's log file, a
 pipe) one line per ``train.log_every`` steps says where the run is::
@@ -6,27 +6,18 @@ pipe) one line per ``train.log_every`` steps says where the run is::
     2026-11-22 15:40:01 step 120/330 (epoch 0.36) loss 0.4123 | 1520 img/s | data 0.012 s/step |
         lr 1.0e-05 / 1.0e-04 | mem 12.3 GiB | ETA 0:05:12
 
-(on one line). Events (a resume, a checkpoint, a new best, an evaluation's table) are printed as they happen.
+(on one line). Events (a resume, a checkpoint, a new best, an evaluation's table) are logged as they happen.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import resource
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StepLine", "announce", "format_duration", "peak_memory"]
-
-
-def announce(message: str) -> None:
-    """One timestamped line on stdout, flushed at once (the caller decides which rank prints)."""
-    stamp = dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-    for i, line in enumerate(message.splitlines() or [""]):
-        print(f"{stamp} {line}" if i == 0 else f"{' ' * len(stamp)} {line}", file=sys.stdout, flush=True)
+__all__ = ["StepLine", "format_duration", "peak_memory"]
 
 
 def format_duration(seconds: float) -> str:

@@ -6,6 +6,7 @@ Rank 0 writes; the other ranks keep the notes (so the summary can list them) and
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -17,9 +18,11 @@ import torch
 from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.config import Config, save_config, to_dict
 from ddp_rank.eval.report import format_table
-from ddp_rank.train.console import StepLine, announce, peak_memory
+from ddp_rank.train.console import StepLine, peak_memory
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, write_summary
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RunReport", "StepResult"]
 
@@ -55,7 +58,7 @@ class RunReport:
         """Something the user must know about this start (printed by rank 0, kept for the summary)."""
         self.notes.append(message)
         if self.is_main:
-            print(f"ddp-rank train: {message}", file=sys.stderr, flush=True)
+            log.warning(message)
 
     def start(self, step: int, total_steps: int, resumed: Path | None, data_facts: dict[str, Any]) -> None:
         """Announce the start, write its config and open the metrics log (rank 0); start the clock (all)."""
@@ -63,8 +66,8 @@ class RunReport:
         if not self.is_main:
             return
         if resumed is not None:
-            announce(f"resumed from {resumed} at step {step} of {total_steps}")
-        announce(
+            log.info(f"resumed from {resumed} at step {step} of {total_steps}")
+        log.info(
             f"training steps {step + 1}-{total_steps} with {self.layout.world_size} process(es) on "
             f"{self.device.type}, global batch {self.layout.describe()} into {self.out_dir}"
         )
@@ -148,7 +151,7 @@ class RunReport:
                 memory=peak_memory(self.device),
                 eta_s=per_step * (total_steps - step),
             )
-            announce(str(line))
+            log.info(str(line))
 
     def evaluation(self, step: int, metrics: dict[str, Any]) -> None:
         """Log an evaluation and print its table (rank 0)."""
@@ -156,7 +159,7 @@ class RunReport:
             self.logger.log("eval", step, metrics)
         if self.is_main:
             shown = {k: v for k, v in metrics.items() if not k.rsplit("/", 1)[-1].startswith("num_")}
-            announce(
+            log.info(
                 f"evaluation at step {step} ({self.cfg.data.test_split}):\n"
                 + format_table({f"step {step}": shown})
             )

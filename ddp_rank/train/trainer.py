@@ -17,6 +17,7 @@ the resume checks), ``run_report`` (logs, tables, summary). ``train_step`` / ``s
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from ddp_rank.config import Config, ConfigError
 from ddp_rank.distributed import GlobalBatchLoss
 from ddp_rank.distributed.agreement import RankFailure
 from ddp_rank.eval.runner import evaluate_model
+from ddp_rank.logs import configure_run_logging
 from ddp_rank.model import EmbeddingNet, freeze_batchnorm
 from ddp_rank.runtime import AGREED_ERRORS, TrainError, autocast_dtype, make_accelerator
 from ddp_rank.runtime.determinism import set_deterministic
@@ -40,11 +42,12 @@ from ddp_rank.train.batches import TrainBatches
 from ddp_rank.train.batchnorm import sync_batchnorm_buffers
 from ddp_rank.train.checkpoint import CheckpointManager
 from ddp_rank.train.chunked import forward_backward
-from ddp_rank.train.console import announce
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.optim import build_optimizer, build_scheduler
 from ddp_rank.train.run_report import RunReport, StepResult
 from ddp_rank.train.setup import build_loss, build_network, build_stream, check_inputs, configure_deepspeed
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "StepResult",
@@ -81,6 +84,7 @@ class Trainer:
         self.device = acc.device
         self.layout = BatchLayout.from_config(cfg, self.world_size)
         self.out_dir = Path(cfg.train.output_dir)
+        configure_run_logging(self.rank, self.out_dir)
         self.report = RunReport(cfg, self.layout, self.device, self.is_main)
 
         # Same initial weights on every rank (DDP would broadcast them anyway; ZeRO would not check).
@@ -193,7 +197,7 @@ class Trainer:
         fresh = self.checkpoints.last_saved_step != self.step
         path = self.checkpoints.save(self.step, self.state_dict(), self._save_state)
         if fresh and self.is_main:
-            announce(f"checkpoint {path}")
+            log.info(f"checkpoint {path}")
         return path
 
     def _save_state(self, directory: Path) -> None:
@@ -233,7 +237,7 @@ class Trainer:
             self.save_checkpoint()
             self.checkpoints.mark_best(self.step, name, value)
             if self.is_main:
-                announce(f"new best {name} {100 * value:.2f} at step {self.step}")
+                log.info(f"new best {name} {100 * value:.2f} at step {self.step}")
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:

@@ -89,3 +89,37 @@ def test_config_comes_from_the_run_or_the_checkpoint(run_dir: Path, tmp_path: Pa
 def test_eval_without_a_config_or_checkpoint_says_what_to_pass(capsys: pytest.CaptureFixture) -> None:
     assert main(["eval", "--baseline", "untrained"]) == 2
     assert "data.shards is empty" in capsys.readouterr().err
+
+
+def test_one_checkpoint_one_set_of_numbers_under_a_bf16_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.mixed_precision=auto`` under a launcher that asks for bf16: the trainer evaluates in bf16, and
+    ``ddp-rank eval`` of the checkpoint it saved takes the same precision from its accelerator (it used to read
+    the config's ``auto`` and run in float32), so both report the same numbers."""
+    import torch
+
+    import ddp_rank.eval.workflow as workflow
+    from ddp_rank.train.reporting import read_metrics
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    shards = build_tiny_shards(tmp_path)
+    run = tmp_path / "run"
+    run_training(load_config(None, [*TINY_OVERRIDES, f"data.shards={shards}", f"train.output_dir={run}",
+                                    "train.steps=2", "train.eval_every=2", "train.mixed_precision=auto"]))  # fmt: skip
+    trained = next(r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "eval" and r["step"] == 2)
+
+    seen: list[torch.dtype | None] = []
+    evaluate = workflow.evaluate_model
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs.get("autocast_dtype"))
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(workflow, "evaluate_model", spy)
+    assert main(["eval", "--checkpoint", str(run), "--output", str(tmp_path / "eval.json")]) == 0
+    assert seen == [torch.bfloat16]
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    metrics = next(iter(evaluated.values()))["metrics"]
+    for key in ("recall@1", "recall@2", "map@r"):
+        assert metrics[key] == trained[key], key

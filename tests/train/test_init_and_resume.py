@@ -59,7 +59,7 @@ def test_init_from_a_run_with_a_changed_head_size(
             and "head.weight [16, 128] -> [8, 128]" in note
         )
         assert (
-            "head.bias [16] -> [8]" in note and "ddp-rank train: model.init_from=" in capsys.readouterr().err
+            "head.bias [16] -> [8]" in note and " model.init_from=" in capsys.readouterr().err
         )
     finally:
         trainer.close()

@@ -97,6 +97,9 @@ def test_a_run_without_a_terminal_reports_what_it_does(tmp_path: Path, capsys: p
     run_training(load_config(None, [*args, "train.steps=6", "train.force_resume=true"]))
     out = capsys.readouterr().out
     assert re.search(rf"^{stamp} resumed from .*step-00000004 at step 4 of 6$", out, re.M), out
+    kept = (tmp_path / "run" / "train.log").read_text()  # both starts, kept in the run directory
+    assert kept.count("training steps") == 2 and "INFO ddp_rank.train.run_report: resumed from" in kept
+    assert re.search(rf"^{stamp} rank 0 INFO ddp_rank.train.trainer: checkpoint .*step-00000006$", kept, re.M)
     recs = read_metrics(tmp_path / "run" / "metrics.jsonl")
     train = [r for r in recs if r["kind"] == "train"]
     assert all({"lr_backbone", "lr_head", "data_replaced_classes"} <= set(r) for r in train)
