@@ -41,11 +41,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from ddp_rank.runtime import AGREED_ERRORS
     from ddp_rank.runtime.failure import launch_rank, report_agreed_error
+    from ddp_rank.train.preemption import EXIT_REQUEUE, RunStopped
     from ddp_rank.train.trainer import run_training
 
     try:
         cfg = load_config(args.config, args.overrides)
         summary = run_training(cfg)
+    except RunStopped:  # every rank checkpointed the same step; the trainer said where
+        return EXIT_REQUEUE
     except (ConfigError, *AGREED_ERRORS) as exc:  # raised alike on every rank: printed once, by rank 0
         report_agreed_error("ddp-rank train", exc)
         return EXIT_USAGE

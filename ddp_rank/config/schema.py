@@ -318,6 +318,29 @@ class TrainConfig(_Section):
         "data.image_size). Without it such a resume is refused with the "
         "list of differences; with it the new values apply (and are listed in the log).",
     )
+    stop_signals: list[str] = field(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"],
+        metadata=_meta(
+            "Signals that stop the run with a checkpoint: on any rank, every rank stops together after the next "
+            "step, writes a checkpoint and exits with status 75 (EX_TEMPFAIL: 'start me again'); train.resume=auto "
+            "then continues exactly there. A second signal (a few seconds after the first, so a launcher "
+            "forwarding the scheduler's signal is not one) exits at once. SLURM: #SBATCH --signal=USR1@300.",
+            choices=("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"),
+        ),
+    )
+    stop_grace_s: float = _field(
+        0.0,
+        "After a stop signal, exit at once if the checkpoint is not written within this many seconds (0 = no "
+        "limit of our own; the scheduler's kill is the limit). A checkpoint cut short is never left as one: the "
+        "previous checkpoints stay, and the next start removes the partial one.",
+        minimum=0,
+    )
+    requeue: str = _field(
+        "auto",
+        "After a stop signal's checkpoint: 'auto' = under SLURM, rank 0 requeues the job (scontrol requeue "
+        "$SLURM_JOB_ID) so that it continues when it runs again; 'never' = only exit with status 75.",
+        choices=("auto", "never"),
+    )
     tensorboard: bool = _field(False, "Also write TensorBoard event files (needs the tensorboard package).")
     progress: bool = _field(
         True,

@@ -25,6 +25,7 @@ import traceback
 __all__ = [
     "EXIT_FAILURE",
     "end_process_after_failure",
+    "end_process_now",
     "launch_rank",
     "launch_world_size",
     "report_agreed_error",
@@ -72,6 +73,12 @@ def end_process_after_failure(prog: str, error: BaseException, step: int | None 
         f"{trace}{prog}: error on rank {rank}{at}: {type(error).__name__}: {error}\n"
         f"{prog}: ending this process so that the launcher stops the other ranks\n"
     )
+    end_process_now(EXIT_FAILURE)
+
+
+def end_process_now(status: int) -> None:
+    """Flush the console and end the process with ``status`` at once, skipping the interpreter's teardown (see
+    :func:`end_process_after_failure` for why); never returns."""
     sys.stderr.flush()
     sys.stdout.flush()
-    os._exit(EXIT_FAILURE)
+    os._exit(status)

@@ -1,15 +1,17 @@
 """The trainer's batches: this rank's local batch of each step, read ahead onto the device, agreed on by every
-rank, with the data layer's events counted for the logs."""
+rank (a data failure or a stop request on one rank is seen by all at the same step), with the data layer's
+events counted for the logs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ddp_rank.data.loader import StreamLoader
 from ddp_rank.data.stream import DataError, ShardStream
-from ddp_rank.distributed.agreement import RankFailure, gather_counts, raise_if_any_failed
+from ddp_rank.distributed.agreement import RankFailure, agree, gather_counts
 from ddp_rank.runtime import TrainError
 from ddp_rank.train.device_feed import DeviceFeed
 
@@ -20,9 +22,13 @@ class TrainBatches:
     """``next()`` gives the next local batch on ``device``; the stream's position follows the batches handed out,
     so ``stream.state_dict()`` is always the first batch not trained on."""
 
-    def __init__(self, stream: ShardStream, device: torch.device) -> None:
+    def __init__(
+        self, stream: ShardStream, device: torch.device, stop_requested: Callable[[], bool] = lambda: False
+    ) -> None:
         self.stream = stream
         self.device = device
+        self.stop_requested = stop_requested
+        self.stop_agreed = False  # some rank asked to stop: every rank stops after the step of this batch
         # Pinned host batches: their copy to the GPU is asynchronous (DeviceFeed overlaps it with the step).
         self.loader = StreamLoader(stream, pin_memory=device.type == "cuda", track_position=False)
         self.events: dict[str, Any] = {"replaced_classes": 0, "decode_errors": 0, "bad_shards": []}
@@ -38,7 +44,7 @@ class TrainBatches:
         except DataError as exc:
             error = str(exc)
         try:
-            raise_if_any_failed(error)
+            self.stop_agreed = agree(error, stop=self.stop_requested()) or self.stop_agreed
         except RankFailure as exc:
             raise TrainError(f"data: {exc}") from None
         for key in ("replaced_classes", "decode_errors"):

@@ -35,7 +35,7 @@ from ddp_rank.logs import configure_run_logging
 from ddp_rank.model import EmbeddingNet, freeze_batchnorm
 from ddp_rank.runtime import AGREED_ERRORS, TrainError, autocast_dtype, make_accelerator
 from ddp_rank.runtime.determinism import set_deterministic
-from ddp_rank.runtime.failure import end_process_after_failure
+from ddp_rank.runtime.failure import end_process_after_failure, end_process_now
 from ddp_rank.train import resume as resume_
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batches import TrainBatches
@@ -44,6 +44,7 @@ from ddp_rank.train.checkpoint import CheckpointManager
 from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.optim import build_optimizer, build_scheduler
+from ddp_rank.train.preemption import EXIT_REQUEUE, RunStopped, StopRequest, requeue_slurm_job
 from ddp_rank.train.run_report import RunReport, StepResult
 from ddp_rank.train.setup import build_loss, build_network, build_stream, check_inputs, configure_deepspeed
 
@@ -90,7 +91,8 @@ class Trainer:
         # Same initial weights on every rank (DDP would broadcast them anyway; ZeRO would not check).
         torch.manual_seed(cfg.train.seed)
         self.stream = build_stream(cfg, self.manifest, self.rank, self.world_size)
-        self.batches = TrainBatches(self.stream, self.device)
+        self.stop = StopRequest(cfg.train.stop_signals, cfg.train.stop_grace_s)
+        self.batches = TrainBatches(self.stream, self.device, lambda: self.stop.requested)
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
@@ -241,7 +243,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, Any]:
-        """Train to ``total_steps`` (resuming if configured); returns a summary dict (same on every rank)."""
+        """Train to ``total_steps`` (resuming if configured); returns a summary dict (same on every rank).
+
+        Raises :class:`RunStopped` on every rank, after a checkpoint, when a stop signal reached any rank
+        (``ddp_rank.train.preemption``)."""
+        self.stop.install()
+        try:
+            return self._fit()
+        finally:
+            self.stop.restore()
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -273,6 +285,8 @@ class Trainer:
                 self._maybe_best(last_eval)
             if (ckpt_every and s % ckpt_every == 0) or s % self.steps_per_epoch == 0 or s == self.total_steps:
                 self.save_checkpoint()
+            if self.batches.stop_agreed and s < self.total_steps:
+                self._stop_here()
         elapsed = time.perf_counter() - t_start
         summary = {
             "steps": self.step,
@@ -294,6 +308,19 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         return summary
 
+    def _stop_here(self) -> None:
+        """Every rank: checkpoint this step, requeue the job (rank 0, under SLURM), raise RunStopped."""
+        path = self.save_checkpoint()
+        self.stop.done()
+        requeued = self.is_main and self.cfg.train.requeue == "auto" and requeue_slurm_job()
+        if self.is_main:
+            again = "the job is requeued" if requeued else "run the same command again to continue"
+            log.warning(
+                f"stopped after step {self.step} of {self.total_steps} on a signal, checkpoint {path}; {again}"
+            )
+        self.report.close()
+        raise RunStopped(self.step, str(path))
+
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         """Release files and the loader (safe to call twice)."""
@@ -311,6 +338,20 @@ def run_training(cfg: Config) -> dict[str, Any]:
     try:
         trainer = Trainer(cfg)
         return trainer.fit()
+    except RunStopped:
+        if (
+            trainer is not None
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        ):
+            # Every rank has written its part of the checkpoint (the save ends in a barrier). End all ranks
+            # together now, without the process group's teardown: a launcher such as torchrun ends the other
+            # ranks as soon as one exits with a non-zero status, and a rank caught inside the teardown aborts.
+            trainer.close()
+            dist.barrier()
+            end_process_now(EXIT_REQUEUE)
+        raise
     except AGREED_ERRORS:
         raise
     except Exception as exc:

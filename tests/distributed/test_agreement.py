@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_rank.distributed.agreement import RankFailure, gather_counts, raise_if_any_failed
+from ddp_rank.distributed.agreement import RankFailure, agree, gather_counts, raise_if_any_failed
 from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -23,6 +23,19 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank() -> None:
     assert run_distributed(_one_rank_fails, world_size=3) == ["rank 1: shard train/x.tar is gone"] * 3
 
 
+def _stop_on_one_rank(rank: int, world: int) -> list[bool]:
+    seen = [agree(None, stop=False), agree(None, stop=rank == 2)]
+    try:
+        agree("disk full" if rank == 0 else None, stop=rank == 1)  # a failure wins over a stop request
+    except RankFailure as exc:
+        seen.append("disk full" in str(exc))
+    return seen
+
+
+def test_a_stop_request_on_one_rank_is_seen_by_every_rank_at_the_same_call() -> None:
+    assert run_distributed(_stop_on_one_rank, world_size=3) == [[False, True, True]] * 3
+
+
 def _counts(rank: int, world: int) -> dict:
     return gather_counts({"replaced_classes": rank + 1, "bad_shards": [f"s{rank % 2}.tar"]})
 
@@ -37,6 +50,7 @@ def test_without_a_process_group() -> None:
     with pytest.raises(RankFailure, match=r"^boom$"):
         raise_if_any_failed("boom")
     assert gather_counts({"a": 2, "b": ["x"]}) == {"a": 2, "b": ["x"]}
+    assert agree(None, stop=True) and not agree(None)
 
 
 # --------------------------------------------------------------------------------- the global-batch loss
