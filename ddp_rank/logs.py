@@ -25,6 +25,7 @@ __all__ = ["configure_run_logging"]
 
 _ROOT = "ddp_rank"
 _STAMP = "%Y-%m-%d %H:%M:%S"
+_OURS = "_ddp_rank_run_handler"  # marks the handlers configure_run_logging installed
 
 
 class _RunFormatter(logging.Formatter):
@@ -63,19 +64,23 @@ class _ConsoleHandler(logging.Handler):
 
 
 def configure_run_logging(rank: int, run_dir: str | Path | None = None) -> None:
-    """Give the ``ddp_rank`` logger this process's handlers (replacing any earlier ones: a second run in the
-    same process, a test). ``run_dir``: where rank 0 appends ``train.log`` (None: the console only)."""
+    """Give the ``ddp_rank`` logger this process's handlers (replacing the ones an earlier call installed: a
+    second run in the same process, a test). ``run_dir``: where rank 0 appends ``train.log`` (None: the console
+    only)."""
     logger = logging.getLogger(_ROOT)
     for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-        handler.close()
+        if getattr(handler, _OURS, False):  # other handlers (an application's, a test's capture) stay
+            logger.removeHandler(handler)
+            handler.close()
     logger.setLevel(logging.INFO)
     logger.propagate = False
     console = _ConsoleHandler(level=logging.INFO if rank == 0 else logging.WARNING)
     console.setFormatter(_RunFormatter(rank))
+    setattr(console, _OURS, True)
     logger.addHandler(console)
     if run_dir is not None and rank == 0:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         file = logging.FileHandler(Path(run_dir) / "train.log", encoding="utf-8")
         file.setFormatter(_RunFormatter(rank, detailed=True))
+        setattr(file, _OURS, True)
         logger.addHandler(file)

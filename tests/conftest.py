@@ -30,3 +30,16 @@ def ddp_rank_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCapture
         yield caplog
     finally:
         logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture
+def fresh_accelerator_state() -> Iterator[None]:
+    """accelerate's state is a per-process singleton that earlier tests set up with their precision: start from
+    a fresh one (to run under another launcher's settings) and leave a fresh one behind."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(True)

@@ -403,10 +403,24 @@ class EvalConfig(_Section):
 class DistributedConfig(_Section):
     """Global-batch loss and chunked step (the distributed layer)."""
 
-    chunk_size: int = _field(
+    chunk_size: str = _field(
+        "auto",
+        "Images per chunk of the chunked (gradient-cache) step, used whenever the per-rank batch exceeds it; "
+        "0 = never chunk; 'auto' = the largest chunk whose activations fit the memory budget, measured at start-up "
+        "by a forward + backward of the real model at the real image size (a batch that fits is not chunked; the "
+        "log and `ddp-rank plan` say what was chosen and why).",
+    )
+    memory_fraction: float = _field(
+        0.8,
+        "chunk_size=auto on a GPU: the share of the GPU's free memory (after the model is on it) that the step "
+        "may fill: activations, weights' gradients, optimizer state and the loss's work space.",
+        above=0,
+        maximum=1,
+    )
+    memory_budget_mb: int = _field(
         0,
-        "Images per chunk of the chunked (gradient-cache) step; it is used whenever the per-rank batch exceeds "
-        "it. 0 = never chunk.",
+        "chunk_size=auto on CPU: MiB the step's activations may take on each process; 0 = the node's available "
+        "memory shared by its processes, times memory_fraction.",
         minimum=0,
     )
     grad_reduction: str = _field(
@@ -419,6 +433,20 @@ class DistributedConfig(_Section):
     find_unused_parameters: bool = _field(
         False, "DDP find_unused_parameters (only for backbones with unused heads)."
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        text = str(self.chunk_size).strip().lower()
+        if text != "auto" and not (text.isdigit() or text.replace("_", "").isdigit()):
+            raise ConfigError(
+                f"distributed.chunk_size={self.chunk_size!r} must be 'auto' or a number of images (0 = never chunk)"
+            )
+        self.chunk_size = text if text == "auto" else str(int(text.replace("_", "")))
+
+    @property
+    def fixed_chunk(self) -> int | None:
+        """The chunk size set by hand (0: never chunk), or None for 'auto'."""
+        return None if self.chunk_size == "auto" else int(self.chunk_size)
 
 
 @dataclass

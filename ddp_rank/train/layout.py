@@ -27,8 +27,9 @@ class BatchLayout:
 
     @classmethod
     def from_config(cfg_cls, cfg: Config, world_size: int, chunk_size: int | None = None) -> BatchLayout:
-        """The layout of ``cfg`` on ``world_size`` ranks; ``chunk_size`` overrides ``distributed.chunk_size``
-        (an automatic choice measured elsewhere). A chunk at least as large as the local batch is no chunk."""
+        """The layout of ``cfg`` on ``world_size`` ranks; ``chunk_size`` is the chunk when it was chosen elsewhere
+        (``distributed.chunk_size=auto``: ``ddp_rank.train.chunk_choice``), else the config's. A chunk at least as
+        large as the local batch is no chunk."""
         try:
             local = local_batch_size(cfg.data.global_batch_size, world_size)
         except ValueError as exc:
@@ -37,7 +38,7 @@ class BatchLayout:
                 f"process(es) ({exc}): every rank holds the same number of images; change the batch or "
                 "--num_processes"
             ) from None
-        chunk = cfg.distributed.chunk_size if chunk_size is None else chunk_size
+        chunk = chunk_size if chunk_size is not None else (cfg.distributed.fixed_chunk or 0)
         return cfg_cls(
             global_batch=cfg.data.global_batch_size,
             world_size=world_size,

@@ -7,6 +7,7 @@ dealt as a check. No process group, no images, no GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -15,7 +16,10 @@ from ddp_rank.config import Config, ConfigError
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.plan import Catalog, GlobalPlan, PlanError, deal
 from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
+from ddp_rank.model import build_model
+from ddp_rank.runtime.accelerator import precision_dtype
 from ddp_rank.runtime.data_setup import schedule_config
+from ddp_rank.train.chunk_choice import auto_chunk, measure_activation_bytes
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.setup import build_loss
 
@@ -72,15 +76,20 @@ def describe_plan(
     if layout is None:
         return facts, problems
     facts.append(("ranks / local batch", f"{world_size} / {layout.local_batch:,} images"))
-    chunk = layout.chunk_size
-    facts.append(
-        ("step", f"chunked, {-(-layout.local_batch // chunk)} chunks of {chunk}" if chunk else "direct")
-    )
+    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     largest_class = max(catalog.class_sizes.values(), default=1)
     max_positives = (
         data.images_per_class if data.sampler == "pk" else min(largest_class, data.global_batch_size)
     )
-    facts.append(("loss work space per rank", _work_space(cfg, layout, max_positives, device)))
+    work_line, work_bytes = _work_space(cfg, layout, max_positives, where)
+    if cfg.distributed.fixed_chunk is None:
+        layout, why = _auto_chunk(cfg, layout, where, work_bytes, world_size)
+        facts.append(("chunk (auto)", why))
+    chunk = layout.chunk_size
+    facts.append(
+        ("step", f"chunked, {-(-layout.local_batch // chunk)} chunks of {chunk}" if chunk else "direct")
+    )
+    facts.append(("loss work space per rank", work_line))
     try:
         t0 = time.perf_counter()
         for s in range(min(steps, plan.steps_per_epoch)):
@@ -92,17 +101,48 @@ def describe_plan(
     return facts, problems
 
 
-def _work_space(cfg: Config, layout: BatchLayout, max_positives: int, device: str | None) -> str:
+def _auto_chunk(
+    cfg: Config, layout: BatchLayout, where: torch.device, work_bytes: int, world_size: int
+) -> tuple[BatchLayout, str]:
+    """``distributed.chunk_size=auto`` as the trainer will decide it, from the same probe of the network (built
+    without its pretrained weights: activations do not depend on them). On a GPU the budget is that GPU's free
+    memory at start-up, so planning for one from a machine without it gives the per-image figure only."""
+    model = build_model(dataclasses.replace(cfg.model, weights="none", init_from=""), cfg.data.image_size)
+    dtype = precision_dtype(cfg.train.mixed_precision)
+    if where.type == "cuda" and not torch.cuda.is_available():
+        per_image, how = measure_activation_bytes(model, cfg.data.image_size, torch.device("cpu"), dtype)
+        return layout, (
+            f"{format_bytes(per_image)} of activations per image ({how}, on this CPU); the chunk is chosen at "
+            f"start-up from the GPU's free memory (distributed.memory_fraction={cfg.distributed.memory_fraction:g})"
+        )
+    try:
+        # On CPU, planned as one node: its processes share the node's memory.
+        choice = auto_chunk(
+            model.to(where),
+            cfg,
+            layout.local_batch,
+            layout.global_batch,
+            where,
+            dtype,
+            work_bytes,
+            world_size,
+        )
+    except ValueError as exc:
+        return layout, str(exc)
+    return BatchLayout.from_config(cfg, world_size, chunk_size=choice.chunk or 0), choice.describe()
+
+
+def _work_space(cfg: Config, layout: BatchLayout, max_positives: int, where: torch.device) -> tuple[str, int]:
     """What the step's loss will hold on one rank: the gathered database and its gradient (float32), and the
     largest chunk of this rank's query rows as the loss's own chunk plan sizes it, beside the chunk budget."""
-    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     loss = build_loss(cfg)
     chunk_bytes, rows = loss.work_space(layout.local_batch, layout.global_batch, max_positives, where)
     budget = loss.memory_budget or DEFAULT_BUDGET_BYTES["cuda" if where.type == "cuda" else "cpu"]
     database = 2 * layout.global_batch * cfg.model.embedding_dim * 4
     chunks = -(-layout.local_batch // max(rows, 1))
-    return (
+    line = (
         f"{format_bytes(database + chunk_bytes)} on {where.type} (database {format_bytes(database)} + "
         f"{chunks} chunk(s) of {rows:,} query rows, {format_bytes(chunk_bytes)} each; budget "
         f"{format_bytes(budget)}, classes of up to {max_positives} images)"
     )
+    return line, chunk_bytes

@@ -29,9 +29,10 @@ import torch.distributed as dist
 
 from ddp_rank.config import Config, ConfigError
 from ddp_rank.distributed import GlobalBatchLoss
-from ddp_rank.distributed.agreement import RankFailure
+from ddp_rank.distributed.agreement import RankFailure, min_over_ranks, raise_if_any_failed
 from ddp_rank.eval.runner import evaluate_model
 from ddp_rank.logs import configure_run_logging
+from ddp_rank.losses import ListwiseLoss
 from ddp_rank.model import EmbeddingNet, freeze_batchnorm
 from ddp_rank.runtime import AGREED_ERRORS, TrainError, autocast_dtype, make_accelerator
 from ddp_rank.runtime.determinism import set_deterministic
@@ -41,6 +42,7 @@ from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batches import TrainBatches
 from ddp_rank.train.batchnorm import sync_batchnorm_buffers
 from ddp_rank.train.checkpoint import CheckpointManager
+from ddp_rank.train.chunk_choice import auto_chunk
 from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.optim import build_optimizer, build_scheduler
@@ -83,10 +85,9 @@ class Trainer:
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
         self.device = acc.device
-        self.layout = BatchLayout.from_config(cfg, self.world_size)
+        self.layout = BatchLayout.from_config(cfg, self.world_size)  # the chunk: below, when 'auto'
         self.out_dir = Path(cfg.train.output_dir)
         configure_run_logging(self.rank, self.out_dir)
-        self.report = RunReport(cfg, self.layout, self.device, self.is_main)
 
         # Same initial weights on every rank (DDP would broadcast them anyway; ZeRO would not check).
         torch.manual_seed(cfg.train.seed)
@@ -96,7 +97,11 @@ class Trainer:
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
+        loss = build_loss(cfg)
         model, notes = build_network(cfg, self.device)
+        if cfg.distributed.fixed_chunk is None:
+            self.layout = self._auto_chunk(model, loss)
+        self.report = RunReport(cfg, self.layout, self.device, self.is_main)
         for note in notes:
             self.report.note(note)
         optimizer = build_optimizer(
@@ -108,13 +113,44 @@ class Trainer:
         acc.register_for_checkpointing(self.scheduler)
         self.backend = backend_for_accelerator(acc, self.model)
         self.loss_fn = GlobalBatchLoss(
-            build_loss(cfg),
+            loss,
             grad_reduction="sum" if cfg.distributed.grad_reduction == "sum" else "mean",
         )
         self.progress = _Progress()
         self.checkpoints = CheckpointManager(
             self.out_dir / "checkpoints", cfg.train.keep_last, self.is_main, acc.wait_for_everyone
         )
+
+    def _auto_chunk(self, model: EmbeddingNet, loss: ListwiseLoss) -> BatchLayout:
+        """``distributed.chunk_size=auto``: measure, choose, agree on the smallest chunk over the ranks."""
+        layout, cfg = self.layout, self.cfg
+        largest_class = max(self.manifest.split(cfg.data.train_split).class_counts.values(), default=1)
+        positives = (
+            cfg.data.images_per_class if cfg.data.sampler == "pk" else min(largest_class, layout.global_batch)
+        )
+        work, _ = loss.work_space(layout.local_batch, layout.global_batch, positives, self.device)
+        dtype = autocast_dtype(self.accelerator)
+        error: str | None = None
+        try:
+            choice = auto_chunk(model, cfg, layout.local_batch, layout.global_batch, self.device, dtype, work)
+        except ValueError as exc:  # not even one image fits
+            error = str(exc)
+        except RuntimeError as exc:  # the probe itself ran out of memory, say: every rank must hear of it
+            error = f"the probe of the model failed: {type(exc).__name__}: {exc}"
+        try:
+            raise_if_any_failed(error)
+        except RankFailure as exc:
+            raise TrainError(f"distributed.chunk_size=auto: {exc}") from None
+        chunk = min_over_ranks(choice.chunk or layout.local_batch)
+        agreed = BatchLayout.from_config(cfg, self.world_size, chunk_size=chunk)
+        if self.is_main:
+            ranks = (
+                f"; the smallest over the ranks: {chunk:,}"
+                if chunk != (choice.chunk or layout.local_batch)
+                else ""
+            )
+            log.info(choice.describe() + ranks)
+        return agreed
 
     @property
     def unwrapped(self) -> EmbeddingNet:

@@ -135,3 +135,15 @@ def test_plan_reports_the_work_space_the_step_uses(tmp_path: Path) -> None:
     line = dict(facts)["loss work space per rank"]
     assert "on cpu" in line and "budget 32 MiB" in line and "1 chunk(s) of 64 query rows" in line
     assert "GiB" not in line
+
+
+@pytest.mark.parametrize(("budget_mb", "chunked"), [(1, True), (4096, False)])
+def test_plan_says_which_chunk_auto_chooses_and_why(tmp_path: Path, budget_mb: int, chunked: bool) -> None:
+    shards = write("sop", tmp_path / "s")
+    cfg = load_config(None, [f"data.shards={shards}", "data.global_batch_size=256", "model.backbone=tiny_cnn",
+                             "data.image_size=32", "data.resize_size=32", f"distributed.memory_budget_mb={budget_mb}"])  # fmt: skip
+    facts, problems = describe_plan(cfg, 2, device="cpu")
+    assert not problems
+    why, step = dict(facts)["chunk (auto)"], dict(facts)["step"]
+    assert "of activations per image" in why and f"distributed.memory_budget_mb={budget_mb}" in why
+    assert step.startswith("chunked") is chunked and ("runs in chunks of" in why) is chunked

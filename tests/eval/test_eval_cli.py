@@ -92,7 +92,7 @@ def test_eval_without_a_config_or_checkpoint_says_what_to_pass(capsys: pytest.Ca
 
 
 def test_one_checkpoint_one_set_of_numbers_under_a_bf16_launcher(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_accelerator_state: None
 ) -> None:
     """``train.mixed_precision=auto`` under a launcher that asks for bf16: the trainer evaluates in bf16, and
     ``ddp-rank eval`` of the checkpoint it saved takes the same precision from its accelerator (it used to read
@@ -117,6 +117,9 @@ def test_one_checkpoint_one_set_of_numbers_under_a_bf16_launcher(
         return evaluate(*args, **kwargs)
 
     monkeypatch.setattr(workflow, "evaluate_model", spy)
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)  # a new command: a new process would start with no state
     assert main(["eval", "--checkpoint", str(run), "--output", str(tmp_path / "eval.json")]) == 0
     assert seen == [torch.bfloat16]
     evaluated = json.loads((tmp_path / "eval.json").read_text())
