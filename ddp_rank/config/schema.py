@@ -31,6 +31,14 @@ class DataConfig(_Section):
         "Node-local directory that keeps whole shards fetched from a URL (each is re-read every epoch), checked "
         "against the manifest's sha256; empty = read each class by range every time. Unused for local shards.",
     )
+    cache_max_gb: float = _field(
+        0.0,
+        "Cap of data.cache_dir in GB (1e9 bytes), shared by every job and worker using that directory: the least "
+        "recently used shards are evicted, never one a reader holds open. 0 = automatic: half of the free space "
+        "of the cache's file system (plus what it already holds) when the run starts. A shard that does not fit, "
+        "or a full disk, is read by range from the source instead (counted as data_cache_fallbacks).",
+        minimum=0.0,
+    )
     train_split: str = _field("train", "Split of data.shards to train on.")
     test_split: str = _field(
         "test",

@@ -23,6 +23,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.reader import ClassReader, ClassReadError
+from ddp_rank.data.shard_cache import ShardCache
 from ddp_rank.data.stream import resolve_rank_world
 from ddp_rank.data.tario import SpanSample
 from ddp_rank.data.transforms import TransformConfig, collate_images, decode_image, test_transform
@@ -56,7 +57,7 @@ class EvalShards(IterableDataset):
         transform: TransformConfig | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
+        cache_dir: str | os.PathLike[str] | ShardCache | None = None,
     ) -> None:
         super().__init__()
         self.manifest = shards if isinstance(shards, Manifest) else Manifest.load(shards)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from ddp_rank.data.manifest import ClassSpan, Manifest, ShardInfo
+from ddp_rank.data.shard_cache import ShardCache
 from ddp_rank.data.storage import ShardStore
 from ddp_rank.data.tario import SpanError, SpanSample, parse_span, span_digest
 
@@ -30,7 +31,10 @@ class ClassReader:
     """Whole-class reads for one split of a manifest."""
 
     def __init__(
-        self, manifest: Manifest, split: str, cache_dir: str | os.PathLike[str] | None = None
+        self,
+        manifest: Manifest,
+        split: str,
+        cache_dir: str | os.PathLike[str] | ShardCache | None = None,
     ) -> None:
         self.manifest = manifest
         self.store = ShardStore(manifest, cache_dir=cache_dir)

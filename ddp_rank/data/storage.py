@@ -11,33 +11,62 @@ again each epoch. It is ours rather than fsspec's ``simplecache`` because that o
 downloaded once per node under a file lock, to a temporary name, checked against the manifest's sha256 and only
 then renamed into place, content-addressed by that sha256 (a rebuilt shard never reads a stale copy). A shard
 whose download does not match is not cached; its classes are then read by range and checked one by one.
+The cache is bounded (``shard_cache.ShardCache``: least recently used shards go first, never one a reader holds
+open); a shard that does not fit (larger than the cap, the cap held by open shards, the disk full) is read by
+range from the source, counted as a ``cache_fallbacks`` event.
+
+A remote read that fails on the way (connection refused or reset, a timeout: an ``OSError`` other than a missing
+file) is retried with growing pauses for up to ``retry_s`` seconds, each retry counted as a ``read_retries``
+event, so a server restarting or a network blip costs time, not data.
 """
 
 from __future__ import annotations
 
-import fcntl
+import errno
+import logging
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from ddp_rank.data.manifest import Manifest, ShardInfo, is_url, sha256_file
+from ddp_rank.data.shard_cache import CachedShard, ShardCache, Uncached
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 20.0
+"""Default time a failing remote read is retried for (longer than a file server's restart)."""
+RECACHE_S = 60.0
+"""A shard that did not fit in the cache for a passing reason is tried again after this long."""
+
+_T = TypeVar("_T")
 
 
 class ShardStore:
     """Reads byte ranges of a manifest's shards. Picklable: DataLoader workers open their own files."""
 
     def __init__(
-        self, manifest: Manifest, cache_dir: str | os.PathLike[str] | None = None, max_open: int = 16
+        self,
+        manifest: Manifest,
+        cache_dir: str | os.PathLike[str] | ShardCache | None = None,
+        max_open: int = 16,
+        retry_s: float = RETRY_S,
     ):
         self.manifest = manifest
         self.remote = is_url(manifest.location)
-        self.cache_dir = Path(cache_dir) if cache_dir and self.remote else None
+        self.cache: ShardCache | None = None
+        if cache_dir and self.remote:
+            self.cache = cache_dir if isinstance(cache_dir, ShardCache) else ShardCache(cache_dir)
         self.max_open = max_open
-        self._files: dict[str, BinaryIO] = {}
+        self.retry_s = retry_s
+        self.counts = {"cache_fallbacks": 0, "read_retries": 0}
+        """Data events since the last ``take_counts``."""
+        self._files: dict[str, BinaryIO | CachedShard] = {}
         self._pid = os.getpid()
         self._fs: Any = None
         self._fs_pid = os.getpid()
-        self._uncacheable: set[str] = set()
+        self._uncached: dict[str, float] = {}  # sha256 -> when to try caching it again (inf: never)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -47,13 +76,13 @@ class ShardStore:
     def read(self, shard: ShardInfo, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` of ``shard``; raises OSError (FileNotFoundError for a missing shard,
         EOFError for a short read) or whatever the storage raises."""
-        path = self._local_path(shard)
-        if path is None:
-            data = self._filesystem().cat_file(
-                self.manifest.shard_url(shard), start=offset, end=offset + length
+        f = self._open_shard(shard)
+        if f is None:
+            url = self.manifest.shard_url(shard)
+            data = self._retrying(
+                lambda: self._filesystem().cat_file(url, start=offset, end=offset + length), url
             )
         else:
-            f = self._open(path)
             f.seek(offset)
             data = f.read(length)
         if len(data) != length:
@@ -61,6 +90,11 @@ class ShardStore:
                 f"{shard.path}: {len(data)} of {length} bytes at offset {offset} (truncated shard?)"
             )
         return bytes(data)
+
+    def take_counts(self) -> dict[str, int]:
+        """The data events since the last call (and start counting again)."""
+        counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        return counts
 
     def close(self) -> None:
         for f in self._files.values():
@@ -78,44 +112,70 @@ class ShardStore:
             self._fs = fsspec.core.url_to_fs(self.manifest.location)[0]
         return self._fs
 
-    def _open(self, path: str) -> BinaryIO:
+    def _retrying(self, call: Callable[[], _T], url: str) -> _T:
+        """``call()``, retried on a transient failure (see the module docstring) for up to ``retry_s``."""
+        deadline = time.monotonic() + self.retry_s
+        pause = 0.25
+        while True:
+            try:
+                return call()
+            except OSError as exc:
+                lasting = isinstance(exc, FileNotFoundError | PermissionError) or exc.errno in (
+                    errno.ENOSPC,
+                    errno.EDQUOT,
+                )
+                if lasting or time.monotonic() + pause > deadline:
+                    raise
+                self.counts["read_retries"] += 1
+                log.warning(f"{url}: {type(exc).__name__}: {exc}; retrying in {pause:.2f} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 4.0)
+
+    def _open_shard(self, shard: ShardInfo) -> BinaryIO | None:
+        """The shard open on this machine (the directory itself or a cached copy), or None: read it by range."""
         if self._pid != os.getpid():
             # A forked DataLoader worker inherits the parent's descriptors, whose file offsets the processes
             # would share: interleaved seek + read would return another process's bytes. Open our own.
             self._files, self._pid = {}, os.getpid()
-        f = self._files.pop(path, None)
+        if not self.remote:
+            return self._keep(self.manifest.shard_url(shard), lambda p: open(p, "rb"))
+        if self.cache is None or self._uncached.get(shard.sha256, 0.0) > time.monotonic():
+            return None
+        cache = self.cache
+        opened = self._keep(
+            shard.sha256, lambda _: cache.acquire(shard.sha256, shard.bytes, self._fetcher(shard))
+        )
+        return opened
+
+    def _keep(
+        self, name: str, open_fn: Callable[[str], BinaryIO | CachedShard | Uncached]
+    ) -> BinaryIO | None:
+        """The open file ``name`` (opened with ``open_fn`` if not yet), kept among the ``max_open`` most recent."""
+        f = self._files.pop(name, None)
         if f is None:
+            opened = open_fn(name)
+            if isinstance(opened, Uncached):
+                self._fallback(name, opened)
+                return None
             if len(self._files) >= self.max_open:
                 self._files.pop(next(iter(self._files))).close()
-            f = open(path, "rb")  # noqa: SIM115 - kept open across reads, closed in close()
-        self._files[path] = f  # most recently used last
-        return f
+            f = opened
+        self._files[name] = f  # most recently used last
+        return f.file if isinstance(f, CachedShard) else f
 
-    def _local_path(self, shard: ShardInfo) -> str | None:
-        """Where to read the shard on this machine: the directory itself, a cached copy, or None (by range)."""
-        if not self.remote:
-            return self.manifest.shard_url(shard)
-        if self.cache_dir is None or shard.sha256 in self._uncacheable:
-            return None
-        cached = self.cache_dir / f"{shard.sha256}.tar"
-        if not cached.is_file() and not self._download(shard, cached):
-            self._uncacheable.add(shard.sha256)
-            return None
-        return str(cached)
+    def _fallback(self, sha256: str, why: Uncached) -> None:
+        self._uncached[sha256] = float("inf") if why.lasting else time.monotonic() + RECACHE_S
+        self.counts["cache_fallbacks"] += 1
+        log.warning(
+            f"shard {sha256[:12]}... is not cached ({why.reason}); reading it by range from the source"
+        )
 
-    def _download(self, shard: ShardInfo, cached: Path) -> bool:
-        """Fetch a whole shard into the cache, once per node (file lock), checked; False if it does not match."""
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with open(cached.with_suffix(".lock"), "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if cached.is_file():  # another process of this node fetched it while we waited
-                return True
-            partial = cached.with_name(f".{cached.name}.{os.getpid()}.partial")
-            try:
-                self._filesystem().get_file(self.manifest.shard_url(shard), str(partial))
-                if sha256_file(partial) != shard.sha256:
-                    return False
-                os.replace(partial, cached)
-            finally:
-                partial.unlink(missing_ok=True)
-        return True
+    def _fetcher(self, shard: ShardInfo) -> Callable[[Path], bool]:
+        """Download the whole shard to a path; True when it matches the manifest's sha256."""
+        url = self.manifest.shard_url(shard)
+
+        def fetch(path: Path) -> bool:
+            self._retrying(lambda: self._filesystem().get_file(url, str(path)), url)
+            return sha256_file(path) == shard.sha256
+
+        return fetch

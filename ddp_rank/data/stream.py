@@ -20,7 +20,7 @@ with every rank so that all of them stop with that message.
 Each yielded batch is a dict: ``images`` [n, 3, H, W] (float32, or uint8 as ``TransformConfig.pixels`` says),
 ``labels`` / ``categories`` int64 [n] (global ids; category -1 = unlabelled), ``keys`` (sample keys),
 ``epoch``, ``step``, ``groups`` (the schedule's groups) and ``events`` (this batch's ``replaced_classes``,
-``decode_errors``, ``bad_shards``).
+``decode_errors``, ``bad_shards``, and the store's ``cache_fallbacks`` and ``read_retries``).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, deal, local_batch_size
 from ddp_rank.data.reader import ClassReader, ClassReadError
 from ddp_rank.data.schedule import ScheduleConfig
+from ddp_rank.data.shard_cache import ShardCache
 from ddp_rank.data.tario import SpanSample
 from ddp_rank.data.transforms import (
     TransformConfig,
@@ -91,7 +92,8 @@ class ShardStream(IterableDataset):
         transform: image sizes (``TransformConfig``); ``augment`` picks the train (random) or test transform.
         num_workers: the DataLoader's worker count (how the steps are split for decoding; never what is drawn).
         rank, world_size: default to the process group, else RANK / WORLD_SIZE, else 0 / 1.
-        cache_dir: node-local directory for whole shards fetched from a URL (``storage.ShardStore``).
+        cache_dir: node-local directory for whole shards fetched from a URL (``storage.ShardStore``), or a
+            ``ShardCache`` (a directory with a cap).
 
     One ``iter`` yields the rest of the current epoch. ``StreamLoader`` wraps the DataLoader and moves the
     position on as it hands out batches; with a raw ``DataLoader(stream, batch_size=None, num_workers=...)``
@@ -110,7 +112,7 @@ class ShardStream(IterableDataset):
         num_workers: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
+        cache_dir: str | os.PathLike[str] | ShardCache | None = None,
     ) -> None:
         super().__init__()
         self.manifest = shards if isinstance(shards, Manifest) else Manifest.load(shards)
@@ -211,6 +213,7 @@ class ShardStream(IterableDataset):
                 images.extend(tensors)
                 labels.extend([class_id] * len(tensors))
                 keys.extend(chosen)
+        events.update(self.reader.store.take_counts())  # cache_fallbacks, read_retries
         label_tensor = torch.tensor(labels, dtype=torch.int64)
         return {
             "images": collate_images(images, self.transform_config),

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from ddp_rank.config import Config
 from ddp_rank.data.eval_reader import EvalShards
 from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.distributed.process_group import is_distributed, rank, world_size
 from ddp_rank.eval.embed import EvalBatch, embed_batches, gather_embedded
@@ -65,7 +66,7 @@ def read_eval_batches(
         transform=transform_from_config(cfg.data, pixels="uint8"),  # the model scales them on its device
         rank=rank() if rank_ is None else rank_,
         world_size=world_size() if world is None else world,
-        cache_dir=cfg.data.cache_dir or None,
+        cache_dir=open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb),
     )
     workers = cfg.data.num_workers if num_workers is None else num_workers
     loader = DataLoader(reader, batch_size=None, num_workers=workers)

@@ -31,7 +31,13 @@ class TrainBatches:
         self.stop_agreed = False  # some rank asked to stop: every rank stops after the step of this batch
         # Pinned host batches: their copy to the GPU is asynchronous (DeviceFeed overlaps it with the step).
         self.loader = StreamLoader(stream, pin_memory=device.type == "cuda", track_position=False)
-        self.events: dict[str, Any] = {"replaced_classes": 0, "decode_errors": 0, "bad_shards": []}
+        self.events: dict[str, Any] = {
+            "replaced_classes": 0,
+            "decode_errors": 0,
+            "cache_fallbacks": 0,
+            "read_retries": 0,
+            "bad_shards": [],
+        }
         self._feed: DeviceFeed | None = None
 
     def next(self) -> dict[str, Any]:
@@ -47,8 +53,9 @@ class TrainBatches:
             self.stop_agreed = agree(error, stop=self.stop_requested()) or self.stop_agreed
         except RankFailure as exc:
             raise TrainError(f"data: {exc}") from None
-        for key in ("replaced_classes", "decode_errors"):
-            self.events[key] += int(batch["events"][key])
+        for key, value in batch["events"].items():
+            if key != "bad_shards":
+                self.events[key] = self.events.get(key, 0) + int(value)
         self.events["bad_shards"] = sorted(
             set(self.events["bad_shards"]) | set(batch["events"]["bad_shards"])
         )

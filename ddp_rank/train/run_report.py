@@ -135,6 +135,8 @@ class RunReport:
             values["grad_norm"] = window[-1].grad_norm
         values["data_replaced_classes"] = data["replaced_classes"]
         values["data_decode_errors"] = data["decode_errors"]
+        values["data_cache_fallbacks"] = data["cache_fallbacks"]
+        values["data_read_retries"] = data["read_retries"]
         values["data_bad_shards"] = data["bad_shards"]
         self.logger.log("train", step, values)
         if self._show_lines:
@@ -192,6 +194,7 @@ class RunReport:
         data = summary["data"]
         facts["data"] = (
             f"{data['replaced_classes']} class(es) replaced, {data['decode_errors']} decode error(s), "
+            f"{data['cache_fallbacks']} cache fallback(s), {data['read_retries']} read retr(ies), "
             f"bad shards: {', '.join(data['bad_shards']) or 'none'}"
         )
         if data["categories_left_out"]:

@@ -9,6 +9,7 @@ import torch
 
 from ddp_rank.config import Config, ConfigError
 from ddp_rank.data.manifest import Manifest, is_url
+from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.data.stream import ShardStream
 from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.eval.protocols import metric_names
@@ -104,7 +105,7 @@ def build_stream(cfg: Config, manifest: Manifest, rank: int, world_size: int) ->
             num_workers=cfg.data.num_workers,
             rank=rank,
             world_size=world_size,
-            cache_dir=cfg.data.cache_dir or None,
+            cache_dir=open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb),
         )
     except ValueError as exc:  # the sampler settings cannot be met by these shards
         raise TrainError(f"data: {exc}; `ddp-rank plan --config ...` shows what the shards allow") from exc

@@ -1,0 +1,195 @@
+"""A bounded node-local cache of whole shards, shared by every process of a node (jobs, ranks, DataLoader workers).
+
+Files in the cache directory, for a shard whose sha256 is ``KEY``:
+
+- ``KEY.tar``: the shard, complete and checked (written to a temporary name, then ``os.replace``-d into place, so
+  a killed process never leaves a partial shard under this name). Its mtime is its last use (least recently used
+  goes first).
+- ``KEY.lock``: the shard's lock. A reader holds a shared ``flock`` on it while it keeps the shard open; the one
+  process that downloads the shard holds it exclusively. Eviction takes it with ``LOCK_EX | LOCK_NB`` and skips
+  the shard when that fails, so a shard some process holds open is never evicted. Lock files stay (0 bytes):
+  unlinking a lock file others may have opened would give two processes two different locks.
+- ``KEY.reserve``: the size of a download in progress, so that concurrent downloads together stay under the cap.
+  A reservation whose ``KEY.lock`` nobody holds is left over from a killed process and is removed.
+- ``.cache.lock``: held exclusively while space is made and reserved (a few file-system calls).
+
+``acquire`` returns the shard open (``CachedShard``) or says why it cannot (``Uncached``): larger than the cap,
+the cap filled by shards other readers hold open, or the disk full (``ENOSPC``); the caller then reads the
+shard by range from its source. A cap of ``None`` means half of the file system's free space (plus what the cache
+already holds), measured when the cache is made.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+AUTO_FRACTION = 0.5
+"""Share of the cache file system's free space an automatic cap takes (the rest stays for everything else)."""
+
+
+@dataclass(frozen=True)
+class Uncached:
+    """Why a shard is read from its source instead of the cache; ``lasting`` when asking again cannot help."""
+
+    reason: str
+    lasting: bool
+
+
+class CachedShard:
+    """An open cached shard; holds its shared lock (no eviction) until ``close``."""
+
+    def __init__(self, path: Path, lock: BinaryIO) -> None:
+        self.path = path
+        self.file: BinaryIO = open(path, "rb")  # noqa: SIM115 - closed in close()
+        self._lock = lock
+
+    def close(self) -> None:
+        self.file.close()
+        self._lock.close()  # releases the shared flock
+
+
+def auto_cap_bytes(directory: Path) -> int:
+    """Half of the free space of ``directory``'s file system plus what the cache already holds."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    held = sum(_size(p) for p in directory.glob("*.tar")) if directory.is_dir() else 0
+    return int(AUTO_FRACTION * (shutil.disk_usage(existing).free + held))
+
+
+def open_cache(directory: str | os.PathLike[str] | None, max_gb: float) -> ShardCache | None:
+    """The cache of ``data.cache_dir`` / ``data.cache_max_gb`` (GB = 1e9 bytes; 0 = automatic), None without one."""
+    if not directory:
+        return None
+    return ShardCache(directory, None if max_gb == 0 else int(max_gb * 1e9))
+
+
+class ShardCache:
+    """Whole shards in ``directory``, at most ``max_bytes`` in all (see the module docstring). Picklable."""
+
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.max_bytes = auto_cap_bytes(self.directory) if max_bytes is None else int(max_bytes)
+        if self.max_bytes < 0:
+            raise ValueError(f"cache cap must be >= 0 bytes, got {self.max_bytes}")
+
+    def acquire(self, key: str, size: int, fetch: Callable[[Path], bool]) -> CachedShard | Uncached:
+        """The shard ``key`` (``size`` bytes) open, downloaded first with ``fetch(path)`` if absent; ``fetch``
+        returns False when what it wrote is not the shard (not cached, lasting)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if size > self.max_bytes:
+            return Uncached(f"{size} bytes exceed the cache cap of {self.max_bytes}", lasting=True)
+        target = self._tar(key)
+        lock = open(self._lock_path(key), "a+b")  # noqa: SIM115 - handed to CachedShard or closed here
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            if not target.is_file():
+                fcntl.flock(lock, fcntl.LOCK_EX)  # the download lock: one process per node fetches
+                if not target.is_file():
+                    problem = self._download(key, size, fetch)
+                    if problem is not None:
+                        lock.close()
+                        return problem
+                shard = CachedShard(target, lock)  # opened before the downgrade: an open shard stays readable
+                fcntl.flock(lock, fcntl.LOCK_SH)
+            else:
+                shard = CachedShard(target, lock)
+        except BaseException:
+            lock.close()
+            raise
+        os.utime(target)  # last use, for the LRU order
+        return shard
+
+    def cached_bytes(self) -> int:
+        """Bytes of the complete shards in the cache."""
+        return sum(_size(p) for p in self.directory.glob("*.tar"))
+
+    # ------------------------------------------------------------------ internals
+
+    def _tar(self, key: str) -> Path:
+        return self.directory / f"{key}.tar"
+
+    def _lock_path(self, key: str) -> Path:
+        return self.directory / f"{key}.lock"
+
+    def _download(self, key: str, size: int, fetch: Callable[[Path], bool]) -> Uncached | None:
+        """With the shard's lock held exclusively: reserve room, fetch, check, rename into place."""
+        reservation = self.directory / f"{key}.reserve"
+        if not self._reserve(key, size, reservation):
+            return Uncached("the cache is full of shards other readers hold open", lasting=False)
+        partial = self.directory / f".{key}.{os.getpid()}.partial"
+        try:
+            if not fetch(partial):
+                return Uncached("the download does not match the manifest's sha256", lasting=True)
+            os.replace(partial, self._tar(key))
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                return Uncached(f"the cache's disk is full ({exc.strerror})", lasting=False)
+            raise
+        finally:
+            partial.unlink(missing_ok=True)
+            reservation.unlink(missing_ok=True)
+        return None
+
+    def _reserve(self, key: str, size: int, reservation: Path) -> bool:
+        """Evict least recently used shards nobody holds until ``size`` more bytes fit; record the reservation."""
+        with open(self.directory / ".cache.lock", "a+b") as cache_lock:
+            fcntl.flock(cache_lock, fcntl.LOCK_EX)
+            used = sum(_size(p) for p in self.directory.glob("*.tar"))
+            for other in self.directory.glob("*.reserve"):
+                if other != reservation:
+                    used += self._live_reservation(other)
+            for victim in sorted(self.directory.glob("*.tar"), key=_mtime):
+                if used + size <= self.max_bytes:
+                    break
+                if victim.stem != key:
+                    used -= self._evict(victim)
+            if used + size > self.max_bytes:
+                return False
+            reservation.write_text(str(size))
+            return True
+
+    def _evict(self, victim: Path) -> int:
+        """Remove ``victim`` unless a reader holds it (its lock is taken); the bytes freed."""
+        with open(self._lock_path(victim.stem), "a+b") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return 0
+            size = _size(victim)
+            victim.unlink(missing_ok=True)
+        return size
+
+    def _live_reservation(self, reservation: Path) -> int:
+        """The bytes a download in progress reserved, or 0 (and the file removed) when its process is gone."""
+        with open(self._lock_path(reservation.stem), "a+b") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # the downloader holds it: a live reservation
+                try:
+                    return int(reservation.read_text() or 0)
+                except (OSError, ValueError):
+                    return 0
+            reservation.unlink(missing_ok=True)
+            return 0
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
