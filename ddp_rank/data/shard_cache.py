@@ -5,12 +5,13 @@ Files in the cache directory, for a shard whose sha256 is ``KEY``:
 - ``KEY.tar``: the shard, complete and checked (written to a temporary name, then ``os.replace``-d into place, so
   a killed process never leaves a partial shard under this name). Its mtime is its last use (least recently used
   goes first).
-- ``KEY.lock``: the shard's lock. A reader holds a shared ``flock`` on it while it keeps the shard open; the one
-  process that downloads the shard holds it exclusively. Eviction takes it with ``LOCK_EX | LOCK_NB`` and skips
-  the shard when that fails, so a shard some process holds open is never evicted. Lock files stay (0 bytes):
-  unlinking a lock file others may have opened would give two processes two different locks.
+- ``KEY.lock``: the readers' lock. A reader holds a shared ``flock`` on it while it keeps the shard open (and while
+  it waits for or does the shard's download). Eviction takes it with ``LOCK_EX | LOCK_NB`` and skips the shard
+  when that fails, so a shard some process holds open is never evicted.
+- ``KEY.fetch``: the download lock, held exclusively by the one process of the node that downloads the shard.
+  Lock files stay (0 bytes): unlinking a lock file others may have opened would give two processes two locks.
 - ``KEY.reserve``: the size of a download in progress, so that concurrent downloads together stay under the cap.
-  A reservation whose ``KEY.lock`` nobody holds is left over from a killed process and is removed.
+  A reservation whose ``KEY.fetch`` nobody holds is left over from a killed process and is removed.
 - ``.cache.lock``: held exclusively while space is made and reserved (a few file-system calls).
 
 ``acquire`` returns the shard open (``CachedShard``) or says why it cannot (``Uncached``): larger than the cap,
@@ -89,18 +90,14 @@ class ShardCache:
         target = self._tar(key)
         lock = open(self._lock_path(key), "a+b")  # noqa: SIM115 - handed to CachedShard or closed here
         try:
+            # Held from here on: once the shard is in place (checked below, under this lock) it cannot be evicted.
             fcntl.flock(lock, fcntl.LOCK_SH)
             if not target.is_file():
-                fcntl.flock(lock, fcntl.LOCK_EX)  # the download lock: one process per node fetches
-                if not target.is_file():
-                    problem = self._download(key, size, fetch)
-                    if problem is not None:
-                        lock.close()
-                        return problem
-                shard = CachedShard(target, lock)  # opened before the downgrade: an open shard stays readable
-                fcntl.flock(lock, fcntl.LOCK_SH)
-            else:
-                shard = CachedShard(target, lock)
+                problem = self._fetch_once(key, size, fetch)
+                if problem is not None:
+                    lock.close()
+                    return problem
+            shard = CachedShard(target, lock)
         except BaseException:
             lock.close()
             raise
@@ -119,8 +116,17 @@ class ShardCache:
     def _lock_path(self, key: str) -> Path:
         return self.directory / f"{key}.lock"
 
+    def _fetch_once(self, key: str, size: int, fetch: Callable[[Path], bool]) -> Uncached | None:
+        """Download the shard unless another process of the node does it meanwhile (they wait on ``KEY.fetch``,
+        a lock apart from the readers' ``KEY.lock``, so that waiting never waits for a reader to close)."""
+        with open(self.directory / f"{key}.fetch", "a+b") as fetch_lock:
+            fcntl.flock(fetch_lock, fcntl.LOCK_EX)
+            if self._tar(key).is_file():  # another process fetched it while we waited
+                return None
+            return self._download(key, size, fetch)
+
     def _download(self, key: str, size: int, fetch: Callable[[Path], bool]) -> Uncached | None:
-        """With the shard's lock held exclusively: reserve room, fetch, check, rename into place."""
+        """With the shard's fetch lock held: reserve room, fetch, check, rename into place."""
         reservation = self.directory / f"{key}.reserve"
         if not self._reserve(key, size, reservation):
             return Uncached("the cache is full of shards other readers hold open", lasting=False)
@@ -169,7 +175,7 @@ class ShardCache:
 
     def _live_reservation(self, reservation: Path) -> int:
         """The bytes a download in progress reserved, or 0 (and the file removed) when its process is gone."""
-        with open(self._lock_path(reservation.stem), "a+b") as lock:
+        with open(self.directory / f"{reservation.stem}.fetch", "a+b") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # the downloader holds it: a live reservation

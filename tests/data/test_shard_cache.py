@@ -81,7 +81,7 @@ def test_a_full_disk_leaves_no_partial_shard_and_says_so(tmp_path: Path) -> None
 
     result = ShardCache(tmp_path, max_bytes=10 * SIZE).acquire("aa", SIZE, disk_full)
     assert isinstance(result, Uncached) and not result.lasting and "disk is full" in result.reason
-    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+    assert [p.name for p in tmp_path.iterdir() if p.suffix not in (".lock", ".fetch")] == []
 
 
 def test_the_automatic_cap_is_half_the_free_space(tmp_path: Path) -> None:
@@ -122,6 +122,34 @@ def test_a_shard_another_process_holds_open_is_never_evicted(tmp_path: Path) -> 
     assert holder.exitcode == 0
     _put(cache, "ff").close()  # released: the least recently used of the two goes
     assert _cached(tmp_path) == {"ee", "ff"}
+
+
+def test_a_reader_of_a_shard_another_process_holds_open_does_not_wait_for_it(tmp_path: Path) -> None:
+    """The holder downloaded ``aa`` and keeps it open: a second reader of ``aa`` opens it at once."""
+    import threading
+
+    ctx = mp.get_context("spawn")
+    held, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold, args=(str(tmp_path), "aa", held, release))
+    holder.start()
+    try:
+        assert held.wait(60), "the holding process did not start"
+        got: list[CachedShard | Uncached] = []
+        reader = threading.Thread(
+            target=lambda: got.append(
+                ShardCache(tmp_path, max_bytes=2 * SIZE).acquire("aa", SIZE, _writer(b"never used"))
+            ),
+            daemon=True,
+        )
+        reader.start()
+        reader.join(20)
+        assert got, "the second reader waited for the holder to close the shard"
+        assert isinstance(got[0], CachedShard) and got[0].file.read() == b"aa" * (SIZE // 2)
+        got[0].close()
+    finally:
+        release.set()
+        holder.join(60)
+    assert holder.exitcode == 0
 
 
 @pytest.fixture(scope="module")
