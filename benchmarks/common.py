@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -50,3 +52,32 @@ def write_result(name: str, title: str, body: str) -> Path:
     else:
         path.write_text(f"# {title}\n\nDate: {today}  \nMachine: {machine_description()}\n\n{body}\n")
     return path
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a launcher's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def accelerate_cpu_cmd(repo: Path, *args: str, processes: int = 2) -> list[str]:
+    """``accelerate launch`` of ``args`` on ``processes`` gloo CPU processes (the repository's launcher file)."""
+    return [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(repo / "launch" / "accelerate_cpu_2proc.yaml"),
+        "--num_processes", str(processes), "--main_process_port", str(free_port()),
+        *args,
+    ]  # fmt: skip
+
+
+def cpu_job_env() -> dict[str, str]:
+    """A launched CPU job's environment, whatever GPUs the machine has (no CUDA device for the ranks,
+    DeepSpeed's CPU accelerator), one thread per rank."""
+    return {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }

@@ -10,8 +10,11 @@ Two separate problems, two tools:
   and DDP refuse, the same maths runs through a differentiable all-reduce.
 - **Running buffers.** Whatever the setting, the running mean and variance drift apart across ranks: each rank
   folds its own batch into them (DDP only broadcasts rank 0's before each forward; DeepSpeed never). The rule
-  used here: before every evaluation, every checkpoint and the first pass of every chunked step, each buffer is
-  replaced by its MEAN over the ranks (``sync_batchnorm_buffers``). The mean of the ranks' exponential averages
+  used here: before every step (direct, or the first pass of a chunked one), every evaluation and every
+  checkpoint, each buffer is replaced by its MEAN over the ranks (``sync_batchnorm_buffers``). Averaging before
+  every step, not only at checkpoints, is what keeps a checkpoint from changing the run: the average it takes is
+  the one the next step takes anyway (the mean of equal values is exact), so a run stopped and resumed at any step
+  has the buffers of an uninterrupted one (the soak test caught a stop between checkpoints changing them). The mean of the ranks' exponential averages
   is the exponential average of the global batch's means (for equal local batches), so it loses none of the
   ranks' data, unlike keeping rank 0's; the counter ``num_batches_tracked`` is equal on every rank anyway.
 """

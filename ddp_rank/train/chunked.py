@@ -102,6 +102,9 @@ def forward_backward(
 
 
 def _direct(backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossFn) -> StepOutput:
+    # As at every checkpoint and evaluation: then the averaging a checkpoint does is the one this step would have
+    # done, and a run stopped and resumed at any step keeps the running statistics of an uninterrupted one.
+    backend.sync_batchnorm()
     with backend.autocast():
         embeddings = backend.model(inputs)
     loss = _scalar(loss_fn(embeddings, labels))

@@ -1,8 +1,9 @@
 """Run outputs written by rank 0: metrics JSONL, optional TensorBoard, PNG plots, a markdown summary.
 
 ``metrics.jsonl`` holds one JSON object per line: ``{"kind": "train", "step": ..., "loss": ..., "lr": ...,
-"images_per_s": ...}`` every ``train.log_every`` steps and ``{"kind": "eval", "step": ..., "recall@1": ...}``
-after each evaluation. It is the single source of the plots and the summary, so they can be redrawn from a
+"images_per_s": ..., "data_replaced_classes": ...}`` every ``train.log_every`` steps (the data events counted
+since this start), ``{"kind": "eval", "step": ..., "recall@1": ...}`` after each evaluation, a ``data`` record at
+each start and a ``stop`` record when a signal stopped the run. It is the single source of the plots and the summary, so they can be redrawn from a
 finished (or killed) run with :func:`write_plots` / :func:`write_summary`.
 
 On resume the lines of steps after the resumed checkpoint are dropped (:meth:`MetricsLogger.truncate_after`):

@@ -166,6 +166,12 @@ class RunReport:
                 + format_table({f"step {step}": shown})
             )
 
+    def stopped(self, step: int, received: str | None, checkpoint: str) -> None:
+        """A ``stop`` record: every rank stopped after ``step`` on a signal (``received`` by this rank, or None
+        when another rank received it) with ``checkpoint``."""
+        if self.logger is not None:
+            self.logger.log("stop", step, {"signal": received or "another rank's", "checkpoint": checkpoint})
+
     def finish(self, summary: dict[str, Any], total_steps: int, processes: str) -> None:
         """Close the bar; rank 0 writes the plots and ``summary.md``."""
         if self._bar is not None:

@@ -354,6 +354,7 @@ class Trainer:
             log.warning(
                 f"stopped after step {self.step} of {self.total_steps} on a signal, checkpoint {path}; {again}"
             )
+        self.report.stopped(self.step, self.stop.received.name if self.stop.received else None, str(path))
         self.report.close()
         raise RunStopped(self.step, str(path))
 

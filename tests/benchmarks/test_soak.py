@@ -1,0 +1,66 @@
+"""The soak (benchmarks/soak.py): 2 gloo processes, 2,000 steps over loopback HTTP through a capped cache, with
+the server stopped and restarted twice, the job signalled and resumed twice and a class corrupted while it was
+stopped. It must end with the weights of a run without those faults (bit for bit), every fault counted in
+``metrics.jsonl``, the cache under its cap and the ranks' resident memory flat over the last start."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+STEPS = 2000
+
+
+def _soak_module() -> Any:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_soak", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_soak_with_faults_ends_where_a_run_without_them_ends(tmp_path: Path) -> None:
+    soak = _soak_module()
+    result = soak.soak(tmp_path, STEPS)
+    faulty, counts = result["faulty"], result["counts"]
+    explain = soak.report(result)
+
+    assert result["same_weights"], explain
+    assert faulty.outages == 2 and counts["read_retries"] >= 1, explain  # the outages cost retries, not data
+    assert len(faulty.stops) == 2 and counts["stops"] == 2 and faulty.starts == 3, explain
+    assert all(0 < s < STEPS for s in faulty.stops), explain
+    replaced = counts["replaced_classes"]
+    assert replaced > 0 and replaced == result["reference_counts"]["replaced_classes"], explain
+    assert counts["bad_shards"] == result["reference_counts"]["bad_shards"] != [], explain
+    assert counts["cache_fallbacks"] >= 1 and 0 < result["cache_bytes"] <= result["cache_cap_bytes"], explain
+    assert result["memory"]["second_half_growth"] < 0.05, explain
+
+
+def test_the_fault_counts_add_up_every_start(tmp_path: Path) -> None:
+    """Each start counts its data events from zero: the totals sum the last record of each start."""
+    soak = _soak_module()
+    records = [
+        '{"kind": "data", "step": 0}',
+        '{"kind": "train", "step": 1, "data_read_retries": 2, "data_replaced_classes": 0, "data_bad_shards": []}',
+        '{"kind": "train", "step": 2, "data_read_retries": 3, "data_replaced_classes": 1, "data_bad_shards": ["a"]}',
+        '{"kind": "stop", "step": 2, "signal": "SIGUSR1"}',
+        '{"kind": "data", "step": 2}',
+        '{"kind": "train", "step": 3, "data_read_retries": 4, "data_replaced_classes": 2, "data_bad_shards": ["b"]}',
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(records) + "\n")
+    assert soak.fault_counts(tmp_path) == {
+        "stops": 1,
+        "read_retries": 7,
+        "replaced_classes": 3,
+        "bad_shards": ["a", "b"],
+    }
+    assert soak.last_step(tmp_path / "metrics.jsonl") == 3
+    assert soak.last_step(tmp_path / "missing.jsonl") == 0
