@@ -38,10 +38,11 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from ddp_rank.data.build import BuildOptions, build_shards
+from ddp_rank.data.dealing import deal
 from ddp_rank.data.listing import read_image_folder
 from ddp_rank.data.loader import StreamLoader
 from ddp_rank.data.manifest import ClassInfo, ClassSpan, Manifest, ShardInfo, SplitInfo
-from ddp_rank.data.plan import Catalog, GlobalPlan, deal
+from ddp_rank.data.plan import Catalog, GlobalPlan
 from ddp_rank.data.schedule import ScheduleConfig
 from ddp_rank.data.serve import serve_directory
 from ddp_rank.data.stream import ShardStream

@@ -23,7 +23,7 @@ _EXPORTS = {
     "Catalog": "ddp_rank.data.plan",
     "GlobalPlan": "ddp_rank.data.plan",
     "PlanError": "ddp_rank.data.plan",
-    "deal": "ddp_rank.data.plan",
+    "deal": "ddp_rank.data.dealing",
     "ClassReader": "ddp_rank.data.reader",
     "ShardStore": "ddp_rank.data.storage",
     "index_shards": "ddp_rank.data.index",

@@ -1,7 +1,7 @@
 """The training stream: this rank's part of each step's global plan, read by class and decoded.
 
 Per step ``s`` of epoch ``e``, every rank computes the global batch (``plan.GlobalPlan``, a pure function of
-seed, epoch, step, manifest and sampler settings), deals it to the W ranks (``plan.deal``) and reads only its
+seed, epoch, step, manifest and sampler settings), deals it to the W ranks (``dealing.deal``) and reads only its
 own part: one ranged read per class (``reader.ClassReader``), from a local directory or a URL. DataLoader
 workers only split the decoding: worker w of a rank produces steps start + w, start + w + n_workers, ..., which a
 DataLoader with ``batch_size=None`` hands out round-robin, i.e. in step order. Which images make up a step never
@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ddp_rank.data.dealing import deal
 from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, deal, local_batch_size
+from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, local_batch_size
 from ddp_rank.data.reader import ClassReader, ClassReadError
 from ddp_rank.data.schedule import ScheduleConfig
 from ddp_rank.data.shard_cache import ShardCache
