@@ -33,7 +33,7 @@ from ddp_rank.data.listing import (
     natural_key,
 )
 from ddp_rank.data.manifest import MANIFEST_NAME, ClassInfo, Manifest, ShardInfo, SplitInfo
-from ddp_rank.data.tario import shard_writer
+from ddp_rank.data.tar_writer import shard_writer
 
 _PIL_TO_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 _EXT_TO_PIL = {v: k for k, v in _PIL_TO_EXT.items()}

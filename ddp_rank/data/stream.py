@@ -41,7 +41,7 @@ from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, local_batc
 from ddp_rank.data.reader import ClassReader, ClassReadError
 from ddp_rank.data.schedule import ScheduleConfig
 from ddp_rank.data.shard_cache import ShardCache
-from ddp_rank.data.tario import SpanSample
+from ddp_rank.data.tar_scan import SpanSample
 from ddp_rank.data.transforms import (
     TransformConfig,
     collate_images,
