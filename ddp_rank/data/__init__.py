@@ -26,7 +26,7 @@ _EXPORTS = {
     "deal": "ddp_rank.data.dealing",
     "ClassReader": "ddp_rank.data.reader",
     "ShardStore": "ddp_rank.data.storage",
-    "index_shards": "ddp_rank.data.index",
+    "index_shards": "ddp_rank.data.shard_index",
     "DataError": "ddp_rank.data.stream",
     "ShardStream": "ddp_rank.data.stream",
     "StreamLoader": "ddp_rank.data.loader",

@@ -19,7 +19,9 @@ import webdataset as wds
 from PIL import Image
 
 from ddp_rank.cli import main
-from ddp_rank.data.index import (
+from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.schedule import ScheduleConfig
+from ddp_rank.data.shard_index import (
     IndexOptions,
     ShardIndexError,
     find_splits,
@@ -27,8 +29,6 @@ from ddp_rank.data.index import (
     read_category_map,
     upgrade_manifest,
 )
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.schedule import ScheduleConfig
 from ddp_rank.data.stream import ShardStream
 from ddp_rank.data.transforms import TransformConfig
 from ddp_rank.data.verify import verify_shards
@@ -332,7 +332,7 @@ def test_class_ids_do_not_depend_on_the_hash_seed(tmp_path: Path) -> None:
     """Names whose natural keys tie ("7", "07", "007") are ordered by the raw name, in every process."""
     write_foreign(tmp_path / "wds", [(name, "f") for name in ("7", "07", "8", "007")], maxcount=100)
     script = (
-        "import sys; from ddp_rank.data.index import IndexOptions, find_splits, index_shards; "
+        "import sys; from ddp_rank.data.shard_index import IndexOptions, find_splits, index_shards; "
         "m = index_shards(sys.argv[1], find_splits(sys.argv[1], []), IndexOptions(class_field='label')).manifest; "
         "print([c.name for c in m.classes])"
     )
