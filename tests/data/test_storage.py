@@ -75,8 +75,8 @@ def test_http_gives_the_same_batches_as_the_local_directory(local: Path, served:
     assert same(batches(url, world=2), batches(local, world=2))
     reader = EvalShards(url, split="train", batch_size=7, transform=TINY)
     local_reader = EvalShards(local, split="train", batch_size=7, transform=TINY)
-    remote_keys = [k for b in reader.iter_worker(0, 1) for k in b.keys]
-    assert remote_keys == [k for b in local_reader.iter_worker(0, 1) for k in b.keys]
+    remote_keys = [k for b in reader.iter_worker(0, 1) for k in b["keys"]]
+    assert remote_keys == [k for b in local_reader.iter_worker(0, 1) for k in b["keys"]]
     assert len(remote_keys) == Manifest.load(local).split("train").samples
 
 
@@ -122,8 +122,8 @@ def test_http_faults_are_replaced_and_counted(
     ranks = batches(url, world=2)
     assert any(shard.path in r.getMessage() for r in ddp_rank_log.records)
     events = [b.events for r in ranks for b in r]
-    assert sum(e["replaced_classes"] for e in events) > 0
-    assert {s for e in events for s in e["bad_shards"]} == {shard.path}
+    assert sum(e.replaced_classes for e in events) > 0
+    assert {s for e in events for s in e.bad_shards} == {shard.path}
     for step in zip(*ranks):
         keys = [k for b in step for k in b.keys]
         assert len(keys) == len(set(keys)) == 12
