@@ -37,11 +37,13 @@ from common import machine_description, markdown_table, write_result
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from ddp_rank.data.batch import StreamBatch
 from ddp_rank.data.build import BuildOptions, build_shards
+from ddp_rank.data.dealing import deal
 from ddp_rank.data.listing import read_image_folder
 from ddp_rank.data.loader import StreamLoader
 from ddp_rank.data.manifest import ClassInfo, ClassSpan, Manifest, ShardInfo, SplitInfo
-from ddp_rank.data.plan import Catalog, GlobalPlan, deal
+from ddp_rank.data.plan import Catalog, GlobalPlan
 from ddp_rank.data.schedule import ScheduleConfig
 from ddp_rank.data.serve import serve_directory
 from ddp_rank.data.stream import ShardStream
@@ -157,7 +159,7 @@ def timed(loader: Iterable[Any], total: int) -> dict[str, float]:
     seen, first, steady_start = 0, 0.0, start
     iterator: Iterator[Any] = iter(loader)
     for batch in iterator:
-        n = batch["images"].shape[0]
+        n = len(batch) if isinstance(batch, StreamBatch) else batch["images"].shape[0]
         if not first:
             first = time.perf_counter() - start
             steady_start = time.perf_counter()

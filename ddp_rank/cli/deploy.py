@@ -73,9 +73,9 @@ def _fail(command: str, exc: Exception) -> int:
 
 
 def _errors() -> tuple[type[Exception], ...]:
-    from ddp_rank.eval.index import IndexBuildError
     from ddp_rank.eval.protocols import EvalError
     from ddp_rank.eval.sources import SourceError
+    from ddp_rank.eval.vector_index import IndexBuildError
     from ddp_rank.model import CheckpointError, ModelError
     from ddp_rank.runtime import TrainError
 
@@ -100,7 +100,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def _run_index(args: argparse.Namespace) -> int:
     from ddp_rank.eval.export import load_export
-    from ddp_rank.eval.index import IndexSpec, SearchIndex
+    from ddp_rank.eval.vector_index import IndexSpec, SearchIndex
 
     try:
         spec = IndexSpec(args.kind, args.nlist, args.nprobe, args.pq_m, args.pq_bits, args.hnsw_m,

@@ -206,7 +206,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from ddp_rank.data.index import (
+    from ddp_rank.data.manifest import is_url
+    from ddp_rank.data.shard_index import (
         IndexOptions,
         ShardIndexError,
         find_splits,
@@ -214,7 +215,6 @@ def _index(args: argparse.Namespace) -> int:
         read_category_map,
         upgrade_manifest,
     )
-    from ddp_rank.data.manifest import is_url
 
     try:
         if args.upgrade:

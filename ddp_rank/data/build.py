@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -22,6 +21,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
+from ddp_rank.data.build_dir import check_out_dir, remove_stale
 from ddp_rank.data.image_modes import grey16_to_l, is_grey16
 from ddp_rank.data.listing import (
     ListingError,
@@ -32,8 +32,8 @@ from ddp_rank.data.listing import (
     check_records,
     natural_key,
 )
-from ddp_rank.data.manifest import MANIFEST_NAME, ClassInfo, Manifest, ShardInfo, SplitInfo
-from ddp_rank.data.tario import shard_writer
+from ddp_rank.data.manifest import ClassInfo, Manifest, ShardInfo, SplitInfo
+from ddp_rank.data.tar_writer import shard_writer
 
 _PIL_TO_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 _EXT_TO_PIL = {v: k for k, v in _PIL_TO_EXT.items()}
@@ -95,7 +95,7 @@ def build_shards(
     """Build the shard directory ``out_dir`` from ``records``; raises ``ListingError`` on bad input (see on_bad)."""
     report = Report()
     out = Path(out_dir)
-    stale = _check_out_dir(out, records, options.overwrite)
+    stale = check_out_dir(out, records, options.overwrite)
     recs = assign_splits(records, options.test_fraction, options.split_seed)  # every record gets a split
     recs = _drop_unreadable(recs, options, report)
     recs = check_records(recs, options.min_class_size, options.on_bad, report)
@@ -103,98 +103,11 @@ def build_shards(
         raise ListingError("nothing left to write after the checks above")
     categories, classes, ids = _number(recs)
     plans = _plan(recs, categories, classes, ids, options)
-    _remove_stale(out, stale)  # only now: bad input leaves an earlier build as it was
+    remove_stale(out, stale)  # only now: bad input leaves an earlier build as it was
     written = _write_all(plans, out, options)
     manifest = _manifest(recs, categories, classes, ids, written, options, out)
     manifest.save(out)
     return BuildResult(manifest=manifest, report=report)
-
-
-def _check_out_dir(out: Path, records: Sequence[Record], overwrite: bool) -> list[Path]:
-    """Refuse an output directory that holds source images, or that is not empty and not an earlier build's
-    output; with ``overwrite``, return the files of the earlier build to delete (nothing is deleted here).
-
-    A build writes ``manifest.json`` and ``<split>/<split>-<c0000|unlabelled>-00000.tar`` shards (the manifest
-    last, each shard through a ``.<name>.partial`` file). Only such files are ever replaced: anything else found
-    in a shard directory stays, and a directory with neither a manifest nor only such files is refused.
-    """
-    if not out.exists():
-        return []
-    if not out.is_dir():
-        raise NotADirectoryError(f"{out} is a file; choose a directory (new or empty) for the shards")
-    entries = sorted(p for p in out.iterdir() if p.name != ".gitkeep")
-    if not entries:
-        return []
-    _refuse_sources_inside(out, records)
-    ours, foreign = _build_outputs(entries)
-    shard_dir = (out / MANIFEST_NAME).is_file()
-    if not shard_dir and foreign:
-        shown = ", ".join(str(p.relative_to(out)) for p in foreign[:5])
-        if len(foreign) > 5:
-            shown += f" and {len(foreign) - 5} more"
-        raise FileExistsError(
-            f"{out} is not empty and is not a shard directory (no {MANIFEST_NAME}; it holds {shown}); "
-            "--overwrite only replaces an earlier build's shards: choose a new or empty directory"
-        )
-    if not overwrite:
-        what = "a shard directory" if shard_dir else "not empty (shards of an unfinished build)"
-        raise FileExistsError(
-            f"{out} is {what}; choose a new directory or pass --overwrite to replace the earlier build's shards"
-        )
-    return ours
-
-
-def _refuse_sources_inside(out: Path, records: Sequence[Record]) -> None:
-    """Raise if ``out`` is the folder of a source image or one of its ancestors (real paths, links followed)."""
-    root = Path(os.path.realpath(out))
-    for folder in sorted({os.path.dirname(r.path) for r in records}):
-        real = Path(os.path.realpath(folder or "."))
-        if real == root or root in real.parents:
-            example = next(r.path for r in records if os.path.dirname(r.path) == folder)
-            raise ListingError(
-                f"{out} holds source images (such as {example}); write the shards to a directory outside the "
-                "image folders"
-            )
-
-
-_SHARD_FILE = r"(?:c\d{4,}|unlabelled)-\d{5,}\.tar"
-
-
-def _is_shard_file(split: str, name: str) -> bool:
-    """Whether ``name`` in folder ``split`` is a shard a build writes there (or its unfinished ``.partial``)."""
-    shard = re.escape(split) + "-" + _SHARD_FILE
-    return re.fullmatch(shard, name) is not None or re.fullmatch(rf"\.{shard}\.partial", name) is not None
-
-
-def _build_outputs(entries: Sequence[Path]) -> tuple[list[Path], list[Path]]:
-    """Split a directory's entries into files a build writes and anything else (empty folders are neither)."""
-    ours: list[Path] = []
-    foreign: list[Path] = []
-    for entry in entries:
-        if entry.is_symlink():
-            foreign.append(entry)
-        elif entry.name in (MANIFEST_NAME, f".{MANIFEST_NAME}.partial") and entry.is_file():
-            ours.append(entry)
-        elif entry.is_dir():
-            for child in sorted(entry.iterdir()):
-                if child.is_file() and not child.is_symlink() and _is_shard_file(entry.name, child.name):
-                    ours.append(child)
-                else:
-                    foreign.append(child)
-        else:
-            foreign.append(entry)
-    return ours, foreign
-
-
-def _remove_stale(out: Path, stale: Sequence[Path]) -> None:
-    """Delete an earlier build's files (manifest first, so an interruption never leaves a manifest whose shards
-    are gone), then the split folders this emptied; create ``out``."""
-    for path in sorted(stale, key=lambda p: p.name != MANIFEST_NAME):
-        path.unlink(missing_ok=True)
-    for folder in sorted({p.parent for p in stale if p.parent != out}):
-        if not any(folder.iterdir()):
-            folder.rmdir()
-    out.mkdir(parents=True, exist_ok=True)
 
 
 def check_image(path: str) -> str | None:

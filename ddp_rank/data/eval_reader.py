@@ -25,7 +25,7 @@ from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.reader import ClassReader, ClassReadError
 from ddp_rank.data.shard_cache import ShardCache
 from ddp_rank.data.stream import resolve_rank_world
-from ddp_rank.data.tario import SpanSample
+from ddp_rank.data.tar_scan import SpanSample
 from ddp_rank.data.transforms import TransformConfig, collate_images, decode_image, test_transform
 
 log = logging.getLogger(__name__)

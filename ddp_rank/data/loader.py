@@ -12,10 +12,10 @@ A consumer that reads ahead (the trainer's ``DeviceFeed``) takes batches before 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from torch.utils.data import DataLoader
 
+from ddp_rank.data.batch import StreamBatch
 from ddp_rank.data.stream import ShardStream
 
 
@@ -38,12 +38,12 @@ class StreamLoader:
         _, step = self.stream.position
         return self.stream.steps_per_epoch - step
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[StreamBatch]:
         loader = DataLoader(
             self.stream,
             batch_size=None,
             num_workers=self.stream.num_workers,
-            pin_memory=self.pin_memory,
+            pin_memory=self.pin_memory,  # calls StreamBatch.pin_memory()
             prefetch_factor=self.prefetch_factor,
             persistent_workers=False,
         )
@@ -52,6 +52,6 @@ class StreamLoader:
                 self.consumed(batch)
             yield batch
 
-    def consumed(self, batch: Any) -> None:
+    def consumed(self, batch: StreamBatch) -> None:
         """Record that ``batch`` was used: the next ``iter`` (and ``stream.state_dict()``) starts after it."""
         self.stream.advance(batch)

@@ -23,9 +23,21 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "ddp_rank-shards"
 FORMAT_VERSION = 2
 SPAN_DIGEST = "blake2b-128"
-"""Digest of a class's byte range (``ClassSpan.digest``): ``hashlib.blake2b(data, digest_size=16).hexdigest()``."""
+"""Digest of a class's byte range (``ClassSpan.digest``): ``span_digest``, ``hashlib.blake2b`` of 16 bytes."""
 IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
 """Image members the readers decode. Nothing else is ever decoded except ``.cls`` text and ``.json``."""
+
+
+def span_hasher() -> Any:
+    """A fresh SPAN_DIGEST hash (the shard writer feeds it a class's bytes as it writes them)."""
+    return hashlib.blake2b(digest_size=16)
+
+
+def span_digest(data: bytes | memoryview) -> str:
+    """The SPAN_DIGEST of a class's byte range, as the manifest stores it."""
+    hasher = span_hasher()
+    hasher.update(data)
+    return str(hasher.hexdigest())
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 
-from ddp_rank.data.manifest import ClassSpan, Manifest, ShardInfo
+from ddp_rank.data.manifest import ClassSpan, Manifest, ShardInfo, span_digest
 from ddp_rank.data.shard_cache import ShardCache
 from ddp_rank.data.storage import ShardStore
-from ddp_rank.data.tario import SpanError, SpanSample, parse_span, span_digest
+from ddp_rank.data.tar_scan import SpanError, SpanSample, parse_span
 
 
 class ClassReadError(Exception):

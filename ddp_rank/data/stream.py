@@ -1,7 +1,7 @@
 """The training stream: this rank's part of each step's global plan, read by class and decoded.
 
 Per step ``s`` of epoch ``e``, every rank computes the global batch (``plan.GlobalPlan``, a pure function of
-seed, epoch, step, manifest and sampler settings), deals it to the W ranks (``plan.deal``) and reads only its
+seed, epoch, step, manifest and sampler settings), deals it to the W ranks (``dealing.deal``) and reads only its
 own part: one ranged read per class (``reader.ClassReader``), from a local directory or a URL. DataLoader
 workers only split the decoding: worker w of a rank produces steps start + w, start + w + n_workers, ..., which a
 DataLoader with ``batch_size=None`` hands out round-robin, i.e. in step order. Which images make up a step never
@@ -17,10 +17,9 @@ reserve (``GlobalPlan.reserve``: disjoint across ranks, never a class of the ste
 counted. When no replacement is left, the batch raises ``DataError`` naming the shards; the trainer shares it
 with every rank so that all of them stop with that message.
 
-Each yielded batch is a dict: ``images`` [n, 3, H, W] (float32, or uint8 as ``TransformConfig.pixels`` says),
-``labels`` / ``categories`` int64 [n] (global ids; category -1 = unlabelled), ``keys`` (sample keys),
-``epoch``, ``step``, ``groups`` (the schedule's groups) and ``events`` (this batch's ``replaced_classes``,
-``decode_errors``, ``bad_shards``, and the store's ``cache_fallbacks`` and ``read_retries``).
+Each yielded batch is a ``batch.StreamBatch``: images, labels, categories, sample keys, epoch, step, the
+schedule's groups and ``events`` (``batch.DataEvents``: this batch's replaced classes, decode errors and bad
+shards, and the store's cache fallbacks and read retries).
 """
 
 from __future__ import annotations
@@ -35,12 +34,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ddp_rank.data.batch import DataEvents, StreamBatch
+from ddp_rank.data.dealing import deal
 from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, deal, local_batch_size
+from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, local_batch_size
 from ddp_rank.data.reader import ClassReader, ClassReadError
 from ddp_rank.data.schedule import ScheduleConfig
 from ddp_rank.data.shard_cache import ShardCache
-from ddp_rank.data.tario import SpanSample
+from ddp_rank.data.tar_scan import SpanSample
 from ddp_rank.data.transforms import (
     TransformConfig,
     collate_images,
@@ -171,18 +172,18 @@ class ShardStream(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         self.set_position(epoch, 0)
 
-    def advance(self, batch: Mapping[str, Any]) -> None:
+    def advance(self, batch: StreamBatch) -> None:
         """Record that ``batch`` was consumed (the main process cannot see what worker copies did)."""
-        self.set_position(int(batch["epoch"]), int(batch["step"]) + 1)
+        self.set_position(batch.epoch, batch.step + 1)
 
     # ---------------------------------------------------------------- iteration
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[StreamBatch]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         return self.iter_worker(worker, workers)
 
-    def iter_worker(self, worker: int, num_workers: int) -> Iterator[dict[str, Any]]:
+    def iter_worker(self, worker: int, num_workers: int) -> Iterator[StreamBatch]:
         """The batches DataLoader worker ``worker`` of ``num_workers`` yields from the current position to the
         end of the epoch. Public so tests (and tools) can play every worker in one process."""
         epoch, start = self._position
@@ -196,10 +197,10 @@ class ShardStream(IterableDataset):
         """This rank's pieces of (epoch, step)."""
         return deal(self.plan.step(epoch, step), self.world_size, self.schedule_config.seed)[self.rank]
 
-    def batch(self, epoch: int, step: int) -> dict[str, Any]:
+    def batch(self, epoch: int, step: int) -> StreamBatch:
         """Read, decode and transform this rank's part of (epoch, step)."""
         pieces = self.part(epoch, step)
-        events: dict[str, Any] = {"replaced_classes": 0, "decode_errors": 0, "bad_shards": []}
+        events = DataEvents()
         taken: set[int] = set()  # replacement classes already used in this batch
         transform = (train_transform if self.augment else test_transform)(self.transform_config)
         images: list[torch.Tensor] = []
@@ -213,21 +214,21 @@ class ShardStream(IterableDataset):
                 images.extend(tensors)
                 labels.extend([class_id] * len(tensors))
                 keys.extend(chosen)
-        events.update(self.reader.store.take_counts())  # cache_fallbacks, read_retries
+        events.add_counts(self.reader.store.take_counts())  # cache_fallbacks, read_retries
         label_tensor = torch.tensor(labels, dtype=torch.int64)
-        return {
-            "images": collate_images(images, self.transform_config),
-            "labels": label_tensor,
-            "categories": torch.from_numpy(self._class_category[label_tensor.numpy()]),
-            "keys": keys,
-            "epoch": epoch,
-            "step": step,
-            "groups": self.plan.step(epoch, step).groups,
-            "events": events,
-        }
+        return StreamBatch(
+            images=collate_images(images, self.transform_config),
+            labels=label_tensor,
+            categories=torch.from_numpy(self._class_category[label_tensor.numpy()]),
+            keys=keys,
+            epoch=epoch,
+            step=step,
+            groups=self.plan.step(epoch, step).groups,
+            events=events,
+        )
 
     def _load_with_replacement(
-        self, epoch: int, step: int, piece: Piece, transform: Any, events: dict[str, Any], taken: set[int]
+        self, epoch: int, step: int, piece: Piece, transform: Any, events: DataEvents, taken: set[int]
     ) -> tuple[int, list[str], list[torch.Tensor]]:
         """The piece's images, or those of a replacement class from this rank's reserve (see the module
         docstring); ``taken`` holds the replacements this batch already used, so none is used twice."""
@@ -238,12 +239,11 @@ class ShardStream(IterableDataset):
             try:
                 keys, tensors = self._load(epoch, step, class_id, images, transform, events)
                 if failures:
-                    events["replaced_classes"] += len(failures)
+                    events.replaced_classes += len(failures)
                 return class_id, keys, tensors
             except ClassReadError as exc:
                 failures.append(exc)
-                if exc.shard not in events["bad_shards"]:
-                    events["bad_shards"].append(exc.shard)
+                events.note_bad_shard(exc.shard)
                 log.warning(f"{exc}; replaced from the plan's reserve")
             if candidates is None:
                 reserve = self.plan.reserve(epoch, step, piece.group, self.rank, self.world_size)
@@ -272,7 +272,7 @@ class ShardStream(IterableDataset):
         class_id: int,
         images: Sequence[int],
         transform: Any,
-        events: dict[str, Any],
+        events: DataEvents,
     ) -> tuple[list[str], list[torch.Tensor]]:
         samples = self.reader.read(class_id)
         keys, out = [], []
@@ -281,7 +281,7 @@ class ShardStream(IterableDataset):
             try:
                 decoded = decode_image(sample.image, self.transform_config.resize)
             except (OSError, ValueError, SyntaxError, EOFError) as exc:
-                events["decode_errors"] += 1
+                events.decode_errors += 1
                 shard = self.reader.where[class_id][0].path
                 raise ClassReadError(class_id, shard, f"image {sample.key} does not decode: {exc}") from exc
             # The CPU generator only: torch.manual_seed also queues a CUDA re-seed, and with CUDA not yet

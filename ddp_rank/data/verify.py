@@ -21,8 +21,8 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from ddp_rank.data.manifest import Manifest, ShardInfo, is_url, sha256_file
-from ddp_rank.data.tario import SpanError, SpanSample, parse_span, scan_shard, span_digest
+from ddp_rank.data.manifest import Manifest, ShardInfo, is_url, sha256_file, span_digest
+from ddp_rank.data.tar_scan import SpanError, SpanSample, parse_span, scan_shard
 
 
 @dataclass(frozen=True)

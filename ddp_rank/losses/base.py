@@ -10,14 +10,13 @@ A loss family subclasses ``ListwiseLoss`` and implements:
 - ``_bytes_per_query_row(n_database, max_positives, itemsize, fused)``: the work space one query row costs
   (on the torch path, or with the fused kernels), so the driver can size chunks from the memory budget.
 
-Everything else (validation, normalisation, chunking, the two gradient matmuls, autograd) lives here.
+Everything else (validation (``checks``), normalisation, chunking, the two gradient matmuls, autograd) lives here.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import math
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -25,12 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ddp_rank.losses.checks import (
+    check_embeddings,
+    check_labels,
+    check_norms_fit,
+    check_rows_inputs,
+    check_unit_rows,
+)
 from ddp_rank.losses.rows import ChunkInputs, LabelIndex, RowsOutput, Workspace, compute_dtype, plan_chunks
 from ddp_rank.losses.triton_kernels import fused_kernels_run, jit_kernels
-
-# How far from 1 a row norm may be when ``normalize=False`` promises unit rows.
-_UNIT_NORM_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
-_DEFAULT_UNIT_NORM_TOLERANCE = 1e-3
 
 
 class ListwiseLoss(nn.Module, abc.ABC):
@@ -44,15 +46,13 @@ class ListwiseLoss(nn.Module, abc.ABC):
             largest size, which can hold up to twice the budget at once (``rows.Workspace``).
         chunk_rows: force a number of query rows per chunk (tests, tuning); overrides ``memory_budget``.
         matmul_precision: the similarity matmul ``Q E^T`` of every chunk. ``"highest"``: float32 (or float64);
-            ``"tf32"``: TF32 tensor cores on CUDA (10-bit mantissa; float32 on CPU), about 6x faster on an
-            H100; ``"bf16"``: bfloat16 operands (8-bit mantissa). Everything after the matmul stays in the
-            compute dtype. Effect on the value: each similarity moves by up to about 1e-3 (TF32) / 4e-3 (bf16),
-            a hundredth of a FastAP bin but up to 0.4 in PNP's and Smooth-AP's ``S / tau`` (tau 0.01); averaged
-            over a batch the loss moves far less: on 512 images in 128 dimensions, bf16 changed FastAP by
-            9e-5, PNP-Dq by 9e-6 and Smooth-AP by 2e-6 (``tests/test_losses_precision.py`` bounds it). The
-            gradient matmuls are unchanged, but the gradient moves more than the value, most for FastAP, whose
-            distances cross bin edges: on the same batch bf16 changed it by 12% in norm (cosine 0.993) for
-            FastAP, 2% (cosine 0.9997) for PNP-Dq and Smooth-AP.
+            ``"tf32"``: TF32 tensor cores on CUDA (10-bit mantissa; float32 on CPU); ``"bf16"``: bfloat16
+            operands (8-bit mantissa). Everything after the matmul stays in the compute dtype. A similarity
+            moves by a few 1e-3 at most, a small part of a FastAP bin but not of PNP's and Smooth-AP's ``S / tau``;
+            averaged over a batch the loss value moves far less, while the gradient moves more, most for FastAP,
+            whose distances cross bin edges. ``benchmarks/loss_precision.py`` measures it (value, gradient and
+            time; figures in ``benchmarks/results/loss-precision-*.md``); ``tests/losses/test_precision.py``
+            bounds it. The gradient matmuls are unchanged.
         kernel: the per-block passes after the matmul. ``"torch"``: plain tensor ops, anywhere. ``"triton"``:
             fused Triton kernels on CUDA float32 (``triton_kernels.py``; elsewhere the torch path runs), which
             read each block once: FastAP's histograms in one pass instead of one per bin, PNP's and Smooth-AP's
@@ -127,17 +127,9 @@ class ListwiseLoss(nn.Module, abc.ABC):
         check_embeddings(embeddings, expected_rows=labels.shape[0])
         x = self.unit_rows(embeddings)
         if self.normalize:
-            _check_norms_fit(embeddings)
+            check_norms_fit(embeddings)
             return x, labels
-        if x.shape[0]:
-            norms = x.detach().norm(dim=1)
-            tolerance = _UNIT_NORM_TOLERANCE.get(embeddings.dtype, _DEFAULT_UNIT_NORM_TOLERANCE)
-            worst = int((norms - 1).abs().argmax())
-            if abs(float(norms[worst]) - 1) > tolerance:
-                raise ValueError(
-                    f"normalize=False needs unit-length embedding rows, but row {worst} has norm "
-                    f"{float(norms[worst]):.4g}; L2-normalise the embeddings or use normalize=True"
-                )
+        check_unit_rows(x, embeddings.dtype)
         return x, labels
 
     def unit_rows(self, embeddings: Tensor) -> Tensor:
@@ -167,7 +159,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
             database_labels: ``[N]`` int64 class ids.
             need_grad: compute the gradients (two matmuls per chunk and the family's backward maths).
         """
-        _check_rows_inputs(queries, query_index, database, database_labels)
+        check_rows_inputs(queries, query_index, database, database_labels)
         dtype = compute_dtype(database.dtype)
         queries, database = queries.to(dtype), database.to(dtype)
         n_queries, n_database = queries.shape[0], database.shape[0]
@@ -342,79 +334,3 @@ def _affine_operands(queries: Tensor, database: Tensor, scale: float, shift: flo
         return scaled, database
     scaled = torch.cat([scaled, scaled.new_full((scaled.shape[0], 1), shift)], dim=1)
     return scaled, torch.cat([database, database.new_ones(database.shape[0], 1)], dim=1)
-
-
-def check_positive(name: str, value: float) -> float:
-    """A hyper-parameter that must be a finite positive number (temperatures, slopes, exponents)."""
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def check_labels(labels: Tensor) -> Tensor:
-    """Labels must be a 1-D integer tensor; returned as int64."""
-    if not isinstance(labels, Tensor):
-        raise ValueError(f"labels must be a torch.Tensor of integer class ids, got {type(labels).__name__}")
-    if labels.dim() != 1:
-        raise ValueError(f"labels must be 1-D [N], got shape {tuple(labels.shape)}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise ValueError(
-            f"labels must be integer class ids (int64), got dtype {labels.dtype}; convert with labels.long() "
-            "after checking they hold whole numbers"
-        )
-    return labels.long()
-
-
-def check_embeddings(embeddings: Tensor, expected_rows: int) -> None:
-    """Embeddings must be a finite floating ``[N, d]`` tensor with one row per label."""
-    if not isinstance(embeddings, Tensor):
-        raise ValueError(f"embeddings must be a torch.Tensor, got {type(embeddings).__name__}")
-    if embeddings.dim() != 2:
-        raise ValueError(f"embeddings must be 2-D [N, d], got shape {tuple(embeddings.shape)}")
-    if not embeddings.is_floating_point():
-        raise ValueError(f"embeddings must be floating point, got dtype {embeddings.dtype}")
-    if embeddings.shape[0] != expected_rows:
-        raise ValueError(
-            f"embeddings have {embeddings.shape[0]} rows but labels have {expected_rows}: one label per row"
-        )
-    finite = torch.isfinite(embeddings.detach()).all(dim=1)
-    if not bool(finite.all()):
-        bad = torch.nonzero(~finite).flatten()[:5].tolist()
-        raise ValueError(
-            f"embeddings contain NaN or Inf (rows {bad}{'...' if (~finite).sum() > 5 else ''}); "
-            "the network diverged or its input is broken (lower the learning rate, check the data)"
-        )
-
-
-def _check_norms_fit(embeddings: Tensor) -> None:
-    """Finite rows whose squared length overflows the compute dtype (a float32 norm above ~1.8e19) would be
-    normalised to zero rows and train on silently; they only come from a diverged network."""
-    if not embeddings.shape[0]:
-        return
-    norms = torch.linalg.vector_norm(embeddings.detach().to(compute_dtype(embeddings.dtype)), dim=1)
-    if not bool(torch.isfinite(norms).all()):
-        worst = int(torch.nonzero(~torch.isfinite(norms))[0])
-        raise ValueError(
-            f"embedding row {worst} is too long to normalise in {norms.dtype} (its squared norm overflows); "
-            "the network diverged (lower the learning rate, check the data)"
-        )
-
-
-def _check_rows_inputs(queries: Tensor, query_index: Tensor, database: Tensor, labels: Tensor) -> None:
-    if queries.dim() != 2 or database.dim() != 2 or queries.shape[1] != database.shape[1]:
-        raise ValueError(
-            f"queries [q, d] and database [N, d] must share d, got {tuple(queries.shape)} and "
-            f"{tuple(database.shape)}"
-        )
-    if query_index.shape != (queries.shape[0],) or query_index.dtype != torch.int64:
-        raise ValueError(
-            f"query_index must be int64 of shape [{queries.shape[0]}], got {query_index.dtype} "
-            f"{tuple(query_index.shape)}"
-        )
-    if labels.shape != (database.shape[0],) or labels.dtype != torch.int64:
-        raise ValueError(
-            f"database_labels must be int64 of shape [{database.shape[0]}], got {labels.dtype} "
-            f"{tuple(labels.shape)}"
-        )
-    if query_index.numel() and (int(query_index.min()) < 0 or int(query_index.max()) >= database.shape[0]):
-        raise ValueError("query_index points outside the database")

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss, check_positive
+from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss
+from ddp_rank.losses.checks import check_positive
 from ddp_rank.losses.pnp import counted_positives
 from ddp_rank.losses.rows import ChunkInputs
 from ddp_rank.losses.sigmoid_ranks import NegativeRanks, add_rank_gradient

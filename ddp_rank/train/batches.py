@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ddp_rank.data.batch import DataEvents, StreamBatch
 from ddp_rank.data.loader import StreamLoader
 from ddp_rank.data.stream import DataError, ShardStream
 from ddp_rank.distributed.agreement import RankFailure, agree, gather_counts
@@ -31,20 +32,14 @@ class TrainBatches:
         self.stop_agreed = False  # some rank asked to stop: every rank stops after the step of this batch
         # Pinned host batches: their copy to the GPU is asynchronous (DeviceFeed overlaps it with the step).
         self.loader = StreamLoader(stream, pin_memory=device.type == "cuda", track_position=False)
-        self.events: dict[str, Any] = {
-            "replaced_classes": 0,
-            "decode_errors": 0,
-            "cache_fallbacks": 0,
-            "read_retries": 0,
-            "bad_shards": [],
-        }
+        self.events = DataEvents()  # this rank's, summed over the batches handed out
         self._feed: DeviceFeed | None = None
 
-    def next(self) -> dict[str, Any]:
+    def next(self) -> StreamBatch:
         """The next local batch, agreed on by every rank: if any rank's data layer fails (no readable
         replacement left), every rank raises that rank's message instead of waiting in the next collective."""
         error: str | None = None
-        batch: dict[str, Any] = {}
+        batch: StreamBatch | None = None
         try:
             batch = self._fetch()
         except DataError as exc:
@@ -53,17 +48,13 @@ class TrainBatches:
             self.stop_agreed = agree(error, stop=self.stop_requested()) or self.stop_agreed
         except RankFailure as exc:
             raise TrainError(f"data: {exc}") from None
-        for key, value in batch["events"].items():
-            if key != "bad_shards":
-                self.events[key] = self.events.get(key, 0) + int(value)
-        self.events["bad_shards"] = sorted(
-            set(self.events["bad_shards"]) | set(batch["events"]["bad_shards"])
-        )
+        assert batch is not None  # a fetch that failed raised above, on every rank
+        self.events.add(batch.events)
         return batch
 
     def counts(self) -> dict[str, Any]:
         """The data events of every rank so far (a collective: call it on every rank)."""
-        return gather_counts(self.events)
+        return gather_counts(self.events.as_dict())
 
     def restart(self) -> None:
         """Forget the batch read ahead (after the stream was moved, e.g. by a resume)."""
@@ -73,7 +64,7 @@ class TrainBatches:
 
     close = restart
 
-    def _fetch(self) -> dict[str, Any]:
+    def _fetch(self) -> StreamBatch:
         # None at the end of an epoch: the loader's next iter starts the next one.
         batch = next(self._feed, None) if self._feed is not None else None
         if batch is None:

@@ -21,39 +21,38 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 
-__all__ = ["DeviceFeed"]
+from ddp_rank.data.batch import StreamBatch
 
-Batch = dict[str, Any]
+__all__ = ["DeviceFeed"]
 
 
 class DeviceFeed:
     """Iterate ``batches`` with their tensors moved to ``device``, one batch read (and copied) ahead.
 
-    Tensors among the batch's values are moved; everything else (keys, counts, events) passes through as is.
+    The batch's tensors are moved (``StreamBatch.to``); everything else (keys, step, events) passes through.
     """
 
     def __init__(
         self,
-        batches: Iterator[Batch],
+        batches: Iterator[StreamBatch],
         device: torch.device,
-        consumed: Callable[[Batch], None] | None = None,
+        consumed: Callable[[StreamBatch], None] | None = None,
     ) -> None:
         self._source = batches
         self.device = device
         self._consumed = consumed
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._ahead: Batch | BaseException | None = None
+        self._ahead: StreamBatch | BaseException | None = None
         self._done = False
         self._read_ahead()
 
     def __iter__(self) -> DeviceFeed:
         return self
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> StreamBatch:
         ahead = self._ahead
         if self._done and ahead is None:
             raise StopIteration
@@ -65,8 +64,8 @@ class DeviceFeed:
         if self._copy_stream is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self._copy_stream)
-            for value in ahead.values():
-                if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+            for value in ahead.tensors():
+                if value.device.type == "cuda":
                     # The allocator must not reuse this memory for the side stream while the step still reads it.
                     value.record_stream(current)
         if self._consumed is not None:
@@ -92,7 +91,7 @@ class DeviceFeed:
             return
         self._ahead = self._to_device(host)
 
-    def _to_device(self, host: Batch) -> Batch:
+    def _to_device(self, host: StreamBatch) -> StreamBatch:
         if self.device.type == "cpu":
             return host
         on_side = (
@@ -101,8 +100,4 @@ class DeviceFeed:
             else contextlib.nullcontext()
         )
         with on_side:
-            return {k: _moved(v, self.device) for k, v in host.items()}
-
-
-def _moved(value: Any, device: torch.device) -> Any:
-    return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            return host.to(self.device, non_blocking=True)

@@ -13,8 +13,9 @@ import time
 import torch
 
 from ddp_rank.config import Config, ConfigError
+from ddp_rank.data.dealing import deal
 from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.plan import Catalog, GlobalPlan, PlanError, deal
+from ddp_rank.data.plan import Catalog, GlobalPlan, PlanError
 from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
 from ddp_rank.model import build_model
 from ddp_rank.runtime.accelerator import precision_dtype

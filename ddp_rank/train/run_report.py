@@ -6,6 +6,7 @@ Rank 0 writes; the other ranks keep the notes (so the summary can list them) and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -17,6 +18,7 @@ import torch
 
 from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.config import Config, save_config, to_dict
+from ddp_rank.data.batch import DataEvents
 from ddp_rank.eval.report import format_table
 from ddp_rank.train.console import StepLine, peak_memory
 from ddp_rank.train.layout import BatchLayout
@@ -25,6 +27,9 @@ from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, w
 log = logging.getLogger(__name__)
 
 __all__ = ["RunReport", "StepResult"]
+
+DATA_EVENTS = tuple(f.name for f in dataclasses.fields(DataEvents))
+"""The data events every ``train`` record carries (as ``data_<event>``): counts since this start, all ranks."""
 
 
 @dataclass
@@ -133,11 +138,7 @@ class RunReport:
         }
         if window[-1].grad_norm is not None:
             values["grad_norm"] = window[-1].grad_norm
-        values["data_replaced_classes"] = data["replaced_classes"]
-        values["data_decode_errors"] = data["decode_errors"]
-        values["data_cache_fallbacks"] = data["cache_fallbacks"]
-        values["data_read_retries"] = data["read_retries"]
-        values["data_bad_shards"] = data["bad_shards"]
+        values.update({f"data_{event}": data[event] for event in DATA_EVENTS})
         self.logger.log("train", step, values)
         if self._show_lines:
             start_step, t_start = self._clock

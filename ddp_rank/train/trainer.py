@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_rank.config import Config, ConfigError
+from ddp_rank.data.batch import StreamBatch
 from ddp_rank.distributed import GlobalBatchLoss
 from ddp_rank.distributed.agreement import RankFailure, min_over_ranks, raise_if_any_failed
 from ddp_rank.eval.runner import evaluate_model
@@ -173,21 +174,18 @@ class Trainer:
         return self.report.notes
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, batch: dict[str, Any] | None = None) -> StepResult:
+    def train_step(self, batch: StreamBatch | None = None) -> StepResult:
         """One optimizer step on the next global batch (or on ``batch``, this rank's part of one, which is moved
         to the device here; the trainer's own batches arrive there from the feed)."""
         t0 = time.perf_counter()
-        if batch is None:
-            batch = self.batches.next()
-        else:
-            batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = self.batches.next() if batch is None else batch.to(self.device)
         t1 = time.perf_counter()
         self.model.train()
         if self.cfg.model.freeze_bn == "always":
             freeze_batchnorm(self.model)
         try:
             out = forward_backward(
-                self.backend, batch["images"], batch["labels"], self.loss_fn, self.layout.chunk_size
+                self.backend, batch.images, batch.labels, self.loss_fn, self.layout.chunk_size
             )
         except (ValueError, RankFailure) as exc:
             # Raised on every rank alike by the loss layer: NaN / Inf embeddings (the network diverged), or an

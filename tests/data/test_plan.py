@@ -17,9 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddp_rank.data import plan as plan_module
+from ddp_rank.data import dealing as dealing_module
+from ddp_rank.data.dealing import deal
 from ddp_rank.data.pack import PackError, best_take, pack
-from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, StepPlan, deal
+from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, StepPlan
 from ddp_rank.data.schedule import ALL, UNLABELLED, ScheduleConfig
 
 
@@ -359,7 +360,7 @@ def test_deal_is_a_pure_function_of_its_inputs() -> None:
 
 
 def test_deal_search_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plan_module, "DEAL_SEARCH_STEPS", 0)
+    monkeypatch.setattr(dealing_module, "DEAL_SEARCH_STEPS", 0)
     sp = _step_of([4, 3, 2, 6], 28)  # a shuffle the greedy dealing cannot finish
     with pytest.raises(PlanError, match="none found in 0 search steps"):
         deal(sp, 3, strict=True)

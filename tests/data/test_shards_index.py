@@ -19,7 +19,9 @@ import webdataset as wds
 from PIL import Image
 
 from ddp_rank.cli import main
-from ddp_rank.data.index import (
+from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.schedule import ScheduleConfig
+from ddp_rank.data.shard_index import (
     IndexOptions,
     ShardIndexError,
     find_splits,
@@ -27,8 +29,6 @@ from ddp_rank.data.index import (
     read_category_map,
     upgrade_manifest,
 )
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.schedule import ScheduleConfig
 from ddp_rank.data.stream import ShardStream
 from ddp_rank.data.transforms import TransformConfig
 from ddp_rank.data.verify import verify_shards
@@ -87,7 +87,7 @@ def test_foreign_shards_are_indexed_and_stream(tmp_path: Path) -> None:
         world_size=1,
     )
     batches = list(stream.iter_worker(0, 1))
-    assert len(batches) == 6 and all(b["images"].shape[0] == 12 for b in batches)
+    assert len(batches) == 6 and all(b.images.shape[0] == 12 for b in batches)
     # The keys and the classes match what webdataset itself reads from the same tars.
     truth = {
         s["__key__"]: json.loads(s["json"])["label"]
@@ -95,7 +95,7 @@ def test_foreign_shards_are_indexed_and_stream(tmp_path: Path) -> None:
     }
     names = {c.id: c.name for c in manifest.classes}
     for b in batches:
-        assert all(truth[k] == names[int(c)] for k, c in zip(b["keys"], b["labels"]))
+        assert all(truth[k] == names[int(c)] for k, c in zip(b.keys, b.labels))
 
 
 def test_category_mapping_file_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -164,7 +164,7 @@ def test_long_member_names_go_through_pax_headers(tmp_path: Path) -> None:
     stream = ShardStream(
         tmp_path / "wds", 8, schedule=ScheduleConfig(strategy="random"), transform=TINY, rank=0, world_size=1
     )
-    keys = [k for b in stream.iter_worker(0, 1) for k in b["keys"]]
+    keys = [k for b in stream.iter_worker(0, 1) for k in b.keys]
     assert len(keys) == 8 and all(k.startswith("k" * 120) for k in keys)
 
 
@@ -194,7 +194,7 @@ def test_shards_behind_a_url_are_indexed_into_a_local_manifest(tmp_path: Path) -
             rank=0,
             world_size=1,
         )
-        keys = [k for b in stream.iter_worker(0, 1) for k in b["keys"]]
+        keys = [k for b in stream.iter_worker(0, 1) for k in b.keys]
     assert len(keys) == len(set(keys)) == 8 * stream.steps_per_epoch
     with pytest.raises(ShardIndexError, match="brace range"):
         find_splits("http://127.0.0.1:1/x", ["train=*.tar"])
@@ -230,7 +230,7 @@ def test_a_manifest_written_elsewhere_points_at_local_shards(tmp_path: Path) -> 
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a class that cannot be read is replaced with a warning
-        assert len(next(stream.iter_worker(0, 1))["keys"]) == 4
+        assert len(next(stream.iter_worker(0, 1)).keys) == 4
     # Beside the shards (the default --out), the manifest needs no shards_root.
     assert main(["shards", "index", str(tmp_path / "wds"), "--class-field", "label"]) == 0
     assert Manifest.load(tmp_path / "wds").shards_root is None
@@ -332,7 +332,7 @@ def test_class_ids_do_not_depend_on_the_hash_seed(tmp_path: Path) -> None:
     """Names whose natural keys tie ("7", "07", "007") are ordered by the raw name, in every process."""
     write_foreign(tmp_path / "wds", [(name, "f") for name in ("7", "07", "8", "007")], maxcount=100)
     script = (
-        "import sys; from ddp_rank.data.index import IndexOptions, find_splits, index_shards; "
+        "import sys; from ddp_rank.data.shard_index import IndexOptions, find_splits, index_shards; "
         "m = index_shards(sys.argv[1], find_splits(sys.argv[1], []), IndexOptions(class_field='label')).manifest; "
         "print([c.name for c in m.classes])"
     )

@@ -63,7 +63,7 @@ def batches(location: str | Path, world: int = 1, **kwargs: object) -> list[list
 
 def same(a: list[list[dict]], b: list[list[dict]]) -> bool:
     return all(
-        x["keys"] == y["keys"] and torch.equal(x["images"], y["images"])
+        x.keys == y.keys and torch.equal(x.images, y.images)
         for ra, rb in zip(a, b)
         for x, y in zip(ra, rb)
     ) and [len(r) for r in a] == [len(r) for r in b]
@@ -84,8 +84,8 @@ def test_real_dataloader_workers_read_over_http(local: Path, served: tuple[Path,
     _, url = served
     stream = ShardStream(url, 12, rank=0, world_size=1, num_workers=2, schedule=SCHEDULE, transform=TINY)
     stream.batch(0, 3)  # the parent reads first: forked workers must not reuse its connections
-    got = [b["keys"] for b in StreamLoader(stream)]
-    assert got == [b["keys"] for b in batches(local)[0]]
+    got = [b.keys for b in StreamLoader(stream)]
+    assert got == [b.keys for b in batches(local)[0]]
 
 
 def test_node_local_cache_fetches_each_shard_once_and_is_checked(
@@ -121,11 +121,11 @@ def test_http_faults_are_replaced_and_counted(
         path.write_bytes(bytes(data))
     ranks = batches(url, world=2)
     assert any(shard.path in r.getMessage() for r in ddp_rank_log.records)
-    events = [b["events"] for r in ranks for b in r]
-    assert sum(e["replaced_classes"] for e in events) > 0
-    assert {s for e in events for s in e["bad_shards"]} == {shard.path}
+    events = [b.events for r in ranks for b in r]
+    assert sum(e.replaced_classes for e in events) > 0
+    assert {s for e in events for s in e.bad_shards} == {shard.path}
     for step in zip(*ranks):
-        keys = [k for b in step for k in b["keys"]]
+        keys = [k for b in step for k in b.keys]
         assert len(keys) == len(set(keys)) == 12
 
 

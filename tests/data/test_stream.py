@@ -76,7 +76,7 @@ def play(shards: Path | str, world: int, workers: int = 0, **kwargs: Any) -> lis
 
 def global_batches(ranks: list[list[dict[str, Any]]]) -> list[dict[str, torch.Tensor]]:
     """Per step: key -> image over all ranks."""
-    return [{k: img for b in step for k, img in zip(b["keys"], b["images"])} for step in zip(*ranks)]
+    return [{k: img for b in step for k, img in zip(b.keys, b.images)} for step in zip(*ranks)]
 
 
 @pytest.fixture(scope="module")
@@ -92,21 +92,21 @@ def test_every_layout_trains_on_the_same_global_batches(
     steps = make(shards, 0, world, workers).steps_per_epoch
     assert steps == 6  # C(4, 2) pairs x 1 batch per pair
     for batches in ranks:
-        assert [b["step"] for b in batches] == list(range(steps)), "loader order must be the step order"
+        assert [b.step for b in batches] == list(range(steps)), "loader order must be the step order"
     for s, per_rank in enumerate(zip(*ranks)):
-        assert len({b["groups"] for b in per_rank}) == 1
+        assert len({b.groups for b in per_rank}) == 1
         for b in per_rank:
-            assert b["images"].shape == (GLOBAL_BATCH // world, 3, 6, 6)
-            assert set(b["categories"].tolist()) <= set(b["groups"])
-        keys = [k for b in per_rank for k in b["keys"]]
+            assert b.images.shape == (GLOBAL_BATCH // world, 3, 6, 6)
+            assert set(b.categories.tolist()) <= set(b.groups)
+        keys = [k for b in per_rank for k in b.keys]
         assert len(keys) == len(set(keys)) == GLOBAL_BATCH, "a sample twice in one global batch"
         assert set(keys) == set(reference[s]), f"step {s}: the global batch depends on the layout"
         for b in per_rank:  # augmentation is seeded per image: the same crops whatever rank decodes it
-            for key, image in zip(b["keys"], b["images"]):
+            for key, image in zip(b.keys, b.images):
                 assert torch.equal(image, reference[s][key])
-        labels = Counter(torch.cat([b["labels"] for b in per_rank]).tolist())
+        labels = Counter(torch.cat([b.labels for b in per_rank]).tolist())
         assert min(labels.values()) >= 2, f"an image without a same-class partner at step {s}"
-        cats = Counter(torch.cat([b["categories"] for b in per_rank]).tolist())
+        cats = Counter(torch.cat([b.categories for b in per_rank]).tolist())
         assert sorted(cats.values()) == [GLOBAL_BATCH // 2] * 2, "half of the global batch from each category"
 
 
@@ -143,15 +143,15 @@ def test_real_dataloader_keeps_step_order_and_position(shards: Path) -> None:
     assert len(loader) == 6
     seen = []
     for batch in loader:
-        seen.append(batch["step"])
-        if batch["step"] == 3:
+        seen.append(batch.step)
+        if batch.step == 3:
             break
     assert seen == [0, 1, 2, 3]
     assert stream.state_dict()["step"] == 4
     expected = play(shards, 2, 0)[1]
     rest = list(StreamLoader(stream))
-    assert [b["step"] for b in rest] == [4, 5]
-    assert [b["keys"] for b in rest] == [b["keys"] for b in expected[4:]]
+    assert [b.step for b in rest] == [4, 5]
+    assert [b.keys for b in rest] == [b.keys for b in expected[4:]]
     assert stream.position == (1, 0)
 
 
@@ -159,7 +159,7 @@ def test_stream_pickles_for_spawned_workers(shards: Path) -> None:
     stream = make(shards, 1, 2, 1)
     stream.plan.step(0, 2)  # some cached plan state
     clone = pickle.loads(pickle.dumps(stream))
-    assert [b["keys"] for b in play_rank(clone)] == [b["keys"] for b in play_rank(stream)]
+    assert [b.keys for b in play_rank(clone)] == [b.keys for b in play_rank(stream)]
 
 
 def test_strategies_random_and_pk(shards: Path) -> None:
@@ -170,7 +170,7 @@ def test_strategies_random_and_pk(shards: Path) -> None:
         ranks = play(shards, 2, 1, schedule=schedule)
         assert len(ranks[0]) == len(ranks[1]) == steps
         for step in zip(*ranks):
-            keys = [k for b in step for k in b["keys"]]
+            keys = [k for b in step for k in b.keys]
             assert len(keys) == len(set(keys)) == GLOBAL_BATCH
 
 
@@ -184,7 +184,7 @@ def test_unlabelled_pool(tmp_path: Path) -> None:
     ranks = play(tmp_path / "s", 2, 1, schedule=ScheduleConfig(strategy="hard_unlabelled"), global_batch=8)
     assert len(ranks[0]) == 6 + 6  # ceil(24 / 4) + ceil(24 / 4)
     for step in zip(*ranks):
-        cats = Counter(c for b in step for c in b["categories"].tolist())
+        cats = Counter(c for b in step for c in b.categories.tolist())
         assert cats[-1] == 4 and len(cats) == 2
 
 
@@ -198,7 +198,7 @@ def test_too_small_category_is_left_out(tmp_path: Path, ddp_rank_log: pytest.Log
     )
     assert stream.left_out == ["cat3: a step needs 6 images, it has 4"]
     assert stream.steps_per_epoch == 3
-    assert all(3 not in b["groups"] for b in play_rank(stream))
+    assert all(3 not in b.groups for b in play_rank(stream))
 
 
 # ---------------------------------------------------------------------------------------------- faults
@@ -233,15 +233,15 @@ def test_unreadable_classes_are_replaced_and_counted(
     assert any(name in r.getMessage() and "replaced" in r.getMessage() for r in ddp_rank_log.records)
     replaced = 0
     for step in zip(*ranks):
-        keys = [k for b in step for k in b["keys"]]
+        keys = [k for b in step for k in b.keys]
         assert len(keys) == len(set(keys)) == GLOBAL_BATCH, "a replacement duplicated an image"
-        labels = Counter(torch.cat([b["labels"] for b in step]).tolist())
+        labels = Counter(torch.cat([b.labels for b in step]).tolist())
         assert min(labels.values()) >= 2
         for b in step:
-            replaced += b["events"]["replaced_classes"]
-            assert b["events"]["bad_shards"] in ([], [name])
+            replaced += b.events.replaced_classes
+            assert b.events.bad_shards in ([], [name])
     assert replaced > 0
-    drawn = {c for r in ranks for b in r for c in b["labels"].tolist()}
+    drawn = {c for r in ranks for b in r for c in b.labels.tolist()}
     lost = {"flip": {spans[0].id}, "truncate": {spans[-1].id}, "delete": {s.id for s in spans}}[how]
     assert not lost & drawn, "an unreadable class reached a batch"
     assert len(drawn) > 60, "the rest of the data is still drawn"

@@ -14,10 +14,10 @@ import torch
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
 from ddp_rank.eval.export import load_export
-from ddp_rank.eval.index import IndexSpec, SearchIndex
 from ddp_rank.eval.retrieval import ExactSearch, knn_search
 from ddp_rank.eval.runner import embed_split, key_index
 from ddp_rank.eval.search import Searcher
+from ddp_rank.eval.vector_index import IndexSpec, SearchIndex
 from ddp_rank.eval.workflow import build_eval_model, load_run_config
 from ddp_rank.train.trainer import run_training
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards, launch

@@ -7,12 +7,12 @@ embeddings, bit for bit), and plain iteration for the feed (same batches, same o
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
 
 from ddp_rank.config import ModelConfig
+from ddp_rank.data.batch import StreamBatch
 from ddp_rank.data.transforms import TransformConfig, collate_images, normalize_batch, uint8_to_unit
 from ddp_rank.model.net import RawPixels, build_model, is_convolutional
 from ddp_rank.train.device_feed import DeviceFeed
@@ -72,13 +72,15 @@ def test_raw_pixels_take_uint8() -> None:
 # ---------------------------------------------------------------------------------------------- the feed
 
 
-def batches(n: int, fail_at: int | None = None, log: list[int] | None = None) -> Iterator[dict[str, Any]]:
+def batches(n: int, fail_at: int | None = None, log: list[int] | None = None) -> Iterator[StreamBatch]:
     for k in range(n):
         if log is not None:
             log.append(k)
         if k == fail_at:
             raise OSError(f"batch {k} unreadable")
-        yield {"images": torch.full((2, 3, 4, 4), k, dtype=torch.uint8), "labels": torch.tensor([k, k]), "step": k}
+        images = torch.full((2, 3, 4, 4), k, dtype=torch.uint8)
+        labels = torch.tensor([k, k])
+        yield StreamBatch(images, labels, torch.zeros(2, dtype=torch.int64), ["a", "b"], 0, k, (0,))
 
 
 def test_the_feed_yields_every_batch_in_order_one_read_ahead() -> None:
@@ -86,17 +88,17 @@ def test_the_feed_yields_every_batch_in_order_one_read_ahead() -> None:
     feed = DeviceFeed(batches(4, log=read), torch.device("cpu"))
     assert read == [0]  # the first batch is read when the feed starts
     first = next(feed)
-    assert first["step"] == 0 and read == [0, 1]  # taking batch k reads k + 1
+    assert first.step == 0 and read == [0, 1]  # taking batch k reads k + 1
     rest = list(feed)
-    assert [b["step"] for b in rest] == [1, 2, 3]
-    assert all(torch.equal(b["images"], torch.full((2, 3, 4, 4), b["step"], dtype=torch.uint8)) for b in rest)
+    assert [b.step for b in rest] == [1, 2, 3]
+    assert all(torch.equal(b.images, torch.full((2, 3, 4, 4), b.step, dtype=torch.uint8)) for b in rest)
     with pytest.raises(StopIteration):
         next(feed)
 
 
 def test_an_error_is_raised_at_the_batch_it_belongs_to() -> None:
     feed = DeviceFeed(batches(5, fail_at=2), torch.device("cpu"))
-    assert [next(feed)["step"], next(feed)["step"]] == [0, 1]  # batch 2 already failed, but 0 and 1 are whole
+    assert [next(feed).step, next(feed).step] == [0, 1]  # batch 2 already failed, but 0 and 1 are whole
     with pytest.raises(OSError, match="batch 2 unreadable"):
         next(feed)
     with pytest.raises(StopIteration):  # a failed loader is not read again
@@ -113,9 +115,9 @@ def test_closing_the_feed_drops_the_batch_in_hand() -> None:
 @pytest.mark.cuda
 def test_the_feed_copies_to_cuda_on_a_side_stream() -> None:
     device = torch.device("cuda")
-    host = [{**b, "images": b["images"].pin_memory()} for b in batches(4)]
+    host = [b.pin_memory() for b in batches(4)]
     feed = DeviceFeed(iter(host), device)
     for k, batch in enumerate(feed):
-        assert batch["images"].device.type == "cuda" and batch["step"] == k
+        assert batch.images.device.type == "cuda" and batch.step == k
         # Work on the default stream right after the hand-over sees the copied values.
-        assert int(batch["images"].float().sum()) == k * 2 * 3 * 4 * 4
+        assert int(batch.images.float().sum()) == k * 2 * 3 * 4 * 4

@@ -67,7 +67,10 @@ def test_direct_run_writes_everything(uninterrupted: Path) -> None:
     assert meta["world_size"] == 2 and meta["step"] == STEPS
     summary = (run / "summary.md").read_text()
     assert "2 (MULTI_CPU" in summary and "16 (8 per rank)" in summary and "![loss](loss.png)" in summary
-    assert "0 class(es) replaced, 0 decode error(s), bad shards: none" in summary
+    assert (
+        "0 class(es) replaced, 0 decode error(s), 0 cache fallback(s), 0 read retr(ies), bad shards: none"
+        in summary
+    )
     data = [r for r in recs if r["kind"] == "data"]
     assert data and data[0]["steps_per_epoch"] == 3 and data[0]["categories_left_out"] == []
     assert all(r["data_replaced_classes"] == 0 and r["data_bad_shards"] == [] for r in train)

@@ -48,8 +48,8 @@ def test_the_feed_reads_ahead_but_positions_are_those_trained(shards: Path, tmp_
         seen = []
         for k in range(per_epoch + 2):
             batch = trainer.batches.next()
-            assert batch["images"].dtype == torch.uint8
-            seen.append((batch["epoch"], batch["step"]))
+            assert batch.images.dtype == torch.uint8
+            seen.append((batch.epoch, batch.step))
             assert trainer.stream.position == divmod(k + 1, per_epoch)
         assert seen == [divmod(k, per_epoch) for k in range(per_epoch + 2)]
     finally:

@@ -49,8 +49,9 @@ from ddp_rank.data.manifest import (
     is_url,
     join_location,
     sha256_file,
+    span_digest,
 )
-from ddp_rank.data.tario import end_of_archive_problem, sample_key, span_digest
+from ddp_rank.data.tar_scan import end_of_archive_problem, sample_key
 
 _BLOCK = 512
 

@@ -1,0 +1,109 @@
+"""The tar reading side: one header decoder (``decode_header``) for a class's byte range and for a whole
+shard's scan, with tarfile taking over for other dialects; damage is named by byte and kind."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from ddp_rank.data.manifest import span_digest
+from ddp_rank.data.tar_scan import CorruptHeader, SpanError, decode_header, parse_span, scan_shard
+from ddp_rank.data.tar_writer import shard_writer
+
+_SAMPLES = [(f"k{i}", bytes([i]) * (100 + 300 * i)) for i in range(3)]
+
+
+def _our_shard(path: Path) -> tuple[bytes, int, int]:
+    """A shard of one class of three samples written by ``ShardWriter``: (bytes, span offset, span length)."""
+    with shard_writer(path) as writer:
+        for key, image in _SAMPLES:
+            writer.add(key, "png", image, 5, {"key": key})
+        writer.close()
+    (span,) = writer.spans
+    return path.read_bytes(), span.offset, span.length
+
+
+def _foreign_span(fmt: int) -> bytes:
+    """The member bytes (no end-of-archive marker) of the same samples as tarfile writes them in ``fmt``,
+    with one key over 100 bytes (a pax or GNU long-name header)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for key, image in _SAMPLES:
+            key = key + "x" * 120 if key == "k1" else key
+            for name, data in ((f"{key}.png", image), (f"{key}.json", b"{}")):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        end = tar.offset
+    return buf.getvalue()[:end]
+
+
+def test_decode_header_reads_our_headers_and_the_end_marker(tmp_path: Path) -> None:
+    data, _, _ = _our_shard(tmp_path / "a.tar")
+    info = decode_header(data[:512], 0)
+    assert info is not None and (info.name, info.size) == ("k0.png", 100)
+    assert decode_header(bytes(512), 4096) is None
+    with pytest.raises(CorruptHeader, match="cut short inside the header at byte 7"):
+        decode_header(data[:100], 7)
+    flipped = bytearray(data[:512])
+    flipped[0] ^= 0xFF
+    with pytest.raises(CorruptHeader, match=r"corrupt tar header at byte 0 \(bad checksum\)"):
+        decode_header(bytes(flipped), 0)
+
+
+def test_parse_span_reads_the_class_back(tmp_path: Path) -> None:
+    data, offset, length = _our_shard(tmp_path / "a.tar")
+    samples = parse_span(data[offset : offset + length], 3)
+    assert [(s.key, s.image_ext, s.image) for s in samples] == [(k, "png", im) for k, im in _SAMPLES]
+    assert samples[1].meta == b'{"key": "k1"}'
+    assert span_digest(data[offset : offset + length]) != span_digest(data[offset : offset + length - 1])
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
+def test_parse_span_reads_other_dialects_through_tarfile(fmt: int) -> None:
+    samples = parse_span(_foreign_span(fmt), 3)
+    assert [s.image for s in samples] == [im for _, im in _SAMPLES]
+    assert samples[1].key == "k1" + "x" * 120
+
+
+def test_damaged_span_is_named(tmp_path: Path) -> None:
+    data, offset, length = _our_shard(tmp_path / "a.tar")
+    span = bytearray(data[offset : offset + length])
+    second = 512 + 512  # the header after k0.png's header and its 100 bytes (one block)
+    with pytest.raises(SpanError, match=r"1 complete sample\(s\) where the manifest lists 3"):
+        parse_span(bytes(span[: second * 3]), 3)
+    with pytest.raises(SpanError, match="cut short inside the header at byte 1024"):
+        parse_span(bytes(span[: second + 100]), 3)
+    with pytest.raises(SpanError, match=r"member k0\.png is cut short"):
+        parse_span(bytes(span[:600]), 3)
+    zeroed = bytes(span[:second]) + bytes(512) + bytes(span[second + 512 :])
+    with pytest.raises(SpanError, match="end-of-archive marker inside the class at byte 1024"):
+        parse_span(zeroed, 3)
+    span[second + 3] ^= 0xFF
+    with pytest.raises(SpanError, match=r"corrupt tar header at byte 1024 \(bad checksum\)"):
+        parse_span(bytes(span), 3)
+
+
+def test_scan_of_our_shard_and_its_damage(tmp_path: Path) -> None:
+    path = tmp_path / "a.tar"
+    data, _, _ = _our_shard(path)
+    scan = scan_shard(path, expected=3)
+    assert scan.error is None and [(s.key, s.class_id) for s in scan.samples] == [(k, 5) for k, _ in _SAMPLES]
+    k1 = next(s for s in scan.samples if s.key == "k1")
+    assert data[k1.image_offset : k1.image_offset + k1.image_size] == _SAMPLES[1][1]
+
+    header = k1.image_offset - 512
+    damaged = bytearray(data)
+    damaged[header + 3] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    scan = scan_shard(path, expected=3)
+    assert scan.error == f"corrupt tar header at byte {header} (bad checksum)"
+    assert [s.key for s in scan.samples] == ["k0"]  # what came before the damage is still indexed
+
+    path.write_bytes(data[: k1.image_offset + 10])
+    assert scan_shard(path).error == "truncated inside member k1.png"
+    path.write_bytes(data[:header])
+    assert scan_shard(path).error == "truncated: no end-of-archive marker after 3 member(s)"
