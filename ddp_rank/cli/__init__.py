@@ -1,7 +1,7 @@
 """The ``ddp-rank`` command: a thin dispatcher over the sub-commands of this package.
 
 Every command-line front end lives here, at the top of the layers, one module per group of sub-commands
-(``shards``, ``plan``, ``train``, ``eval``, ``deploy`` for export / index / search). Each exposes
+(``shards``, ``plan``, ``train``, ``eval``, ``deploy`` for export / index / search, ``sweep``, ``compare``). Each exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` (a callable taking the parsed namespace and
 returning an exit code); the work itself is in the library below. Config-driven commands take their
 ``--config`` and overrides from ``ddp_rank.cli.arguments``.
@@ -20,6 +20,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "ddp_rank.cli.train",
     "ddp_rank.cli.eval",
     "ddp_rank.cli.deploy",
+    "ddp_rank.cli.sweep",
+    "ddp_rank.cli.compare",
 )
 
 

@@ -37,7 +37,7 @@ from ddp_rank.losses import ListwiseLoss
 from ddp_rank.model import EmbeddingNet, freeze_batchnorm
 from ddp_rank.runtime import AGREED_ERRORS, TrainError, autocast_dtype, make_accelerator
 from ddp_rank.runtime.determinism import set_deterministic
-from ddp_rank.runtime.failure import end_process_after_failure, end_process_now
+from ddp_rank.runtime.failure import end_process_after_failure, end_process_now, launch_rank
 from ddp_rank.train import resume as resume_
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batches import TrainBatches
@@ -49,6 +49,7 @@ from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.optim import build_optimizer, build_scheduler
 from ddp_rank.train.preemption import EXIT_REQUEUE, RunStopped, StopRequest, requeue_slurm_job
 from ddp_rank.train.run_report import RunReport, StepResult
+from ddp_rank.train.run_state import RunState
 from ddp_rank.train.setup import build_loss, build_network, build_stream, check_inputs, configure_deepspeed
 
 log = logging.getLogger(__name__)
@@ -370,10 +371,15 @@ def run_training(cfg: Config) -> dict[str, Any]:
     the process prints it and ends at once, so that the launcher stops the ranks waiting for it in a collective.
     """
     trainer: Trainer | None = None
+    state = RunState(cfg.train.output_dir, enabled=launch_rank() == 0)
     try:
         trainer = Trainer(cfg)
-        return trainer.fit()
-    except RunStopped:
+        state.start()  # after the checks: a refused start leaves the state of the run it refused to touch
+        summary = trainer.fit()
+        state.finished(trainer.step)
+        return summary
+    except RunStopped as stopped:
+        state.stopped(stopped.step)
         if (
             trainer is not None
             and dist.is_available()
@@ -387,9 +393,13 @@ def run_training(cfg: Config) -> dict[str, Any]:
             dist.barrier()
             end_process_now(EXIT_REQUEUE)
         raise
-    except AGREED_ERRORS:
+    except AGREED_ERRORS as exc:
+        state.crashed(exc, trainer.step if trainer is not None else None)
         raise
-    except Exception as exc:
+    except BaseException as exc:  # KeyboardInterrupt and SystemExit too: the run did not finish
+        state.crashed(exc, trainer.step if trainer is not None else None)
+        if not isinstance(exc, Exception):
+            raise
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             if trainer is not None:
                 trainer.close()  # flushes metrics.jsonl; no collective

@@ -1,0 +1,72 @@
+"""``ddp-rank compare RUN...``: runs side by side (``ddp_rank.experiments.compare``).
+
+Examples::
+
+    ddp-rank compare runs/sweep                    # every run of a sweep's folder
+    ddp-rank compare 'runs/bs*' runs/pnp --plot compare.png
+    ddp-rank compare runs/* --csv > runs.csv       # or --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+__all__ = ["register", "run"]
+
+EXIT_USAGE = 2
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``compare`` sub-command."""
+    p = subparsers.add_parser(
+        "compare",
+        help="one table of several runs: the settings that differ, best / last metrics, time, speed",
+        description="Compare run directories (globs welcome; a sweep's folder stands for its runs): the config "
+        "values that differ between them, steps and images seen, best and last metrics, wall time and images/s. "
+        "Crashed, stopped and unfinished runs are listed as such.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories or globs")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--csv", action="store_true", help="CSV instead of markdown")
+    form.add_argument("--json", action="store_true", help="JSON instead of markdown")
+    p.add_argument(
+        "--metric", default="recall@1", help="the metric whose best value is shown (default recall@1)"
+    )
+    p.add_argument("--plot", metavar="PNG", help="also draw the finished runs' metric into this file")
+    p.add_argument(
+        "--x", metavar="KEY", help="the plot's x axis: this config key (default: the one that differs)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddp_rank.experiments.compare import compare_runs
+    from ddp_rank.experiments.plot import plot_comparison
+    from ddp_rank.experiments.runs import expand_run_paths, read_run
+
+    try:
+        paths = expand_run_paths(args.runs)
+    except FileNotFoundError as exc:
+        print(f"ddp-rank compare: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    runs = [read_run(path) for path in paths]
+    table = compare_runs(runs, args.metric)
+    if args.metric not in table.metrics and any(run.evals for run in runs):
+        print(
+            f"ddp-rank compare: error: no run logged {args.metric!r}; logged: {', '.join(table.metrics)}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    print(table.csv() if args.csv else table.json() if args.json else table.markdown(), end="")
+    if args.plot:
+        try:
+            drawn = plot_comparison(runs, args.metric, args.plot, args.x)
+        except ImportError as exc:
+            print(f"ddp-rank compare: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        print(
+            f"plot: {drawn}" if drawn else "plot: no finished run with an evaluation to draw", file=sys.stderr
+        )
+    return 0

@@ -1,0 +1,98 @@
+"""``ddp-rank sweep --config C key=v1,v2 ...``: a grid of runs, one after another, then their comparison
+(``ddp_rank.experiments``).
+
+Examples::
+
+    ddp-rank sweep --config configs/demo.yaml --processes 2 --equal images \\
+        data.global_batch_size=32,128,512,2048
+    ddp-rank sweep --config c.yaml loss.name=fastap,pnp data.sampler=hard,random --print > commands.txt
+    # a SLURM array: sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" commands.txt | bash
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddp_rank.cli.arguments import add_config_arguments
+
+__all__ = ["register", "run"]
+
+EXIT_USAGE = 2
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``sweep`` sub-command."""
+    p = subparsers.add_parser(
+        "sweep",
+        help="train a grid of config values (key=v1,v2,...) one run per point, then compare them",
+        description="Expand key=v1,v2,... overrides into a grid, train each point into "
+        "<train.output_dir>/<key=value,...>/ (skipping points already finished, continuing interrupted ones), "
+        "and end with the comparison table (compare.md, compare.png in the sweep's folder).",
+    )
+    add_config_arguments(p, "experiment YAML the points start from")
+    p.add_argument("--equal", choices=("steps", "images"), default="steps",
+                   help="hold steps (default) or images seen equal across data.global_batch_size values")  # fmt: skip
+    p.add_argument("--processes", type=int, default=1,
+                   help="processes per run under accelerate launch (one per GPU with CUDA, gloo on the CPU)")  # fmt: skip
+    p.add_argument("--launch", default="", metavar="CMD",
+                   help="launch each run with CMD -m ddp_rank.cli train ... (e.g. 'torchrun --nproc-per-node 8')")  # fmt: skip
+    p.add_argument("--print", dest="print_only", action="store_true",
+                   help="print one launch command per point (for SLURM arrays, other schedulers) and exit")  # fmt: skip
+    p.add_argument("--metric", default="recall@1", help="the metric of the comparison and its plot")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddp_rank.config import ConfigError
+    from ddp_rank.experiments.compare import compare_runs
+    from ddp_rank.experiments.grid import expand_grid, split_axes
+    from ddp_rank.experiments.plot import plot_comparison
+    from ddp_rank.experiments.runs import read_run
+    from ddp_rank.experiments.sweep import Launcher, point_command, point_dir, run_sweep
+
+    try:
+        fixed, axes = split_axes(args.overrides)
+        base, points = expand_grid(args.config, args.overrides, args.equal)
+    except ConfigError as exc:
+        print(f"ddp-rank sweep: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    import torch
+
+    launcher = Launcher(args.processes, args.launch, cpu=not torch.cuda.is_available())
+    out = Path(base.train.output_dir)
+    fixed = [f for f in fixed if not f.startswith("train.output_dir=")]
+    commands = [(p, point_dir(out, p), point_command(launcher, args.config, fixed, p, out)) for p in points]
+    if args.print_only:
+        for _, _, command in commands:
+            print(shlex.join(command))
+        return 0
+    print(f"sweep: {len(points)} runs into {out}/", flush=True)
+    outcome = run_sweep(commands, say=lambda line: print(line, flush=True))
+    runs = [read_run(folder) for _, folder, _ in commands]
+    table = compare_runs(runs, args.metric)
+    text = table.markdown()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.md").write_text(text)
+    print("\n" + text, end="")
+    try:
+        x_key = axes[0][0] if len(axes) == 1 else None
+        drawn = plot_comparison(runs, args.metric, out / "compare.png", x_key)
+        if drawn:
+            print(f"written: {out / 'compare.md'}, {drawn}")
+    except ImportError as exc:
+        print(f"sweep: no plot: {exc}", file=sys.stderr)
+    if outcome.stopped:
+        from ddp_rank.train.preemption import EXIT_REQUEUE
+
+        return EXIT_REQUEUE
+    if outcome.failed:
+        print(
+            f"sweep: {len(outcome.failed)} run(s) failed: {', '.join(map(str, outcome.failed))}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

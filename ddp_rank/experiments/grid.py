@@ -1,0 +1,130 @@
+"""A sweep's grid: ``key=v1,v2,...`` overrides expanded into one run per combination.
+
+An override with several values (``data.global_batch_size=128,512,2048``) is an axis; one with a single value
+applies to every point. A key whose value is itself a list (``eval.ks``) separates its alternatives with ``;``
+(``eval.ks=1,10;1,2,4``). Every point's config is loaded before anything runs, so a typo in the fifth value
+fails at once, naming the key.
+
+``--equal images`` holds the images seen equal across batch sizes instead of the steps: a point with global
+batch B trains ``round(S0 * B0 / B)`` steps (at least 1), where S0 and B0 are ``train.steps`` and
+``data.global_batch_size`` of the config without the axes; the intervals counted in steps (``log_every``,
+``eval_every``, ``checkpoint_every``, ``warmup_steps``) shrink or grow the same way, so each run logs and
+evaluates at the same numbers of images. With ``train.steps=0`` (epochs) the images are equal already.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+from ddp_rank.config import Config, ConfigError, load_config, to_dict
+
+__all__ = ["EQUAL_CHOICES", "SweepPoint", "expand_grid", "split_axes"]
+
+EQUAL_CHOICES = ("steps", "images")
+BATCH_KEY = "data.global_batch_size"
+SCALED_INTERVALS = ("train.log_every", "train.eval_every", "train.checkpoint_every", "optim.warmup_steps")
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One run of the grid: its swept values, the overrides derived from them, its folder name, its config."""
+
+    swept: tuple[tuple[str, str], ...]
+    derived: tuple[str, ...]
+    config: Config
+
+    @property
+    def name(self) -> str:
+        """``data.global_batch_size=512,loss.name=pnp``: the folder of the run under the sweep's output."""
+        return ",".join(f"{key}={_safe(value)}" for key, value in self.swept)
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{key}={value}" for key, value in self.swept] + list(self.derived)
+
+
+def split_axes(items: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """(fixed overrides, axes) from ``section.key=value[,value...]`` items."""
+    list_keys = {
+        f"{section}.{key}"
+        for section, values in to_dict(Config()).items()
+        for key, value in values.items()
+        if isinstance(value, list)
+    }
+    fixed: list[str] = []
+    axes: list[tuple[str, list[str]]] = []
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"sweep value '{item}' is not of the form section.key=value[,value...]")
+        key, raw = (part.strip() for part in item.split("=", 1))
+        values = [v.strip() for v in raw.split(";" if key in list_keys else ",")]
+        if any(not v for v in values):
+            raise ConfigError(
+                f"'{item}' has an empty value; write {key}=a,b,c"
+                + (" (this key takes a list: alternatives are separated by ';')" if key in list_keys else "")
+            )
+        if len(set(values)) != len(values):
+            raise ConfigError(f"'{item}' names a value twice")
+        if any(key == k for k, _ in axes) or any(f.split("=", 1)[0] == key for f in fixed):
+            raise ConfigError(f"{key} is given twice; give all its values in one {key}=a,b,c")
+        if len(values) == 1:
+            fixed.append(f"{key}={values[0]}")
+        else:
+            axes.append((key, values))
+    return fixed, axes
+
+
+def expand_grid(
+    config_path: str | os.PathLike[str] | None, items: list[str], equal: str = "steps"
+) -> tuple[Config, list[SweepPoint]]:
+    """(the config without the axes, every point of the grid with its loaded config); raises ConfigError."""
+    if equal not in EQUAL_CHOICES:
+        raise ConfigError(f"--equal {equal!r} is not one of {', '.join(EQUAL_CHOICES)}")
+    fixed, axes = split_axes(items)
+    base = load_config(config_path, fixed)
+    if not axes:
+        raise ConfigError(
+            "nothing to sweep: give at least one key with several values, e.g. loss.name=fastap,pnp"
+        )
+    if equal == "images" and BATCH_KEY not in dict(axes):
+        raise ConfigError(f"--equal images holds images seen equal across batch sizes: sweep {BATCH_KEY}")
+    points = []
+    for combination in itertools.product(*(values for _, values in axes)):
+        swept = tuple((key, value) for (key, _), value in zip(axes, combination, strict=True))
+        derived = _equal_images(base, dict(swept), {k for k, _ in axes}) if equal == "images" else ()
+        overrides = [f"{key}={value}" for key, value in swept] + list(derived)
+        try:
+            config = load_config(config_path, [*fixed, *overrides])
+        except ConfigError as exc:
+            point = ",".join(f"{k}={v}" for k, v in swept)
+            raise ConfigError(f"sweep point {point}: {exc}") from None
+        points.append(SweepPoint(swept, derived, config))
+    return base, points
+
+
+def _equal_images(base: Config, swept: dict[str, str], axes: set[str]) -> tuple[str, ...]:
+    if "train.steps" in axes:
+        raise ConfigError("--equal images sets train.steps from the batch size: do not sweep train.steps too")
+    steps0, batch0 = base.train.steps, base.data.global_batch_size
+    if steps0 == 0:
+        return ()
+    try:
+        batch = int(swept[BATCH_KEY])
+    except ValueError:
+        raise ConfigError(f"{BATCH_KEY}={swept[BATCH_KEY]!r} is not a whole number") from None
+    scale = batch0 / batch
+    derived = [f"train.steps={max(1, round(steps0 * scale))}"]
+    flat = {f"{s}.{k}": v for s, values in to_dict(base).items() for k, v in values.items()}
+    for key in SCALED_INTERVALS:
+        if key in axes or not flat[key]:
+            continue
+        floor = 0 if key == "optim.warmup_steps" else 1
+        derived.append(f"{key}={max(floor, round(flat[key] * scale))}")
+    return tuple(derived)
+
+
+def _safe(value: str) -> str:
+    """A value as it may stand in a folder name."""
+    return "".join(c if c.isalnum() or c in "-_.+@" else "_" for c in value)

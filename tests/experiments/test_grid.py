@@ -1,0 +1,96 @@
+"""A sweep's grid: axes and fixed overrides, the cartesian product in order, folder names, ``--equal images``,
+and bad input that fails before anything runs, naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ddp_rank.config import ConfigError
+from ddp_rank.experiments.grid import expand_grid, split_axes
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "data: {global_batch_size: 128}\n"
+        "train: {steps: 100, log_every: 10, eval_every: 50, checkpoint_every: 0, output_dir: runs/x}\n"
+        "optim: {warmup_steps: 3}\n"
+    )
+    return path
+
+
+def test_several_values_make_an_axis_one_value_applies_to_every_point() -> None:
+    fixed, axes = split_axes(
+        ["loss.name=fastap,pnp", "train.seed=3", "eval.ks=1,10;1,2,4", "eval.protocol=sop"]
+    )
+    assert fixed == ["train.seed=3", "eval.protocol=sop"]
+    assert axes == [("loss.name", ["fastap", "pnp"]), ("eval.ks", ["1,10", "1,2,4"])]
+    assert split_axes(["eval.ks=1,10"]) == (["eval.ks=1,10"], [])  # a list-valued key: one value, commas kept
+
+
+@pytest.mark.parametrize(
+    ("items", "message"),
+    [
+        (["loss.name=fastap,,pnp"], r"'loss.name=fastap,,pnp' has an empty value"),
+        (["eval.ks=1,2;"], r"separated by ';'"),
+        (["loss.name=pnp,pnp"], "names a value twice"),
+        (["loss.name=pnp,fastap", "loss.name=smoothap"], "loss.name is given twice"),
+        (["steps"], "not of the form section.key=value"),
+    ],
+)
+def test_malformed_sweep_values_are_refused(items: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        split_axes(items)
+
+
+def test_the_grid_is_the_cartesian_product_in_the_order_given(config: Path) -> None:
+    base, points = expand_grid(config, ["data.global_batch_size=64,256", "loss.name=fastap,pnp,smoothap"])
+    assert base.data.global_batch_size == 128
+    assert [p.name for p in points] == [
+        f"data.global_batch_size={b},loss.name={n}" for b in (64, 256) for n in ("fastap", "pnp", "smoothap")
+    ]
+    assert [(p.config.data.global_batch_size, p.config.loss.name) for p in points][:2] == [
+        (64, "fastap"),
+        (64, "pnp"),
+    ]
+    assert all(p.config.train.steps == 100 and p.derived == () for p in points)  # equal steps by default
+
+
+def test_folder_names_keep_only_safe_characters(config: Path) -> None:
+    _, points = expand_grid(config, ["model.backbone=timm:vit_small/16,resnet18"])
+    assert [p.name for p in points] == ["model.backbone=timm_vit_small_16", "model.backbone=resnet18"]
+
+
+def test_equal_images_scales_the_steps_and_the_intervals_with_the_batch(config: Path) -> None:
+    _, points = expand_grid(config, ["data.global_batch_size=32,128,512,1024"], equal="images")
+    steps = [p.config.train.steps for p in points]
+    assert steps == [400, 100, 25, 12]  # round(100 * 128 / B); 12.5 rounds to even
+    assert [p.config.train.steps * p.config.data.global_batch_size for p in points][:3] == [12_800] * 3
+    assert [p.config.train.log_every for p in points] == [40, 10, 2, 1]  # never below 1
+    assert [p.config.train.eval_every for p in points] == [200, 50, 12, 6]
+    assert [p.config.train.checkpoint_every for p in points] == [0] * 4  # 0 (off) stays off
+    assert [p.config.optim.warmup_steps for p in points] == [12, 3, 1, 0]  # warm-up may shrink to none
+    assert points[0].overrides[0] == "data.global_batch_size=32" and "train.steps=400" in points[0].overrides
+
+
+def test_equal_images_needs_the_batch_axis_and_leaves_epochs_alone(config: Path) -> None:
+    with pytest.raises(ConfigError, match=r"sweep data\.global_batch_size"):
+        expand_grid(config, ["loss.name=fastap,pnp"], equal="images")
+    with pytest.raises(ConfigError, match=r"do not sweep train\.steps too"):
+        expand_grid(config, ["data.global_batch_size=32,64", "train.steps=5,10"], equal="images")
+    _, points = expand_grid(config, ["data.global_batch_size=32,64", "train.steps=0"], equal="images")
+    assert all(p.derived == () for p in points)  # epochs: the images seen are equal already
+
+
+def test_a_bad_key_or_value_fails_before_anything_runs_naming_it(config: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'data.global_bach_size'.*Did you mean 'global_batch_size'"
+    ):
+        expand_grid(config, ["data.global_bach_size=64,128"])
+    with pytest.raises(ConfigError, match=r"sweep point loss.name=fastapp: .*'fastapp'"):
+        expand_grid(config, ["loss.name=fastap,fastapp"])
+    with pytest.raises(ConfigError, match="nothing to sweep"):
+        expand_grid(config, ["loss.name=pnp"])
