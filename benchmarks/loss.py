@@ -195,6 +195,7 @@ def main() -> None:
         choices=("torch", "triton"),
         help="ours' per-block passes: plain torch ops, or the fused Triton kernels (CUDA float32)",
     )
+    parser.add_argument("--json", metavar="PATH", help="also write the measurements as JSON (gpu_check reads it)")
     parser.add_argument("--worker", nargs=3, metavar=("KIND", "LOSS", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -222,6 +223,7 @@ def main() -> None:
     if cuda:
         header += ["TF32 floor s", "ours / TF32 floor"]
     rows = []
+    records = []
     sizes = [int(s) for s in args.sizes.split(",")]
     floors = {n: run_one("floor", "fastap", n, args) for n in sizes}
     tf32_floors = {n: run_one("floor-tf32", "fastap", n, args) for n in sizes} if cuda else {}
@@ -257,8 +259,12 @@ def main() -> None:
                     else "-",
                 ]
             rows.append(row)
+            records.append({"loss": name, "n": n, "dim": args.dim, "dtype": args.dtype, "kernel": args.kernel,
+                            "ours": ours, "peer": peer, "floor": floor, "floor_tf32": tf32_floors.get(n)})  # fmt: skip
             print(" | ".join(row), flush=True)
 
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
     table = markdown_table(header, rows)
     body = (
         f"Forward + backward of one batch on {args.device}, d = {args.dim}, {args.dtype} inputs, ours with "

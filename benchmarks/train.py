@@ -312,6 +312,7 @@ def main() -> None:
     parser.add_argument(
         "--output", default=None, help="markdown file (default benchmarks/results/train-DATE.md)"
     )
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON (gpu_check reads it)")
     parser.add_argument("--worker", choices=("bare", "trainer"), help=argparse.SUPPRESS)
     parser.add_argument("--deterministic-run", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shards", help=argparse.SUPPRESS)
@@ -360,6 +361,8 @@ def main() -> None:
                 f"{time.perf_counter() - t0:.0f} s",
                 flush=True,
             )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     text = table(rows)
     print(text)
     date = dt.date.today().isoformat()
