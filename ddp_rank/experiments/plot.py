@@ -53,12 +53,12 @@ def plot_comparison(
             points = [
                 (r["step"] * (run.global_batch or 1), 100 * r[metric]) for r in run.evals if metric in r
             ]
-            label = ", ".join(f"{k}={run.config.get(k)}" for k in keys) or run.path.name
+            label = _label(run, finished)
             ax.plot(*zip(*points, strict=True), "o-", label=label)
         ax.set_xlabel("images seen" if all(run.global_batch for run in finished) else "step")
     ax.set_ylabel(f"{metric} (%)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -70,3 +70,9 @@ def plot_comparison(
 def _best(run: RunSummary, metric: str) -> float:
     best = run.best(metric)
     return best[0] if best else float("nan")
+
+
+def _label(run: RunSummary, runs: list[RunSummary]) -> str:
+    """The run's folder name (a sweep names its folders by their values), with its parent's where two share it."""
+    names = [r.path.name for r in runs]
+    return run.path.name if names.count(run.path.name) == 1 else f"{run.path.parent.name}/{run.path.name}"
