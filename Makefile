@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXTRAS := dev,eval,demo,deepspeed
 
-.PHONY: install test test-fast lint demo bench clean gpu-check gpu-wheels
+.PHONY: install test test-fast lint demo bench study clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/loss.py
+
+# The README's emoji study (batch size, sampler, loss; about 25 minutes on 2 cores); outputs in runs/study/.
+study: $(STAMP)
+	PYTHON=$(BIN)/python bash benchmarks/study.sh
 
 # GPU acceptance (benchmarks/gpu_check.py; PART=tests|loss|train|deepspeed|demo, default all). Run on the GPU
 # machine, which has a python with torch and no network: missing packages come from .gpu-wheels/ (below).

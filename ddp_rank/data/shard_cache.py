@@ -12,7 +12,8 @@ Files in the cache directory, for a shard whose sha256 is ``KEY``:
   Lock files stay (0 bytes): unlinking a lock file others may have opened would give two processes two locks.
 - ``KEY.reserve``: the size of a download in progress, so that concurrent downloads together stay under the cap.
   A reservation whose ``KEY.fetch`` nobody holds is left over from a killed process and is removed.
-- ``.cache.lock``: held exclusively while space is made and reserved (a few file-system calls).
+- ``.cache.lock``: held exclusively while space is made and reserved, and while a finished download's bytes move
+  from its reservation to its shard (a few file-system calls each).
 
 ``acquire`` returns the shard open (``CachedShard``) or says why it cannot (``Uncached``): larger than the cap,
 the cap filled by shards other readers hold open, or the disk full (``ENOSPC``); the caller then reads the
@@ -26,7 +27,8 @@ import errno
 import fcntl
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -134,7 +136,12 @@ class ShardCache:
         try:
             if not fetch(partial):
                 return Uncached("the download does not match the manifest's sha256", lasting=True)
-            os.replace(partial, self._tar(key))
+            # The bytes move from the reservation to the shard under the cache lock: a ``_reserve`` running
+            # meanwhile would otherwise list the shards before the rename and the reservations after the unlink,
+            # and count these bytes nowhere.
+            with self._cache_locked():
+                os.replace(partial, self._tar(key))
+                reservation.unlink()
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 return Uncached(f"the cache's disk is full ({exc.strerror})", lasting=False)
@@ -146,8 +153,7 @@ class ShardCache:
 
     def _reserve(self, key: str, size: int, reservation: Path) -> bool:
         """Evict least recently used shards nobody holds until ``size`` more bytes fit; record the reservation."""
-        with open(self.directory / ".cache.lock", "a+b") as cache_lock:
-            fcntl.flock(cache_lock, fcntl.LOCK_EX)
+        with self._cache_locked():
             used = sum(_size(p) for p in self.directory.glob("*.tar"))
             for other in self.directory.glob("*.reserve"):
                 if other != reservation:
@@ -161,6 +167,13 @@ class ShardCache:
                 return False
             reservation.write_text(str(size))
             return True
+
+    @contextmanager
+    def _cache_locked(self) -> Iterator[None]:
+        """Hold ``.cache.lock`` exclusively: what the cache holds and reserves does not change meanwhile."""
+        with open(self.directory / ".cache.lock", "a+b") as cache_lock:
+            fcntl.flock(cache_lock, fcntl.LOCK_EX)
+            yield
 
     def _evict(self, victim: Path) -> int:
         """Remove ``victim`` unless a reader holds it (its lock is taken); the bytes freed."""

@@ -5,8 +5,8 @@
 # weights, 64 px, frozen BatchNorm) for 12,288 training images (about 3.2 epochs of the 3,824 training images),
 # evaluated on the 955 held-out classes halfway and at the end.
 #
-#   bash experiments/study.sh              # about 25 minutes on 2 cores; outputs in runs/study/
-#   OUT=/tmp/study PYTHON=.venv/bin/python bash experiments/study.sh
+#   make study   (or: bash benchmarks/study.sh)   # about 25 minutes on 2 cores; outputs in runs/study/
+#   OUT=/tmp/study PYTHON=.venv/bin/python bash benchmarks/study.sh
 #
 # Run again after an interruption: finished runs are skipped, the others continue from their checkpoints.
 set -euo pipefail
