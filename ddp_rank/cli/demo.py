@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from ddp_rank.cli.arguments import add_config_arguments
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -55,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cache", default=os.path.expanduser("~/.cache/ddp_rank/emoji"), help="npm download cache"
     )
-    p.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
     p.add_argument("--shards", help="use this shard directory instead of building the emoji shards (tests)")
     p.add_argument(
         "--processes",
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         help="training processes (default: one per GPU found, else 2 on CPU)",
     )
     p.add_argument("--steps", type=int, default=None, help="override train.steps of the config")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="more config overrides")
+    add_config_arguments(p, "experiment YAML (default: configs/demo.yaml)")
+    p.set_defaults(config=str(REPO / "configs" / "demo.yaml"))
     args = p.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     from ddp_rank.eval.report import format_table
-    from ddp_rank.train.reporting import read_metrics
+    from ddp_rank.train.run_outputs import read_metrics
 
     rows: dict[str, dict[str, float]] = {}
     raw = json.loads(results.read_text())

@@ -245,8 +245,11 @@ def _index(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from ddp_rank.data.serve import serve_forever
 
+    def announce(url: str) -> None:
+        print(f"serving {args.directory} at {url} (Ctrl-C stops)", flush=True)
+
     with contextlib.suppress(KeyboardInterrupt):
-        serve_forever(args.directory, args.host, args.port)
+        serve_forever(args.directory, args.host, args.port, on_ready=announce)
     return 0
 
 

@@ -11,7 +11,7 @@ import http.server
 import io
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -69,9 +69,11 @@ def serve_directory(directory: str | Path, host: str = "127.0.0.1", port: int = 
         server.server_close()
 
 
-def serve_forever(directory: str | Path, host: str, port: int) -> None:
+def serve_forever(directory: str | Path, host: str, port: int, on_ready: Callable[[str], None]) -> None:
+    """Serve ``directory`` until interrupted, logging each request; ``on_ready`` gets the base URL once the
+    socket listens (port 0: a free one)."""
     handler = partial(RangeRequestHandler, directory=str(directory))
     RangeRequestHandler.quiet = False
     with http.server.ThreadingHTTPServer((host, port), handler) as server:
-        print(f"serving {directory} at http://{host}:{server.server_address[1]} (Ctrl-C stops)", flush=True)
+        on_ready(f"http://{host}:{server.server_address[1]}")
         server.serve_forever()

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from ddp_rank.train.reporting import read_metrics
+from ddp_rank.train.run_outputs import read_metrics
 from ddp_rank.train.run_state import is_alive, read_run_state
 
 __all__ = ["RunSummary", "expand_run_paths", "flatten_config", "metric_keys", "read_run"]

@@ -71,6 +71,13 @@ class RngState:
             yield
 
 
+def runs_chunked(largest_batch: int, chunk_size: int | None) -> bool:
+    """The one rule for direct or chunked: a step is chunked when some rank holds more rows than a chunk (a
+    chunk at least as large as every rank's batch is no chunk). The batch layout applies it to the configured
+    batch; :func:`forward_backward` to the rows the ranks actually hold."""
+    return chunk_size is not None and largest_batch > chunk_size
+
+
 def forward_backward(
     backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossFn, chunk_size: int | None = None
 ) -> StepOutput:
@@ -92,7 +99,7 @@ def forward_backward(
         raise ValueError(f"inputs have {inputs.shape[0]} rows but labels have {labels.shape[0]}")
     inputs = backend.prepare_inputs(inputs)
     with backend.accumulate():
-        if chunk_size is None or backend.largest_batch(inputs.shape[0]) <= chunk_size:
+        if chunk_size is None or not runs_chunked(backend.largest_batch(inputs.shape[0]), chunk_size):
             output = _direct(backend, inputs, labels, loss_fn)
         else:
             backend.check_chunked()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ddp_rank.config import Config, ConfigError
 from ddp_rank.data.plan import local_batch_size
+from ddp_rank.train.chunked import runs_chunked
 
 __all__ = ["BatchLayout"]
 
@@ -29,7 +30,7 @@ class BatchLayout:
     def from_config(cfg_cls, cfg: Config, world_size: int, chunk_size: int | None = None) -> BatchLayout:
         """The layout of ``cfg`` on ``world_size`` ranks; ``chunk_size`` is the chunk when it was chosen elsewhere
         (``distributed.chunk_size=auto``: ``ddp_rank.train.chunk_choice``), else the config's. A chunk at least as
-        large as the local batch is no chunk."""
+        large as the local batch is no chunk (``ddp_rank.train.chunked.runs_chunked``)."""
         try:
             local = local_batch_size(cfg.data.global_batch_size, world_size)
         except ValueError as exc:
@@ -38,12 +39,12 @@ class BatchLayout:
                 f"process(es) ({exc}): every rank holds the same number of images; change the batch or "
                 "--num_processes"
             ) from None
-        chunk = chunk_size if chunk_size is not None else (cfg.distributed.fixed_chunk or 0)
+        chunk = chunk_size if chunk_size is not None else cfg.distributed.fixed_chunk
         return cfg_cls(
             global_batch=cfg.data.global_batch_size,
             world_size=world_size,
             local_batch=local,
-            chunk_size=chunk if chunk and local > chunk else None,
+            chunk_size=chunk if chunk and runs_chunked(local, chunk) else None,
         )
 
     @property

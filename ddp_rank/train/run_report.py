@@ -22,7 +22,7 @@ from ddp_rank.data.batch import DataEvents
 from ddp_rank.eval.report import format_table
 from ddp_rank.train.console import StepLine, peak_memory
 from ddp_rank.train.layout import BatchLayout
-from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, write_summary
+from ddp_rank.train.run_outputs import MetricsLogger, read_metrics, write_plots, write_summary
 
 log = logging.getLogger(__name__)
 

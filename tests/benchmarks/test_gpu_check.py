@@ -14,18 +14,27 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _load(name: str) -> Any:
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def _load_scripts(*names: str) -> list[Any]:
+    """The benchmark scripts ``names`` as modules, in order (a later one imports the earlier ones by their bare
+    names, as the scripts do beside each other). ``sys.path`` and ``sys.modules`` are left as they were."""
+    saved_path, saved_modules, modules = list(sys.path), set(sys.modules), []
+    try:
+        for name in names:
+            spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            modules.append(module)
+    finally:
+        sys.path[:] = saved_path
+        for name in set(sys.modules) - saved_modules:
+            if "." not in name and (BENCHMARKS / f"{name}.py").is_file():
+                del sys.modules[name]
+    return modules
 
 
-targets = _load("gpu_targets")
-gpu_check = _load("gpu_check")
+targets, gpu_check = _load_scripts("gpu_targets", "gpu_check")
 
 
 def _loss_row(loss: str, n: int, ours_s: float, peak_mb: float, floor_s: float = 1.0, kernel: str = "torch",

@@ -100,7 +100,7 @@ def test_one_checkpoint_one_set_of_numbers_under_a_bf16_launcher(
     import torch
 
     import ddp_rank.eval.workflow as workflow
-    from ddp_rank.train.reporting import read_metrics
+    from ddp_rank.train.run_outputs import read_metrics
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     shards = build_tiny_shards(tmp_path)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_rank.train.reporting import MetricsLogger, read_metrics, write_plots, write_summary
+from ddp_rank.train.run_outputs import MetricsLogger, read_metrics, write_plots, write_summary
 
 
 def test_jsonl_append_and_truncate_after_resume(tmp_path: Path) -> None:
