@@ -5,6 +5,9 @@ Examples::
     ddp-rank compare runs/sweep                    # every run of a sweep's folder
     ddp-rank compare 'runs/bs*' runs/pnp --plot compare.png
     ddp-rank compare runs/* --csv > runs.csv       # or --json
+
+Files and folders without a run among the arguments (``runs/sweep/*`` also names the sweep's ``compare.md``) are
+passed over with a note on stderr; no run at all is an error.
 """
 
 from __future__ import annotations
@@ -46,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
     from ddp_rank.experiments.plot import plot_comparison
     from ddp_rank.experiments.runs import expand_run_paths, read_run
 
+    def note(line: str) -> None:
+        print(f"ddp-rank compare: {line}", file=sys.stderr)
+
     try:
-        paths = expand_run_paths(args.runs)
+        paths = expand_run_paths(args.runs, note)
     except FileNotFoundError as exc:
         print(f"ddp-rank compare: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -41,7 +41,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--launch", default="", metavar="CMD",
                    help="launch each run with CMD -m ddp_rank.cli train ... (e.g. 'torchrun --nproc-per-node 8')")  # fmt: skip
     p.add_argument("--print", dest="print_only", action="store_true",
-                   help="print one launch command per point (for SLURM arrays, other schedulers) and exit")  # fmt: skip
+                   help="print one launch command per point (for SLURM arrays, other schedulers) and exit; with "
+                   "--processes N each is 'accelerate launch --multi_gpu --num_processes N' with no port, so the "
+                   "machine that runs it decides: one process per GPU, or gloo processes without one")  # fmt: skip
     p.add_argument("--metric", default="recall@1", help="the metric of the comparison and its plot")
     p.set_defaults(func=run)
 
@@ -62,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     import torch
 
-    launcher = Launcher(args.processes, args.launch, cpu=not torch.cuda.is_available())
+    # Printed commands run on another machine (a SLURM array's nodes): let the launcher decide there.
+    cpu = None if args.print_only else not torch.cuda.is_available()
+    launcher = Launcher(args.processes, args.launch, cpu=cpu)
     out = Path(base.train.output_dir)
     fixed = [f for f in fixed if not f.startswith("train.output_dir=")]
     commands = [(p, point_dir(out, p), point_command(launcher, args.config, fixed, p, out)) for p in points]
@@ -85,6 +89,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"written: {out / 'compare.md'}, {drawn}")
     except ImportError as exc:
         print(f"sweep: no plot: {exc}", file=sys.stderr)
+    if outcome.running_elsewhere:
+        print(
+            f"sweep: {len(outcome.running_elsewhere)} run(s) left alone, another process still trains them: "
+            f"{', '.join(map(str, outcome.running_elsewhere))}; run the sweep again once they have ended",
+            file=sys.stderr,
+        )
     if outcome.stopped:
         from ddp_rank.train.preemption import EXIT_REQUEUE
 

@@ -420,15 +420,19 @@ class DistributedConfig(_Section):
     )
     memory_fraction: float = _field(
         0.8,
-        "chunk_size=auto on a GPU: the share of the GPU's free memory (after the model is on it) that the step "
-        "may fill: activations, weights' gradients, optimizer state and the loss's work space.",
+        "chunk_size=auto: the share of the memory budget the step may fill: of the GPU's free memory (after the "
+        "model is on it; activations, weights' gradients, optimizer state and the loss's work space), on CPU of "
+        "memory_budget_mb or of the node's available memory. The rest is the margin for what the probe misses (on "
+        "CPU a step's resident memory grows 8-11% more per image than the bytes it counts).",
         above=0,
         maximum=1,
     )
     memory_budget_mb: int = _field(
         0,
-        "chunk_size=auto on CPU: MiB the step's activations may take on each process; 0 = the node's available "
-        "memory shared by its processes, times memory_fraction.",
+        "chunk_size=auto on CPU: MiB the step's activations may take on each process, of which memory_fraction is "
+        "planned for (the margin keeps the chunk inside it); 0 = the node's available memory (MemAvailable, or the "
+        "cgroup's limit less its usage where smaller: a SLURM --mem job, a container) shared by its processes, "
+        "times memory_fraction.",
         minimum=0,
     )
     grad_reduction: str = _field(

@@ -75,7 +75,10 @@ class Comparison:
             lines.append("| " + " | ".join(cells) + " |")
             if run.detail and run.status != "finished":
                 notes.append(f"- {_short_name(run, self.runs)}: {run.status}: {run.detail}")
-        legend = "Metrics in percent; steps done of those asked for; wall time over every start of a run."
+        legend = (
+            "Metrics in percent; steps done of those asked for; wall time over every start of a run (so far for "
+            "one still running here; - where unknown: a run that died, or runs on another host)."
+        )
         return "\n".join([*lines, "", legend, *(["", *notes] if notes else [])]) + "\n"
 
     def csv(self) -> str:

@@ -8,8 +8,9 @@ fails at once, naming the key.
 ``--equal images`` holds the images seen equal across batch sizes instead of the steps: a point with global
 batch B trains ``round(S0 * B0 / B)`` steps (at least 1), where S0 and B0 are ``train.steps`` and
 ``data.global_batch_size`` of the config without the axes; the intervals counted in steps (``log_every``,
-``eval_every``, ``checkpoint_every``, ``warmup_steps``) shrink or grow the same way, so each run logs and
-evaluates at the same numbers of images. With ``train.steps=0`` (epochs) the images are equal already.
+``eval_every``, ``checkpoint_every``, ``warmup_steps``, and each of ``step_milestones``) shrink or grow the same
+way, so each run logs, evaluates and decays its learning rate at the same numbers of images. With
+``train.steps=0`` (epochs) the images are equal already.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = ["EQUAL_CHOICES", "SweepPoint", "expand_grid", "split_axes"]
 EQUAL_CHOICES = ("steps", "images")
 BATCH_KEY = "data.global_batch_size"
 SCALED_INTERVALS = ("train.log_every", "train.eval_every", "train.checkpoint_every", "optim.warmup_steps")
+MILESTONES_KEY = "optim.step_milestones"
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,8 @@ class SweepPoint:
 
 
 def split_axes(items: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
-    """(fixed overrides, axes) from ``section.key=value[,value...]`` items."""
+    """(fixed overrides, axes) from ``section.key=value[,value...]`` items. A lone empty value (``data.test_split=``,
+    ``model.init_from=``) is a fixed override, as ``train`` takes it; an empty value among several is a typo."""
     list_keys = {
         f"{section}.{key}"
         for section, values in to_dict(Config()).items()
@@ -60,7 +63,8 @@ def split_axes(items: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]
             raise ConfigError(f"sweep value '{item}' is not of the form section.key=value[,value...]")
         key, raw = (part.strip() for part in item.split("=", 1))
         values = [v.strip() for v in raw.split(";" if key in list_keys else ",")]
-        if any(not v for v in values):
+        # A lone empty value is a setting's "none" (data.test_split=): a fixed override, as train takes it.
+        if len(values) > 1 and not all(values):
             raise ConfigError(
                 f"'{item}' has an empty value; write {key}=a,b,c"
                 + (" (this key takes a list: alternatives are separated by ';')" if key in list_keys else "")
@@ -90,6 +94,7 @@ def expand_grid(
         )
     if equal == "images" and BATCH_KEY not in dict(axes):
         raise ConfigError(f"--equal images holds images seen equal across batch sizes: sweep {BATCH_KEY}")
+    _refuse_shared_folders(axes)
     points = []
     for combination in itertools.product(*(values for _, values in axes)):
         swept = tuple((key, value) for (key, _), value in zip(axes, combination, strict=True))
@@ -104,6 +109,23 @@ def expand_grid(
     return base, points
 
 
+def _refuse_shared_folders(axes: list[tuple[str, list[str]]]) -> None:
+    """Raise ConfigError when two values of an axis stand the same in a folder name (``a/b.pt`` and ``a_b.pt``):
+    their points would train into one folder, the second resuming the first. Values of different axes cannot
+    meet: each stands after its own ``key=``."""
+    for key, values in axes:
+        by_folder: dict[str, list[str]] = {}
+        for value in values:
+            by_folder.setdefault(_safe(value), []).append(value)
+        for folder, same in by_folder.items():
+            if len(same) > 1:
+                raise ConfigError(
+                    f"{key} values {' and '.join(repr(v) for v in same)} would share the run folder "
+                    f"'{key}={folder}' (a folder name keeps letters, digits and -_.+@ only): sweep them "
+                    "separately, each with its own train.output_dir"
+                )
+
+
 def _equal_images(base: Config, swept: dict[str, str], axes: set[str]) -> tuple[str, ...]:
     if "train.steps" in axes:
         raise ConfigError("--equal images sets train.steps from the batch size: do not sweep train.steps too")
@@ -115,14 +137,26 @@ def _equal_images(base: Config, swept: dict[str, str], axes: set[str]) -> tuple[
     except ValueError:
         raise ConfigError(f"{BATCH_KEY}={swept[BATCH_KEY]!r} is not a whole number") from None
     scale = batch0 / batch
-    derived = [f"train.steps={max(1, round(steps0 * scale))}"]
+    steps = max(1, round(steps0 * scale))
+    derived = [f"train.steps={steps}"]
     flat = {f"{s}.{k}": v for s, values in to_dict(base).items() for k, v in values.items()}
     for key in SCALED_INTERVALS:
         if key in axes or not flat[key]:
             continue
         floor = 0 if key == "optim.warmup_steps" else 1
         derived.append(f"{key}={max(floor, round(flat[key] * scale))}")
+    if MILESTONES_KEY not in axes and flat[MILESTONES_KEY]:
+        milestones = _scaled_milestones(flat[MILESTONES_KEY], scale, steps)
+        derived.append(f"{MILESTONES_KEY}={','.join(map(str, milestones))}")
     return tuple(derived)
+
+
+def _scaled_milestones(milestones: list[int], scale: float, steps: int) -> list[int]:
+    """``optim.step_milestones`` at the same images seen: each scaled and at least 1 (the config's minimum), those
+    past the run's last step dropped (the base run never reaches them either). Two that round to one step stay
+    two (the config takes repeats): the rate is multiplied by ``step_gamma`` once per milestone, so after that
+    step it is what the base run's is after both."""
+    return [m for m in (max(1, round(m * scale)) for m in milestones) if m <= steps]
 
 
 def _safe(value: str) -> str:

@@ -4,8 +4,10 @@ sweep's output (``<train.output_dir>/<key=value,...>/``), then the comparison of
 Each point is launched the same way (``Launcher``: one process, ``accelerate launch`` on N processes, or a
 command of the user's own), always with ``train.resume=auto``: a point whose ``run.json`` says ``finished`` is
 skipped, one that crashed, died or was stopped continues from its last checkpoint, so running the same sweep
-again after an interruption finishes it. A point that fails does not stop the others; a point stopped on a
-signal (exit 75) stops the sweep with that status, for the scheduler to requeue it.
+again after an interruption finishes it. A point whose trainer still runs on this host (another sweep, a
+scheduler's job) is skipped too: a second trainer in its folder would write over the first one's checkpoints.
+A point that fails does not stop the others; a point stopped on a signal (exit 75) stops the sweep with that
+status, for the scheduler to requeue it.
 """
 
 from __future__ import annotations
@@ -21,28 +23,41 @@ from pathlib import Path
 
 from ddp_rank.experiments.grid import SweepPoint
 from ddp_rank.train.preemption import EXIT_REQUEUE
-from ddp_rank.train.run_state import read_run_state
+from ddp_rank.train.run_state import is_alive, read_run_state
 
 __all__ = ["Launcher", "SweepOutcome", "point_command", "run_sweep"]
 
 REPO = Path(__file__).resolve().parents[2]
+RUNNING_ELSEWHERE = "running elsewhere"
 
 
 @dataclass(frozen=True)
 class Launcher:
-    """How each point's training starts: ``processes`` > 1 under ``accelerate launch`` (one per GPU with CUDA,
-    gloo processes on the CPU with the repository's launcher file), or ``command``, a launcher of the user's own
-    (``torchrun --nproc-per-node 8``, ``accelerate launch --config_file my.yaml``) followed by ``-m ddp_rank.cli``."""
+    """How each point's training starts: one process, ``processes`` > 1 under ``accelerate launch``, or
+    ``command``, a launcher of the user's own (``torchrun --nproc-per-node 8``, ``accelerate launch --config_file
+    my.yaml``) followed by ``-m ddp_rank.cli``.
+
+    ``cpu`` says what the machine that runs the commands has: True, no GPU (gloo processes with the repository's
+    CPU launcher file); False, GPUs (one process each); both on a free port of this machine. None: not known
+    here, because the commands are printed for another machine (``sweep --print`` on a login node for a SLURM
+    array): ``--multi_gpu`` with no port, which gives one process per GPU where there are GPUs and gloo
+    processes where there are none (``ddp_rank.runtime.accelerator.make_accelerator``), on accelerate's port
+    of that machine (its default config's, else 29500; accelerate 1.15 takes a free one when that is busy),
+    with its default config's mixed precision."""
 
     processes: int = 1
     command: str = ""
-    cpu: bool = True
+    cpu: bool | None = None
 
     def prefix(self) -> list[str]:
         if self.command:
             return [*shlex.split(self.command), "-m", "ddp_rank.cli"]
         if self.processes <= 1:
             return [sys.executable, "-m", "ddp_rank.cli"]
+        launch = [sys.executable, "-m", "accelerate.commands.launch"]
+        processes = ["--num_processes", str(self.processes)]
+        if self.cpu is None:
+            return [*launch, "--multi_gpu", *processes, "-m", "ddp_rank.cli"]
         if self.cpu:
             launcher_file = REPO / "launch" / "accelerate_cpu_2proc.yaml"
             if not launcher_file.is_file():
@@ -52,16 +67,14 @@ class Launcher:
             where = ["--config_file", str(launcher_file)]
         else:
             where = ["--multi_gpu"]
-        return [
-            sys.executable, "-m", "accelerate.commands.launch", *where,
-            "--num_processes", str(self.processes), "--main_process_port", str(_free_port()),
-            "-m", "ddp_rank.cli",
-        ]  # fmt: skip
+        port = ["--main_process_port", str(_free_port())]
+        return [*launch, *where, *processes, *port, "-m", "ddp_rank.cli"]
 
 
 @dataclass
 class SweepOutcome:
-    """What the sweep did with each point (its folder -> ``skipped`` / ``finished`` / ``failed (exit n)``)."""
+    """What the sweep did with each point (its folder -> ``skipped`` / ``running elsewhere`` / ``finished`` /
+    ``failed (exit n)``)."""
 
     done: dict[Path, str] = field(default_factory=dict)
     stopped: bool = False
@@ -69,6 +82,11 @@ class SweepOutcome:
     @property
     def failed(self) -> list[Path]:
         return [path for path, what in self.done.items() if what.startswith("failed")]
+
+    @property
+    def running_elsewhere(self) -> list[Path]:
+        """The points left alone because another process still trains them."""
+        return [path for path, what in self.done.items() if what == RUNNING_ELSEWHERE]
 
 
 def point_dir(output_dir: str | os.PathLike[str], point: SweepPoint) -> Path:
@@ -111,6 +129,13 @@ def run_sweep(
         if state is not None and state["status"] == "finished":
             say(f"[{i}/{len(commands)}] {point.name}: finished already, skipped")
             outcome.done[folder] = "skipped"
+            continue
+        if state is not None and state["status"] == "running" and is_alive(state):
+            say(
+                f"[{i}/{len(commands)}] {point.name}: warning: process {state.get('pid')} still trains it, "
+                "skipped (run the sweep again once it has ended)"
+            )
+            outcome.done[folder] = RUNNING_ELSEWHERE
             continue
         again = f" (continuing a {state['status']} run)" if state is not None else ""
         say(f"[{i}/{len(commands)}] {point.name}{again}\n$ {shlex.join(command)}")

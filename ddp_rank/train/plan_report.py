@@ -18,7 +18,7 @@ from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.plan import Catalog, GlobalPlan, PlanError
 from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
 from ddp_rank.model import build_model
-from ddp_rank.runtime.accelerator import precision_dtype
+from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import schedule_config
 from ddp_rank.train.chunk_choice import auto_chunk, measure_activation_bytes
 from ddp_rank.train.layout import BatchLayout
@@ -83,13 +83,26 @@ def describe_plan(
         data.images_per_class if data.sampler == "pk" else min(largest_class, data.global_batch_size)
     )
     work_line, work_bytes = _work_space(cfg, layout, max_positives, where)
+    try:  # the trainer's accelerator resolves it the same way: ``auto`` follows the launcher
+        precision = resolve_mixed_precision(cfg.train.mixed_precision)
+    except ConfigError as exc:
+        problems.append(str(exc))
+        precision = cfg.train.mixed_precision
+    facts.append(("mixed precision", precision))
+    step = _step_line(layout)
     if cfg.distributed.fixed_chunk is None:
-        layout, why = _auto_chunk(cfg, layout, where, work_bytes, world_size)
+        try:
+            chosen, why = _auto_chunk(cfg, layout, where, work_bytes, world_size, precision_dtype(precision))
+            step = (
+                _step_line(chosen)
+                if chosen
+                else "chunked or direct, decided at start-up from the GPU's free memory"
+            )
+        except ValueError as exc:  # not even one image fits the budget
+            problems.append(f"distributed.chunk_size=auto: {exc}")
+            why, step = "no chunk fits (see below)", "none: the run cannot start"
         facts.append(("chunk (auto)", why))
-    chunk = layout.chunk_size
-    facts.append(
-        ("step", f"chunked, {-(-layout.local_batch // chunk)} chunks of {chunk}" if chunk else "direct")
-    )
+    facts.append(("step", step))
     facts.append(("loss work space per rank", work_line))
     try:
         t0 = time.perf_counter()
@@ -102,34 +115,35 @@ def describe_plan(
     return facts, problems
 
 
+def _step_line(layout: BatchLayout) -> str:
+    chunk = layout.chunk_size
+    return f"chunked, {-(-layout.local_batch // chunk)} chunks of {chunk}" if chunk else "direct"
+
+
 def _auto_chunk(
-    cfg: Config, layout: BatchLayout, where: torch.device, work_bytes: int, world_size: int
-) -> tuple[BatchLayout, str]:
-    """``distributed.chunk_size=auto`` as the trainer will decide it, from the same probe of the network (built
-    without its pretrained weights: activations do not depend on them). On a GPU the budget is that GPU's free
-    memory at start-up, so planning for one from a machine without it gives the per-image figure only."""
+    cfg: Config,
+    layout: BatchLayout,
+    where: torch.device,
+    work_bytes: int,
+    world_size: int,
+    dtype: torch.dtype | None,
+) -> tuple[BatchLayout | None, str]:
+    """``distributed.chunk_size=auto`` as the trainer will decide it: (the layout with the chosen chunk, why), from
+    the same probe of the network (built without its pretrained weights: activations do not depend on them) under
+    the run's autocast ``dtype``. On a GPU the budget is that GPU's free memory at start-up, so planning for one
+    from a machine without it gives the per-image figure only, and no layout. Raises ValueError when not even one
+    image fits."""
     model = build_model(dataclasses.replace(cfg.model, weights="none", init_from=""), cfg.data.image_size)
-    dtype = precision_dtype(cfg.train.mixed_precision)
     if where.type == "cuda" and not torch.cuda.is_available():
         per_image, how = measure_activation_bytes(model, cfg.data.image_size, torch.device("cpu"), dtype)
-        return layout, (
+        return None, (
             f"{format_bytes(per_image)} of activations per image ({how}, on this CPU); the chunk is chosen at "
             f"start-up from the GPU's free memory (distributed.memory_fraction={cfg.distributed.memory_fraction:g})"
         )
-    try:
-        # On CPU, planned as one node: its processes share the node's memory.
-        choice = auto_chunk(
-            model.to(where),
-            cfg,
-            layout.local_batch,
-            layout.global_batch,
-            where,
-            dtype,
-            work_bytes,
-            world_size,
-        )
-    except ValueError as exc:
-        return layout, str(exc)
+    # On CPU, planned as one node: its processes share the node's memory.
+    choice = auto_chunk(
+        model.to(where), cfg, layout.local_batch, layout.global_batch, where, dtype, work_bytes, world_size
+    )
     return BatchLayout.from_config(cfg, world_size, chunk_size=choice.chunk or 0), choice.describe()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
@@ -112,9 +113,7 @@ def test_overrides_may_stand_on_both_sides_of_the_flags(
     )
     assert args.config == "configs/demo.yaml"
     assert args.overrides == ["train.steps=2", "train.seed=1", "eval.ks=1"]
-    args = parse_command(
-        ["plan", "data.sampler=pk", "--world-size", "4", "train.seed=1", "--steps", "1"]
-    )
+    args = parse_command(["plan", "data.sampler=pk", "--world-size", "4", "train.seed=1", "--steps", "1"])
     assert (args.world_size, args.steps, args.overrides) == (4, 1, ["data.sampler=pk", "train.seed=1"])
     with pytest.raises(SystemExit):
         parse_command(["train", "train.steps=2", "--bogus", "train.seed=1"])
@@ -147,3 +146,50 @@ def test_plan_says_which_chunk_auto_chooses_and_why(tmp_path: Path, budget_mb: i
     why, step = dict(facts)["chunk (auto)"], dict(facts)["step"]
     assert "of activations per image" in why and f"distributed.memory_budget_mb={budget_mb}" in why
     assert step.startswith("chunked") is chunked and ("runs in chunks of" in why) is chunked
+
+
+def _tiny_cnn_plan(shards: Path, *overrides: str) -> list[str]:
+    return [f"data.shards={shards}", "data.global_batch_size=256", "model.backbone=tiny_cnn", *overrides]
+
+
+def test_plan_cannot_start_when_not_even_one_image_fits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shards = write("sop", tmp_path / "s")
+    args = _tiny_cnn_plan(
+        shards, "data.image_size=512", "data.resize_size=512", "distributed.memory_budget_mb=1"
+    )
+    facts, problems = describe_plan(load_config(None, args), 2, device="cpu")
+    assert any("exceed the memory budget" in p for p in problems), problems
+    assert dict(facts)["step"] == "none: the run cannot start"
+    assert main(["plan", "--world-size", "2", "--device", "cpu", *args]) == 1
+    captured = capsys.readouterr()
+    assert "cannot start" in captured.err and "exceed the memory budget" in captured.err
+    assert "ok: the run can start" not in captured.out
+
+
+def test_plan_probes_in_the_precision_the_launcher_gives_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.mixed_precision=auto under a bf16 launcher: the trainer probes under bf16 autocast, so plan does."""
+    shards = write("sop", tmp_path / "s")
+    cfg = load_config(None, _tiny_cnn_plan(shards, "data.image_size=32", "data.resize_size=32"))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    facts, problems = describe_plan(cfg, 2, device="cpu")
+    assert not problems
+    assert (
+        dict(facts)["mixed precision"] == "bf16" and "under bfloat16 autocast" in dict(facts)["chunk (auto)"]
+    )
+    fp16 = load_config(None, _tiny_cnn_plan(shards, "train.mixed_precision=fp16"))
+    _, problems = describe_plan(fp16, 2, device="cpu")
+    assert any("the launcher asks for mixed precision bf16" in p for p in problems), problems
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="plans for a GPU this machine does not have")
+def test_plan_for_a_gpu_it_does_not_have_leaves_the_step_to_start_up(tmp_path: Path) -> None:
+    shards = write("sop", tmp_path / "s")
+    cfg = load_config(None, _tiny_cnn_plan(shards, "data.image_size=32", "data.resize_size=32"))
+    facts, problems = describe_plan(cfg, 2, device="cuda")
+    assert not problems
+    assert "chosen at start-up" in dict(facts)["chunk (auto)"]
+    assert dict(facts)["step"] == "chunked or direct, decided at start-up from the GPU's free memory"

@@ -1,6 +1,7 @@
-"""``compare`` on run directories with known metrics: only the settings that differ, best vs last, time and speed;
-a crashed, a stopped, a running, a killed and an older run listed as such; markdown, CSV and JSON; the plot;
-the run paths from globs and sweep folders."""
+"""``compare`` on run directories with known metrics: only the settings that differ, best vs last, time and speed
+(so far for a live run, unknown for a dead one); a crashed, a stopped, a running, a killed and an older run listed
+as such; damaged metrics lines left out; markdown, CSV and JSON; the plot; the run paths from globs and sweep
+folders, files and folders without a run among them passed over."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -157,6 +159,48 @@ def test_bad_run_paths_and_metrics_are_refused_clearly(
     empty.mkdir()
     assert main(["compare", str(empty)]) == 2
     assert "holds no run" in capsys.readouterr().err
+
+
+def test_a_shell_expanded_sweep_folder_passes_over_its_files_with_a_note(
+    runs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``compare runs/sweep/*`` unquoted: the shell also names the compare.md / compare.png the sweep wrote."""
+    (runs / "compare.md").write_text("| run |\n")
+    (runs / "compare.png").write_bytes(b"\x89PNG")
+    (runs / "notes").mkdir()
+    expanded = sorted(str(p) for p in runs.iterdir())
+    assert main(["compare", *expanded, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert len(json.loads(captured.out)["runs"]) == 7
+    assert f"{runs / 'compare.md'} is a file, not a run directory: skipped" in captured.err
+    assert f"{runs / 'notes'} holds no run" in captured.err
+    assert main(["compare", str(runs / "compare.md"), str(runs / "notes")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: no run directory among {runs / 'compare.md'} {runs / 'notes'}" in err
+
+
+def test_damaged_metrics_lines_are_left_out(tmp_path: Path) -> None:
+    run = make_run(tmp_path, "bs=64", 64, [0.5, 0.6])
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('[1, 2]\n"text"\n7\n{"kind": "train", "step": "ten", "images_per_s": 5.0}\n')
+        f.write('{"kind": "eval", "step": null, "recall@1": 0.99}\n{"kind": "eval", "recall@1": 0.98}\n')
+    summary = read_run(run)
+    assert summary.steps == 10 and summary.best("recall@1") == (0.6, 10) and summary.images_per_s == 150.0
+    assert "| 60.00 (step 10) |" in compare_runs([summary]).markdown()
+
+
+def test_wall_time_is_so_far_for_a_live_run_and_unknown_for_a_dead_one(runs: Path) -> None:
+    running = runs / "bs=64"
+    state = json.loads((running / RUN_FILE).read_text())
+    state["seconds"] = 5.0  # earlier starts
+    state["started"] = time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(time.time() - 100))
+    (running / RUN_FILE).write_text(json.dumps(state))
+    live = read_run(running)
+    assert live.status == "running" and live.seconds is not None and 104 <= live.seconds < 200
+    dead = read_run(runs / "bs=16")
+    assert dead.status == "died" and dead.seconds is None
+    row = next(line for line in compare_runs([dead]).markdown().splitlines() if line.startswith("| bs=16 |"))
+    assert row.endswith("| - | 100.0 |")  # wall time unknown, not 0:00
 
 
 def test_run_state_adds_up_the_time_of_every_start_and_keeps_a_refused_start_out(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""A sweep's grid: axes and fixed overrides, the cartesian product in order, folder names, ``--equal images``,
-and bad input that fails before anything runs, naming the key."""
+"""A sweep's grid: axes and fixed overrides (a lone empty value included), the cartesian product in order, folder
+names (two values sharing one refused), ``--equal images`` (intervals and learning-rate milestones), and bad input
+that fails before anything runs, naming the key."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ def test_several_values_make_an_axis_one_value_applies_to_every_point() -> None:
     assert fixed == ["train.seed=3", "eval.protocol=sop"]
     assert axes == [("loss.name", ["fastap", "pnp"]), ("eval.ks", ["1,10", "1,2,4"])]
     assert split_axes(["eval.ks=1,10"]) == (["eval.ks=1,10"], [])  # a list-valued key: one value, commas kept
+
+
+def test_a_lone_empty_value_is_a_fixed_override_as_train_takes_it(config: Path) -> None:
+    fixed, axes = split_axes(["data.test_split=", "model.init_from=", "loss.name=fastap,pnp"])
+    assert fixed == ["data.test_split=", "model.init_from="] and axes == [("loss.name", ["fastap", "pnp"])]
+    _, points = expand_grid(config, ["data.test_split=", "loss.name=fastap,pnp"])
+    assert [p.config.data.test_split for p in points] == ["", ""]
 
 
 @pytest.mark.parametrize(
@@ -62,6 +70,28 @@ def test_the_grid_is_the_cartesian_product_in_the_order_given(config: Path) -> N
 def test_folder_names_keep_only_safe_characters(config: Path) -> None:
     _, points = expand_grid(config, ["model.backbone=timm:vit_small/16,resnet18"])
     assert [p.name for p in points] == ["model.backbone=timm_vit_small_16", "model.backbone=resnet18"]
+
+
+def test_two_values_that_would_share_a_folder_are_refused_naming_them(config: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'a/b\.pt' and 'a_b\.pt' would share the run folder"):
+        expand_grid(config, ["model.init_from=a/b.pt,a_b.pt", "loss.name=fastap,pnp"])
+
+
+def test_equal_images_scales_the_learning_rate_milestones(config: Path) -> None:
+    """Milestones at the same images seen; one the base run never reaches (150 of 100 steps) is dropped."""
+    _, points = expand_grid(
+        config,
+        ["data.global_batch_size=32,128,512,1024", "optim.schedule=step", "optim.step_milestones=50,80,150"],
+        equal="images",
+    )
+    assert [p.config.optim.step_milestones for p in points] == [[200, 320], [50, 80], [12, 20], [6, 10]]
+    _, points = expand_grid(
+        config, ["data.global_batch_size=128,25600", "optim.step_milestones=50,80"], "images"
+    )
+    assert points[1].config.train.steps == 1 and points[1].config.optim.step_milestones == [
+        1,
+        1,
+    ]  # at least 1
 
 
 def test_equal_images_scales_the_steps_and_the_intervals_with_the_batch(config: Path) -> None:

@@ -1,11 +1,14 @@
-"""Sweeps: the launch command of each point, resume (finished points skipped, interrupted ones continued), a
-failed point not stopping the others, a stopped one stopping the sweep, ``--print``, and one real sweep of two
-tiny points through the trainer that ends with the comparison of both."""
+"""Sweeps: the launch command of each point, resume (finished points skipped, interrupted ones continued, ones
+another process still trains left alone), a failed point not stopping the others, a stopped one stopping the
+sweep, ``--print`` (a launcher that decides on the machine that runs it), and one real sweep of two tiny points
+through the trainer that ends with the comparison of both."""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,6 +42,12 @@ def test_each_point_trains_into_its_own_folder_and_resumes(grid: tuple[Path, lis
     assert accelerate[accelerate.index("--num_processes") + 1] == "2"
     assert accelerate[accelerate.index("--config_file") + 1].endswith("launch/accelerate_cpu_2proc.yaml")
     assert "--multi_gpu" in Launcher(processes=4, cpu=False).prefix()
+    anywhere = Launcher(processes=4, cpu=None).prefix()  # --print: the machine that runs it decides
+    assert (
+        "--multi_gpu" in anywhere
+        and "--config_file" not in anywhere
+        and "--main_process_port" not in anywhere
+    )
     assert Launcher(command="torchrun --nproc-per-node 8").prefix() == [
         "torchrun", "--nproc-per-node", "8", "-m", "ddp_rank.cli",
     ]  # fmt: skip
@@ -59,6 +68,24 @@ def test_finished_points_are_skipped_and_the_others_run_again(grid: tuple[Path, 
     assert ran == ["train loss.name=pnp", "train loss.name=smoothap"]
     assert outcome.done == {commands[0][1]: "skipped", commands[1][1]: "finished", commands[2][1]: "finished"}
     assert "finished already, skipped" in lines[0] and "continuing a crashed run" in lines[1]
+
+
+def test_a_point_another_process_still_trains_is_left_alone(grid: tuple[Path, list]) -> None:
+    """Two trainers in one folder would write over each other's checkpoints; a dead one's point continues."""
+    out, points = grid
+    commands = [(p, point_dir(out, p), [p.name]) for p in points]
+    RunState(commands[0][1]).start()  # this test's process: alive, on this host
+    RunState(commands[1][1]).start()
+    state = json.loads((commands[1][1] / RUN_FILE).read_text())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    (commands[1][1] / RUN_FILE).write_text(json.dumps({**state, "pid": child.pid}))  # killed outright
+    ran: list[str] = []
+    lines: list[str] = []
+    outcome = run_sweep(commands, run=lambda c: ran.append(c[0]) or 0, say=lines.append)
+    assert ran == ["loss.name=pnp", "loss.name=smoothap"]
+    assert outcome.running_elsewhere == [commands[0][1]] and not outcome.failed
+    assert f"warning: process {os.getpid()} still trains it, skipped" in lines[0]
 
 
 def test_a_failed_point_does_not_stop_the_others_a_stopped_one_stops_the_sweep(
@@ -83,6 +110,8 @@ def test_print_gives_one_launch_command_per_point(tmp_path: Path, capsys: pytest
     assert len(lines) == 4
     first, third = shlex.split(lines[0]), shlex.split(lines[2])
     assert "accelerate.commands.launch" in first and "train.resume=auto" in first
+    # Decided where it runs, not from this machine's hardware: no CPU launcher file, no port picked here.
+    assert "--multi_gpu" in first and "--config_file" not in first and "--main_process_port" not in first
 
     def steps(command: list[str]) -> int:
         (value,) = [a[12:] for a in command if a.startswith("train.steps=")]  # the derived one only

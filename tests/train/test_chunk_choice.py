@@ -1,6 +1,7 @@
 """``distributed.chunk_size=auto``: the chosen chunk is the largest that fits the budget, never more; a batch that
-fits is not chunked; the probe measures the real model without touching it; a global batch of 4,096 on one
-process starts without the user choosing anything."""
+fits is not chunked; the probe measures the real model without touching it, after a warm-up step; the budget
+frees PyTorch's cache before reading a GPU's free memory, keeps a margin inside ``memory_budget_mb``, and heeds
+a cgroup's memory limit; a global batch of 4,096 on one process starts without the user choosing anything."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from hypothesis import strategies as st
 
 from ddp_rank.config import ModelConfig, load_config
 from ddp_rank.model import build_model
-from ddp_rank.train.chunk_choice import choose_chunk, measure_activation_bytes, memory_budget
+from ddp_rank.train import chunk_choice
+from ddp_rank.train.chunk_choice import (
+    available_memory,
+    choose_chunk,
+    measure_activation_bytes,
+    memory_budget,
+)
 from tests.helpers.training import TINY_OVERRIDES
 
 
@@ -54,12 +61,112 @@ def test_the_probe_measures_activations_and_leaves_the_model_alone() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_the_probe_warms_up_before_it_measures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake memory model: the first step of a fresh copy also sets up a one-time workspace (cuBLAS / cuDNN),
+    which must not count in the small probe (it would make the growth per image look negative here)."""
+    per_image, fixed, workspace = 1_000, 50_000, 10_000
+    calls: list[int] = []
+
+    def fake_step_bytes(model: torch.nn.Module, images: torch.Tensor, dtype: torch.dtype | None) -> int:
+        calls.append(len(images))
+        return (workspace if len(calls) == 1 else 0) + fixed + per_image * len(images)
+
+    monkeypatch.setattr(chunk_choice, "_step_bytes", fake_step_bytes)
+    model = build_model(ModelConfig(backbone="tiny_cnn", embedding_dim=8), 16)
+    measured, _ = measure_activation_bytes(model, 16, torch.device("cpu"))
+    assert measured == per_image and calls == [2, 2, 4]
+
+
+def test_the_gpu_budget_counts_the_probes_cached_blocks_as_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake caching allocator: the probe's blocks stay cached (used, for the driver) until empty_cache."""
+    gib = 2**30
+    allocator = {"used": 2 * gib, "cached": 6 * gib, "total": 80 * gib}
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: allocator.update(cached=0))
+    monkeypatch.setattr(
+        torch.cuda,
+        "mem_get_info",
+        lambda device=None: (
+            allocator["total"] - allocator["used"] - allocator["cached"],
+            allocator["total"],
+        ),
+    )
+    budget, how = memory_budget(torch.device("cuda", 0), 0.5, 0, fixed_bytes=gib)
+    assert budget == int(0.5 * 78 * gib) - gib and "78.00 GiB free" in how
+
+
+@given(per_image=st.integers(1_000, 10**8), budget_mb=st.integers(1, 10**5), local=st.integers(1, 10**5))
+def test_a_chunk_chosen_from_memory_budget_mb_stays_inside_it(
+    per_image: int, budget_mb: int, local: int
+) -> None:
+    """On CPU the counted bytes are low: a step's resident memory grows up to 11% more per image (measured on
+    ResNet-18 and EfficientNet-Lite0). With the default memory_fraction the chunk's resident memory still fits."""
+    budget, how = memory_budget(torch.device("cpu"), 0.8, budget_mb)
+    assert "memory_fraction=0.8 of distributed.memory_budget_mb" in how
+    try:
+        chunk = choose_chunk(local, per_image, budget)
+    except ValueError:
+        return
+    resident_per_image = 1.11 * per_image
+    assert (chunk or local) * resident_per_image <= budget_mb * 2**20
+
+
 def test_the_cpu_budget_is_the_setting_or_a_share_of_available_memory() -> None:
     budget, how = memory_budget(torch.device("cpu"), 0.8, 64, fixed_bytes=123)
-    assert budget == 64 * 2**20 and "memory_budget_mb=64" in how
+    assert budget == int(0.8 * 64 * 2**20) and "memory_budget_mb=64" in how
     shared, how = memory_budget(torch.device("cpu"), 0.5, 0, fixed_bytes=0, local_processes=2)
     alone, _ = memory_budget(torch.device("cpu"), 0.5, 0, fixed_bytes=0, local_processes=1)
     assert 0 < shared <= alone // 2 + 2**20 and "2 process(es)" in how
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_available_memory_is_the_cgroup_headroom_where_that_is_less(tmp_path: Path) -> None:
+    """A SLURM --mem job on cgroup v2: the limit sits on the job's cgroup, above the step's (no limit there); the
+    job's usage counts, less its inactive page cache."""
+    gib = 2**30
+    meminfo = _write(tmp_path / "meminfo", "MemTotal: 100000000 kB\nMemAvailable:   67108864 kB\n")  # 64 GiB
+    job = tmp_path / "cg2" / "system.slice" / "slurmstepd.scope" / "job_7"
+    _write(job / "memory.max", f"{4 * gib}\n")
+    _write(job / "memory.current", f"{gib}\n")
+    _write(job / "memory.stat", f"anon 1\ninactive_file {gib // 4}\nactive_file 5\n")
+    _write(job / "step_0" / "memory.max", "max\n")
+    _write(job / "step_0" / "memory.current", "1000\n")
+    proc_cgroup = _write(tmp_path / "cgroup", "0::/system.slice/slurmstepd.scope/job_7/step_0\n")
+    mountinfo = _write(
+        tmp_path / "mountinfo",
+        f"30 23 0:26 / {tmp_path / 'cg2'} rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
+        "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n",
+    )
+    assert available_memory(meminfo, proc_cgroup, mountinfo) == (
+        4 * gib - (gib - gib // 4),
+        "the cgroup's memory limit less its usage",
+    )
+    _write(job / "memory.max", "max\n")  # no limit: the node's figure
+    assert available_memory(meminfo, proc_cgroup, mountinfo) == (64 * gib, "MemAvailable")
+
+
+def test_available_memory_reads_a_v1_container_and_survives_missing_files(tmp_path: Path) -> None:
+    """cgroup v1 in a container without its own cgroup namespace: the mount's root is the container's cgroup."""
+    gib = 2**30
+    meminfo = _write(tmp_path / "meminfo", "MemAvailable:   67108864 kB\n")
+    memory = tmp_path / "v1" / "memory"
+    _write(memory / "memory.limit_in_bytes", f"{2 * gib}\n")
+    _write(memory / "memory.usage_in_bytes", f"{gib // 2}\n")
+    proc_cgroup = _write(tmp_path / "cgroup", "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    mountinfo = _write(
+        tmp_path / "mountinfo", f"35 31 0:32 /docker/abc {memory} rw,relatime - cgroup cgroup rw,memory\n"
+    )
+    assert available_memory(meminfo, proc_cgroup, mountinfo)[0] == 2 * gib - gib // 2
+    _write(memory / "memory.limit_in_bytes", "9223372036854771712\n")  # v1's "no limit"
+    assert available_memory(meminfo, proc_cgroup, mountinfo) == (64 * gib, "MemAvailable")
+    missing = tmp_path / "missing"
+    assert available_memory(meminfo, missing, missing) == (64 * gib, "MemAvailable")
+    physical, source = available_memory(missing, missing, missing)
+    assert physical > 0 and source == "physical memory"
 
 
 def test_chunk_size_accepts_auto_or_a_number() -> None:
@@ -101,7 +208,9 @@ def test_a_global_batch_of_4096_on_one_process_starts_with_nothing_chosen(
     try:
         assert trainer.layout.chunked is chunked
         said = [r.getMessage() for r in ddp_rank_log.records if "chunk_size=auto" in r.getMessage()]
-        assert said and ("runs in chunks of" in said[0]) is chunked and ("direct step" in said[0]) is not chunked
+        assert (
+            said and ("runs in chunks of" in said[0]) is chunked and ("direct step" in said[0]) is not chunked
+        )
         if chunked:
             assert trainer.layout.chunk_size is not None and trainer.layout.chunk_size < 4096
         result = trainer.train_step()
