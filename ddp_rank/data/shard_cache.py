@@ -12,6 +12,9 @@ Files in the cache directory, for a shard whose sha256 is ``KEY``:
   Lock files stay (0 bytes): unlinking a lock file others may have opened would give two processes two locks.
 - ``KEY.reserve``: the size of a download in progress, so that concurrent downloads together stay under the cap.
   A reservation whose ``KEY.fetch`` nobody holds is left over from a killed process and is removed.
+- ``.KEY.PID.partial``: a download in progress (counted in its reservation). One whose ``KEY.fetch`` nobody holds
+  is the half of a shard a killed process left (a second signal, a grace period, SIGKILL), and is removed by the
+  next download of that shard, or of any shard (under the cache lock, as a reservation is).
 - ``.cache.lock``: held exclusively while space is made and reserved, and while a finished download's bytes move
   from its reservation to its shard (a few file-system calls each).
 
@@ -19,6 +22,11 @@ Files in the cache directory, for a shard whose sha256 is ``KEY``:
 the cap filled by shards other readers hold open, or the disk full (``ENOSPC``); the caller then reads the
 shard by range from its source. A cap of ``None`` means half of the file system's free space (plus what the cache
 already holds), measured when the cache is made.
+
+The directory must be node-local (a local disk, ``/tmp``, ``$SLURM_TMPDIR``) and used by one user. On NFS,
+``flock`` becomes a POSIX lock of the whole file, which two descriptors of one process never contend for and which
+closing any descriptor of the file releases; on Lustre it is refused or node-local, depending on the mount: the
+rules above no longer hold. And a lock file or shard that another user created cannot be locked or removed.
 """
 
 from __future__ import annotations
@@ -129,6 +137,8 @@ class ShardCache:
 
     def _download(self, key: str, size: int, fetch: Callable[[Path], bool]) -> Uncached | None:
         """With the shard's fetch lock held: reserve room, fetch, check, rename into place."""
+        for stale in self.directory.glob(f".{key}.*.partial"):  # a killed process's: no other download runs
+            stale.unlink(missing_ok=True)
         reservation = self.directory / f"{key}.reserve"
         if not self._reserve(key, size, reservation):
             return Uncached("the cache is full of shards other readers hold open", lasting=False)
@@ -152,8 +162,15 @@ class ShardCache:
         return None
 
     def _reserve(self, key: str, size: int, reservation: Path) -> bool:
-        """Evict least recently used shards nobody holds until ``size`` more bytes fit; record the reservation."""
+        """Evict least recently used shards nobody holds until ``size`` more bytes fit; record the reservation.
+        Partial downloads of other shards that killed processes left are removed first."""
         with self._cache_locked():
+            for partial in self.directory.glob(".*.partial"):
+                owner = partial.name[1:].split(".", 1)[0]  # .KEY.PID.partial
+                if owner != key:
+                    with self._unless_downloading(owner) as orphaned:
+                        if orphaned:
+                            partial.unlink(missing_ok=True)
             used = sum(_size(p) for p in self.directory.glob("*.tar"))
             for other in self.directory.glob("*.reserve"):
                 if other != reservation:
@@ -188,16 +205,26 @@ class ShardCache:
 
     def _live_reservation(self, reservation: Path) -> int:
         """The bytes a download in progress reserved, or 0 (and the file removed) when its process is gone."""
-        with open(self.directory / f"{reservation.stem}.fetch", "a+b") as lock:
+        with self._unless_downloading(reservation.stem) as orphaned:
+            if orphaned:
+                reservation.unlink(missing_ok=True)
+                return 0
+        try:
+            return int(reservation.read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    @contextmanager
+    def _unless_downloading(self, key: str) -> Iterator[bool]:
+        """True, with ``KEY.fetch`` held meanwhile, when no process downloads the shard ``key``: what such a
+        download left (a reservation, a partial file) is a killed process's and may go. False while one runs."""
+        with open(self.directory / f"{key}.fetch", "a+b") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # the downloader holds it: a live reservation
-                try:
-                    return int(reservation.read_text() or 0)
-                except (OSError, ValueError):
-                    return 0
-            reservation.unlink(missing_ok=True)
-            return 0
+                orphaned = True
+            except BlockingIOError:  # the downloader holds it
+                orphaned = False
+            yield orphaned
 
 
 def _size(path: Path) -> int:

@@ -15,9 +15,11 @@ The cache is bounded (``shard_cache.ShardCache``: least recently used shards go 
 open); a shard that does not fit (larger than the cap, the cap held by open shards, the disk full) is read by
 range from the source, counted as a ``cache_fallbacks`` event.
 
-A remote read that fails on the way (connection refused or reset, a timeout: an ``OSError`` other than a missing
-file) is retried with growing pauses for up to ``retry_s`` seconds, each retry counted as a ``read_retries``
-event, so a server restarting or a network blip costs time, not data.
+A remote read that fails on the way is retried with growing pauses for up to ``retry_s`` seconds, each retry
+counted as a ``read_retries`` event, so a server restarting or a network blip costs time, not data. On the way
+means (:func:`transient`): connection refused or reset, a timeout (an ``OSError`` other than a missing file, a
+refused permission or a full disk), and the HTTP client's own errors, which are not ``OSError``: a connection
+dropped in the middle of a body or closed by the server, and an answer 408, 429 or 5xx. Other 4xx are lasting.
 """
 
 from __future__ import annotations
@@ -41,6 +43,24 @@ RECACHE_S = 60.0
 """A shard that did not fit in the cache for a passing reason is tried again after this long."""
 
 _T = TypeVar("_T")
+
+_RETRIED_HTTP_STATUS = (408, 429)
+"""The client errors (4xx) worth another try: the request timed out, too many requests."""
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a remote read that raised ``exc`` may succeed when tried again (see the module docstring)."""
+    if isinstance(exc, OSError):
+        lasting = isinstance(exc, FileNotFoundError | PermissionError)
+        return not lasting and exc.errno not in (errno.ENOSPC, errno.EDQUOT)
+    try:
+        # fsspec's http file system raises aiohttp's errors as they are; aiohttp is there only with fsspec[http].
+        import aiohttp
+    except ImportError:
+        return False
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return exc.status >= 500 or exc.status in _RETRIED_HTTP_STATUS
+    return isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ClientConnectionError)
 
 
 class ShardStore:
@@ -119,12 +139,8 @@ class ShardStore:
         while True:
             try:
                 return call()
-            except OSError as exc:
-                lasting = isinstance(exc, FileNotFoundError | PermissionError) or exc.errno in (
-                    errno.ENOSPC,
-                    errno.EDQUOT,
-                )
-                if lasting or time.monotonic() + pause > deadline:
+            except Exception as exc:
+                if not transient(exc) or time.monotonic() + pause > deadline:
                     raise
                 self.counts["read_retries"] += 1
                 log.warning(f"{url}: {type(exc).__name__}: {exc}; retrying in {pause:.2f} s")

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from ddp_rank.config import Config
 from ddp_rank.data.eval_reader import EvalShards
+from ddp_rank.data.loader import ignore_stop_signals
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.data.transforms import transform_from_config
@@ -69,7 +70,9 @@ def read_eval_batches(
         cache_dir=open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb),
     )
     workers = cfg.data.num_workers if num_workers is None else num_workers
-    loader = DataLoader(reader, batch_size=None, num_workers=workers)
+    # The workers ignore the job's stop signals: a signal during the trainer's evaluation stops the run after the
+    # next step, with a checkpoint, rather than killing a worker (ddp_rank.data.loader.ignore_stop_signals).
+    loader = DataLoader(reader, batch_size=None, num_workers=workers, worker_init_fn=ignore_stop_signals)
     for b in loader:
         yield EvalBatch(
             images=b["images"],

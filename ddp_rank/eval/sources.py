@@ -22,6 +22,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from ddp_rank.data.eval_reader import EvalShards, contiguous_range
+from ddp_rank.data.loader import ignore_stop_signals
 from ddp_rank.data.transforms import TransformConfig, decode_image, normalize_batch, test_transform
 
 __all__ = [
@@ -69,7 +70,8 @@ def split_batches(
         shards, split=split, batch_size=batch_size, transform=transform, rank=rank, world_size=world
     )
     names = reader.manifest.categories
-    for b in DataLoader(reader, batch_size=None, num_workers=num_workers):
+    loader = DataLoader(reader, batch_size=None, num_workers=num_workers, worker_init_fn=ignore_stop_signals)
+    for b in loader:
         yield ImageBatch(
             images=b["images"],
             keys=list(b["keys"]),

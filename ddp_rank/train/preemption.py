@@ -8,7 +8,16 @@ exit with :data:`EXIT_REQUEUE`. Nothing since the last periodic checkpoint is lo
 continues at exactly the next step.
 
 Why a flag and not work in the handler: the handler may run while the process is inside a collective or writing
-a checkpoint; only the loop knows a point where every rank can stop alike.
+a checkpoint; only the loop knows a point where every rank can stop alike. The ranks agree on the flag when a
+step fetches its batch, so a signal just after a fetch costs the rest of that step (with its scheduled evaluation
+and checkpoint), then one more step (likewise), then the stop's checkpoint: the worst case to fit in the time
+between the signal and the SIGKILL.
+
+Under SLURM, rank 0 then requeues the job (``scontrol requeue``, :func:`requeue_slurm_job`) as the very last thing
+the run does, once every rank's files are written: a requeue makes SLURM signal every process of the job at once.
+A launcher between the scheduler and the ranks (torchrun, ``accelerate launch``) turns a rank's status 75 into a
+failure status of its own; only the requeue carries through it. The ranks' DataLoader workers ignore the stop
+signals (``ddp_rank.data.loader.ignore_stop_signals``): a scheduler or launcher signals them too.
 
 A second signal ends the process at once, and so does ``stop_grace_s`` running out. Neither can leave a
 half-written checkpoint: checkpoints are written to a temporary folder and renamed into place
@@ -31,7 +40,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-__all__ = ["EXIT_REQUEUE", "RunStopped", "StopRequest", "requeue_slurm_job"]
+__all__ = ["EXIT_REQUEUE", "RunStopped", "StopRequest", "ignore_signals", "requeue_slurm_job"]
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +142,25 @@ class StopRequest:
         os.write(sys.stderr.fileno(), f"ddp-rank train: {message}\n".encode())
 
 
-def requeue_slurm_job() -> bool:
+def ignore_signals(signals: Sequence[str]) -> None:
+    """This process ignores ``signals`` from now on (main thread only, as :meth:`StopRequest.install`)."""
+    if threading.current_thread() is threading.main_thread():
+        for name in signals:
+            signal.signal(signal.Signals[name], signal.SIG_IGN)
+
+
+def requeue_slurm_job(ignore: Sequence[str] = ()) -> bool:
     """Under SLURM, ask the scheduler to queue this job again (``scontrol requeue``); False elsewhere or if it
-    refuses (the job was not submitted with ``--requeue``, say: the log says so)."""
+    refuses (the job was not submitted with ``--requeue``, say: the log says so).
+
+    A requeue makes SLURM signal every process of the job, this one included: the signals ``ignore`` are ignored
+    from just before the request on, so that a process with nothing left to do but end is not killed by them.
+    """
     job = os.environ.get("SLURM_JOB_ID")
     scontrol = shutil.which("scontrol")
     if not job or scontrol is None:
         return False
+    ignore_signals(ignore)
     done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         log.warning(f"scontrol requeue {job} failed: {done.stderr.strip() or done.stdout.strip()}")

@@ -47,7 +47,13 @@ from ddp_rank.train.chunk_choice import auto_chunk
 from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.optim import build_optimizer, build_scheduler
-from ddp_rank.train.preemption import EXIT_REQUEUE, RunStopped, StopRequest, requeue_slurm_job
+from ddp_rank.train.preemption import (
+    EXIT_REQUEUE,
+    RunStopped,
+    StopRequest,
+    ignore_signals,
+    requeue_slurm_job,
+)
 from ddp_rank.train.run_report import RunReport, StepResult
 from ddp_rank.train.run_state import RunState
 from ddp_rank.train.setup import build_loss, build_network, build_stream, check_inputs, configure_deepspeed
@@ -344,14 +350,14 @@ class Trainer:
         return summary
 
     def _stop_here(self) -> None:
-        """Every rank: checkpoint this step, requeue the job (rank 0, under SLURM), raise RunStopped."""
+        """Every rank: checkpoint this step, record the stop, raise RunStopped. The job is requeued later, once
+        every file is written (``run_training``)."""
         path = self.save_checkpoint()
         self.stop.done()
-        requeued = self.is_main and self.cfg.train.requeue == "auto" and requeue_slurm_job()
         if self.is_main:
-            again = "the job is requeued" if requeued else "run the same command again to continue"
             log.warning(
-                f"stopped after step {self.step} of {self.total_steps} on a signal, checkpoint {path}; {again}"
+                f"stopped after step {self.step} of {self.total_steps} on a signal, checkpoint {path}; the same "
+                "command continues from it"
             )
         self.report.stopped(self.step, self.stop.received.name if self.stop.received else None, str(path))
         self.report.close()
@@ -372,6 +378,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
     """
     trainer: Trainer | None = None
     state = RunState(cfg.train.output_dir, enabled=launch_rank() == 0)
+    requeue = False  # stopped on a signal: requeue the job as the very last thing
     try:
         trainer = Trainer(cfg)
         state.start()  # after the checks: a refused start leaves the state of the run it refused to touch
@@ -389,9 +396,16 @@ def run_training(cfg: Config) -> dict[str, Any]:
             # Every rank has written its part of the checkpoint (the save ends in a barrier). End all ranks
             # together now, without the process group's teardown: a launcher such as torchrun ends the other
             # ranks as soon as one exits with a non-zero status, and a rank caught inside the teardown aborts.
+            # Rank 0 requeues between two barriers: after every rank's files are closed, and before any rank
+            # exits (the launcher would then end rank 0 before it asked). Every rank ignores the signal that the
+            # requeue brings (SLURM signals the whole job): nothing is left to do but exit with status 75.
             trainer.close()
             dist.barrier()
+            ignore_signals(cfg.train.stop_signals)
+            _requeue(cfg, trainer.is_main)
+            dist.barrier()
             end_process_now(EXIT_REQUEUE)
+        requeue = True
         raise
     except AGREED_ERRORS as exc:
         state.crashed(exc, trainer.step if trainer is not None else None)
@@ -414,3 +428,15 @@ def run_training(cfg: Config) -> dict[str, Any]:
             trainer.accelerator.end_training()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        if requeue and trainer is not None:
+            _requeue(cfg, trainer.is_main)
+
+
+def _requeue(cfg: Config, is_main: bool) -> None:
+    """The last act of a run stopped on a signal: rank 0 asks SLURM to run the job again (``train.requeue=auto``).
+
+    Last, because ``scontrol requeue`` makes SLURM signal every process of the job at once: the checkpoint, the
+    stop record and ``run.json``'s "stopped" must all be written before.
+    """
+    if is_main and cfg.train.requeue == "auto":
+        requeue_slurm_job(ignore=cfg.train.stop_signals)

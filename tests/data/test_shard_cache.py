@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import multiprocessing as mp
 import os
 import shutil
@@ -102,6 +103,42 @@ def test_the_automatic_cap_is_half_the_free_space(tmp_path: Path) -> None:
     assert open_cache("", 1.0) is None
     capped = open_cache(tmp_path, 0.5)
     assert capped is not None and capped.max_bytes == 500_000_000
+
+
+def _killed_while_downloading(directory: str, key: str) -> None:
+    def fetch(path: Path) -> bool:
+        path.write_bytes(b"x" * (SIZE // 2))
+        os._exit(75)  # a second signal, the grace period, SIGKILL: no cleanup runs
+
+    ShardCache(directory, max_bytes=3 * SIZE).acquire(key, SIZE, fetch)
+
+
+def test_half_downloads_of_killed_processes_are_removed_unless_their_download_runs(tmp_path: Path) -> None:
+    """A process killed during a download leaves ``.KEY.PID.partial``: the next download of that shard removes
+    it, and any download removes those of other shards whose download lock nobody holds, so they do not pile up
+    past the cap across preemptions. A download in progress keeps its own."""
+    killed = mp.get_context("fork").Process(target=_killed_while_downloading, args=(str(tmp_path), "aa"))
+    killed.start()
+    killed.join(60)
+    assert killed.exitcode == 75
+    assert [p.name for p in tmp_path.glob("*.partial")] == [f".aa.{killed.pid}.partial"]
+    (tmp_path / ".bb.999999.partial").write_bytes(b"x" * SIZE)  # another shard's, from another killed process
+    (tmp_path / ".cc.999998.partial").write_bytes(b"x" * SIZE)
+    cache = ShardCache(tmp_path, max_bytes=3 * SIZE)
+    with open(tmp_path / "cc.fetch", "a+b") as downloading:
+        fcntl.flock(downloading, fcntl.LOCK_EX)  # cc's download runs (its lock is held)
+        _put(cache, "dd").close()
+        assert [p.name for p in tmp_path.glob("*.partial")] == [".cc.999998.partial"]
+    _put(cache, "aa").close()
+    assert list(tmp_path.glob("*.partial")) == [] and list(tmp_path.glob("*.reserve")) == []
+    assert _cached(tmp_path) == {"aa", "dd"}
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) == 2 * SIZE  # lock files are empty
+
+
+def test_a_new_download_of_a_shard_removes_its_own_half_download(tmp_path: Path) -> None:
+    (tmp_path / ".aa.999999.partial").write_bytes(b"x" * SIZE)
+    _put(ShardCache(tmp_path, max_bytes=SIZE), "aa").close()
+    assert list(tmp_path.glob("*.partial")) == []
 
 
 # ----------------------------------------------------------------------------------------- several processes

@@ -1,22 +1,30 @@
 """Stopping on a signal loses nothing: every rank stops after the same step with a checkpoint, exits 75, and the
 resumed run ends with exactly the weights of an uninterrupted one, no step lost or repeated (2 gloo processes
 under ``accelerate launch``; the signal reaches rank 1 only, in the middle of a chunked step, an evaluation or a
-checkpoint write). The stop request itself: a second signal or the grace period ends the process at once."""
+checkpoint write; and one process whose whole process group, DataLoader workers included, is signalled). Under
+SLURM the job is requeued only once the stop is recorded. The stop request itself: a second signal or the grace
+period ends the process at once."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, IterableDataset
 
+from ddp_rank.data.loader import STOP_SIGNALS, ignore_stop_signals
 from ddp_rank.train.preemption import EXIT_REQUEUE, StopRequest
 from tests.helpers.training import (
     REPO,
@@ -88,6 +96,50 @@ def test_stop_signals_are_checked_in_the_config() -> None:
         load_config(None, ["train.stop_signals=SIGKILL"])
 
 
+# ----------------------------------------------------------------------------------------- DataLoader workers
+class _Ignored(IterableDataset):
+    """Yields, from the DataLoader worker that iterates it, which of ``names`` that worker ignores."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = names
+
+    def __iter__(self) -> Iterator[dict[str, bool]]:
+        yield {name: signal.getsignal(signal.Signals[name]) == signal.SIG_IGN for name in self.names}
+
+
+def test_dataloader_workers_ignore_every_signal_that_can_stop_a_run() -> None:
+    """A scheduler and a launcher signal the workers too; what to do is the main process's decision."""
+    from ddp_rank.config.schema import TrainConfig
+
+    choices = next(f for f in dataclasses.fields(TrainConfig) if f.name == "stop_signals").metadata["choices"]
+    assert set(choices) <= set(STOP_SIGNALS)
+    workers = DataLoader(
+        _Ignored(choices), batch_size=None, num_workers=1, worker_init_fn=ignore_stop_signals
+    )
+    assert next(iter(workers)) == dict.fromkeys(choices, True)
+    assert signal.getsignal(signal.SIGTERM) != signal.SIG_IGN  # in the worker only
+
+
+def test_the_export_readers_workers_ignore_the_stop_signals(
+    shards: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ddp-rank export`` / ``search`` read a split with their own DataLoader (the training and evaluation
+    loaders: test_dataloader_workers_ignore_a_signal_to_the_whole_process_group)."""
+    from ddp_rank.data.transforms import TransformConfig
+    from ddp_rank.eval import sources
+
+    made: list[dict[str, Any]] = []
+
+    class Recorded(DataLoader):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(sources, "DataLoader", Recorded)
+    batch = next(sources.split_batches(shards, "test", TransformConfig(resize=16, crop=16), 4, 0, 1, 1))
+    assert len(batch.keys) == 4 and made[0]["worker_init_fn"] is ignore_stop_signals
+
+
 # ----------------------------------------------------------------------------------------- 2 processes
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -102,19 +154,50 @@ def uninterrupted(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return out
 
 
-def _launch_signalled(phase: str, step: int, sig: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _launch_signalled(
+    phase: str, step: int, sig: str, *args: str, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(REPO / "launch" / "accelerate_cpu_2proc.yaml"),
         "--main_process_port", str(free_port()),
         str(REPO / "tests" / "helpers" / "signal_one_rank.py"), phase, str(step), sig, *args,
     ]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cpu_env(), cwd=REPO)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+
+
+def _records(run: Path, kind: str) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
 def _train_steps(run: Path) -> list[int]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
+    return [r["step"] for r in _records(run, "train")]
+
+
+def _fake_scontrol(where: Path, run: Path) -> dict[str, str]:
+    """The environment of a SLURM job whose ``scontrol`` (first on PATH) records, when it is called, its
+    arguments and the run as it is then (``run.json`` and ``metrics.jsonl`` copied to ``where``), then sends
+    SIGTERM to its caller, as a requeue makes SLURM signal the whole job."""
+    where.mkdir()
+    script = where / "scontrol"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {shlex.quote(str(where / "calls"))}\n'
+        f"cp {shlex.quote(str(run / 'run.json'))} {shlex.quote(str(run / 'metrics.jsonl'))} "
+        f"{shlex.quote(str(where))}\n"
+        "kill -TERM $PPID\n"
+    )
+    script.chmod(0o755)
+    return {**cpu_env(), "PATH": f"{where}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+
+
+def _assert_requeued_after_the_stop_was_recorded(where: Path, stopped_after: int) -> None:
+    """Rank 0 asked once, and only once the stop record and run.json's "stopped" were written (a requeue makes
+    SLURM signal the whole job)."""
+    assert (where / "calls").read_text().splitlines() == ["requeue 4242"]
+    assert json.loads((where / "run.json").read_text())["status"] == "stopped"
+    assert [r["step"] for r in _records(where, "stop")] == [stopped_after]
 
 
 @pytest.mark.slow
@@ -132,7 +215,8 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_resume_loses_nothin
 ) -> None:
     run = tmp_path / "run"
     common = [f"data.shards={shards}", f"train.output_dir={run}", *RUN]
-    proc = _launch_signalled(phase, at, sig, *common)
+    slurm = _fake_scontrol(tmp_path / "slurm", run)
+    proc = _launch_signalled(phase, at, sig, *common, env=slurm)
     # torchrun reports the ranks' status 75 as a failure of its own (requeueing is the trainer's job), and once
     # the first rank has exited it ends the other, which may still be tearing down after the checkpoint: 75 or
     # SIGTERM (-15), nothing else.
@@ -144,6 +228,7 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_resume_loses_nothin
     assert (run / "checkpoints" / f"step-{stopped_after:08d}" / "meta.json").is_file()
     assert _train_steps(run) == list(range(1, stopped_after + 1))
     assert not (run / "summary.md").exists(), "a stopped run is not a finished one"
+    _assert_requeued_after_the_stop_was_recorded(tmp_path / "slurm", stopped_after)
 
     resumed = launch("train", *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -163,3 +248,54 @@ def test_a_single_process_run_exits_with_the_requeue_status(shards: Path, tmp_pa
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert proc.returncode == EXIT_REQUEUE, proc.stderr[-3000:]
     assert (tmp_path / "run" / "checkpoints" / "step-00000003" / "meta.json").is_file()
+
+
+def _start(log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``python ARGS`` in a session of its own (so its process group is it and its DataLoader workers); stdout
+    and stderr to ``log``.out / .err."""
+    with open(log.with_suffix(".out"), "wb") as out, open(log.with_suffix(".err"), "wb") as err:
+        return subprocess.Popen(
+            [sys.executable, *args],
+            stdout=out,
+            stderr=err,
+            env=env or cpu_env(),
+            cwd=REPO,
+            start_new_session=True,
+        )
+
+
+@pytest.mark.slow
+def test_dataloader_workers_ignore_a_signal_to_the_whole_process_group(shards: Path, tmp_path: Path) -> None:
+    """SLURM signals every process of a job and torchrun each rank's process group: the DataLoader workers get
+    the signal too. SIGUSR1 then SIGTERM (a time limit's warning, then the kill) reach the process group of a run
+    with 2 workers during an evaluation, with the training loader's workers and the evaluation's running. The
+    workers ignore them (torch's would die of the SIGTERM, and inherit the SIGUSR1 handler): the run stops once,
+    with a checkpoint and status 75, and resumes to the weights of an uninterrupted run."""
+    common = ["-m", "ddp_rank.cli", "train", f"data.shards={shards}", *RUN, "data.num_workers=2"]
+    run, reference, ready = tmp_path / "run", tmp_path / "reference", tmp_path / "ready"
+    uninterrupted = _start(reference, *common, f"train.output_dir={reference}")  # meanwhile
+    slurm = _fake_scontrol(tmp_path / "slurm", run)
+    helper = str(REPO / "tests" / "helpers" / "await_signal_in_evaluation.py")
+    stopped = _start(run, helper, "2", str(ready), *common[3:], f"train.output_dir={run}", env=slurm)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert stopped.poll() is None, run.with_suffix(".err").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the run never reached the evaluation after step 2"
+        time.sleep(0.05)
+    os.killpg(stopped.pid, signal.SIGUSR1)
+    os.killpg(stopped.pid, signal.SIGTERM)
+    code = stopped.wait(120)
+    stderr = run.with_suffix(".err").read_text()
+    assert code == EXIT_REQUEUE, stderr[-3000:]
+    assert stderr.count("received SIG") == 1, stderr[-3000:]  # the main process's; none from a worker
+    assert (run / "checkpoints" / "step-00000003" / "meta.json").is_file()
+    _assert_requeued_after_the_stop_was_recorded(tmp_path / "slurm", 3)
+
+    resumed = _start(tmp_path / "resumed", *common, f"train.output_dir={run}")
+    assert resumed.wait(120) == 0, (tmp_path / "resumed.err").read_text()[-3000:]
+    assert uninterrupted.wait(120) == 0, reference.with_suffix(".err").read_text()[-3000:]
+    assert _train_steps(run) == list(range(1, STEPS + 1)), "no step lost or repeated"
+    mine, expected = final_weights(run), final_weights(reference)
+    assert mine.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(mine[name], expected[name]), name
