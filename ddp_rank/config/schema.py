@@ -29,7 +29,8 @@ class DataConfig(_Section):
     cache_dir: str = _field(
         "",
         "Node-local directory that keeps whole shards fetched from a URL (each is re-read every epoch), checked "
-        "against the manifest's sha256; empty = read each class by range every time. Unused for local shards.",
+        "against the manifest's sha256; empty = read each class by range every time. Unused for local shards. "
+        "A local disk of one user's: its locks (flock) do not hold on NFS or Lustre, nor across users.",
     )
     cache_max_gb: float = _field(
         0.0,
