@@ -31,6 +31,7 @@ _EXPORTS = {
     "ShardStream": "ddp_rank.data.stream",
     "StreamLoader": "ddp_rank.data.loader",
     "EvalShards": "ddp_rank.data.eval_reader",
+    "EvalSplitBatch": "ddp_rank.data.eval_reader",
     "TransformConfig": "ddp_rank.data.transforms",
 }
 

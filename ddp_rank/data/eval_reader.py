@@ -15,6 +15,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,8 +47,24 @@ def balanced_runs(sizes: list[int], parts: int, index: int) -> tuple[int, int]:
     return (lo, hi) if index < parts - 1 else (lo, len(sizes))
 
 
+@dataclass(frozen=True)
+class EvalSplitBatch:
+    """One batch of an evaluation split, in sample order."""
+
+    images: torch.Tensor
+    """``[n, 3, H, W]``, as the transform leaves them (uint8 or normalised float)."""
+    labels: torch.Tensor
+    """``[n]`` int64 class ids (the manifest's)."""
+    categories: torch.Tensor
+    """``[n]`` int64 category ids, -1 for a class with none."""
+    keys: list[str]
+    """The samples' keys: the embeddings gathered from every rank are matched up by them."""
+    subsets: list[str]
+    """Each sample's ``subset`` from its json (In-Shop: ``query`` / ``gallery``), empty where none."""
+
+
 class EvalShards(IterableDataset):
-    """Batches of (images, labels, categories, keys, subsets) of this rank's part of a split."""
+    """``EvalSplitBatch``es of this rank's part of a split."""
 
     def __init__(
         self,
@@ -78,12 +95,12 @@ class EvalShards(IterableDataset):
         """Samples this rank reads (per the manifest)."""
         return sum(c.count for c in self.classes[self.start : self.stop])
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[EvalSplitBatch]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         return self.iter_worker(worker, workers)
 
-    def iter_worker(self, worker: int, num_workers: int) -> Iterator[dict[str, Any]]:
+    def iter_worker(self, worker: int, num_workers: int) -> Iterator[EvalSplitBatch]:
         """Batches of worker ``worker``'s contiguous piece of this rank's classes."""
         mine = self.classes[self.start : self.stop]
         lo, hi = balanced_runs([c.count for c in mine], num_workers, worker)
@@ -106,16 +123,16 @@ class EvalShards(IterableDataset):
         finally:
             self.reader.close()
 
-    def _batch(self, items: list[tuple[int, SpanSample]], transform: Any) -> dict[str, Any]:
+    def _batch(self, items: list[tuple[int, SpanSample]], transform: Any) -> EvalSplitBatch:
         images = [transform(decode_image(s.image, self.transform_config.resize)) for _, s in items]
         subsets = [
             str(json.loads(s.meta.decode("utf-8")).get("subset") or "") if s.meta else "" for _, s in items
         ]
         labels = torch.tensor([cid for cid, _ in items], dtype=torch.int64)
-        return {
-            "images": collate_images(images, self.transform_config),
-            "labels": labels,
-            "categories": torch.from_numpy(self._class_category[labels.numpy()]),
-            "keys": [s.key for _, s in items],
-            "subsets": subsets,
-        }
+        return EvalSplitBatch(
+            images=collate_images(images, self.transform_config),
+            labels=labels,
+            categories=torch.from_numpy(self._class_category[labels.numpy()]),
+            keys=[s.key for _, s in items],
+            subsets=subsets,
+        )

@@ -75,10 +75,10 @@ def read_eval_batches(
     loader = DataLoader(reader, batch_size=None, num_workers=workers, worker_init_fn=ignore_stop_signals)
     for b in loader:
         yield EvalBatch(
-            images=b["images"],
-            labels=b["labels"],
-            subset_bits=torch.tensor([subsets_to_bits(s) for s in b["subsets"]], dtype=torch.int64),
-            index=torch.tensor([key_index(k) for k in b["keys"]], dtype=torch.int64),
+            images=b.images,
+            labels=b.labels,
+            subset_bits=torch.tensor([subsets_to_bits(s) for s in b.subsets], dtype=torch.int64),
+            index=torch.tensor([key_index(k) for k in b.keys], dtype=torch.int64),
         )
 
 

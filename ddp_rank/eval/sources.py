@@ -73,11 +73,11 @@ def split_batches(
     loader = DataLoader(reader, batch_size=None, num_workers=num_workers, worker_init_fn=ignore_stop_signals)
     for b in loader:
         yield ImageBatch(
-            images=b["images"],
-            keys=list(b["keys"]),
-            labels=[int(v) for v in b["labels"]],
-            categories=[names[c] if c >= 0 else "" for c in b["categories"].tolist()],
-            subsets=list(b["subsets"]),
+            images=b.images,
+            keys=list(b.keys),
+            labels=[int(v) for v in b.labels],
+            categories=[names[c] if c >= 0 else "" for c in b.categories.tolist()],
+            subsets=list(b.subsets),
         )
 
 

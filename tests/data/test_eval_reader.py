@@ -45,17 +45,17 @@ def test_every_sample_exactly_once(shards: Path, world: int, workers: int) -> No
         )
         for w in range(workers):
             for batch in reader.iter_worker(w, workers):
-                n = len(batch["keys"])
-                assert batch["images"].shape == (n, 3, 8, 8) and n <= 3
-                assert batch["labels"].shape == batch["categories"].shape == (n,)
-                assert set(batch["subsets"]) <= {"query", "gallery"}
-                keys.extend(batch["keys"])
+                n = len(batch.keys)
+                assert batch.images.shape == (n, 3, 8, 8) and n <= 3
+                assert batch.labels.shape == batch.categories.shape == (n,)
+                assert set(batch.subsets) <= {"query", "gallery"}
+                keys.extend(batch.keys)
     assert len(keys) == len(set(keys)) == 23
 
 
 def test_subset_flag_comes_from_the_json(shards: Path) -> None:
     batches = list(EvalShards(shards, "test", batch_size=100, transform=TransformConfig(resize=8, crop=8)))
-    subsets = [s for b in batches for s in b["subsets"]]
+    subsets = [s for b in batches for s in b.subsets]
     assert subsets.count("query") == 11 and subsets.count("gallery") == 12
 
 

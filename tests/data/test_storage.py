@@ -75,8 +75,8 @@ def test_http_gives_the_same_batches_as_the_local_directory(local: Path, served:
     assert same(batches(url, world=2), batches(local, world=2))
     reader = EvalShards(url, split="train", batch_size=7, transform=TINY)
     local_reader = EvalShards(local, split="train", batch_size=7, transform=TINY)
-    remote_keys = [k for b in reader.iter_worker(0, 1) for k in b["keys"]]
-    assert remote_keys == [k for b in local_reader.iter_worker(0, 1) for k in b["keys"]]
+    remote_keys = [k for b in reader.iter_worker(0, 1) for k in b.keys]
+    assert remote_keys == [k for b in local_reader.iter_worker(0, 1) for k in b.keys]
     assert len(remote_keys) == Manifest.load(local).split("train").samples
 
 
