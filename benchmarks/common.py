@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import socket
@@ -52,6 +53,14 @@ def write_result(name: str, title: str, body: str) -> Path:
     else:
         path.write_text(f"# {title}\n\nDate: {today}  \nMachine: {machine_description()}\n\n{body}\n")
     return path
+
+
+def write_json(path: str | Path, value: object) -> None:
+    """Write ``value`` as JSON to ``path`` whole or not at all (a run stopped mid-write leaves the last file)."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value, indent=1))
+    partial.replace(path)
 
 
 def free_port() -> int:

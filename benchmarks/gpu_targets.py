@@ -23,12 +23,22 @@ LINEAR_SLACK = 1.5
 """Memory linear in N: peak(N) / peak(N / 4) at most 4 x this (a quadratic tensor would give 16)."""
 DIRECT_SHARE, CHUNKED_SHARE = 0.90, 0.70
 """The trainer's images/s as a share of the bare loop's, direct and chunked (64)."""
-DEEPSPEED_FIRST_STEP_RTOL = 0.02
-"""DeepSpeed's first loss against the DDP run's: the same weights and batch, only the precision path differs."""
+DEEPSPEED_FIRST_STEP_RTOL = 0.05
+"""DeepSpeed's first loss against the DDP run's: the same weights and batch, only the precision path differs, and
+it differs more than rounding: DeepSpeed bf16/fp16 casts every parameter (BatchNorm's too) and runs the whole
+forward in half precision, where the DDP run keeps float32 weights under autocast (BatchNorm in float32). bf16
+keeps 8 bits of mantissa (0.4% per rounding) over ResNet-18's ~20 layers, and the ranking loss turns a shift of
+the embeddings into a larger one of the loss: 5% allows that, while a real fault (inputs cast wrong, a layer
+left out, the wrong loss scale) moves step 1 by far more."""
 DEEPSPEED_TAIL_RTOL = 0.10
 """The mean loss of the last 5 of 20 steps against the DDP run's (the trajectories drift apart in bf16/fp16)."""
 TRITON_DEFAULT: dict[str, bool] = {"fastap": False, "pnp_dq": False, "smooth_ap": False}
 """Where ``kernel=triton`` is the CUDA default (none yet: a report must show it faster and exact first)."""
+TRITON_LOSS_RTOL, TRITON_GRAD_RTOL = 1e-5, 1e-3
+"""``kernel=triton`` is exact when, on the same inputs, its loss is within ``TRITON_LOSS_RTOL`` of the torch path's
+(relative) and its gradient's largest difference from torch's within ``TRITON_GRAD_RTOL`` of torch's largest entry
+(``benchmarks/loss.py`` records both at every N up to 16,384; the tolerances of the CUDA test in
+``tests/losses/test_kernels.py``). Both paths compute in float32, bf16 inputs too (cast first)."""
 
 
 @dataclass(frozen=True)
@@ -46,22 +56,36 @@ def failed(verdicts: list[Verdict]) -> bool:
 
 
 # ----------------------------------------------------------------------------------------- tests
-def junit_counts(path: Path) -> dict[str, int] | None:
-    """(tests, failures, errors, skipped) of a pytest ``--junitxml`` file, None when it is missing or broken."""
+def junit_results(path: Path) -> dict[str, Any] | None:
+    """A pytest ``--junitxml`` file's counts (tests, failures, errors, skipped, xfailed) and the tests behind them
+    (``failed``: names; ``skips``: ``name (reason)``, xfails left out); None when it is missing or broken."""
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
         return None
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    results: dict[str, Any] = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "xfailed": 0}
     for suite in suites:
-        for key in counts:
-            counts[key] += int(suite.get(key, 0))
-    return counts
+        for key in ("tests", "failures", "errors", "skipped"):
+            results[key] += int(suite.get(key, 0))
+    results["failed"], results["skips"] = [], []
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname', '').rpartition('.')[2]}::{case.get('name', '?')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            results["failed"].append(name)
+        skipped = case.find("skipped")
+        if skipped is not None and skipped.get("type") == "pytest.xfail":
+            results["xfailed"] += 1
+        elif skipped is not None:
+            results["skips"].append(f"{name} ({skipped.get('message', 'no reason given')})")
+    return results
 
 
-def tests_verdicts(results: dict[str, dict[str, int] | None]) -> list[Verdict]:
-    """``results``: suite name (``cuda``, ``multi-process``) -> junit counts (None: the run left no report)."""
+def tests_verdicts(results: dict[str, dict[str, Any] | None]) -> list[Verdict]:
+    """``results``: suite name (``CUDA``, ``multi-process``) -> ``junit_results`` (None: the run left no report),
+    with ``exit``: pytest's exit status (None: stopped at the part's time limit; 2: interrupted, by its session
+    timeout too). On the GPU machine every test must run: one skipped (Triton or DeepSpeed missing, no GPU seen)
+    was not measured, and neither were the tests a stopped run never reached."""
     verdicts = []
     for name, counts in results.items():
         target = f"every {name} test green"
@@ -70,14 +94,35 @@ def tests_verdicts(results: dict[str, dict[str, int] | None]) -> list[Verdict]:
             continue
         ran = counts["tests"] - counts["skipped"]
         bad = counts["failures"] + counts["errors"]
+        unmeasured = counts["skipped"] - counts.get("xfailed", 0)
+        exit_status = counts.get("exit", 0)
         summary = f"{ran} ran, {bad} failed, {counts['skipped']} skipped"
         if bad:
-            verdicts.append(Verdict(target, FAIL, summary))
+            verdicts.append(Verdict(target, FAIL, summary + _named(": failed ", counts.get("failed", []))))
         elif ran == 0:
             verdicts.append(Verdict(target, NOT_MEASURED, summary + ": nothing ran"))
+        elif exit_status is None or exit_status == 2:
+            verdicts.append(
+                Verdict(target, NOT_MEASURED, summary + ": stopped at its time limit, the rest never ran")
+            )
+        elif unmeasured:
+            verdicts.append(
+                Verdict(target, NOT_MEASURED, summary + _named(": skipped ", counts.get("skips", [])))
+            )
+        elif exit_status != 0:
+            verdicts.append(
+                Verdict(target, NOT_MEASURED, summary + f": pytest exited with status {exit_status}")
+            )
         else:
             verdicts.append(Verdict(target, PASS, summary))
     return verdicts
+
+
+def _named(prefix: str, names: list[str], most: int = 5) -> str:
+    if not names:
+        return ""
+    more = f"; and {len(names) - most} more" if len(names) > most else ""
+    return prefix + "; ".join(names[:most]) + more
 
 
 # ----------------------------------------------------------------------------------------- loss
@@ -125,19 +170,45 @@ def _triton_against_torch(rows: list[dict[str, Any]], n_max: int) -> list[Verdic
             verdicts.append(Verdict(target, status, "one of the two did not run"))
             continue
         speed = torch_row["ours"]["time_s"] / row["ours"]["time_s"]
-        detail = f"triton {speed:.2f}x the speed of torch"
+        exact, exactness = _triton_exact(rows, loss, dtype)
+        detail = f"triton {speed:.2f}x the speed of torch; {exactness}"
         if TRITON_DEFAULT.get(loss):
-            verdicts.append(Verdict(target, PASS if speed >= 1.0 else FAIL, detail))
+            status = FAIL if speed < 1.0 or exact is False else NOT_MEASURED if exact is None else PASS
+            verdicts.append(Verdict(target, status, detail))
         else:
-            advice = "make it the CUDA default" if speed >= 1.0 else "torch stays the default"
+            advice = "make it the CUDA default" if speed >= 1.0 and exact else "torch stays the default"
             verdicts.append(Verdict(target, INFO, f"{detail} (triton is opt-in: {advice})"))
     return verdicts
+
+
+def _triton_exact(rows: list[dict[str, Any]], loss: str, dtype: str) -> tuple[bool | None, str]:
+    """Whether ``kernel=triton`` matched the torch path (None: not measured), and what was measured: the worst
+    of the sizes where ``benchmarks/loss.py`` compared the two on the same inputs."""
+    compared = [
+        (r["n"], r["ours"]["exact"])
+        for r in rows
+        if (r["loss"], r["dtype"], r["kernel"]) == (loss, dtype, "triton")
+        and _ok(r.get("ours"))
+        and "exact" in r["ours"]
+    ]
+    if not compared:
+        return None, "exactness against torch not measured"
+    loss_rel = max(e["loss_rel"] for _, e in compared)
+    grad_rel = max(e["grad_rel"] for _, e in compared)
+    exact = loss_rel <= TRITON_LOSS_RTOL and grad_rel <= TRITON_GRAD_RTOL
+    return exact, (
+        f"{'exact' if exact else 'NOT exact'} against torch at N <= {max(n for n, _ in compared):,} (loss "
+        f"{loss_rel:.1e} <= {TRITON_LOSS_RTOL:g}, gradient {grad_rel:.1e} <= {TRITON_GRAD_RTOL:g})"
+    )
 
 
 # ----------------------------------------------------------------------------------------- train
 def train_verdicts(rows: list[dict[str, Any]], chunk: int = 64) -> list[Verdict]:
     """``rows``: ``benchmarks/train.py --json`` rows (mode: ``bare loop`` / ``direct`` / ``chunked (64)``,
-    processes, deterministic, step_s)."""
+    processes, deterministic, step_s: the step without the wait for data, total_s: with it; or ``error``: that
+    configuration crashed). The targets compare the step alone (the data wait is the loader's, not the step's
+    overhead); the images/s with the wait are reported beside. A trainer that crashed FAILs (deterministic too);
+    a bare loop that crashed leaves its comparisons NOT MEASURED."""
     verdicts = []
     for deterministic in (False, True):
         bare = next(
@@ -145,7 +216,10 @@ def train_verdicts(rows: list[dict[str, Any]], chunk: int = 64) -> list[Verdict]
         )
         suffix = ", deterministic" if deterministic else ""
         for mode, share in (("direct", DIRECT_SHARE), (f"chunked ({chunk})", CHUNKED_SHARE)):
-            target = f"trainer {mode}{suffix} >= {100 * share:.0f}% of the bare loop"
+            target = (
+                f"trainer {mode}{suffix} >= {100 * share:.0f}% of the bare loop's images/s "
+                "(step time, the wait for data excluded)"
+            )
             mine = next(
                 (
                     r
@@ -154,19 +228,29 @@ def train_verdicts(rows: list[dict[str, Any]], chunk: int = 64) -> list[Verdict]
                 ),
                 None,
             )
-            if bare is None or mine is None:
+            if mine is not None and "error" in mine:
+                verdicts.append(Verdict(target, FAIL, f"the trainer crashed: {mine['error']}"))
+                continue
+            if bare is None or mine is None or "error" in bare:
                 if not deterministic:  # the deterministic rows inform; the targets are the default ones
-                    verdicts.append(Verdict(target, NOT_MEASURED, "no such row in the benchmark's results"))
+                    why = "no such row in the benchmark's results"
+                    why = f"the bare loop crashed: {bare['error']}" if bare and "error" in bare else why
+                    verdicts.append(Verdict(target, NOT_MEASURED, why))
                 continue
             got = bare["step_s"] / mine["step_s"]
             status = (PASS if got >= share else FAIL) if not deterministic else INFO
-            verdicts.append(Verdict(target, status, f"{100 * got:.0f}%"))
+            batch = mine["global_batch"]
+            detail = f"{100 * got:.0f}% ({batch / mine['step_s']:.0f} images/s"
+            if "total_s" in mine:
+                detail += f"; with the data wait {batch / mine['total_s']:.0f}, {100 * bare['step_s'] / mine['total_s']:.0f}%"
+            verdicts.append(Verdict(target, status, detail + ")"))
     return verdicts
 
 
 # ----------------------------------------------------------------------------------------- deepspeed
 def deepspeed_verdicts(losses: dict[str, list[float] | None], reference: str = "ddp bf16") -> list[Verdict]:
-    """``losses``: run name (``ddp bf16``, ``zero1 bf16 direct``, ...) -> the per-step losses (None: it failed)."""
+    """``losses``: run name (``ddp bf16``, ``zero1 bf16 direct``, ...) -> the per-step losses (None: it failed;
+    empty: none logged, the run stopped at its time limit)."""
     verdicts = []
     ref = losses.get(reference)
     for name, values in losses.items():
@@ -174,13 +258,14 @@ def deepspeed_verdicts(losses: dict[str, list[float] | None], reference: str = "
             continue
         target = f"DeepSpeed {name}: trains, losses finite and within tolerance of the DDP run"
         if not values:
-            verdicts.append(Verdict(target, FAIL if values is None else NOT_MEASURED, "the run failed"))
+            why = "the run failed" if values is None else "no loss logged (stopped at its time limit?)"
+            verdicts.append(Verdict(target, FAIL if values is None else NOT_MEASURED, why))
             continue
         if not all(math.isfinite(v) for v in values):
             verdicts.append(Verdict(target, FAIL, f"non-finite loss at step {_first_bad(values)}"))
             continue
         if not ref:
-            verdicts.append(Verdict(target, NOT_MEASURED, f"the reference run ({reference}) failed"))
+            verdicts.append(Verdict(target, NOT_MEASURED, f"the reference run ({reference}) has no losses"))
             continue
         first = abs(values[0] - ref[0]) / abs(ref[0])
         tail = abs(_mean(values[-5:]) - _mean(ref[-5:])) / abs(_mean(ref[-5:]))

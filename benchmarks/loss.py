@@ -10,7 +10,8 @@ three N x N x d matmuls any exact method needs (S = E E^T, G E, G^T E), done in 
     python benchmarks/loss.py --device cuda --dim 512 --sizes 1024,...,65536 --dtype bfloat16 \
         --matmul-precision tf32                     # on a GPU: also the floor with TF32 matmuls
     python benchmarks/loss.py --device cuda --dim 512 --kernel triton
-                                                    # ours with the fused Triton kernels
+                                                    # ours with the fused Triton kernels (and, up to
+                                                    # N = 16,384, their loss and gradient against torch's)
 
 On CUDA, times are taken between ``torch.cuda.synchronize()`` calls and memory is the peak allocated by the
 caching allocator above the inputs. Note on the peer's Smooth-AP: pytorch-metric-learning's ``SmoothAPLoss``
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -32,10 +34,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result
+from common import markdown_table, write_json, write_result
 
 SAMPLES_PER_CLASS = 4
 LOSSES = ("fastap", "pnp_dq", "smooth_ap")
+EXACT_MAX_N = 16_384
+"""``kernel=triton`` runs also compare their loss and gradient with the torch path's up to this N (a second
+forward and backward on the same inputs, after the timing)."""
 
 
 def _ours(name: str, precision: str = "highest", kernel: str = "torch"):
@@ -122,7 +127,27 @@ def worker(kind: str, name: str, n: int, args: argparse.Namespace) -> dict:
     for _ in range(args.repeats - 1 if first < 5 else 0):
         times.append(timed())
     # The first call pays one-off allocations; report the best of the others when there are some.
-    return {"time_s": min(times[1:] or times), "peak_mb": peak_mb}
+    result: dict = {"time_s": min(times[1:] or times), "peak_mb": peak_mb}
+    if kind == "ours" and args.kernel == "triton" and n <= EXACT_MAX_N:
+        result["exact"] = exactness(name, x, labels, args.matmul_precision)
+    return result
+
+
+def exactness(name: str, x: torch.Tensor, labels: torch.Tensor, precision: str) -> dict[str, float]:
+    """``kernel=triton`` against the torch path on the same inputs: the losses' relative difference
+    (``loss_rel``) and the gradients' largest difference over the largest entry of torch's (``grad_rel``)."""
+    results = []
+    for kernel in ("triton", "torch"):
+        e = x.clone().requires_grad_(True)
+        loss = _ours(name, precision, kernel)(e, labels)
+        loss.backward()
+        assert e.grad is not None
+        results.append((loss.item(), e.grad.float()))
+    (loss_t, grad_t), (loss_r, grad_r) = results
+    return {
+        "loss_rel": abs(loss_t - loss_r) / max(abs(loss_r), 1e-30),
+        "grad_rel": float((grad_t - grad_r).abs().max() / grad_r.abs().max().clamp_min(1e-30)),
+    }
 
 
 def run_one(kind: str, name: str, n: int, args: argparse.Namespace) -> dict:
@@ -153,11 +178,21 @@ def run_one(kind: str, name: str, n: int, args: argparse.Namespace) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": f"> {args.time_limit_s:.0f} s"}
     if done.returncode != 0:
-        reason = (
-            "out of memory" if done.returncode in (-9, 137) else done.stderr.strip().splitlines()[-1][:80]
-        )
-        return {"error": reason}
+        return {"error": _failure(done.returncode, done.stderr)}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _failure(code: int, stderr: str) -> str:
+    """Why a worker failed, in a table cell: killed (SIGKILL: the kernel's out-of-memory killer), or the last line
+    of its stderr (a Python error), or its exit status when it said nothing."""
+    if code in (-9, 137):
+        return "out of memory"
+    lines = stderr.strip().splitlines()
+    if lines:
+        return lines[-1][:80]
+    if code < 0:
+        return f"worker killed by {signal.Signals(-code).name}, no message"
+    return f"worker exit {code}, no message"
 
 
 def _fmt_time(r: dict) -> str:
@@ -168,7 +203,7 @@ def _fmt_mem(r: dict) -> str:
     return "-" if "error" in r else f"{r['peak_mb']:.0f}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -195,9 +230,12 @@ def main() -> None:
         choices=("torch", "triton"),
         help="ours' per-block passes: plain torch ops, or the fused Triton kernels (CUDA float32)",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the measurements as JSON (gpu_check reads it)")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="skip the matmul floors (gpu_check measures them in its first run only)")  # fmt: skip
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the measurements as JSON, after each row (gpu_check reads it)")  # fmt: skip
     parser.add_argument("--worker", nargs=3, metavar=("KIND", "LOSS", "N"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
@@ -225,8 +263,11 @@ def main() -> None:
     rows = []
     records = []
     sizes = [int(s) for s in args.sizes.split(",")]
-    floors = {n: run_one("floor", "fastap", n, args) for n in sizes}
-    tf32_floors = {n: run_one("floor-tf32", "fastap", n, args) for n in sizes} if cuda else {}
+    floor_kinds = [] if args.no_floor else ["floor", "floor-tf32"] if cuda else ["floor"]
+    measured = {kind: {n: run_one(kind, "fastap", n, args) for n in sizes} for kind in floor_kinds}
+    skipped = {n: {"error": "not run (--no-floor)"} for n in sizes}
+    floors = measured.get("floor", skipped)
+    tf32_floors = measured.get("floor-tf32", skipped if cuda else {})
     for name in args.losses.split(","):
         for n in sizes:
             ours = run_one("ours", name, n, args)
@@ -261,10 +302,10 @@ def main() -> None:
             rows.append(row)
             records.append({"loss": name, "n": n, "dim": args.dim, "dtype": args.dtype, "kernel": args.kernel,
                             "ours": ours, "peer": peer, "floor": floor, "floor_tf32": tf32_floors.get(n)})  # fmt: skip
+            if args.json:  # after each row: a run stopped at its time limit keeps what it measured
+                write_json(args.json, records)
             print(" | ".join(row), flush=True)
 
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1))
     table = markdown_table(header, rows)
     body = (
         f"Forward + backward of one batch on {args.device}, d = {args.dim}, {args.dtype} inputs, ours with "

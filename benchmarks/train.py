@@ -24,6 +24,10 @@ step it records:
 
 ``--deterministic`` adds the 1-process rows with ``train.deterministic=true`` (and a deterministic bare loop).
 
+A configuration that fails leaves a row with its ``error`` (and the traceback on stderr); the others still run,
+and the script exits 1 at the end. ``--json`` is rewritten after each configuration, so a run stopped part way
+keeps the rows it finished.
+
 The table is printed and written to benchmarks/results/train-<YYYY-MM-DD>.md with the machine named.
 """
 
@@ -44,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description
+from common import machine_description, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -237,8 +241,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class ConfigFailed(RuntimeError):
+    """A configuration's job failed; ``summary``: its exit status and last line of stderr (the row's error)."""
+
+    def __init__(self, message: str, summary: str) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
 def run_config(
-    args: argparse.Namespace, mode: str, processes: int, chunk: int, deterministic: bool, shards: Path, tmp: Path
+    args: argparse.Namespace,
+    mode: str,
+    processes: int,
+    chunk: int,
+    deterministic: bool,
+    shards: Path,
+    tmp: Path,
 ) -> dict[str, Any]:
     name = f"{mode}-{processes}-{chunk}-{int(deterministic)}"
     result, out = tmp / f"result-{name}.json", tmp / f"run-{name}"
@@ -268,21 +286,58 @@ def run_config(
         ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        last = (proc.stderr.strip().splitlines() or ["no message on stderr"])[-1]
+        summary = f"exit {proc.returncode}: {last[:300]}"
+        raise ConfigFailed(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}", summary)
     return json.loads(result.read_text())
 
 
+def run_plan(
+    args: argparse.Namespace, plan: list[tuple[str, int, int, bool]], shards: Path, tmp: Path
+) -> list[dict[str, Any]]:
+    """One row per configuration of ``plan`` (mode, processes, chunk, deterministic): the fastest of
+    ``--repeats`` jobs, or, where one failed, the row with its ``error``; ``--json`` rewritten after each."""
+    rows = []
+    for mode, procs, chunk, det in plan:
+        t0 = time.perf_counter()
+        try:
+            runs = [run_config(args, mode, procs, chunk, det, shards, tmp) for _ in range(args.repeats)]
+            rows.append(min(runs, key=lambda r: r["step_s"]))
+        except (ConfigFailed, OSError, ValueError) as exc:  # the next configurations still run
+            print(exc, file=sys.stderr, flush=True)
+            label = "bare loop" if mode == "bare" else f"chunked ({chunk})" if chunk else "direct"
+            error = exc.summary if isinstance(exc, ConfigFailed) else f"{type(exc).__name__}: {exc}"
+            rows.append({"processes": procs, "mode": label, "deterministic": det, "global_batch": args.batch,
+                         "error": error})  # fmt: skip
+        if args.json:
+            write_json(args.json, rows)
+        failed = f" FAILED ({rows[-1]['error']})" if "error" in rows[-1] else ""
+        print(
+            f"  {mode}, {procs} process(es), chunk {chunk or '-'}{', deterministic' if det else ''}: "
+            f"{time.perf_counter() - t0:.0f} s{failed}",
+            flush=True,
+        )
+    return rows
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    bare = {r["deterministic"]: r for r in rows if r["mode"] == "bare loop"}
+    bare = {r["deterministic"]: r for r in rows if r["mode"] == "bare loop" and "error" not in r}
     head = (
         "| processes | step | deterministic | images/s | vs bare loop | images/s with data wait | step ms "
         "| data wait ms | loss + comm ms (share) | comm alone ms (share) | comm MB/step/rank |"
     )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['processes']} | {r['mode']} | {'yes' if r['deterministic'] else 'no'} | failed: {r['error']} |"
+            )
+            continue
         step, ref = r["step_s"], bare.get(r["deterministic"])
         ratio = f"{100 * ref['step_s'] / step:.0f}%" if ref is not None else "-"
-        loss = "-" if math.isnan(r["loss_s"]) else f"{1000 * r['loss_s']:.1f} ({100 * r['loss_s'] / step:.1f}%)"
+        loss = (
+            "-" if math.isnan(r["loss_s"]) else f"{1000 * r['loss_s']:.1f} ({100 * r['loss_s'] / step:.1f}%)"
+        )
         lines.append(
             f"| {r['processes']} | {r['mode']} | {'yes' if r['deterministic'] else 'no'} "
             f"| {r['global_batch'] / step:.1f} | {ratio} | {r['global_batch'] / r['total_s']:.1f} "
@@ -292,7 +347,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -303,7 +358,9 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--batch", type=int, default=128, help="global batch")
     parser.add_argument("--chunk", type=int, default=16, help="chunk size of the chunked runs")
-    parser.add_argument("--processes", default=None, help="comma-separated (default: 1,2 on CPU, 1,#GPUs on CUDA)")
+    parser.add_argument(
+        "--processes", default=None, help="comma-separated (default: 1,2 on CPU, 1,#GPUs on CUDA)"
+    )
     parser.add_argument("--workers", type=int, default=None, help="data.num_workers (default: 0 CPU, 6 CUDA)")
     parser.add_argument("--deterministic", action="store_true", help="add train.deterministic=true rows")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
@@ -321,7 +378,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         (bare_worker if args.worker == "bare" else trainer_worker)(args)
-        return
+        return 0
 
     import torch
 
@@ -351,18 +408,7 @@ def main() -> None:
         plan += [("trainer", p, c, False) for p in processes for c in chunks[p]]
         if args.deterministic:
             plan += [("bare", 1, 0, True)] + [("trainer", 1, c, True) for c in chunks[1]]
-        rows = []
-        for mode, procs, chunk, det in plan:
-            t0 = time.perf_counter()
-            runs = [run_config(args, mode, procs, chunk, det, shards, tmp) for _ in range(args.repeats)]
-            rows.append(min(runs, key=lambda r: r["step_s"]))
-            print(
-                f"  {mode}, {procs} process(es), chunk {chunk or '-'}{', deterministic' if det else ''}: "
-                f"{time.perf_counter() - t0:.0f} s",
-                flush=True,
-            )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        rows = run_plan(args, plan, shards, tmp)
     text = table(rows)
     print(text)
     date = dt.date.today().isoformat()
@@ -392,7 +438,8 @@ def main() -> None:
     previous = out.read_text() if out.is_file() else header
     out.write_text(previous.rstrip("\n") + "\n\n" + section)
     print(f"written: {out}")
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,6 +2,7 @@
 
     python -m ddp_rank.cli.demo                     # what `make demo` runs; outputs under runs/demo/
     python -m ddp_rank.cli.demo --steps 40          # shorter
+    python -m ddp_rank.cli.demo --shards-only       # step 1 alone (`make demo-shards`: a GPU machine's copy)
 
 Steps (each skipped when its output exists, so a second run only retrains):
 
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         help="training processes (default: one per GPU found, else 2 on CPU)",
     )
     p.add_argument("--steps", type=int, default=None, help="override train.steps of the config")
+    p.add_argument("--shards-only", action="store_true", help="build the listing and the shards, then stop")
     add_config_arguments(p, "experiment YAML (default: configs/demo.yaml)")
     p.set_defaults(config=str(REPO / "configs" / "demo.yaml"))
     args = p.parse_args(argv)
@@ -91,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             [*cli, "shards", "build", str(listing), str(shards), "--overwrite", "--no-progress"],
             "emoji shards",
         )
+    if args.shards_only:
+        print(f"demo: shards in {shards}", flush=True)
+        return 0
 
     common = ["--config", args.config, f"data.shards={shards}", *args.overrides]
     results = out / "results.json"
