@@ -91,9 +91,9 @@ class StopRequest:
 
     def install(self) -> StopRequest:
         """Take over the signals (main thread only; elsewhere, e.g. a notebook's worker thread, nothing is
-        installed and the signals keep their default action)."""
-        if threading.current_thread() is not threading.main_thread():
-            return self
+        installed and the signals keep their default action). Installing twice is installing once."""
+        if threading.current_thread() is not threading.main_thread() or self._previous:
+            return self  # elsewhere than the main thread, or installed already
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

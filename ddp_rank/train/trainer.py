@@ -83,7 +83,7 @@ class _Progress:
 class Trainer:
     """Build everything from a config on this process; ``fit()`` trains, ``close()`` tears down."""
 
-    def __init__(self, cfg: Config, accelerator: Any | None = None) -> None:
+    def __init__(self, cfg: Config, accelerator: Any | None = None, stop: StopRequest | None = None) -> None:
         self.cfg = cfg
         self.manifest = check_inputs(cfg)
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
@@ -100,7 +100,8 @@ class Trainer:
         # Same initial weights on every rank (DDP would broadcast them anyway; ZeRO would not check).
         torch.manual_seed(cfg.train.seed)
         self.stream = build_stream(cfg, self.manifest, self.rank, self.world_size)
-        self.stop = StopRequest(cfg.train.stop_signals, cfg.train.stop_grace_s)
+        # Given by run_training, which takes the signals over before the (long) start-up; else made here.
+        self.stop = stop if stop is not None else StopRequest(cfg.train.stop_signals, cfg.train.stop_grace_s)
         self.batches = TrainBatches(self.stream, self.device, lambda: self.stop.requested)
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
@@ -379,8 +380,11 @@ def run_training(cfg: Config) -> dict[str, Any]:
     trainer: Trainer | None = None
     state = RunState(cfg.train.output_dir, enabled=launch_rank() == 0)
     requeue = False  # stopped on a signal: requeue the job as the very last thing
+    # The signals are taken over before the start-up (shards, model, the chunk's probe: seconds to minutes): a
+    # scheduler's signal meanwhile is a stop request like any other, met after the first step, not a dead rank.
+    stop = StopRequest(cfg.train.stop_signals, cfg.train.stop_grace_s).install()
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, stop=stop)
         state.start()  # after the checks: a refused start leaves the state of the run it refused to touch
         summary = trainer.fit()
         state.finished(trainer.step)
@@ -428,6 +432,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
             trainer.accelerator.end_training()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        stop.restore()
         if requeue and trainer is not None:
             _requeue(cfg, trainer.is_main)
 

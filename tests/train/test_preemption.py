@@ -250,6 +250,33 @@ def test_a_single_process_run_exits_with_the_requeue_status(shards: Path, tmp_pa
     assert (tmp_path / "run" / "checkpoints" / "step-00000003" / "meta.json").is_file()
 
 
+def test_a_signal_during_the_start_up_stops_the_run_after_its_first_step(
+    shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The signals are taken over before the trainer is built (shards, model, the chunk's probe can take minutes):
+    a signal then is a stop request like any other, met after step 1 with its checkpoint, not a killed process."""
+    from ddp_rank.config import load_config
+    from ddp_rank.train import trainer as trainer_module
+
+    build_stream = trainer_module.build_stream
+
+    def build_stream_and_get_signalled(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGUSR2)  # the scheduler's signal, in the middle of the start-up
+        return build_stream(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "build_stream", build_stream_and_get_signalled)
+    out = tmp_path / "run"
+    cfg = load_config(
+        None, [*RUN, f"data.shards={shards}", f"train.output_dir={out}", "train.stop_signals=SIGUSR2"]
+    )
+    with pytest.raises(trainer_module.RunStopped) as stopped:
+        trainer_module.run_training(cfg)
+    assert stopped.value.step == 1
+    assert (out / "checkpoints" / "step-00000001" / "meta.json").is_file()
+    assert json.loads((out / "run.json").read_text())["status"] == "stopped"
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # given back after the run
+
+
 def _start(log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """``python ARGS`` in a session of its own (so its process group is it and its DataLoader workers); stdout
     and stderr to ``log``.out / .err."""
