@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ddp_rank.atomic_io import atomic_write_text
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -57,10 +59,7 @@ def write_result(name: str, title: str, body: str) -> Path:
 
 def write_json(path: str | Path, value: object) -> None:
     """Write ``value`` as JSON to ``path`` whole or not at all (a run stopped mid-write leaves the last file)."""
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=1))
-    partial.replace(path)
+    atomic_write_text(path, json.dumps(value, indent=1))
 
 
 def free_port() -> int:

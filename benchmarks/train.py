@@ -38,7 +38,6 @@ import datetime as dt
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, write_json
+from common import free_port, machine_description, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -235,12 +234,6 @@ def trainer_worker(args: argparse.Namespace) -> None:
             torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ConfigFailed(RuntimeError):
     """A configuration's job failed; ``summary``: its exit status and last line of stderr (the row's error)."""
 
@@ -281,7 +274,7 @@ def run_config(
         )
         cmd = [
             sys.executable, "-m", "accelerate.commands.launch", *launch,
-            "--num_processes", str(processes), "--main_process_port", str(_free_port()),
+            "--num_processes", str(processes), "--main_process_port", str(free_port()),
             __file__, *common,
         ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)

@@ -16,12 +16,8 @@ from hypothesis import strategies as st
 from ddp_rank.config import ModelConfig, load_config
 from ddp_rank.model import build_model
 from ddp_rank.train import chunk_choice
-from ddp_rank.train.chunk_choice import (
-    available_memory,
-    choose_chunk,
-    measure_activation_bytes,
-    memory_budget,
-)
+from ddp_rank.train.chunk_choice import choose_chunk, measure_activation_bytes, memory_budget
+from ddp_rank.train.host_memory import available_memory
 from tests.helpers.training import TINY_OVERRIDES
 
 
