@@ -27,6 +27,31 @@ SPAN_DIGEST = "blake2b-128"
 IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
 """Image members the readers decode. Nothing else is ever decoded except ``.cls`` text and ``.json``."""
 
+_UNSAFE_PATH_CHARACTERS = frozenset("\\:%?#") | frozenset(map(chr, range(32))) | {"\x7f"}
+"""Characters refused in a shard path: a backslash or a colon (another separator, a drive or a scheme), and
+``%``, ``?``, ``#`` and control characters, which change what a path means once joined to a URL."""
+
+
+class ManifestError(ValueError):
+    """A manifest, or a path in it, that cannot be trusted: the message names the file, the field as a JSON
+    path (``splits.train.shards[3].path``), the problem and the fix."""
+
+
+def shard_path_problem(path: str) -> str | None:
+    """Why ``path`` (a shard path from a manifest) could leave the shard root, or None when it stays inside:
+    it must be relative, ``/``-separated, with no empty, ``.`` or ``..`` segment and no character of
+    ``_UNSAFE_PATH_CHARACTERS`` (the rules of ``tarfile``'s extraction filters, PEP 706, for archive names)."""
+    if not path:
+        return "is empty"
+    if path.startswith("/"):
+        return "is absolute"
+    bad = sorted({c for c in path if c in _UNSAFE_PATH_CHARACTERS})
+    if bad:
+        return f"holds {', '.join(repr(c) for c in bad)} (no scheme, drive, host or escape is allowed)"
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        return "has an empty, '.' or '..' segment"
+    return None
+
 
 def span_hasher() -> Any:
     """A fresh SPAN_DIGEST hash (the shard writer feeds it a class's bytes as it writes them)."""
@@ -116,7 +141,7 @@ class Manifest:
             raise ValueError(
                 f"{self.location} is a URL, not a local directory; read it through ddp_rank.data.storage"
             )
-        return Path(join_location(self.location, shard.path))
+        return Path(self.shard_url(shard))
 
     @property
     def location(self) -> str:
@@ -127,8 +152,11 @@ class Manifest:
         return base
 
     def shard_url(self, shard: ShardInfo) -> str:
-        """Where a shard lives: a local path or a URL (``location`` joined with the shard's relative path)."""
-        return join_location(self.location, shard.path)
+        """Where a shard lives: a local path or a URL (``location`` joined with the shard's relative path).
+
+        Every read of a shard resolves its path here, so the path is confined here again although the loader
+        refused unsafe paths already: a ``Manifest`` built in code never went through the loader."""
+        return confined_join(self.location, shard.path)
 
     def category_name(self, category: int | None) -> str:
         return "(unlabelled)" if category is None else self.categories[category]
@@ -153,40 +181,12 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], root: str | os.PathLike[str] | None = None) -> Manifest:
-        if data.get("format") == FORMAT_NAME and data.get("version") == 1:
-            raise ValueError(
-                f"{root}: a v1 manifest, without the byte range of each class that the stream reads by; add them "
-                f"in place (the tars are not rewritten) with `ddp-rank shards index {root} --upgrade`"
-            )
-        if data.get("format") != FORMAT_NAME or data.get("version") != FORMAT_VERSION:
-            raise ValueError(
-                f"not a {FORMAT_NAME} v{FORMAT_VERSION} manifest (format={data.get('format')!r}, "
-                f"version={data.get('version')!r}); rebuild the shards with `ddp-rank shards build`"
-            )
-        splits = {}
-        for name, raw in data["splits"].items():
-            shards = tuple(
-                ShardInfo(
-                    path=s["path"],
-                    category=s["category"],
-                    classes=tuple(_span(row) for row in s["classes"]),
-                    samples=int(s["samples"]),
-                    bytes=int(s["bytes"]),
-                    sha256=s["sha256"],
-                )
-                for s in raw["shards"]
-            )
-            counts = {int(c["id"]): int(c["count"]) for c in raw["classes"]}
-            splits[name] = SplitInfo(name=name, class_counts=counts, shards=shards)
-        return cls(
-            categories=tuple(data["categories"]),
-            classes=tuple(ClassInfo(**c) for c in data["classes"]),
-            splits=splits,
-            build=dict(data.get("build", {})),
-            root=None if root is None else os.fspath(root),
-            shards_root=data.get("shards_root"),
-        )
+    def from_json(cls, data: Any, root: str | os.PathLike[str] | None = None) -> Manifest:
+        """The manifest of ``data`` (parsed JSON), every field checked (``manifest_check``); raises
+        ``ManifestError`` naming the field."""
+        from ddp_rank.data.manifest_check import parse_manifest  # it builds this module's classes
+
+        return parse_manifest(data, None if root is None else os.fspath(root))
 
     @classmethod
     def load(cls, location: str | os.PathLike[str]) -> Manifest:
@@ -206,7 +206,9 @@ class Manifest:
                 f"{path} not found: is {root} a shard directory made by `ddp-rank shards build` (or indexed "
                 "with `ddp-rank shards index`)?"
             ) from exc
-        return cls.from_json(json.loads(raw.decode("utf-8")), root=root)
+        except OSError as exc:  # a directory in its place, no permission, an I/O error
+            raise ManifestError(f"{path}: cannot be read ({exc.strerror or exc}); {_FIX_READ}") from exc
+        return cls.from_json(_decode_json(raw, path), root=root)
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write atomically (temporary name, then rename) so a crash never leaves a half manifest."""
@@ -219,14 +221,31 @@ class Manifest:
         return path
 
 
+_FIX_READ = "check the file, or rebuild it with `ddp-rank shards build` (`ddp-rank shards index` for other tools' shards)"
+
+
+def _decode_json(raw: bytes, path: str) -> Any:
+    """The parsed JSON of the manifest file ``path``, or a ``ManifestError`` that names it."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{path}: not UTF-8 text (byte {exc.start}); {_FIX_READ}") from exc
+    except json.JSONDecodeError as exc:
+        raise ManifestError(
+            f"{path}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); {_FIX_READ}"
+        ) from exc
+    except (
+        ValueError,
+        RecursionError,
+    ) as exc:  # a number of over 4,300 digits; nesting deeper than the stack
+        raise ManifestError(
+            f"{path}: not a manifest's JSON ({type(exc).__name__}: {exc}); {_FIX_READ}"
+        ) from exc
+
+
 def _span_row(span: ClassSpan) -> list[int | str]:
     """A span as a compact JSON row ``[id, count, offset, length, digest]`` (manifests of 200k classes)."""
     return [span.id, span.count, span.offset, span.length, span.digest]
-
-
-def _span(row: list[Any]) -> ClassSpan:
-    class_id, count, offset, length, digest = row
-    return ClassSpan(int(class_id), int(count), int(offset), int(length), str(digest))
 
 
 def is_url(location: str | os.PathLike[str]) -> bool:
@@ -243,6 +262,28 @@ def join_location(root: str | os.PathLike[str], relative: str) -> str:
     if is_url(text):
         return f"{text.rstrip('/')}/{relative}"
     return str(Path(text) / relative)
+
+
+def confined_join(root: str | os.PathLike[str], relative: str) -> str:
+    """``join_location(root, relative)``, refused with ``ManifestError`` when the result would lie outside
+    ``root``: ``relative`` must pass ``shard_path_problem``, and the joined path must still start with ``root``."""
+    problem = shard_path_problem(relative)
+    base = os.fspath(root)
+    joined = join_location(base, relative)
+    if problem is None:
+        if is_url(base):
+            inside = joined.startswith(base.rstrip("/") + "/")
+        else:
+            local = base[len("file://") :] if base.startswith("file://") else base
+            top = os.path.normpath(local)
+            inside = os.path.commonpath([top, os.path.normpath(joined)]) == top
+        problem = None if inside else "resolves outside the shard root"
+    if problem is not None:
+        raise ManifestError(
+            f"shard path {relative!r} {problem}: shard paths are relative to {base} and stay inside it; move "
+            "the shard there and record its relative path"
+        )
+    return joined
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
