@@ -63,13 +63,15 @@ class DataConfig(_Section):
         minimum=2,
     )
     sampler: str = _field(
-        "hard",
-        "Batch construction, one global plan per step whatever the number of GPUs: 'hard' gives each batch "
+        "auto",
+        "Batch construction, one global plan per step whatever the number of GPUs: 'auto' is 'hard' when the "
+        "training split's classes span at least max(2, categories_per_batch) categories and 'random' otherwise "
+        "(shards without categories; `ddp-rank plan` and the run's log say which and why); 'hard' gives each batch "
         "categories_per_batch categories (FastAP sec. 4.2: pairs for SOP, In-Shop), classes drawn at random from "
         "the whole category until each has its share; 'hard_unlabelled' half one labelled category and half "
         "unlabelled classes (VehicleID); 'random' classes from the whole split; 'pk' images_per_class images of "
         "each class (PNP and most metric-learning code).",
-        choices=("hard", "hard_unlabelled", "random", "pk"),
+        choices=("auto", "hard", "hard_unlabelled", "random", "pk"),
     )
     images_per_class: int = _field(
         4, "pk sampler: K, images taken from each class (all of a smaller class).", minimum=2
@@ -177,7 +179,8 @@ class ModelConfig(_Section):
         if self.backbone.startswith(TIMM_PREFIX):
             if not self.backbone[len(TIMM_PREFIX) :].strip():
                 raise ConfigError(
-                    "model.backbone='timm:' names no model; write e.g. model.backbone=timm:vit_small_patch16_224"
+                    "model.backbone is the timm prefix alone, naming no model; write e.g. "
+                    "model.backbone=timm:vit_small_patch16_224"
                 )
         elif self.backbone not in BACKBONES:
             raise ConfigError(

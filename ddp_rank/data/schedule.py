@@ -99,8 +99,9 @@ class CategorySchedule:
         if self.by_category and len(self.categories) < cfg.categories_per_batch:
             raise ValueError(
                 f"hard strategy needs {cfg.categories_per_batch} categories per batch but only "
-                f"{len(self.categories)} can fill their share ({list(self.categories)}); use fewer "
-                "categories_per_batch, a smaller batch, or strategy=random"
+                f"{len(self.categories)} can fill their share ({list(self.categories)}); use a smaller "
+                "data.categories_per_batch or data.global_batch_size, or draw classes from the whole split with "
+                "data.sampler=random"
             )
         if cfg.strategy == "hard_unlabelled" and (not self.categories or self.unlabelled_size == 0):
             raise ValueError("hard_unlabelled needs labelled categories AND unlabelled classes in the split")

@@ -3,14 +3,39 @@
 from __future__ import annotations
 
 from ddp_rank.config import Config
+from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.schedule import ScheduleConfig
 
+__all__ = ["resolve_sampler", "schedule_config"]
 
-def schedule_config(cfg: Config) -> ScheduleConfig:
-    """The sampler settings of ``cfg.data`` (seeded by ``train.seed``)."""
+
+def resolve_sampler(cfg: Config, manifest: Manifest) -> tuple[str, str]:
+    """(strategy, why) of ``data.sampler`` on the training split of ``manifest``. ``auto`` is the category-aware
+    ``hard`` sampler when the split's classes span enough categories for a batch (at least two, and at least
+    ``data.categories_per_batch``), else ``random``: shards made by other tools often carry no category."""
+    data = cfg.data
+    if data.sampler != "auto":
+        return data.sampler, "set by data.sampler"
+    split = manifest.splits.get(data.train_split)
+    counts = split.class_counts if split is not None else {}
+    categories = {manifest.classes[c].category for c in counts} - {None}
+    need = max(2, data.categories_per_batch)
+    found = (
+        f"split '{data.train_split}' has {len(categories)} categor{'y' if len(categories) == 1 else 'ies'}"
+    )
+    if len(categories) >= need:
+        return "hard", f"data.sampler=auto: {found}, so each batch takes {data.categories_per_batch} of them"
+    return "random", (
+        f"data.sampler=auto: {found} (the category-aware sampler needs {need}), so classes are drawn at random "
+        "from the whole split"
+    )
+
+
+def schedule_config(cfg: Config, manifest: Manifest) -> ScheduleConfig:
+    """The sampler settings of ``cfg.data`` on ``manifest`` (``auto`` resolved; seeded by ``train.seed``)."""
     data = cfg.data
     return ScheduleConfig(
-        strategy=data.sampler,  # type: ignore[arg-type]
+        strategy=resolve_sampler(cfg, manifest)[0],  # type: ignore[arg-type]
         categories_per_batch=data.categories_per_batch,
         batches_per_pair=data.batches_per_pair,
         steps_per_epoch=data.steps_per_epoch or None,

@@ -19,7 +19,7 @@ from ddp_rank.data.plan import Catalog, GlobalPlan, PlanError
 from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
 from ddp_rank.model import build_model
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
-from ddp_rank.runtime.data_setup import schedule_config
+from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.train.chunk_choice import auto_chunk, measure_activation_bytes
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.setup import build_loss
@@ -60,15 +60,16 @@ def describe_plan(
     facts.append(("usable classes / images", f"{len(catalog.class_sizes):,} / {images:,}"))
     if catalog.singletons:
         facts.append(("single-image classes", f"{catalog.singletons:,} (left out: no positive)"))
-    sampler = data.sampler + (f", K={data.images_per_class}" if data.sampler == "pk" else "")
-    facts.append(("sampler", sampler))
+    strategy, why = resolve_sampler(cfg, manifest)
+    sampler = strategy + (f", K={data.images_per_class}" if strategy == "pk" else "")
+    facts.append(("sampler", sampler + (f" ({why})" if data.sampler == "auto" else "")))
     try:
-        plan = GlobalPlan(catalog, schedule_config(cfg), data.global_batch_size)
+        plan = GlobalPlan(catalog, schedule_config(cfg, manifest), data.global_batch_size)
     except PlanError as exc:
         return facts, [*problems, f"the sampler cannot be met: {exc}"]
     facts.append(("steps per epoch", f"{plan.steps_per_epoch:,}"))
     used = [catalog.category_names[c] for c in plan.schedule.categories]
-    if plan.schedule.by_category or data.sampler == "hard_unlabelled":
+    if plan.schedule.by_category or strategy == "hard_unlabelled":
         facts.append(
             ("categories used", f"{len(used)}: {', '.join(used[:12])}{' ...' if len(used) > 12 else ''}")
         )
@@ -79,9 +80,7 @@ def describe_plan(
     facts.append(("ranks / local batch", f"{world_size} / {layout.local_batch:,} images"))
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     largest_class = max(catalog.class_sizes.values(), default=1)
-    max_positives = (
-        data.images_per_class if data.sampler == "pk" else min(largest_class, data.global_batch_size)
-    )
+    max_positives = data.images_per_class if strategy == "pk" else min(largest_class, data.global_batch_size)
     work_line, work_bytes = _work_space(cfg, layout, max_positives, where)
     try:  # the trainer's accelerator resolves it the same way: ``auto`` follows the launcher
         precision = resolve_mixed_precision(cfg.train.mixed_precision)

@@ -47,7 +47,7 @@ def schedule_signature(trainer: Trainer) -> dict[str, Any]:
     data = trainer.cfg.data
     return {
         "seed": trainer.cfg.train.seed,
-        "sampler": data.sampler,
+        "sampler": trainer.stream.schedule_config.strategy,  # data.sampler=auto resolved
         "categories_per_batch": data.categories_per_batch,
         "batches_per_pair": data.batches_per_pair,
         "images_per_class": data.images_per_class,

@@ -3,6 +3,7 @@ from (the loss, the data stream, the network, DeepSpeed's batch settings)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from ddp_rank.eval.runner import vehicleid_splits
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
 from ddp_rank.runtime import TrainError, open_shards
-from ddp_rank.runtime.data_setup import schedule_config
+from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.train.batchnorm import convert_to_cross_rank
 from ddp_rank.train.layout import BatchLayout
 
@@ -29,6 +30,8 @@ __all__ = [
     "check_inputs",
     "configure_deepspeed",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def build_loss(cfg: Config) -> ListwiseLoss:
@@ -94,12 +97,15 @@ def check_inputs(cfg: Config) -> Manifest:
 
 def build_stream(cfg: Config, manifest: Manifest, rank: int, world_size: int) -> ShardStream:
     """The data layer's category-aware stream of this rank's local batches (uint8 pixels)."""
+    if rank == 0 and cfg.data.sampler == "auto":
+        strategy, why = resolve_sampler(cfg, manifest)
+        log.info(f"sampler {strategy}: {why}")
     try:
         return ShardStream(
             manifest,
             cfg.data.global_batch_size,
             split=cfg.data.train_split,
-            schedule=schedule_config(cfg),
+            schedule=schedule_config(cfg, manifest),
             transform=transform_from_config(cfg.data, augment=cfg.data.augment, pixels="uint8"),
             augment=cfg.data.augment,
             num_workers=cfg.data.num_workers,
