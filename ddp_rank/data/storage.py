@@ -63,6 +63,20 @@ def transient(exc: BaseException) -> bool:
     return isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ClientConnectionError)
 
 
+def open_sized(path: str, size: int) -> BinaryIO:
+    """``path`` opened for reading, refused (``EOFError``) unless it holds the ``size`` bytes the manifest
+    records: a truncated or replaced shard costs its classes, and no span read (at most its shard's recorded
+    size, see ``manifest_check``) can ask for more bytes than the file has."""
+    f = open(path, "rb")  # noqa: SIM115 (kept open by the store; closed here when refused)
+    actual = os.fstat(f.fileno()).st_size
+    if actual != size:
+        f.close()
+        raise EOFError(
+            f"{path} is {actual:,} bytes, the manifest says {size:,} (a truncated or replaced shard?)"
+        )
+    return f
+
+
 class ShardStore:
     """Reads byte ranges of a manifest's shards. Picklable: DataLoader workers open their own files."""
 
@@ -154,7 +168,7 @@ class ShardStore:
             # would share: interleaved seek + read would return another process's bytes. Open our own.
             self._files, self._pid = {}, os.getpid()
         if not self.remote:
-            return self._keep(self.manifest.shard_url(shard), lambda p: open(p, "rb"))
+            return self._keep(self.manifest.shard_url(shard), lambda p: open_sized(p, shard.bytes))
         if self.cache is None or self._uncached.get(shard.sha256, 0.0) > time.monotonic():
             return None
         cache = self.cache

@@ -4,6 +4,7 @@ shard root: the loader refuses it, and so does the place where a path is resolve
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -285,3 +286,20 @@ def test_train_and_eval_refuse_it_before_any_process_starts(shards: Path) -> Non
     cfg = load_config(None, [f"data.shards={shards}"])
     with pytest.raises(TrainError, match=r"splits\.train\.shards\[0\]\.classes\[0\]\[3\]: 1,000,000,000,000"):
         open_shards(cfg)
+
+
+def test_a_shard_of_another_size_than_recorded_is_not_read(built: Path, tmp_path: Path) -> None:
+    """The manifest's ``bytes`` bound every span (checked at load); the reader holds the file to them, so a
+    truncated or swapped shard costs its classes before any span is read."""
+    shards = tmp_path / "s"
+    shutil.copytree(built, shards)
+    manifest = Manifest.load(shards)
+    shard = manifest.split("train").shards[0]
+    path = shards / shard.path
+    path.write_bytes(path.read_bytes()[: shard.bytes // 2])
+    reader = ClassReader(manifest, "train")
+    with pytest.raises(
+        ClassReadError, match=rf"is {shard.bytes // 2:,} bytes, the manifest says {shard.bytes:,}"
+    ):
+        reader.read(shard.classes[-1].id)
+    reader.close()
