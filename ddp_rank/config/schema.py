@@ -179,7 +179,7 @@ class ModelConfig(_Section):
         if self.backbone.startswith(TIMM_PREFIX):
             if not self.backbone[len(TIMM_PREFIX) :].strip():
                 raise ConfigError(
-                    "model.backbone is the timm prefix alone, naming no model; write e.g. "
+                    "model.backbone is the timm prefix alone and names no model; write e.g. "
                     "model.backbone=timm:vit_small_patch16_224"
                 )
         elif self.backbone not in BACKBONES:

@@ -52,6 +52,7 @@ MAX_SPAN_BYTES = 1 << 32
 in memory while it checks its digest."""
 MAX_SHARD_BYTES = 1 << 40
 """Largest shard a manifest may describe (1 TiB)."""
+_MISSING = object()
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _SPAN_DIGEST = re.compile(r"[0-9a-f]{32}")
 _REBUILD = (
@@ -91,7 +92,8 @@ class _Checker:
         if not isinstance(value, str):
             self.fail(where, f"{_kind(value)} where a string is expected")
         if pattern is not None and not pattern.fullmatch(value):
-            self.fail(where, f"{value[:80]!r} is not a hex digest of {pattern.pattern}")
+            size = pattern.pattern.rsplit("{", 1)[-1].rstrip("}")
+            self.fail(where, f"{value[:80]!r} is not a digest ({size} lowercase hex digits)")
         return value
 
     def integer(self, value: Any, where: str, minimum: int = 0, maximum: int | None = None) -> int:
@@ -165,18 +167,33 @@ def _categories(check: _Checker, raw: Any) -> tuple[str, ...]:
 
 def _classes(check: _Checker, raw: Any, n_categories: int) -> tuple[ClassInfo, ...]:
     out = []
-    for i, entry in enumerate(check.array(raw, "classes")):
-        where = f"classes[{i}]"
-        c = check.obj(entry, where)
-        class_id = check.integer(check.key(c, "id", where), f"{where}.id")
-        if class_id != i:
-            check.fail(f"{where}.id", f"{class_id} where the class at position {i} must have id {i}")
-        name = check.text(check.key(c, "name", where), f"{where}.name")
-        category = check.optional_id(
-            check.key(c, "category", where), f"{where}.category", n_categories, "category"
-        )
-        out.append(ClassInfo(class_id, name, category))
+    for i, c in enumerate(check.array(raw, "classes")):
+        # The common case in one expression (manifests of 200,000 classes); any doubt goes to the field checks.
+        category = c.get("category", _MISSING) if type(c) is dict else _MISSING
+        if (
+            type(c) is dict
+            and type(c.get("id")) is int
+            and c["id"] == i
+            and type(c.get("name")) is str
+            and (category is None or (type(category) is int and 0 <= category < n_categories))
+        ):
+            out.append(ClassInfo(i, c["name"], category))
+        else:
+            out.append(_class(check, i, c, n_categories))
     return tuple(out)
+
+
+def _class(check: _Checker, i: int, raw: Any, n_categories: int) -> ClassInfo:
+    where = f"classes[{i}]"
+    c = check.obj(raw, where)
+    class_id = check.integer(check.key(c, "id", where), f"{where}.id")
+    if class_id != i:
+        check.fail(f"{where}.id", f"{class_id} where the class at position {i} must have id {i}")
+    name = check.text(check.key(c, "name", where), f"{where}.name")
+    category = check.optional_id(
+        check.key(c, "category", where), f"{where}.category", n_categories, "category"
+    )
+    return ClassInfo(class_id, name, category)
 
 
 def _split(
@@ -189,6 +206,16 @@ def _split(
     counts: dict[int, int] = {}
     positions: dict[int, int] = {}
     for i, entry in enumerate(check.array(check.key(split, "classes", where), f"{where}.classes")):
+        cid, count = (entry.get("id"), entry.get("count")) if type(entry) is dict else (None, None)
+        if (
+            type(cid) is int
+            and 0 <= cid < len(classes)
+            and cid not in counts
+            and type(count) is int
+            and count >= 1
+        ):
+            counts[cid], positions[cid] = count, i  # the common case; any doubt goes to the field checks
+            continue
         at = f"{where}.classes[{i}]"
         c = check.obj(entry, at)
         cid = check.optional_id(check.key(c, "id", at), f"{at}.id", len(classes), "class")
@@ -204,7 +231,7 @@ def _split(
     )
     paths: dict[str, int] = {}
     held: dict[int, int] = defaultdict(int)
-    first_span: dict[int, str] = {}
+    first_span: dict[int, tuple[int, int]] = {}
     for i, shard in enumerate(shards):
         if shard.path in paths:
             check.fail(
@@ -214,10 +241,12 @@ def _split(
         paths[shard.path] = i
         for j, span in enumerate(shard.classes):
             held[span.id] += span.count
-            first_span.setdefault(span.id, f"{where}.shards[{i}].classes[{j}][0]")
-    for cid, at in first_span.items():
+            first_span.setdefault(span.id, (i, j))
+    for cid, (i, j) in first_span.items():
         if cid not in counts:
-            check.fail(at, f"class {cid} is not listed in {where}.classes")
+            check.fail(
+                f"{where}.shards[{i}].classes[{j}][0]", f"class {cid} is not listed in {where}.classes"
+            )
     for cid, n in counts.items():
         if held.get(cid, 0) != n:
             check.fail(
@@ -242,7 +271,7 @@ def _shard(
     samples = check.integer(check.key(s, "samples", where), f"{where}.samples", maximum=size // TAR_BLOCK)
     sha256 = check.text(check.key(s, "sha256", where), f"{where}.sha256", _SHA256)
     spans = tuple(
-        _span(check, f"{where}.classes[{j}]", row, len(classes), size)
+        _span(check, where, j, row, len(classes), size)
         for j, row in enumerate(check.array(check.key(s, "classes", where), f"{where}.classes"))
     )
     by_offset = sorted(range(len(spans)), key=lambda j: spans[j].offset)
@@ -264,7 +293,25 @@ def _shard(
     return ShardInfo(path=path, category=category, classes=spans, samples=samples, bytes=size, sha256=sha256)
 
 
-def _span(check: _Checker, where: str, raw: Any, n_classes: int, shard_bytes: int) -> ClassSpan:
+def _span(check: _Checker, shard: str, j: int, raw: Any, n_classes: int, shard_bytes: int) -> ClassSpan:
+    """Span row ``j`` of the shard at JSON path ``shard``."""
+    if type(raw) is list and len(raw) == 5:  # the common case in one expression; any doubt: the field checks
+        class_id, count, offset, length, digest = raw
+        if (
+            type(class_id) is int
+            and type(count) is int
+            and type(offset) is int
+            and type(length) is int
+            and type(digest) is str
+            and 0 <= class_id < n_classes
+            and offset >= 0
+            and TAR_BLOCK <= length <= MAX_SPAN_BYTES
+            and offset + length <= shard_bytes
+            and 1 <= count <= length // TAR_BLOCK
+            and _SPAN_DIGEST.fullmatch(digest)
+        ):
+            return ClassSpan(class_id, count, offset, length, digest)
+    where = f"{shard}.classes[{j}]"
     row = check.array(raw, where)
     if len(row) != 5:
         check.fail(where, f"{len(row)} values where a span row is [class id, count, offset, length, digest]")

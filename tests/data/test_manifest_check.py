@@ -118,7 +118,11 @@ CASES: dict[str, tuple[Mutation, str, str]] = {
         "splits.train.shards[0].classes[0]",
         "[class id, count, offset, length, digest]",
     ),
-    "a bad digest": (_set(_first_span, 4, "zz"), "splits.train.shards[0].classes[0][4]", "hex digest"),
+    "a bad digest": (
+        _set(_first_span, 4, "zz"),
+        "splits.train.shards[0].classes[0][4]",
+        "32 lowercase hex digits",
+    ),
     "a bad sha256": (_set(_shard, "sha256", None), "splits.train.shards[0].sha256", "null"),
     "a huge shard": (_set(_shard, "bytes", 2**50), "splits.train.shards[0].bytes", "out of range"),
     "an unknown category": (
