@@ -6,7 +6,9 @@ byte range of one tar: the manifest records, per class, its offset, length and a
 training stream reads a class with a single ranged read (no header walk, any storage fsspec can reach). Each
 sample is the members ``<key>.<jpg|jpeg|png|webp>``, ``<key>.cls`` (global class id as text) and ``<key>.json``
 (class, category, source path, optional subset such as In-Shop's query/gallery). The manifest is the single
-source of truth for counts, ranges and checksums; readers never list the directory.
+source of truth for counts, ranges and checksums; readers never list the directory. It is parsed and checked
+in one place, ``manifest_check`` (``Manifest.load`` / ``from_json``), and a shard path is confined to the shard
+root again wherever it is resolved for reading (``Manifest.shard_url``, ``confined_join``).
 """
 
 from __future__ import annotations
@@ -234,10 +236,8 @@ def _decode_json(raw: bytes, path: str) -> Any:
         raise ManifestError(
             f"{path}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); {_FIX_READ}"
         ) from exc
-    except (
-        ValueError,
-        RecursionError,
-    ) as exc:  # a number of over 4,300 digits; nesting deeper than the stack
+    # A number of over 4,300 digits (ValueError), nesting deeper than the interpreter's stack (RecursionError).
+    except (ValueError, RecursionError) as exc:
         raise ManifestError(
             f"{path}: not a manifest's JSON ({type(exc).__name__}: {exc}); {_FIX_READ}"
         ) from exc
