@@ -28,11 +28,11 @@ def main(argv: list[str]) -> int:
     record = {"options": options, "command": argv, "env": {k: os.environ.get(k) for k in RECORDED_ENV}}
     Path(os.environ["FAKE_SLURM_DIR"], "srun.json").write_text(json.dumps(record))
 
-    tasks = [
-        subprocess.Popen(argv, env={**os.environ, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node),
-                                    "SLURM_LOCALID": "0"}, start_new_session=True)  # fmt: skip
-        for node in range(int(os.environ["SLURM_NNODES"]))
-    ]
+    def task_env(node: int) -> dict[str, str]:
+        return {**os.environ, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node), "SLURM_LOCALID": "0"}
+
+    nodes = range(int(os.environ["SLURM_NNODES"]))
+    tasks = [subprocess.Popen(argv, env=task_env(node), start_new_session=True) for node in nodes]
 
     def forward(signum: int, frame: object) -> None:
         for task in tasks:

@@ -7,6 +7,7 @@ job reaches the ranks, which stop with a checkpoint and requeue the job."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shlex
@@ -88,7 +89,7 @@ def test_the_launch_line_gives_cpus_a_job_port_and_the_overrides_intact(tmp_path
         assert seen["usr1_ignored"]
         argv = seen["argv"]
         assert argv[0] == "launch"
-        options = {name: value for name, value in zip(argv, argv[1:]) if name.startswith("--")}
+        options = {name: value for name, value in itertools.pairwise(argv) if name.startswith("--")}
         assert options["--num_machines"] == "2" and options["--num_processes"] == "2"
         assert options["--machine_rank"] == str(node) and options["--main_process_port"] == "24242"
         assert options["--mixed_precision"] == "bf16"
