@@ -87,7 +87,7 @@ class Trainer:
         self.cfg = cfg
         self.manifest = check_inputs(cfg)
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
-        set_deterministic(cfg.train.deterministic)
+        set_deterministic(cfg.train.deterministic, cfg.train.deterministic_fill)
         self.accelerator = acc = accelerator if accelerator is not None else make_accelerator(cfg)
         self.world_size = acc.num_processes
         self.rank = acc.process_index
