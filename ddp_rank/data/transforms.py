@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from PIL import Image
+
 from ddp_rank.data.image_modes import grey16_to_l, is_grey16
 
 if TYPE_CHECKING:
