@@ -207,7 +207,9 @@ class ShardStream(IterableDataset):
         labels: list[int] = []
         keys: list[str] = []
         for piece in pieces:
-            class_id, chosen, tensors = self._load_with_replacement(epoch, step, piece, transform, events, taken)
+            class_id, chosen, tensors = self._load_with_replacement(
+                epoch, step, piece, transform, events, taken
+            )
             images.extend(tensors)
             labels.extend([class_id] * len(tensors))
             keys.extend(chosen)

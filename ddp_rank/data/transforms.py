@@ -139,7 +139,9 @@ class ResizedCropFlip:
 
     def __call__(self, image: Image.Image, generator: torch.Generator | None = None) -> torch.Tensor:
         width, height, scale = _virtual_size(*image.size, self.config.resize)
-        top, left, h, w = random_resized_crop_box(height, width, self.config.crop_scale, self.ratio, generator)
+        top, left, h, w = random_resized_crop_box(
+            height, width, self.config.crop_scale, self.ratio, generator
+        )
         box = (left / scale, top / scale, (left + w) / scale, (top + h) / scale)
         out = image.resize((self.config.crop, self.config.crop), Image.Resampling.BILINEAR, box=box)
         if self.config.flip and torch.rand(1, generator=generator).item() < 0.5:
