@@ -264,13 +264,21 @@ def test_a_manifest_built_in_code_cannot_read_outside_either(
     assert not [p for p in opened if "outside" in p]
 
 
-@pytest.mark.parametrize("command", ["plan", "info", "verify"])
+@pytest.mark.parametrize("command", ["plan", "info", "verify", "train", "eval"])
 def test_commands_refuse_a_hostile_manifest_in_one_line(
-    shards: Path, command: str, capsys: pytest.CaptureFixture[str]
+    shards: Path, command: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     path = _mutate(shards, _set(_shard, "path", "../../../etc/hostname"))
+    run = [
+        f"data.shards={shards}",
+        "model.backbone=tiny_cnn",
+        "model.weights=none",
+        f"train.output_dir={tmp_path / 'run'}",
+    ]
     argv = {
         "plan": ["plan", f"data.shards={shards}", "model.backbone=tiny_cnn", "data.global_batch_size=4"],
+        "train": ["train", *run],
+        "eval": ["eval", "--baseline", "raw-pixels", *run],
         "info": ["shards", "info", str(shards)],
         "verify": ["shards", "verify", str(shards)],
     }[command]
