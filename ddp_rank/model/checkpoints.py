@@ -137,11 +137,14 @@ def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
     """What is wrong with the files of a complete checkpoint directory (one line), or None when it is intact.
 
     With a record in ``meta.json`` (every checkpoint this version writes): each recorded file must exist with
-    its size and SHA-256; files not recorded are ignored. Without one: the structural checks of the module
-    docstring. ``meta.json`` itself must be a JSON object."""
+    its size and SHA-256; files not recorded are ignored. Without one (an older version, or a folder of weights
+    without ``meta.json``): the structural checks of the module docstring. ``meta.json``, where there is one,
+    must be a JSON object with the step."""
     path = Path(checkpoint)
+    if not path.is_dir():
+        return None  # nothing to check: the reader says what is missing
     if not (path / META_NAME).is_file():
-        return f"{META_NAME} is missing (not a complete checkpoint)"
+        return _structure_problem(path)  # a folder of weights without a record (e.g. written by hand)
     meta, problem = _parse_meta(path / META_NAME)
     if meta is None:
         return problem

@@ -173,3 +173,15 @@ def test_every_file_of_a_run_follows_the_umask(shards: Path, tmp_path: Path) -> 
     modes = {str(p.relative_to(out)): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()}
     assert "checkpoints/step-00000002/model.safetensors" in modes
     assert {k: m for k, m in modes.items() if m != 0o644} == {}
+
+
+def test_a_start_that_fails_before_training_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """No arguments (the default output_dir runs/default, relative to the working directory) or a shard error:
+    no run began, so no "crashed" run.json, and nothing else either."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train"]) == 2
+    assert main(["train", f"data.shards={tmp_path / 'nowhere'}", "model.backbone=tiny_cnn"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 2
+    assert list(tmp_path.iterdir()) == []
