@@ -225,7 +225,7 @@ def export_embeddings(
         accelerator.wait_for_everyone()
         manifest: dict[str, Any] = {}
         if accelerator.is_main_process:
-            meta = {
+            meta: dict[str, Any] = {
                 "source": source,
                 "checkpoint": ckpt,
                 "model": cfg.model.backbone,
