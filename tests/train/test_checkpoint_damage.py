@@ -143,6 +143,22 @@ def test_eval_and_export_name_the_damaged_file(
     assert "SafetensorError" not in err[0] and not (tmp_path / "export").exists()
 
 
+def test_init_from_a_damaged_checkpoint_names_it(run: Path) -> None:
+    from ddp_rank.model.init_weights import init_from
+    from ddp_rank.model.net import build_model
+
+    cfg = load_config(None, TINY_OVERRIDES)
+    (ckpt(run, 4) / "model.safetensors").write_bytes(b"\0" * 16)
+    with pytest.raises(CheckpointError) as caught:
+        init_from(build_model(cfg.model, 16), run)  # the run's best is step 4
+    message = str(caught.value)
+    assert message.startswith(
+        f"model.init_from='{run}': checkpoint {ckpt(run, 4)} is damaged: model.safetensors"
+    )
+    assert "\n" not in message and f"is {ckpt(run, PREVIOUS)}" in message
+    assert init_from(build_model(cfg.model, 16), ckpt(run, PREVIOUS)).loaded
+
+
 def test_checkpoints_without_a_record_are_checked_by_structure(run: Path) -> None:
     """A checkpoint of an older version (no ``files`` in meta.json): safetensors header against the size, the
     zip directory and CRC-32s of torch files."""
