@@ -153,20 +153,22 @@ def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
     return _structure_problem(path)
 
 
-def verify_checkpoint(checkpoint: str | os.PathLike[str], fix: str = "") -> Path:
+def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> Path:
     """``checkpoint`` if its files are intact; else a :class:`CheckpointError` naming the damaged file, the
-    problem and the newest intact checkpoint beside it (or ``fix``)."""
+    problem and the newest intact checkpoint of the same run to use instead."""
     path = Path(checkpoint)
     problem = checkpoint_problem(path)
     if problem is None:
         return path
-    intact, _ = newest_intact_checkpoint(path.parent, below=_step_of(path))
-    instead = (
-        f"the newest intact checkpoint of the run is {intact}: pass it instead"
-        if intact is not None
-        else "no older checkpoint of the run is intact: restore the file from a copy or train again"
-    )
-    raise CheckpointError(f"checkpoint {path} is damaged: {problem}; {fix or instead}")
+    step = _step_of(path)
+    intact = newest_intact_checkpoint(path.parent, below=step)[0] if step is not None else None
+    if intact is not None:
+        instead = f"the newest intact checkpoint of the run is {intact}: pass it instead"
+    elif step is not None:
+        instead = "no older checkpoint of the run is intact: restore the file from a copy or train again"
+    else:
+        instead = "restore the file from a copy"
+    raise CheckpointError(f"checkpoint {path} is damaged: {problem}; {instead}")
 
 
 def _step_of(path: Path) -> int | None:
