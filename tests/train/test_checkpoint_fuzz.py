@@ -203,7 +203,9 @@ def eval_outcome(latest: Path) -> str:
     return "loaded"
 
 
-def test_hundreds_of_damaged_checkpoint_folders(pristine: Path, tmp_path: Path) -> None:
+def test_hundreds_of_damaged_checkpoint_folders(
+    pristine: Path, tmp_path: Path, fresh_accelerator_state: None
+) -> None:
     rng = random.Random(SEED)
     outcomes: Counter[str] = Counter()
     slowest = 0.0
