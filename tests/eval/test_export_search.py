@@ -232,6 +232,26 @@ def test_export_of_shards_at_a_url(tiny: dict[str, Path], http_shards: str) -> N
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_two_processes_skip_their_own_unreadable_images(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """Each rank leaves out the bad files of its share; export.json lists those of both ranks."""
+    import shutil
+
+    images = tmp_path / "images"
+    shutil.copytree(tiny["images"] / "cat0" / "cls0_0", images)
+    for name in ("0000-bad.png", "0003-bad.png"):  # sorted first and last: one in each rank's half
+        (images / name).write_bytes(b"not a png")
+    out = tmp_path / "export"
+    result = launch("export", "--checkpoint", str(tiny["run"]), "--images", str(images), "--output", str(out),
+                    "--on-bad", "skip", "data.num_workers=0")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    skipped = json.loads((out / "export.json").read_text())["skipped"]
+    assert sorted(line.split(":")[0] for line in skipped) == [str(images / "0000-bad.png"),
+                                                              str(images / "0003-bad.png")]  # fmt: skip
+    assert sorted(load_export(out).keys.tolist()) == sorted(p.name for p in images.glob("000?.png"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_processes_write_one_part_each(tiny: dict[str, Path]) -> None:
     out = tiny["root"] / "export-2proc"
     result = launch("export", "--checkpoint", str(tiny["run"]), "--output", str(out), "data.num_workers=0")
