@@ -82,7 +82,6 @@ def test_meta_json_records_every_file_of_the_checkpoint(finished: Path) -> None:
         ("truncate optimizer.bin", "optimizer.bin has"),
         ("delete optimizer.bin", "optimizer.bin is missing"),
         ("flip model.safetensors", "model.safetensors does not match the SHA-256"),
-        ("garble meta.json", "meta.json is not valid JSON"),
     ],
 )
 def test_resume_skips_a_damaged_latest_checkpoint(
@@ -94,12 +93,10 @@ def test_resume_skips_a_damaged_latest_checkpoint(
         truncate(target)
     elif action == "delete":
         target.unlink()
-    elif action == "flip":
+    else:  # flipped bits in the last tensor's data: only the digest tells
         data = bytearray(target.read_bytes())
         data[-5] ^= 0xFF
         target.write_bytes(bytes(data))
-    else:
-        target.write_text('{"step": 4, "files": ')
     assert problem in (checkpoint_problem(ckpt(run, 4)) or "")
     summary = run_training(load_config(None, overrides(shards, run, 6)))
     assert summary["resumed_from"] == str(ckpt(run, PREVIOUS)) and summary["steps"] == 6
