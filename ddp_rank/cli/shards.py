@@ -75,6 +75,12 @@ def _add_index(sub: Any) -> None:
     )
     p.add_argument("--class-field", default=None, help="json field of the class (default: the .cls member)")
     p.add_argument(
+        "--class-from-key",
+        default=None,
+        metavar="SEP",
+        help="take the class from the sample key, up to its last SEP (n01440764_10026 with _: n01440764)",
+    )
+    p.add_argument(
         "--category-field", default="category", help="json field of the category (default: category)"
     )
     p.add_argument(
@@ -222,6 +228,7 @@ def _index(args: argparse.Namespace) -> int:
         else:
             options = IndexOptions(
                 class_field=args.class_field,
+                class_from_key=args.class_from_key or None,
                 category_field=args.category_field or None,
                 category_map=read_category_map(args.category_map) if args.category_map else {},
             )

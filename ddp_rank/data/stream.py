@@ -282,7 +282,7 @@ class ShardStream(IterableDataset):
                 decoded = decode_image(sample.image, self.transform_config.resize)
             except (OSError, ValueError, SyntaxError, EOFError) as exc:
                 events.decode_errors += 1
-                shard = self.reader.where[class_id][0].path
+                shard = self.reader.shard_of(class_id, index)
                 raise ClassReadError(class_id, shard, f"image {sample.key} does not decode: {exc}") from exc
             # The CPU generator only: torch.manual_seed also queues a CUDA re-seed, and with CUDA not yet
             # initialised each queued call records a stack trace (a third of the decode time per image).
