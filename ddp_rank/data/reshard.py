@@ -10,9 +10,10 @@ order), so the global plan and every batch are the same on either copy. Each sam
 it: ``c<class id>_<n>.<image ext>``, ``.cls`` (the class id) and ``.json`` (class, category, ``source``: the
 source shard and key, and ``subset`` when the source's json had one).
 
-Memory: the source's spans are read in windows of at most ``memory_bytes`` (a span larger than that is read on
-its own), checked against their digests, parsed and written out before the next window is read; nothing else
-grows with the dataset but the manifest. Spans of a URL are read with concurrent requests (``ShardStore``).
+Memory: the source's spans are read in windows of at most ``memory_bytes``, checked against their digests,
+parsed and written out before the next window is read; a span larger than that (a big class of a contiguous
+source) is streamed member by member, its digest checked at its end. Nothing else grows with the dataset but the
+manifests. Spans of a URL are read with concurrent requests (``ShardStore``).
 
 Safety and resumption: a shard is written under a temporary name and renamed when complete (``tar_writer``), so
 no half shard ever has a final name; each finished shard is then appended to ``DST/.reshard/done.jsonl``. A rerun
@@ -24,21 +25,32 @@ the source, and ``.reshard/`` is removed.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from tqdm import tqdm
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.data.manifest import MANIFEST_NAME, ClassSpan, Manifest, ShardInfo, SplitInfo, span_digest
+from ddp_rank.data.manifest import (
+    IMAGE_EXTENSIONS,
+    MANIFEST_NAME,
+    ClassSpan,
+    Manifest,
+    ShardInfo,
+    SplitInfo,
+    span_digest,
+    span_hasher,
+)
 from ddp_rank.data.reader import class_spans
 from ddp_rank.data.storage import ShardStore
-from ddp_rank.data.tar_scan import SpanError, SpanSample, parse_span
+from ddp_rank.data.tar_scan import SpanError, SpanSample, parse_span, sample_key
 from ddp_rank.data.tar_writer import shard_writer
 from ddp_rank.data.verify import verify_shards
 
@@ -220,9 +232,17 @@ def _write(
     numbers = dict.fromkeys(shard.class_ids, 0)
     with shard_writer(path) as writer:
         for window in _windows(items, options.memory_bytes, lambda item: item[2].length):
-            results = store.read_many([(src, span.offset, span.length) for _, src, span in window])
-            for (cid, src, span), data in zip(window, results):
-                for sample in _checked(src, span, data):
+            if window[0][2].length > options.memory_bytes:  # one span too large to hold: streamed
+                cid, src, span = window[0]
+                streamed = [(cid, src, _streamed(store, src, span, options.memory_bytes))]
+            else:
+                results = store.read_many([(src, span.offset, span.length) for _, src, span in window])
+                streamed = [
+                    (cid, src, iter(_checked(src, span, data)))
+                    for (cid, src, span), data in zip(window, results)
+                ]
+            for cid, src, samples in streamed:
+                for sample in samples:
                     writer.add(
                         f"c{cid:07d}_{numbers[cid]:05d}", sample.image_ext, sample.image, cid,
                         _meta(manifest, cid, src.path, sample),
@@ -244,6 +264,75 @@ def _windows(items: Sequence[Any], limit: int, size: Callable[[Any], int]) -> It
         total += size(item)
     if window:
         yield window
+
+
+class _Window(io.RawIOBase):
+    """``length`` bytes of ``f`` from its current position, hashed as they are read (a span's digest)."""
+
+    def __init__(self, f: BinaryIO, length: int) -> None:
+        self.f, self.left, self.hasher = f, length, span_hasher()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.f.read(min(len(buffer), self.left))
+        self.left -= len(data)
+        self.hasher.update(data)
+        buffer[: len(data)] = data
+        return len(data)
+
+
+def _streamed(
+    store: ShardStore, shard: ShardInfo, span: ClassSpan, memory_bytes: int
+) -> Iterator[SpanSample]:
+    """The samples of a span larger than ``memory_bytes``, read member by member (one image in memory at a
+    time, the storage read in blocks of at most ``memory_bytes``); the digest and count are checked at the end
+    (a mismatch raises, and the output shard in progress is dropped)."""
+    where = f"{shard.path}: class {span.id} at byte {span.offset}"
+    fix = "check the source with `ddp-rank shards verify`, re-index it, then rerun the reshard"
+    count = 0
+    try:
+        with store.open_file(shard, block_size=max(1 << 16, min(memory_bytes, 1 << 22))) as f:
+            f.seek(span.offset)
+            window = _Window(f, span.length)
+            with tarfile.open(fileobj=io.BufferedReader(window, 1 << 16), mode="r|") as tar:
+                key: str | None = None
+                parts: dict[str, bytes] = {}
+                for info in tar:
+                    name_key, ext = sample_key(info.name)
+                    if name_key != key:
+                        sample = _sample(key, parts)
+                        if sample is not None:
+                            count += 1
+                            yield sample
+                        key, parts = name_key, {}
+                    if info.isfile() and (ext in IMAGE_EXTENSIONS or ext == "json"):
+                        member = tar.extractfile(info)
+                        parts[ext] = member.read() if member is not None else b""
+                sample = _sample(key, parts)
+                if sample is not None:
+                    count += 1
+                    yield sample
+            while window.read(
+                1 << 16
+            ):  # the rest of the span (padding tarfile leaves unread), for the digest
+                pass
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise ReshardError(f"{where}: {type(exc).__name__}: {exc}; {fix}") from exc
+    if window.left or window.hasher.hexdigest() != span.digest:
+        raise ReshardError(f"{where}: bytes do not match the manifest's digest; {fix}")
+    if count != span.count:
+        raise ReshardError(
+            f"{where}: {count} complete sample(s) where the manifest lists {span.count}; {fix}"
+        )
+
+
+def _sample(key: str | None, parts: dict[str, bytes]) -> SpanSample | None:
+    image_ext = next((e for e in IMAGE_EXTENSIONS if e in parts), None)
+    if key is None or image_ext is None:
+        return None
+    return SpanSample(key, image_ext, parts[image_ext], parts.get("json"))
 
 
 def _checked(shard: ShardInfo, span: ClassSpan, data: bytes | Exception) -> list[SpanSample]:

@@ -170,6 +170,14 @@ class ShardStore:
                     results[i] = future.result()
         return results
 
+    def open_file(self, shard: ShardInfo, block_size: int = 1 << 22) -> BinaryIO:
+        """The shard as a seekable file, for reading a range too large to hold at once: the local file, or
+        fsspec's buffered file of the URL (reads ``block_size`` bytes per request). The caller closes it."""
+        if not self.remote:
+            return open(self.manifest.shard_url(shard), "rb")
+        url = self.manifest.shard_url(shard)
+        return self._retrying(lambda: self._filesystem().open(url, "rb", block_size=block_size), url)
+
     def take_counts(self) -> dict[str, int]:
         """The data events since the last call (and start counting again)."""
         counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)

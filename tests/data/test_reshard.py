@@ -181,3 +181,28 @@ def test_bad_destinations_settings_and_sources_are_refused_by_name(
     for name, got in _files(tmp_path / "bad").items():
         if name.endswith(".tar"):
             assert not name.split("/")[-1].startswith(".") and got == expected[name]
+
+
+def test_a_span_larger_than_the_memory_setting_is_streamed(resharded: Path, tmp_path: Path) -> None:
+    """The contiguous copy as a source: every class is one span of several KiB. With 1 KiB of memory each is
+    streamed member by member; the output equals that of reads held whole, and a corrupt span is refused."""
+    biggest = max(span.length for s in Manifest.load(resharded).split("train").shards for span in s.classes)
+    assert biggest > 2048
+    whole = ReshardOptions(max_samples=200, memory_bytes=biggest, progress=False)
+    reshard(resharded, tmp_path / "whole", whole)
+    reshard(
+        resharded, tmp_path / "streamed", ReshardOptions(max_samples=200, memory_bytes=1024, progress=False)
+    )
+    tars = {k: v for k, v in _files(tmp_path / "whole").items() if k.endswith(".tar")}
+    assert tars == {k: v for k, v in _files(tmp_path / "streamed").items() if k.endswith(".tar")}
+    copy = tmp_path / "copy"
+    for name, data in _files(resharded).items():
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        (copy / name).write_bytes(data)
+    shard = Manifest.load(copy).split("train").shards[0]
+    data = bytearray((copy / shard.path).read_bytes())
+    data[shard.classes[1].offset + 700] ^= 0xFF
+    (copy / shard.path).write_bytes(bytes(data))
+    with pytest.raises(ReshardError, match=f"{shard.path}: class {shard.classes[1].id} .*digest"):
+        reshard(copy, tmp_path / "bad", ReshardOptions(max_samples=200, memory_bytes=1024, progress=False))
+    assert not [p for p in (tmp_path / "bad").rglob("*.tar")]
