@@ -132,13 +132,27 @@ def test_a_killed_reshard_resumes_to_identical_output(source: Path, resharded: P
     assert _files(dst) == expected
 
 
-def test_a_source_behind_a_url_gives_the_same_shards(tmp_path: Path) -> None:
+def test_a_source_behind_a_url_gives_the_same_shards(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     src = tmp_path / "wds"
     write_with_shardwriter(src, ordered(foreign_samples(12, 3), "shuffled"), "json", maxcount=40)
     options = IndexOptions(class_field="label", category_field="family")
     index_shards(src, find_splits(src, []), options).manifest.save(src)
     small = ReshardOptions(max_samples=30, memory_bytes=16 * 1024, progress=False)
-    reshard(src, tmp_path / "local", small)
+    cli = [
+        "shards",
+        "reshard",
+        str(src),
+        str(tmp_path / "local"),
+        "--max-samples",
+        "30",
+        "--memory-mb",
+        "0.015625",
+    ]
+    assert main(cli) == 0
+    captured = capsys.readouterr()
+    assert "reshard: 100%" in captured.err and "TOTAL" in captured.out  # the progress bar, then the table
     with serve_directory(src) as url:
         reshard(url, tmp_path / "remote", small)
     local, remote = _files(tmp_path / "local"), _files(tmp_path / "remote")
