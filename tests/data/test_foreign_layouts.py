@@ -230,3 +230,33 @@ def test_a_class_of_several_spans_is_read_from_a_url_with_concurrent_requests(tm
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_reads_per_step_are_what_the_stream_requests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ddp-rank plan``'s count (spans of each class dealt to each rank) against the requests the two ranks'
+    streams make for the same steps."""
+    from ddp_rank.data.dealing import deal
+    from ddp_rank.data.storage import ShardStore
+
+    root = tmp_path / "wds"
+    write_with_shardwriter(root, ordered(SAMPLES, "shuffled"), "json", maxcount=25)
+    manifest = _index(root, "json")
+    requests: list[int] = []
+    read_many = ShardStore.read_many
+
+    def spy(self: ShardStore, batch: list[tuple[object, int, int]]) -> list[bytes | Exception]:
+        requests.append(len(batch))
+        return read_many(self, batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ShardStore, "read_many", spy)
+    schedule = ScheduleConfig(batches_per_pair=2, seed=7)
+    streams = [
+        ShardStream(manifest, 24, schedule=schedule, transform=TINY, rank=r, world_size=2) for r in range(2)
+    ]
+    frag = fragmentation(manifest, "train")
+    for step in range(3):
+        requests.clear()
+        for stream in streams:
+            stream.batch(0, step)
+        parts = deal(streams[0].plan.step(0, step), 2, schedule.seed)
+        assert sum(requests) == sum(frag.requests(p.class_id for p in part) for part in parts) > 0
