@@ -119,14 +119,18 @@ def reshard(
     """Rewrite the shards of ``source`` (a directory or URL with ``manifest.json``) into ``out``; returns the new
     manifest (saved in ``out``). Resumes an interrupted run of the same settings (see the module docstring)."""
     options = options or ReshardOptions()
-    for name in ("max_samples", "max_bytes", "memory_bytes"):
+    for name, flag in (
+        ("max_samples", "--max-samples"),
+        ("max_bytes", "--max-mb"),
+        ("memory_bytes", "--memory-mb"),
+    ):
         if getattr(options, name) < 1:
-            raise ReshardError(f"{name} must be at least 1, got {getattr(options, name)}")
+            raise ReshardError(f"{flag} ({name}={getattr(options, name)}) is too small: give a positive size")
     manifest = Manifest.load(source)
     dst = Path(out)
     planned = plan_shards(manifest, options)
     settings = {
-        "source": os.fspath(source),
+        "source": os.fspath(source).rstrip("/") or "/",
         "source_manifest": span_digest(json.dumps(manifest.to_json(), sort_keys=True).encode("utf-8")),
         "options": {k: v for k, v in asdict(options).items() if k in ("max_samples", "max_bytes")},
     }
@@ -318,7 +322,9 @@ def _streamed(
                 1 << 16
             ):  # the rest of the span (padding tarfile leaves unread), for the digest
                 pass
-    except (tarfile.TarError, OSError, EOFError) as exc:
+    except ReshardError:
+        raise
+    except Exception as exc:  # a corrupt tar, a short file, or whatever the storage raised (an HTTP error)
         raise ReshardError(f"{where}: {type(exc).__name__}: {exc}; {fix}") from exc
     if window.left or window.hasher.hexdigest() != span.digest:
         raise ReshardError(f"{where}: bytes do not match the manifest's digest; {fix}")

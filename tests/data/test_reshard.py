@@ -165,6 +165,11 @@ def test_a_source_behind_a_url_gives_the_same_shards(
 def test_bad_destinations_settings_and_sources_are_refused_by_name(
     source: Path, resharded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    assert main(["shards", "reshard", str(source), str(tmp_path / "zero"), "--memory-mb", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--memory-mb (memory_bytes=0) is too small" in err
+    assert main(["shards", "reshard", str(tmp_path / "nowhere"), str(tmp_path / "x"), "--no-progress"]) == 2
+    assert "manifest.json not found" in capsys.readouterr().err
     with pytest.raises(ReshardError, match="holds finished shards; pick a new DST"):
         reshard(source, resharded, SMALL)
     (tmp_path / "full").mkdir()
