@@ -58,13 +58,19 @@ class Fragmentation:
             f"{self.max_spans:,}), mean span {self.mean_span_bytes / 1024:.1f} KiB"
         )
 
+    def bound(self) -> str:
+        """Which of requests or bandwidth would bound reads from a URL, in words."""
+        if self.request_bound:
+            return "request-bound"
+        return f"bandwidth-bound (mean span >= {REQUEST_BOUND_BYTES / 2**20:g} MiB)"
+
     def advice(self, shards: str = "DIR") -> str | None:
         """What to do when remote reads would be request-bound, or None when they would not."""
         if not self.request_bound:
             return None
         why = (
             f"read from a URL, split {self.split!r} would be request-bound (spans under "
-            f"{REQUEST_BOUND_BYTES // 1024} KiB cost more in round trips than in transfer)"
+            f"{REQUEST_BOUND_BYTES / 2**20:g} MiB cost more in round trips than in transfer)"
         )
         cache = "set data.cache_dir=DIR (each shard is then fetched whole, once per node)"
         if self.spans > self.classes:

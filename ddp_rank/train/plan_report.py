@@ -123,7 +123,7 @@ def describe_plan(
     except PlanError as exc:
         problems.append(str(exc))
     advice = frag.advice(data.shards)
-    facts.append(("remote reads", advice or "bandwidth-bound (mean span >= 1 MiB)"))
+    facts.append(("remote reads", advice or frag.bound()))
     return facts, problems
 
 

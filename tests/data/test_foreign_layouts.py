@@ -20,7 +20,7 @@ import webdataset as wds
 from ddp_rank.cli import main
 from ddp_rank.data.build import BuildOptions, build_shards
 from ddp_rank.data.eval_reader import EvalShards
-from ddp_rank.data.fragmentation import fragmentation
+from ddp_rank.data.fragmentation import Fragmentation, fragmentation
 from ddp_rank.data.info import format_info
 from ddp_rank.data.listing import read_image_folder
 from ddp_rank.data.manifest import Manifest
@@ -260,3 +260,15 @@ def test_reads_per_step_are_what_the_stream_requests(tmp_path: Path, monkeypatch
             stream.batch(0, step)
         parts = deal(streams[0].plan.step(0, step), 2, schedule.seed)
         assert sum(requests) == sum(frag.requests(p.class_id for p in part) for part in parts) > 0
+
+
+def test_reshard_is_advised_only_where_classes_are_fragmented(tmp_path: Path) -> None:
+    own = fragmentation(_own_layout(tmp_path), "train")
+    assert own.spans == own.classes and own.max_spans == 1
+    advice = own.advice(
+        "DIR"
+    )  # small classes: request-bound even when contiguous, but resharding cannot help
+    assert advice is not None and "data.cache_dir=DIR" in advice and "reshard" not in advice
+    big = Fragmentation("train", classes=2, spans=4, max_spans=2, span_bytes=4 * 2**21, spans_of={0: 2, 1: 2})
+    assert not big.request_bound and big.advice() is None and big.bound().startswith("bandwidth-bound")
+    assert big.requests([0, 1, 1]) == 6
