@@ -35,7 +35,7 @@ from tests.helpers.foreign_shards import (
     foreign_samples,
     index_options,
     ordered,
-    write_image_folder,
+    write_as_image_folder,
     write_with_shardwriter,
 )
 from tests.helpers.training import TINY_OVERRIDES
@@ -53,7 +53,7 @@ def _index(root: Path, convention: str) -> Manifest:
 
 def _own_layout(tmp_path: Path) -> Manifest:
     """The same images built into the project's own layout (one category per shard, classes contiguous)."""
-    list(write_image_folder(tmp_path / "images", SAMPLES))
+    write_as_image_folder(tmp_path / "images", SAMPLES)
     build_shards(read_image_folder(tmp_path / "images"), tmp_path / "own", BuildOptions(progress=False))
     return Manifest.load(tmp_path / "own")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,10 +94,12 @@ def index_options(convention: str) -> dict[str, object]:
     }[convention]
 
 
-def write_image_folder(root: Path, samples: list[ForeignSample]) -> Iterator[Path]:
+def write_as_image_folder(root: Path, samples: list[ForeignSample]) -> list[Path]:
     """``root/<category>/<class>/<number>.<ext>``, the input of ``ddp-rank shards build``."""
+    paths = []
     for s in samples:
         path = root / s.category / s.cls / f"{s.number:04d}.{s.ext}"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(s.image)
-        yield path
+        paths.append(path)
+    return paths
