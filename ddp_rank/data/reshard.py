@@ -25,32 +25,29 @@ the source, and ``.reshard/`` is removed.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
-import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from tqdm import tqdm
 
 from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.data.manifest import (
-    IMAGE_EXTENSIONS,
     MANIFEST_NAME,
     ClassSpan,
     Manifest,
     ShardInfo,
     SplitInfo,
     span_digest,
-    span_hasher,
 )
 from ddp_rank.data.reader import class_spans
+from ddp_rank.data.span_samples import SpanReadError, checked_samples, streamed_samples
 from ddp_rank.data.storage import ShardStore
-from ddp_rank.data.tar_scan import SpanError, SpanSample, parse_span, sample_key
+from ddp_rank.data.tar_scan import SpanSample
 from ddp_rank.data.tar_writer import shard_writer
 from ddp_rank.data.verify import verify_shards
 
@@ -234,15 +231,31 @@ def _write(
     path = dst / shard.path
     path.parent.mkdir(parents=True, exist_ok=True)
     numbers = dict.fromkeys(shard.class_ids, 0)
+    try:
+        return _write_samples(manifest, items, store, shard, path, options, numbers)
+    except SpanReadError as exc:  # the shard in progress was dropped (never renamed into place)
+        raise ReshardError(str(exc)) from exc
+
+
+def _write_samples(
+    manifest: Manifest,
+    items: list[tuple[int, ShardInfo, ClassSpan]],
+    store: ShardStore,
+    shard: _Planned,
+    path: Path,
+    options: ReshardOptions,
+    numbers: dict[int, int],
+) -> ShardInfo:
+    """``_write``'s work: the spans ``items`` (class id, source shard, span) read and written in order."""
     with shard_writer(path) as writer:
         for window in _windows(items, options.memory_bytes, lambda item: item[2].length):
             if window[0][2].length > options.memory_bytes:  # one span too large to hold: streamed
                 cid, src, span = window[0]
-                streamed = [(cid, src, _streamed(store, src, span, options.memory_bytes))]
+                streamed = [(cid, src, streamed_samples(store, src, span, options.memory_bytes))]
             else:
                 results = store.read_many([(src, span.offset, span.length) for _, src, span in window])
                 streamed = [
-                    (cid, src, iter(_checked(src, span, data)))
+                    (cid, src, iter(checked_samples(src, span, data)))
                     for (cid, src, span), data in zip(window, results)
                 ]
             for cid, src, samples in streamed:
@@ -268,91 +281,6 @@ def _windows(items: Sequence[Any], limit: int, size: Callable[[Any], int]) -> It
         total += size(item)
     if window:
         yield window
-
-
-class _Window(io.RawIOBase):
-    """``length`` bytes of ``f`` from its current position, hashed as they are read (a span's digest)."""
-
-    def __init__(self, f: BinaryIO, length: int) -> None:
-        self.f, self.left, self.hasher = f, length, span_hasher()
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.f.read(min(len(buffer), self.left))
-        self.left -= len(data)
-        self.hasher.update(data)
-        buffer[: len(data)] = data
-        return len(data)
-
-
-def _streamed(
-    store: ShardStore, shard: ShardInfo, span: ClassSpan, memory_bytes: int
-) -> Iterator[SpanSample]:
-    """The samples of a span larger than ``memory_bytes``, read member by member (one image in memory at a
-    time, the storage read in blocks of at most ``memory_bytes``); the digest and count are checked at the end
-    (a mismatch raises, and the output shard in progress is dropped)."""
-    where = f"{shard.path}: class {span.id} at byte {span.offset}"
-    fix = "check the source with `ddp-rank shards verify`, re-index it, then rerun the reshard"
-    count = 0
-    try:
-        with store.open_file(shard, block_size=max(1 << 16, min(memory_bytes, 1 << 22))) as f:
-            f.seek(span.offset)
-            window = _Window(f, span.length)
-            with tarfile.open(fileobj=io.BufferedReader(window, 1 << 16), mode="r|") as tar:
-                key: str | None = None
-                parts: dict[str, bytes] = {}
-                for info in tar:
-                    name_key, ext = sample_key(info.name)
-                    if name_key != key:
-                        sample = _sample(key, parts)
-                        if sample is not None:
-                            count += 1
-                            yield sample
-                        key, parts = name_key, {}
-                    if info.isfile() and (ext in IMAGE_EXTENSIONS or ext == "json"):
-                        member = tar.extractfile(info)
-                        parts[ext] = member.read() if member is not None else b""
-                sample = _sample(key, parts)
-                if sample is not None:
-                    count += 1
-                    yield sample
-            while window.read(
-                1 << 16
-            ):  # the rest of the span (padding tarfile leaves unread), for the digest
-                pass
-    except ReshardError:
-        raise
-    except Exception as exc:  # a corrupt tar, a short file, or whatever the storage raised (an HTTP error)
-        raise ReshardError(f"{where}: {type(exc).__name__}: {exc}; {fix}") from exc
-    if window.left or window.hasher.hexdigest() != span.digest:
-        raise ReshardError(f"{where}: bytes do not match the manifest's digest; {fix}")
-    if count != span.count:
-        raise ReshardError(
-            f"{where}: {count} complete sample(s) where the manifest lists {span.count}; {fix}"
-        )
-
-
-def _sample(key: str | None, parts: dict[str, bytes]) -> SpanSample | None:
-    image_ext = next((e for e in IMAGE_EXTENSIONS if e in parts), None)
-    if key is None or image_ext is None:
-        return None
-    return SpanSample(key, image_ext, parts[image_ext], parts.get("json"))
-
-
-def _checked(shard: ShardInfo, span: ClassSpan, data: bytes | Exception) -> list[SpanSample]:
-    fix = "check the source with `ddp-rank shards verify`, re-index it, then rerun the reshard"
-    if isinstance(data, Exception):
-        raise ReshardError(f"{shard.path}: class {span.id}: {type(data).__name__}: {data}; {fix}")
-    if span_digest(data) != span.digest:
-        raise ReshardError(
-            f"{shard.path}: class {span.id} at byte {span.offset}: bytes do not match the manifest's digest; {fix}"
-        )
-    try:
-        return parse_span(data, span.count)
-    except SpanError as exc:
-        raise ReshardError(f"{shard.path}: class {span.id} at byte {span.offset}: {exc}; {fix}") from exc
 
 
 def _meta(manifest: Manifest, class_id: int, shard_path: str, sample: SpanSample) -> dict[str, Any]:
