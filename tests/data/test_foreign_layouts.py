@@ -272,3 +272,21 @@ def test_reshard_is_advised_only_where_classes_are_fragmented(tmp_path: Path) ->
     big = Fragmentation("train", classes=2, spans=4, max_spans=2, span_bytes=4 * 2**21, spans_of={0: 2, 1: 2})
     assert not big.request_bound and big.advice() is None and big.bound().startswith("bandwidth-bound")
     assert big.requests([0, 1, 1]) == 6
+
+
+def test_info_counts_a_shard_that_mixes_categories_under_each_of_them(tmp_path: Path) -> None:
+    from ddp_rank.data.info import info_rows
+
+    root = tmp_path / "wds"
+    write_with_shardwriter(root, ordered(SAMPLES, "shuffled"), "cls", maxcount=30)
+    manifest = _index(root, "cls")
+    shards = manifest.split("train").shards
+    rows = {category: row for _, category, *row in info_rows(manifest)}
+    for c, name in enumerate(manifest.categories):
+        holding = [s for s in shards if any(manifest.classes[x.id].category == c for x in s.classes)]
+        classes = [k for k in manifest.classes if k.category == c]
+        images = sum(manifest.split("train").class_counts[k.id] for k in classes)
+        assert rows[name][:3] == [len(classes), images, len(holding)]
+    assert rows["TOTAL"][:3] == [len(manifest.classes), len(SAMPLES), len(shards)]
+    shared_mb = sum(rows[name][3] for name in manifest.categories)
+    assert abs(shared_mb - rows["TOTAL"][3]) < 1e-9  # each shard's bytes shared out, none counted twice
