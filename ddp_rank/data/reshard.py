@@ -11,8 +11,9 @@ it: ``c<class id>_<n>.<image ext>``, ``.cls`` (the class id) and ``.json`` (clas
 source shard and key, and ``subset`` when the source's json had one).
 
 Memory: the source's spans are read in windows of at most ``memory_bytes``, checked against their digests,
-parsed and written out before the next window is read; a span larger than that (a big class of a contiguous
-source) is streamed member by member, its digest checked at its end. Nothing else grows with the dataset but the
+parsed and written out before the next window is read (the bytes and their parsed samples: about twice the
+setting at most); a span larger than that (a big class of a contiguous source) is streamed member by member
+(``span_samples``), its digest checked at its end. Nothing else grows with the dataset but the
 manifests. Spans of a URL are read with concurrent requests (``ShardStore``).
 
 Safety and resumption: a shard is written under a temporary name and renamed when complete (``tar_writer``), so
