@@ -155,10 +155,25 @@ def test_a_source_behind_a_url_gives_the_same_shards(
     assert "reshard: 100%" in captured.err and "TOTAL" in captured.out  # the progress bar, then the table
     with serve_directory(src) as url:
         reshard(url, tmp_path / "remote", small)
+        # A local manifest of shards at a URL (`shards index URL --out DIR`) as the source.
+        brace = f"train=part-{{00000..{len(list(src.glob('*.tar'))) - 1:05d}}}.tar"
+        index = [
+            "shards",
+            "index",
+            url,
+            "--split",
+            brace,
+            "--class-field",
+            "label",
+            "--category-field",
+            "family",
+        ]
+        assert main([*index, "--out", str(tmp_path / "manifest")]) == 0
+        reshard(tmp_path / "manifest", tmp_path / "via-manifest", small)
     local, remote = _files(tmp_path / "local"), _files(tmp_path / "remote")
-    assert {k: v for k, v in remote.items() if k.endswith(".tar")} == {
-        k: v for k, v in local.items() if k.endswith(".tar")
-    }
+    tars = {k: v for k, v in local.items() if k.endswith(".tar")}
+    assert {k: v for k, v in remote.items() if k.endswith(".tar")} == tars
+    assert {k: v for k, v in _files(tmp_path / "via-manifest").items() if k.endswith(".tar")} == tars
     assert len(local) > 3 and Manifest.load(tmp_path / "remote").build["resharded_from"] == url
 
 
