@@ -10,6 +10,7 @@ Examples::
     ddp-rank shards verify data/emoji-shards
     ddp-rank shards info data/emoji-shards
     ddp-rank shards index data/laion-subset --split train='train-*.tar' --class-field label
+    ddp-rank shards reshard data/laion-subset data/laion-contiguous --max-samples 2000 --memory-mb 512
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def register(subparsers: Any) -> None:
     info.add_argument("directory")
     info.set_defaults(func=_info)
     _add_index(sub)
+    _add_reshard(sub)
     _add_listing(sub)
     serve = sub.add_parser("serve", help="serve a shard directory over HTTP with Range requests")
     serve.add_argument("directory")
@@ -75,6 +77,12 @@ def _add_index(sub: Any) -> None:
     )
     p.add_argument("--class-field", default=None, help="json field of the class (default: the .cls member)")
     p.add_argument(
+        "--class-from-key",
+        default=None,
+        metavar="SEP",
+        help="take the class from the sample key, up to its last SEP (n01440764_10026 with _: n01440764)",
+    )
+    p.add_argument(
         "--category-field", default="category", help="json field of the category (default: category)"
     )
     p.add_argument(
@@ -82,6 +90,46 @@ def _add_index(sub: Any) -> None:
     )
     p.add_argument("--upgrade", action="store_true", help="add byte ranges to a version-1 ddp_rank manifest")
     p.set_defaults(func=_index)
+
+
+def _add_reshard(sub: Any) -> None:
+    p = sub.add_parser(
+        "reshard",
+        help="rewrite indexed shards of any layout (local or a URL) into one category per shard, classes contiguous",
+    )
+    p.add_argument(
+        "source", help="directory or URL holding manifest.json (shards made by `shards index`, or any)"
+    )
+    p.add_argument(
+        "out", help="output directory (new or empty; or that of an interrupted reshard, to resume it)"
+    )
+    p.add_argument("--max-samples", type=int, default=1000, help="most samples per output shard")
+    p.add_argument("--max-mb", type=float, default=256.0, help="most MB per output shard")
+    p.add_argument(
+        "--memory-mb", type=float, default=256.0, help="most MB of source bytes held in memory at once"
+    )
+    p.add_argument("--decode", action="store_true", help="also decode every image in the final verification")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_reshard)
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    from ddp_rank.data.reshard import ReshardOptions, reshard
+
+    try:
+        options = ReshardOptions(
+            max_samples=args.max_samples,
+            max_bytes=int(args.max_mb * 2**20),
+            memory_bytes=int(args.memory_mb * 2**20),
+            decode=args.decode,
+            progress=not args.no_progress,
+        )
+        reshard(args.source, args.out, options)
+    except (OSError, ValueError) as exc:  # ReshardError is a ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_info(args.out))
+    return 0
 
 
 def _add_build(sub: Any) -> None:
@@ -222,6 +270,7 @@ def _index(args: argparse.Namespace) -> int:
         else:
             options = IndexOptions(
                 class_field=args.class_field,
+                class_from_key=args.class_from_key or None,
                 category_field=args.category_field or None,
                 category_map=read_category_map(args.category_map) if args.category_map else {},
             )

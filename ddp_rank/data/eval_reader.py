@@ -2,8 +2,8 @@
 
 Evaluation must see every test image exactly once over all ranks, in a fixed order, with no augmentation. The
 split's classes (manifest order: shard by shard, class by class) are cut into ``world_size`` contiguous runs of
-near-equal image counts, each rank's run into one piece per worker; each class is one ranged read
-(``reader.ClassReader``), from a local directory or a URL. Batches carry the sample keys, so the embeddings
+near-equal image counts, each rank's run into one piece per worker; each class is read with one ranged read per
+span (``reader.ClassReader``), from a local directory or a URL. Batches carry the sample keys, so the embeddings
 gathered from all ranks can be matched up whatever order the workers finish in, and the ``subset`` of each
 sample from its json (In-Shop: ``query`` / ``gallery``; empty when the dataset has none). A class that cannot be
 read is left out with a warning (evaluation has no replacement to offer).
@@ -48,6 +48,14 @@ def balanced_runs(sizes: list[int], parts: int, index: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class _Class:
+    """A class of the split and its image count (the sum over its spans)."""
+
+    id: int
+    count: int
+
+
+@dataclass(frozen=True)
 class EvalSplitBatch:
     """One batch of an evaluation split, in sample order."""
 
@@ -83,7 +91,10 @@ class EvalShards(IterableDataset):
         self.transform_config = transform or TransformConfig()
         self.rank, self.world_size = resolve_rank_world(rank, world_size)
         self.reader = ClassReader(self.manifest, split, cache_dir=cache_dir)
-        self.classes = [span for shard in self.manifest.split(split).shards for span in shard.classes]
+        # One entry per class (a class of an indexed split may be several spans), in manifest order.
+        self.classes = [
+            _Class(cid, sum(span.count for _, span in spans)) for cid, spans in self.reader.where.items()
+        ]
         self.total = sum(span.count for span in self.classes)
         self.start, self.stop = balanced_runs([c.count for c in self.classes], self.world_size, self.rank)
         self._class_category = np.array(

@@ -3,7 +3,10 @@
 A shard directory holds one ``manifest.json`` and, per split, WebDataset tar shards under ``<split>/``. Every
 shard holds ONE category (or only unlabelled classes) and whole classes, stored contiguously, so a class is ONE
 byte range of one tar: the manifest records, per class, its offset, length and a digest of those bytes, and the
-training stream reads a class with a single ranged read (no header walk, any storage fsspec can reach). Each
+training stream reads a class with a single ranged read (no header walk, any storage fsspec can reach). Shards
+made by other tools and indexed in place (``ddp-rank shards index``) may hold a class as several spans, in one
+shard or across shards (shuffled samples, ``maxcount`` cuts, interleaved classes), and mix categories in a shard
+(its ``category`` is then null); the stream reads such a class with one request per span. Each
 sample is the members ``<key>.<jpg|jpeg|png|webp>``, ``<key>.cls`` (global class id as text) and ``<key>.json``
 (class, category, source path, optional subset such as In-Shop's query/gallery). The manifest is the single
 source of truth for counts, ranges and checksums; readers never list the directory. It is parsed and checked
@@ -78,8 +81,10 @@ class ClassInfo:
 
 @dataclass(frozen=True)
 class ClassSpan:
-    """Where one class lies in its shard: ``count`` samples in ``[offset, offset + length)`` of the tar, from the
-    first header of its first member to the end of its last member's data padding. ``digest`` (SPAN_DIGEST) of
+    """Where (part of) a class lies in its shard: ``count`` samples in ``[offset, offset + length)`` of the tar,
+    from the first header of its first member to the end of its last member's data padding. A class has one span
+    in ddp_rank's own shards and may have several in shards indexed in place; its count in a split is the sum of
+    its spans' counts. ``digest`` (SPAN_DIGEST) of
     those bytes lets a reader reject a corrupt or stale range without reading the rest of the shard."""
 
     id: int

@@ -15,8 +15,8 @@ is found by replaying the epoch's earlier steps (pure arithmetic on class sizes,
 
 ``dealing.deal`` then cuts the step's pieces into W parts of exactly M / W images; rank r reads only its part.
 
-Each piece names its images as indices into the class's samples in stored order (``ClassSpan``), so a rank
-reads one byte range per class. ``reserve`` lists, per step and group, classes outside the step's plan that
+Each piece names its images as indices into the class's samples in stored order (its ``ClassSpan``s in manifest
+order), so a rank reads one byte range per span of the class (one per class in ddp_rank's own layout). ``reserve`` lists, per step and group, classes outside the step's plan that
 replace a class a rank cannot read: rank r takes every W-th candidate from position r, so ranks never pick the
 same replacement and never need to ask each other.
 """

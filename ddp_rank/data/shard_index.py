@@ -2,11 +2,15 @@
 
 Shards written by img2dataset, ``wds.ShardWriter`` or a script of one's own are plain tars of samples
 (``<key>.jpg|jpeg|png|webp`` plus ``.cls`` / ``.json`` / ``.txt`` members). Indexing walks each tar once (Python's
-tarfile: every dialect, pax headers included) and records, per class, the byte range from the first header of
-its first sample to the end of its last member, with the range's digest; the class of a sample comes from its
-``.cls`` member or a json field, its category from a json field or a mapping file (class -> category CSV).
-Classes must be contiguous (all samples of a class one after the other, in one shard): the stream reads a class
-with ONE ranged read. When they are not, the error names the class and the places, and says how to reshard.
+tarfile: every dialect, pax headers included) and records, per class, its byte spans: each run of adjacent
+samples of the class is one span (from the first header of its first sample to the end of its last member),
+with the span's digest. Any layout indexes: a class contiguous in one shard (ddp_rank's own layout) is one span;
+shuffled samples, a class cut across tars by ``maxcount``, interleaved classes give a class several spans, read
+with one request each (``ddp-rank shards info`` reports how many; ``ddp-rank shards reshard`` rewrites such shards
+into the contiguous layout when requests would bound remote reads). The class of a sample comes from its ``.cls``
+member, a json field (``--class-field``) or its key's prefix (``--class-from-key SEP``: the key up to its last
+SEP, ``n01440764_10026`` -> ``n01440764``); its category from a json field or a mapping file (class -> category
+CSV). A shard whose classes have several categories has no category of its own (``null``).
 
 The shards may sit behind a URL (then name them with brace ranges, ``train-{000..099}.tar``: a URL cannot be
 listed); the manifest, written with ``--out DIR``, then points at that URL (``shards_root``) and training reads
@@ -92,6 +96,9 @@ class IndexOptions:
     """json field holding the category (missing or None: unlabelled)."""
     category_map: Mapping[str, str] = field(default_factory=dict)
     """class -> category, from a CSV with columns ``class,category`` (wins over the json field)."""
+    class_from_key: str | None = None
+    """Separator: the class is the sample key up to its last occurrence (``n01440764_10026`` with ``_``);
+    None: the class comes from the members (``class_field``)."""
 
 
 def read_category_map(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -164,11 +171,20 @@ def _read_label(tar: tarfile.TarFile, info: tarfile.TarInfo, sample: _Sample, na
 
 def _class_of(sample: _Sample, options: IndexOptions, where: str) -> tuple[str, str | None]:
     meta = sample.meta or {}
-    if options.class_field is not None:
+    if options.class_from_key is not None:
+        name = sample.key.rsplit("/", 1)[-1] if options.class_from_key != "/" else sample.key
+        cls, sep, _ = name.rpartition(options.class_from_key)
+        if not sep or not cls:
+            raise ShardIndexError(
+                f"{where}: the key of sample {sample.key} has no {options.class_from_key!r} before its "
+                "number; name the separator of class and number in the keys with --class-from-key, or take "
+                "the class from the .cls member or a json field (--class-field)"
+            )
+    elif options.class_field is not None:
         if options.class_field not in meta:
             raise ShardIndexError(
                 f"{where}: sample {sample.key} has no json field {options.class_field!r}; pick the field that "
-                "holds the class with --class-field"
+                "holds the class with --class-field (or take it from the key with --class-from-key SEP)"
             )
         cls = str(meta[options.class_field])
     elif sample.cls is not None:
@@ -178,7 +194,7 @@ def _class_of(sample: _Sample, options: IndexOptions, where: str) -> tuple[str, 
     else:
         raise ShardIndexError(
             f"{where}: sample {sample.key} has no .cls member and no json 'class' field; name the json field "
-            "that holds the class with --class-field"
+            "that holds the class with --class-field, or take it from the key with --class-from-key SEP"
         )
     category = options.category_map.get(cls)
     if category is None and options.category_field is not None:
@@ -309,9 +325,6 @@ def index_shards(
                 digests = _digests(local, runs)
                 walked[split].append((rel, runs, size, sha256_file(local), digests))
             skipped += lost
-    _check_contiguous(
-        {split: [(rel, runs, size) for rel, runs, size, _, _ in shards] for split, shards in walked.items()}
-    )
     every_run = [r for shards in walked.values() for _, runs, _, _, _ in shards for r in runs]
     categories = sorted({r.category for r in every_run if r.category is not None}, key=natural_key)
     category_id = {c: i for i, c in enumerate(categories)}
@@ -323,7 +336,8 @@ def index_shards(
     classes = tuple(ClassInfo(i, cls, category_id.get(cat or "")) for (cat, cls), i in class_id.items())
     split_infos = {}
     for split, shards in walked.items():
-        infos, counts = [], {}
+        infos: list[ShardInfo] = []
+        counts: dict[int, int] = {}
         for rel, runs, size, sha256, digests in shards:
             spans = tuple(
                 ClassSpan(class_id[(r.category, r.cls)], r.count, r.start, r.end - r.start, digest)
@@ -340,7 +354,8 @@ def index_shards(
                     sha256,
                 )
             )
-            counts.update({x.id: x.count for x in spans})
+            for x in spans:  # a class of several spans counts all of them
+                counts[x.id] = counts.get(x.id, 0) + x.count
         split_infos[split] = SplitInfo(split, counts, tuple(infos))
     saved_in = root if out is None else os.fspath(out)
     manifest = Manifest(
@@ -362,23 +377,6 @@ def _shards_root(root: str, out: str | os.PathLike[str] | None) -> str | None:
     if out is None or Path(out).resolve() == Path(root).resolve():
         return None
     return str(Path(root).resolve())
-
-
-def _check_contiguous(walked: Mapping[str, list[tuple[str, list[_Run], int]]]) -> None:
-    seen: dict[tuple[str | None, str], str] = {}
-    for split, shards in walked.items():
-        for rel, runs, _ in shards:
-            for run in runs:
-                where = f"{split}/{rel} (from sample {run.first_key})"
-                key = (run.category, run.cls)
-                if key in seen:
-                    raise ShardIndexError(
-                        f"class {run.cls!r} is not contiguous: it appears in {seen[key]} and again in {where}. The "
-                        "stream reads a class as one byte range, so all samples of a class must follow each other "
-                        "in one shard: reshard with `ddp-rank shards build` from a listing of the images (or "
-                        "write the samples sorted by class)"
-                    )
-                seen[key] = where
 
 
 def upgrade_manifest(directory: str | os.PathLike[str]) -> Manifest:

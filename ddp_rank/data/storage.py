@@ -1,8 +1,9 @@
 """Ranged reads of shard bytes from a local directory or any URL fsspec reaches, with an optional node-local cache.
 
-A class is one byte range of one tar (``ClassSpan``), so training reads are ``read(shard, offset, length)``:
+A class is one or more byte ranges of tars (``ClassSpan``), so training reads are ``read(shard, offset, length)``:
 a ``seek`` + ``read`` on a local file, an HTTP ``Range`` request (or the S3 / GCS equivalent) through fsspec
-for a URL. We write no network client: fsspec's file systems (``http``/``https`` need aiohttp, ``s3`` s3fs,
+for a URL. ``read_many`` reads the spans of a class: those read by range from a URL concurrently (up to
+``MAX_CONCURRENT`` requests in flight, each retried on its own), the others one after the other. We write no network client: fsspec's file systems (``http``/``https`` need aiohttp, ``s3`` s3fs,
 ``gs`` gcsfs) do the transfer.
 
 The node-local cache (``cache_dir``) keeps whole shards fetched from a URL, since every class of a shard is read
@@ -27,8 +28,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -43,6 +46,9 @@ RECACHE_S = 60.0
 """A shard that did not fit in the cache for a passing reason is tried again after this long."""
 
 _T = TypeVar("_T")
+
+MAX_CONCURRENT = 8
+"""Most range requests of one ``read_many`` in flight at once (a class cut into many spans of a URL)."""
 
 _RETRIED_HTTP_STATUS = (408, 429)
 """The client errors (4xx) worth another try: the request timed out, too many requests."""
@@ -101,11 +107,16 @@ class ShardStore:
         self._fs: Any = None
         self._fs_pid = os.getpid()
         self._uncached: dict[str, float] = {}  # sha256 -> when to try caching it again (inf: never)
+        self._count_lock = threading.Lock()  # retries are counted from read_many's threads
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_files"], state["_fs"] = {}, None
+        state["_files"], state["_fs"], state["_count_lock"] = {}, None, None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._count_lock = threading.Lock()
 
     def read(self, shard: ShardInfo, offset: int, length: int) -> bytes:
         """``length`` bytes at ``offset`` of ``shard``; raises OSError (FileNotFoundError for a missing shard,
@@ -117,13 +128,69 @@ class ShardStore:
                 lambda: self._filesystem().cat_file(url, start=offset, end=offset + length), url
             )
         else:
-            f.seek(offset)
-            data = f.read(length)
+            data = self._read_open(f, offset, length)
+        return self._checked(shard, offset, length, data)
+
+    @staticmethod
+    def _read_open(f: BinaryIO, offset: int, length: int) -> bytes:
+        f.seek(offset)
+        return f.read(length)
+
+    def _read_range(self, shard: ShardInfo, url: str, offset: int, length: int) -> bytes | Exception:
+        """A range of a URL (retried as ``read``), or the exception it ended with."""
+        try:
+            data = self._retrying(
+                lambda: self._filesystem().cat_file(url, start=offset, end=offset + length), url
+            )
+            return self._checked(shard, offset, length, data)
+        except Exception as exc:
+            return exc
+
+    @staticmethod
+    def _checked(shard: ShardInfo, offset: int, length: int, data: bytes) -> bytes:
         if len(data) != length:
             raise EOFError(
                 f"{shard.path}: {len(data)} of {length} bytes at offset {offset} (truncated shard?)"
             )
         return bytes(data)
+
+    def read_many(self, requests: Sequence[tuple[ShardInfo, int, int]]) -> list[bytes | Exception]:
+        """``read(shard, offset, length)`` of each request, in order; a request that fails gives the exception in
+        its place (the others are still read). Ranges of a URL's uncached shards are requested concurrently;
+        local files and cached shards are read in this thread (their open files are not shared across
+        threads)."""
+        results: list[bytes | Exception] = [b""] * len(requests)
+        remote: list[tuple[int, str, int, int]] = []
+        for i, (shard, offset, length) in enumerate(requests):
+            try:
+                f = self._open_shard(shard)
+                if f is None:
+                    remote.append((i, self.manifest.shard_url(shard), offset, length))
+                else:
+                    results[i] = self._checked(shard, offset, length, self._read_open(f, offset, length))
+            except Exception as exc:
+                results[i] = exc
+        if len(remote) == 1:
+            i, url, offset, length = remote[0]
+            results[i] = self._read_range(requests[i][0], url, offset, length)
+        elif remote:
+            self._filesystem()  # made once here, not raced for by the threads
+            with ThreadPoolExecutor(max_workers=min(MAX_CONCURRENT, len(remote))) as pool:
+                futures = [
+                    (i, pool.submit(self._read_range, requests[i][0], url, offset, length))
+                    for i, url, offset, length in remote
+                ]
+                for i, future in futures:
+                    results[i] = future.result()
+        return results
+
+    def open_file(self, shard: ShardInfo, block_size: int = 1 << 22) -> BinaryIO:
+        """The shard as a seekable file, for reading a range too large to hold at once: the local file, or
+        fsspec's buffered file of the URL (reads ``block_size`` bytes per request). The caller closes it."""
+        if not self.remote:
+            return open(self.manifest.shard_url(shard), "rb")
+        url = self.manifest.shard_url(shard)
+        return self._retrying(lambda: self._filesystem().open(url, "rb", block_size=block_size), url)
 
     def take_counts(self) -> dict[str, int]:
         """The data events since the last call (and start counting again)."""
@@ -156,7 +223,8 @@ class ShardStore:
             except Exception as exc:
                 if not transient(exc) or time.monotonic() + pause > deadline:
                     raise
-                self.counts["read_retries"] += 1
+                with self._count_lock:
+                    self.counts["read_retries"] += 1
                 log.warning(f"{url}: {type(exc).__name__}: {exc}; retrying in {pause:.2f} s")
             time.sleep(pause)
             pause = min(2 * pause, 4.0)

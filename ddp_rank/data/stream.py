@@ -281,7 +281,7 @@ class ShardStream(IterableDataset):
                 decoded = decode_image(sample.image, self.transform_config.resize)
             except (OSError, ValueError, SyntaxError, EOFError) as exc:
                 events.decode_errors += 1
-                shard = self.reader.where[class_id][0].path
+                shard = self.reader.shard_of(class_id, index)
                 raise ClassReadError(class_id, shard, f"image {sample.key} does not decode: {exc}") from exc
             # Each image's augmentation draws from a generator of its own, seeded by where the image stands in
             # the plan: never the torch RNG the model draws from, so batches may be read in another thread

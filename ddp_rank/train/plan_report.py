@@ -14,6 +14,7 @@ import torch
 
 from ddp_rank.config import Config, ConfigError
 from ddp_rank.data.dealing import deal
+from ddp_rank.data.fragmentation import fragmentation
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.plan import Catalog, GlobalPlan, PlanError
 from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
@@ -103,14 +104,25 @@ def describe_plan(
         facts.append(("chunk (auto)", why))
     facts.append(("step", step))
     facts.append(("loss work space per rank", work_line))
+    frag = fragmentation(manifest, data.train_split)
+    facts.append(("spans", frag.summary()))
     try:
         t0 = time.perf_counter()
+        checked = max(1, min(steps, plan.steps_per_epoch))
+        requests = 0
         for s in range(min(steps, plan.steps_per_epoch)):
-            deal(plan.step(0, s), world_size, plan.config.seed)
-        per_step = (time.perf_counter() - t0) / max(1, min(steps, plan.steps_per_epoch))
+            parts = deal(plan.step(0, s), world_size, plan.config.seed)
+            # Each rank reads every span of each class it holds (a class dealt to two ranks is read twice).
+            requests += sum(frag.requests(p.class_id for p in part) for part in parts)
+        per_step = (time.perf_counter() - t0) / checked
         facts.append(("plan + deal per step", f"{1000 * per_step:.1f} ms"))
+        facts.append(
+            ("reads per step", f"{requests / checked:,.0f} requests (all ranks, mean of {checked} step(s))")
+        )
     except PlanError as exc:
         problems.append(str(exc))
+    advice = frag.advice(data.shards)
+    facts.append(("remote reads", advice or frag.bound()))
     return facts, problems
 
 

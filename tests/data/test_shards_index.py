@@ -122,12 +122,15 @@ def test_category_mapping_file_and_cli(tmp_path: Path, capsys: pytest.CaptureFix
     assert Manifest.load(tmp_path / "wds").categories == ("birds", "plants")
 
 
-def test_classes_that_are_not_contiguous_are_refused_with_the_fix(tmp_path: Path) -> None:
+def test_a_class_that_comes_back_later_is_two_spans(tmp_path: Path) -> None:
     write_foreign(tmp_path / "wds", [("a", "f"), ("b", "f"), ("a", "f")])
-    with pytest.raises(
-        ShardIndexError, match=r"class 'a' is not contiguous.*reshard with `ddp-rank shards build`"
-    ):
-        index_shards(tmp_path / "wds", find_splits(tmp_path / "wds", []), IndexOptions(class_field="label"))
+    manifest = index_shards(
+        tmp_path / "wds", find_splits(tmp_path / "wds", []), IndexOptions(class_field="label")
+    ).manifest
+    (a,) = [c.id for c in manifest.classes if c.name == "a"]
+    spans = [span for shard in manifest.split("train").shards for span in shard.classes if span.id == a]
+    assert [span.count for span in spans] == [3, 3]
+    assert manifest.split("train").class_counts[a] == 6
     with pytest.raises(ShardIndexError, match="--class-field"):
         index_shards(tmp_path / "wds", find_splits(tmp_path / "wds", []), IndexOptions(class_field="species"))
 
