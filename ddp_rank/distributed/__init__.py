@@ -1,7 +1,8 @@
 """The distributed layer: uneven-row collectives, the global-batch loss, process-group helpers.
 
-The only place that calls ``torch.distributed`` for training math. It knows losses only through their
-``prepare``/``rows`` interface and knows nothing of images or data.
+The only place that calls ``torch.distributed`` for training math. It knows the listwise losses only through
+their ``prepare``/``rows`` interface, any other loss only as ``loss(embeddings, labels)``, and knows nothing of
+images or data.
 """
 
 from ddp_rank.distributed.collectives import (
