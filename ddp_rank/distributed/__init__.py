@@ -5,6 +5,7 @@ their ``prepare``/``rows`` interface, any other loss only as ``loss(embeddings, 
 images or data.
 """
 
+from ddp_rank.distributed.any_loss import average_gradients
 from ddp_rank.distributed.collectives import (
     CommCounter,
     all_gather_ints,
@@ -35,6 +36,7 @@ __all__ = [
     "GradReduction",
     "all_gather_ints",
     "all_reduce_sum",
+    "average_gradients",
     "collective_device",
     "global_batch_loss",
     "is_distributed",

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ddp_rank.distributed.collectives import CommCounter, all_reduce_sum, padded_all_gather
+from ddp_rank.distributed.process_group import is_distributed, world_size
 
 LossCallable = Callable[..., Tensor]
 MinerCallable = Callable[[Tensor, Tensor], Any]
@@ -163,3 +164,20 @@ def any_failed(failed: bool, device: torch.device, group: Any, counter: CommCoun
     """Collective: whether the loss failed on some rank (one small all-reduce)."""
     flag = torch.tensor([1.0 if failed else 0.0], device=device)
     return float(all_reduce_sum(flag, group, counter)) > 0
+
+
+def average_gradients(parameters: list[nn.Parameter], group: Any = None) -> None:
+    """Collective: replace each parameter's gradient by its mean over the ranks (a missing one counts as zero).
+
+    For a loss's own parameters (proxies) kept out of the engine's gradient reduction: every rank computed
+    their full gradient on the same global batch, so the mean is that gradient, and it leaves them bitwise
+    equal on every rank whatever the order of floating-point sums inside each rank's loss.
+    """
+    if not parameters or not is_distributed(group):
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, group=group)
+    flat /= world_size(group)
+    for p, piece in zip(parameters, flat.split([g.numel() for g in grads])):
+        p.grad = piece.view_as(p).clone()
