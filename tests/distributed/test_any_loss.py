@@ -179,6 +179,10 @@ def _failing_worker(rank: int, world: int) -> dict[str, str]:
         GlobalBatchLoss(losses.ContrastiveLoss(neg_margin=rank + 1.0))(e, y)
     errors["different-loss"] = str(other.value)
     GlobalBatchLoss(centroid_loss)(e.clone().requires_grad_(), y).backward()  # the group is still in step
+    nothing = e[:0].clone().requires_grad_()
+    zero = GlobalBatchLoss(centroid_loss)(nothing, y[:0])  # no row on any rank: 0, and a gradient of 0 rows
+    zero.backward()
+    errors["empty"] = f"{float(zero)} {tuple(nothing.grad.shape)}"
     return errors
 
 
@@ -188,3 +192,4 @@ def test_failures_raise_on_every_rank_without_hanging() -> None:
     assert all("rank(s) [1]" in r["inside"] and "out of memory (simulated)" in r["inside"] for r in results)
     assert "integer class ids" in results[0]["labels"] and "rank(s) [0]" in results[1]["labels"]
     assert all("ranks run different losses" in r["different-loss"] for r in results)
+    assert all(r["empty"] == f"0.0 (0, {WIDTH})" for r in results)
