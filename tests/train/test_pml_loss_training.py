@@ -125,3 +125,25 @@ def test_missing_pml_is_one_clear_line(shards: Path, tmp_path: Path, monkeypatch
         ConfigError, match=r"needs pytorch-metric-learning, which is not installed: pip install"
     ):
         Trainer(cfg_for(shards, tmp_path / "run", "loss.name=pml:ContrastiveLoss")).close()
+
+
+@pytest.mark.parametrize(
+    ("plugin", "precision"), [(object(), "no"), (None, "fp16")], ids=["deepspeed", "fp16"]
+)
+def test_loss_parameters_are_refused_where_they_cannot_be_trained(plugin: object, precision: str) -> None:
+    """DeepSpeed and fp16 loss scaling handle only the model's parameters: a proxy loss is refused up front
+    (a loss without parameters is not)."""
+    from types import SimpleNamespace
+
+    from pytorch_metric_learning import losses
+
+    from ddp_rank.runtime import TrainError
+    from ddp_rank.train.setup import TrainingLoss
+
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), mixed_precision=precision)
+    trainer = SimpleNamespace(
+        accelerator=accelerator, device=torch.device("cpu"), cfg=load_config(None, [PROXY[0]])
+    )
+    with pytest.raises(TrainError, match="has parameters of its own, which this run cannot train"):
+        Trainer._loss_parameters(trainer, TrainingLoss(losses.ProxyAnchorLoss(5, 4)))  # type: ignore[arg-type]
+    assert Trainer._loss_parameters(trainer, TrainingLoss(losses.ContrastiveLoss())) == []  # type: ignore[arg-type]
