@@ -4,6 +4,7 @@ checkpoint and resumed; bad names, arguments and combinations fail at start-up w
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ STEPS = 3
 PROXY = [
     "loss.name=pml:ProxyAnchorLoss(margin=0.1, alpha=32)",
     "model.freeze_bn=always",
-    "loss.params_lr_mult=10",
+    "loss.params_lr_mult=5",
 ]
 
 
@@ -74,6 +75,10 @@ def test_proxy_loss_on_two_processes_equals_one(shards: Path, tmp_path: Path, ch
 def test_proxies_are_saved_and_resumed(shards: Path, tmp_path: Path) -> None:
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     run_training(cfg_for(shards, straight, *PROXY, "train.steps=4"))
+    logged = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert {r["lr_head"] for r in logged if r["kind"] == "train"} == {1e-2}, (
+        "the head's rate, not the proxies'"
+    )
     run_training(cfg_for(shards, halves, *PROXY, "train.steps=2"))
     trainer = Trainer(cfg_for(shards, halves, *PROXY, "train.steps=4"))
     try:
