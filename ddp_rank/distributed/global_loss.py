@@ -201,9 +201,9 @@ class GlobalBatchLoss(nn.Module):
         grad_reduction: ``"mean"`` when the engine averages parameter gradients over ranks (DDP, DeepSpeed
             ZeRO, accelerate), ``"sum"`` when it sums them. See the module docstring for the convention.
         comm_counter: optional ``CommCounter`` that records the bytes this module's collectives send.
-        grad_dtype: dtype of the gradient rows the backward reduce-scatters; ``None`` (default) keeps the
-            compute dtype (float32, float64 for float64 inputs); ``torch.bfloat16`` halves those bytes at about
-            3 significant digits. Embeddings always travel in their own dtype (bf16 / fp16 inputs: half the
+        grad_dtype: dtype of the gradient rows the backward reduce-scatters (row-split path; the generic path
+            sends no gradient); ``None`` (default) keeps the compute dtype (float32, float64 for float64
+            inputs); ``torch.bfloat16`` halves those bytes at about 3 significant digits. Embeddings always travel in their own dtype (bf16 / fp16 inputs: half the
             bytes of float32), labels in the smallest integer type that holds every rank's ids.
 
     Every rank must call it at the same step (it runs collectives), in the same grad mode, with the same loss
