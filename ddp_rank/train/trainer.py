@@ -115,9 +115,10 @@ class Trainer:
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
+        model, notes = build_network(cfg, self.device)
+        # After the network: a proxy loss's random proxies leave the model's initial weights as with any loss.
         training_loss = build_training_loss(cfg, self.manifest)
         self.loss_parameters = self._loss_parameters(training_loss)
-        model, notes = build_network(cfg, self.device)
         if cfg.distributed.fixed_chunk is None:
             self.layout = self._auto_chunk(model, training_loss.loss)
         self.report = RunReport(cfg, self.layout, self.device, self.is_main)

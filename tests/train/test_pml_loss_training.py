@@ -59,7 +59,8 @@ def _rank_worker(rank: int, world: int, shards: str, out: str, extra: tuple[str,
 @pytest.mark.distributed
 @pytest.mark.parametrize("chunk", ["0", "3"], ids=["direct", "chunked"])
 def test_proxy_loss_on_two_processes_equals_one(shards: Path, tmp_path: Path, chunk: str) -> None:
-    extra = (*PROXY, f"distributed.chunk_size={chunk}")
+    # SGD, not Adam: Adam's normalised step turns rounding noise in a near-zero gradient into a full step.
+    extra = (*PROXY, f"distributed.chunk_size={chunk}", "optim.name=sgd", "optim.lr=0.05")
     ranks = run_distributed(_rank_worker, 2, args=(str(shards), str(tmp_path / "two"), extra), timeout=120)
     one = _train(str(shards), str(tmp_path / "one"), extra)
     assert not torch.equal(one["proxies"], one["before"]), "the optimizer must move the proxies"
