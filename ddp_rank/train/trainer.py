@@ -65,6 +65,7 @@ from ddp_rank.train.setup import (
     build_training_loss,
     check_inputs,
     configure_deepspeed,
+    uses_deepspeed,
 )
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class Trainer:
         self.cfg = cfg
         self.manifest = check_inputs(cfg)
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
-        set_deterministic(cfg.train.deterministic)
+        set_deterministic(cfg.train.deterministic, cfg.train.deterministic_fill)
         self.accelerator = acc = accelerator if accelerator is not None else make_accelerator(cfg)
         self.world_size = acc.num_processes
         self.rank = acc.process_index
@@ -115,7 +116,7 @@ class Trainer:
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
-        model, notes = build_network(cfg, self.device)
+        model, notes = build_network(cfg, self.device, deepspeed=uses_deepspeed(acc))
         # After the network: a proxy loss's random proxies leave the model's initial weights as with any loss.
         training_loss = build_training_loss(cfg, self.manifest)
         self.loss_parameters = self._loss_parameters(training_loss)
@@ -150,7 +151,7 @@ class Trainer:
         if not params:
             return []
         acc = self.accelerator
-        if getattr(acc.state, "deepspeed_plugin", None) is not None or acc.mixed_precision == "fp16":
+        if uses_deepspeed(acc) or acc.mixed_precision == "fp16":
             raise TrainError(
                 f"loss.name={self.cfg.loss.name} has parameters of its own, which this run cannot train: DeepSpeed "
                 "and fp16 loss scaling handle only the model's parameters. Use DDP (no DeepSpeed config) with "
