@@ -73,6 +73,7 @@ def test_proxy_loss_on_two_processes_equals_one(shards: Path, tmp_path: Path, ch
         assert_close(ranks[0]["weights"][name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # four short runs: out of make test-fast
 def test_proxies_are_saved_and_resumed(shards: Path, tmp_path: Path) -> None:
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     run_training(cfg_for(shards, straight, *PROXY, "train.steps=4"))
