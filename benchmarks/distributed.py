@@ -5,7 +5,10 @@ random unit embeddings), peak extra memory per rank and bytes each rank sends, f
 
 - ours: ``GlobalBatchLoss(FastAPLoss())``: N_local x N rows per rank, all-gather + reduce-scatter;
 - PML: ``pytorch_metric_learning.utils.distributed.DistributedLossWrapper(FastAPLoss())``: all-gather, then
-  the whole N x N loss on every rank (its FastAP also materialises [bins, N, N]).
+  the whole N x N loss on every rank (its FastAP also materialises [bins, N, N]);
+- ours, generic path: ``GlobalBatchLoss(pytorch_metric_learning.losses.FastAPLoss())``, how any other loss goes
+  global (the whole loss on the gathered batch on every rank, autograd through this rank's rows): the same loss
+  code as PML's wrapper, so the difference is the wrapper's.
 
 Part 2 (one process): the chunked step's time over the direct step on a small CNN (goal: at most 1.4x, the
 cost of the second forward).
@@ -108,11 +111,14 @@ METHODS = {
     "ours-bf16": "GlobalBatchLoss (ours), bf16 inputs",
     "ours-bf16-grads": "GlobalBatchLoss (ours), bf16 inputs and gradients",
     "pml": "PML DistributedLossWrapper",
+    "ours-generic": "GlobalBatchLoss (ours), generic path, PML's FastAP",
 }
+NN_METHODS = ("pml", "ours-generic")
+"""The methods that compute the whole N x N loss on every rank (run up to --pml-max only)."""
 
 
 def make_loss(method: str, counter: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    if method.startswith("ours"):
+    if method.startswith("ours") and method != "ours-generic":
         from ddp_rank.distributed import GlobalBatchLoss
         from ddp_rank.losses import FastAPLoss
 
@@ -123,6 +129,10 @@ def make_loss(method: str, counter: Any) -> Callable[[torch.Tensor, torch.Tensor
     from pytorch_metric_learning.losses import FastAPLoss as PMLFastAP
     from pytorch_metric_learning.utils.distributed import DistributedLossWrapper
 
+    if method == "ours-generic":
+        from ddp_rank.distributed import GlobalBatchLoss
+
+        return GlobalBatchLoss(PMLFastAP(num_bins=10), comm_counter=counter)
     return DistributedLossWrapper(PMLFastAP(num_bins=10))
 
 
@@ -160,7 +170,7 @@ def loss_worker(
     rows = []
     for n_global in sizes:
         for method in METHODS:
-            if method == "pml" and n_global > pml_max:
+            if method in NN_METHODS and n_global > pml_max:
                 rows.append({"method": method, "n": n_global, "skipped": True})
                 continue
             stats = time_loss(method, n_global, dim, repeats, rank)
@@ -283,7 +293,10 @@ def main() -> None:
         help="global batch sizes N (split evenly over 2 processes)",
     )
     parser.add_argument(
-        "--pml-max", type=int, default=2048, help="largest N to run PML at (its memory grows as N^2 per rank)"
+        "--pml-max",
+        type=int,
+        default=2048,
+        help="largest N to run the N x N methods at (PML, our generic path: memory grows as N^2 per rank)",
     )
     parser.add_argument("--dim", type=int, default=128, help="embedding width d")
     parser.add_argument(

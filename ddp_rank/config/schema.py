@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ddp_rank.config.call_spec import PML_PREFIX, parse_call
 from ddp_rank.config.checks import ConfigError, _field, _meta, _Section, _section_key, _suggest
 
 
@@ -189,11 +190,33 @@ class ModelConfig(_Section):
             )
 
 
+LISTWISE_LOSSES = ("fastap", "pnp", "smoothap")
+"""The project's own losses (row-split over the ranks); any other ``loss.name`` is a ``pml:`` loss."""
+
+
 @dataclass
 class LossConfig(_Section):
     """The listwise ranking loss and its hyper-parameters (losses know no ranks; the trainer wraps them)."""
 
-    name: str = _field("fastap", "Loss family.", choices=("fastap", "pnp", "smoothap"))
+    name: str = _field(
+        "fastap",
+        "Loss family: fastap, pnp, smoothap (row-split over the ranks, memory-linear), or a pytorch-metric-"
+        "learning loss with its arguments, 'pml:<Loss>(key=value, ...)' such as pml:ContrastiveLoss(pos_margin="
+        "0.0, neg_margin=1.0) or pml:ProxyAnchorLoss(margin=0.1, alpha=32) (the whole loss on the gathered "
+        "global batch on every rank: N x N work; needs pip install 'ddp_rank[pml]'). A proxy loss's num_classes "
+        "and embedding_size default to the shards' class count and model.embedding_dim.",
+    )
+    miner: str = _field(
+        "",
+        "With a pml loss: a pytorch-metric-learning miner run on the GLOBAL batch, 'pml:<Miner>(key=value, ...)' "
+        "such as pml:MultiSimilarityMiner(epsilon=0.1); empty = none.",
+    )
+    params_lr_mult: float = _field(
+        100.0,
+        "Learning-rate multiplier (of optim.lr) of the loss's own parameters, the proxies of ProxyAnchor, "
+        "ProxyNCA, SoftTriple (their papers train proxies about 100x faster than the backbone).",
+        minimum=0.0,
+    )
     num_bins: int = _field(10, "FastAP: histogram bins L (paper: 10 is best).", minimum=2)
     kernel: str = _field(
         "torch",
@@ -231,6 +254,26 @@ class LossConfig(_Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.name.startswith(PML_PREFIX):
+            parse_call(self.name, "loss.name", "pml:ContrastiveLoss(pos_margin=0.0, neg_margin=1.0)")
+        elif self.name not in LISTWISE_LOSSES:
+            raise ConfigError(
+                f"loss.name={self.name!r} is not a valid choice; valid choices: {', '.join(LISTWISE_LOSSES)}, or "
+                "pml:<Loss>(key=value, ...) for a pytorch-metric-learning loss."
+                + _suggest(self.name, LISTWISE_LOSSES)
+            )
+        if self.miner:
+            if not self.miner.startswith(PML_PREFIX):
+                raise ConfigError(
+                    f"loss.miner={self.miner!r}: name a pytorch-metric-learning miner, e.g. "
+                    "loss.miner=pml:MultiSimilarityMiner(epsilon=0.1), or leave it empty"
+                )
+            if not self.name.startswith(PML_PREFIX):
+                raise ConfigError(
+                    f"loss.miner is set but loss.name={self.name} ranks the whole batch and takes no mined "
+                    "tuples: clear loss.miner or use a pml pair/tuple loss"
+                )
+            parse_call(self.miner, "loss.miner", "pml:MultiSimilarityMiner(epsilon=0.1)")
         # PNPLoss checks b > 0 for every variant (only Ib uses it); the other losses ignore b.
         if self.name == "pnp" and self.b <= 0:
             raise ConfigError(f"loss.b={self.b!r} must be > 0 with loss.name=pnp (e.g. the default 2.0)")

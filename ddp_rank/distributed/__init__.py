@@ -1,9 +1,11 @@
 """The distributed layer: uneven-row collectives, the global-batch loss, process-group helpers.
 
-The only place that calls ``torch.distributed`` for training math. It knows losses only through their
-``prepare``/``rows`` interface and knows nothing of images or data.
+The only place that calls ``torch.distributed`` for training math. It knows the listwise losses only through
+their ``prepare``/``rows`` interface, any other loss only as ``loss(embeddings, labels)``, and knows nothing of
+images or data.
 """
 
+from ddp_rank.distributed.any_loss import average_gradients
 from ddp_rank.distributed.collectives import (
     CommCounter,
     all_gather_ints,
@@ -34,6 +36,7 @@ __all__ = [
     "GradReduction",
     "all_gather_ints",
     "all_reduce_sum",
+    "average_gradients",
     "collective_device",
     "global_batch_loss",
     "is_distributed",

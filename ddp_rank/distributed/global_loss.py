@@ -29,6 +29,14 @@ import torch
 from torch import Tensor, nn
 
 from ddp_rank.distributed.agreement import RankFailure
+from ddp_rank.distributed.any_loss import (
+    LossCallable,
+    MinerCallable,
+    any_failed,
+    check_wrappable,
+    gathered_loss,
+    loss_signature,
+)
 from ddp_rank.distributed.collectives import (
     CommCounter,
     all_gather_ints,
@@ -168,21 +176,34 @@ def raise_everywhere(failure: BaseException | None, group: ProcessGroup | None) 
 
 
 class GlobalBatchLoss(nn.Module):
-    """Wrap a listwise loss so that it is computed over the global batch of all ranks of `group`.
+    """Wrap a loss so that it is computed over the global batch of all ranks of `group`.
 
     ``global_loss(local_embeddings [n_r, d], local_labels [n_r]) -> 0-d global loss`` on every rank; local sizes
     may differ between ranks and may be 0. Labels must be global class ids (the same class has the same id on
-    every rank). Without a process group, or with world size 1, this is exactly ``loss(embeddings, labels)``.
+    every rank). Without a process group, or with world size 1, this is exactly ``loss(embeddings, labels)``
+    (``loss(embeddings, labels, miner(embeddings, labels))`` with a miner).
+
+    Two paths, one convention. A ddp_rank listwise loss (FastAP, PNP, Smooth-AP) is row-split: each rank computes
+    only its own queries' rows (N_local x N). Any other loss called as ``loss(embeddings, labels)`` (every
+    pytorch-metric-learning loss, a user's own) takes the generic path (``any_loss``): the gathered batch on
+    every rank, the whole loss computed everywhere, autograd only through this rank's rows (N x N per rank).
+    Either way the value is the single-process loss of the concatenated batch on every rank, and the gradient
+    of this rank's embeddings follows ``grad_reduction``. A loss with parameters of its own (ProxyAnchor,
+    ProxyNCA, SoftTriple) gets their FULL single-process gradient on every rank: average those gradients over
+    the ranks (or leave them as they are, equal everywhere), never sum them. Anything else is refused here.
 
     Args:
-        loss: the listwise loss (FastAP, PNP, Smooth-AP), used through its ``prepare`` and ``rows`` methods.
+        loss: a listwise loss (used through its ``prepare`` and ``rows`` methods) or any loss module or
+            function called as ``loss(embeddings, labels)``.
+        miner: generic path only: ``miner(embeddings, labels) -> indices`` run on the GLOBAL batch, whose result
+            is passed as ``loss(embeddings, labels, indices)`` (pytorch-metric-learning miners and losses).
         group: the process group to span (default: the default group).
         grad_reduction: ``"mean"`` when the engine averages parameter gradients over ranks (DDP, DeepSpeed
             ZeRO, accelerate), ``"sum"`` when it sums them. See the module docstring for the convention.
         comm_counter: optional ``CommCounter`` that records the bytes this module's collectives send.
-        grad_dtype: dtype of the gradient rows the backward reduce-scatters; ``None`` (default) keeps the
-            compute dtype (float32, float64 for float64 inputs); ``torch.bfloat16`` halves those bytes at about
-            3 significant digits. Embeddings always travel in their own dtype (bf16 / fp16 inputs: half the
+        grad_dtype: dtype of the gradient rows the backward reduce-scatters (row-split path; the generic path
+            sends no gradient); ``None`` (default) keeps the compute dtype (float32, float64 for float64
+            inputs); ``torch.bfloat16`` halves those bytes at about 3 significant digits. Embeddings always travel in their own dtype (bf16 / fp16 inputs: half the
             bytes of float32), labels in the smallest integer type that holds every rank's ids.
 
     Every rank must call it at the same step (it runs collectives), in the same grad mode, with the same loss
@@ -193,13 +214,15 @@ class GlobalBatchLoss(nn.Module):
 
     def __init__(
         self,
-        loss: ListwiseLoss,
+        loss: ListwiseLoss | LossCallable,
         group: ProcessGroup | None = None,
         grad_reduction: GradReduction = "mean",
         comm_counter: CommCounter | None = None,
         grad_dtype: torch.dtype | None = None,
+        miner: MinerCallable | None = None,
     ) -> None:
         super().__init__()
+        check_wrappable(loss, miner, listwise=isinstance(loss, ListwiseLoss))
         if grad_reduction not in ("mean", "sum"):
             raise ValueError(f"grad_reduction must be 'mean' (DDP, ZeRO) or 'sum', got {grad_reduction!r}")
         if grad_dtype not in (None, torch.float32, torch.float64, torch.bfloat16, torch.float16):
@@ -207,6 +230,7 @@ class GlobalBatchLoss(nn.Module):
                 f"grad_dtype must be None (the compute dtype) or a floating dtype, got {grad_dtype}"
             )
         self.loss = loss
+        self.miner = miner
         self.group = group
         self.grad_reduction = grad_reduction
         self.comm_counter = comm_counter
@@ -214,11 +238,22 @@ class GlobalBatchLoss(nn.Module):
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         if not is_distributed(self.group):
+            if self.miner is not None:
+                return self.loss(embeddings, labels, self.miner(embeddings, labels))
             return self.loss(embeddings, labels)
+        if not isinstance(self.loss, ListwiseLoss):
+            return self._generic(embeddings, labels)
         x, labels, problem = _prepare_or_report(self.loss, embeddings, labels)
         need_grad = torch.is_grad_enabled() and x.requires_grad
         meta = exchange_layout(
-            x, embeddings.dtype, labels, problem, self.loss, need_grad, self.group, self.comm_counter
+            x,
+            embeddings.dtype,
+            labels,
+            problem,
+            self.loss.signature(),
+            need_grad,
+            self.group,
+            self.comm_counter,
         )
         wire = _Wire(
             layout=meta.layout,
@@ -231,12 +266,37 @@ class GlobalBatchLoss(nn.Module):
         )
         return GlobalBatchLossFunction.apply(x, labels, embeddings.detach(), self.loss, wire)
 
+    def _generic(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        """Any other loss: the whole loss on the gathered batch, gradients through this rank's rows (any_loss)."""
+        problem = _generic_input_problem(embeddings, labels)
+        need_grad = torch.is_grad_enabled() and embeddings.requires_grad
+        signature = loss_signature(self.loss, self.miner)
+        meta = exchange_layout(
+            embeddings, embeddings.dtype, labels, problem, signature, need_grad, self.group, self.comm_counter
+        )
+        value, failure = gathered_loss(
+            self.loss,
+            self.miner,
+            embeddings,
+            labels,
+            meta.layout.sizes,
+            meta.layout.rank,
+            meta.label_dtype,
+            float(world_size(self.group)) if self.grad_reduction == "mean" else 1.0,
+            self.group,
+            self.comm_counter,
+        )
+        if any_failed(value is None, embeddings.device, self.group, self.comm_counter):
+            raise_everywhere(failure, self.group)
+        assert value is not None
+        return value
+
     def extra_repr(self) -> str:
         return f"grad_reduction={self.grad_reduction!r}"
 
 
 def global_batch_loss(
-    loss: ListwiseLoss,
+    loss: ListwiseLoss | LossCallable,
     embeddings: Tensor,
     labels: Tensor,
     group: ProcessGroup | None = None,
@@ -244,6 +304,19 @@ def global_batch_loss(
 ) -> Tensor:
     """Functional form of ``GlobalBatchLoss(loss, group, grad_reduction)(embeddings, labels)``."""
     return GlobalBatchLoss(loss, group, grad_reduction)(embeddings, labels)
+
+
+def _generic_input_problem(embeddings: Tensor, labels: Tensor) -> ValueError | None:
+    """The checks the generic path can make without knowing the loss: shapes and an integer label dtype."""
+    if embeddings.dim() != 2:
+        return ValueError(f"embeddings must be [n, d], got shape {tuple(embeddings.shape)}")
+    if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
+        return ValueError(
+            f"labels must be [n] with n = {embeddings.shape[0]} (the embeddings' rows), got {tuple(labels.shape)}"
+        )
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        return ValueError(f"labels must be integer class ids, got {labels.dtype}")
+    return None
 
 
 def _prepare_or_report(
@@ -277,7 +350,7 @@ def exchange_layout(
     wire_dtype: torch.dtype,
     labels: Tensor,
     problem: ValueError | None,
-    loss: ListwiseLoss,
+    signature_text: str,
     need_grad: bool,
     group: ProcessGroup | None,
     counter: CommCounter | None = None,
@@ -293,7 +366,7 @@ def exchange_layout(
     hang, corrupt the collectives or mix two different losses into one number).
     """
     me = rank(group)
-    signature = zlib.crc32(loss.signature().encode("utf-8"))
+    signature = zlib.crc32(signature_text.encode("utf-8"))
     low, high = 0, 0
     if labels.numel() and problem is None:  # one device sync for both ends (this runs every step)
         low, high = torch.stack(torch.aminmax(labels)).tolist()
@@ -312,7 +385,7 @@ def exchange_layout(
         )
     if len(set(meta[:, 5].tolist())) > 1:
         signatures: list[object] = [None] * meta.shape[0]
-        torch.distributed.all_gather_object(signatures, loss.signature(), group=group)
+        torch.distributed.all_gather_object(signatures, signature_text, group=group)
         shown = "; ".join(f"rank {r}: {sig}" for r, sig in enumerate(signatures))
         raise ValueError(
             f"ranks run different losses or hyper-parameters ({shown}): build the same loss everywhere"

@@ -40,11 +40,13 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one forward-backward returns: the loss value (detached) and how many chunks were used
-    (1 = direct path)."""
+    """What one forward-backward returns: the loss value (detached), how many chunks were used (1 = direct
+    path) and, when asked for (``return_embeddings=True``), this rank's embeddings ``[n, d]``, detached, for
+    the caller's own metrics."""
 
     loss: Tensor
     chunks: int
+    embeddings: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,17 @@ def runs_chunked(largest_batch: int, chunk_size: int | None) -> bool:
 
 
 def forward_backward(
-    backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossFn, chunk_size: int | None = None
+    backend: StepBackend,
+    inputs: Tensor,
+    labels: Tensor,
+    loss_fn: LossFn,
+    chunk_size: int | None = None,
+    return_embeddings: bool = False,
 ) -> StepOutput:
     """One step's forward and backward; gradients end up where the engine's optimizer step expects them.
+
+    It calls backward itself (the caller only steps the optimizer afterwards) and returns the detached loss.
+    Parameters of ``loss_fn`` itself (a proxy loss's proxies) receive their gradient too, on both paths.
 
     Args:
         backend: the engine (``PlainBackend``, ``DDPBackend``, ``DeepSpeedBackend``, ``backend_for_accelerator``).
@@ -92,6 +102,8 @@ def forward_backward(
         chunk_size: the most rows one forward with autograd may hold. ``None``, or a step whose largest local
             batch over all ranks fits, runs the direct path (one forward, one backward); otherwise every rank
             runs the chunked path (a rank with no rows runs it with one empty chunk).
+        return_embeddings: also return this rank's embeddings, detached (``StepOutput.embeddings``); the
+            chunked path returns those of its no-grad pass, which the second pass reproduces.
     """
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
@@ -105,7 +117,7 @@ def forward_backward(
             backend.check_chunked()
             output = _chunked(backend, inputs, labels, loss_fn, chunk_size)
     backend.finish()
-    return output
+    return output if return_embeddings else StepOutput(output.loss, output.chunks)
 
 
 def _direct(backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossFn) -> StepOutput:
@@ -116,7 +128,7 @@ def _direct(backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossF
         embeddings = backend.model(inputs)
     loss = _scalar(loss_fn(embeddings, labels))
     backend.backward(loss)
-    return StepOutput(loss.detach(), chunks=1)
+    return StepOutput(loss.detach(), chunks=1, embeddings=embeddings.detach())
 
 
 def _chunked(
@@ -130,7 +142,7 @@ def _chunked(
         embeddings, states = _forward_no_grad(backend, chunks)
         loss, cache = _build_cache(embeddings, labels, loss_fn)
         _forward_backward(backend, chunks, states, cache.split(chunk_size))
-    return StepOutput(loss, chunks=len(chunks))
+    return StepOutput(loss, chunks=len(chunks), embeddings=embeddings)
 
 
 def _forward_no_grad(backend: StepBackend, chunks: tuple[Tensor, ...]) -> tuple[Tensor, list[RngState]]:
@@ -144,10 +156,14 @@ def _forward_no_grad(backend: StepBackend, chunks: tuple[Tensor, ...]) -> tuple[
 
 
 def _build_cache(embeddings: Tensor, labels: Tensor, loss_fn: LossFn) -> tuple[Tensor, Tensor]:
-    """The loss on the detached embeddings, in float32 at least, and ``G = dL/de`` in that dtype."""
-    leaf = embeddings.to(torch.promote_types(embeddings.dtype, torch.float32)).requires_grad_()
+    """The loss on the detached embeddings, in float32 at least, and ``G = dL/de`` in that dtype.
+
+    A full ``backward`` rather than ``autograd.grad`` of the leaf alone: parameters of the loss itself (a proxy
+    loss's proxies) get their gradient here, once, as in the direct path."""
+    leaf = embeddings.detach().to(torch.promote_types(embeddings.dtype, torch.float32)).requires_grad_()
     loss = _scalar(loss_fn(leaf, labels))
-    (grad,) = torch.autograd.grad(loss, leaf)
+    loss.backward()
+    grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
     return loss.detach(), grad
 
 

@@ -23,6 +23,7 @@ from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precisio
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.train.chunk_choice import auto_chunk, measure_activation_bytes
 from ddp_rank.train.layout import BatchLayout
+from ddp_rank.train.pml_loss import GENERIC_MATRICES, PML_PREFIX, generic_work_space
 from ddp_rank.train.setup import build_loss
 
 __all__ = ["describe_plan", "format_bytes"]
@@ -161,6 +162,15 @@ def _auto_chunk(
 def _work_space(cfg: Config, layout: BatchLayout, max_positives: int, where: torch.device) -> tuple[str, int]:
     """What the step's loss will hold on one rank: the gathered database and its gradient (float32), and the
     largest chunk of this rank's query rows as the loss's own chunk plan sizes it, beside the chunk budget."""
+    if cfg.loss.name.startswith(PML_PREFIX):
+        database = layout.global_batch * cfg.model.embedding_dim * 4
+        work = generic_work_space(layout.global_batch)
+        line = (
+            f"about {format_bytes(database + work)} on {where.type} (a pytorch-metric-learning loss: the whole "
+            f"loss on the gathered {layout.global_batch:,} x {layout.global_batch:,} batch on every rank, "
+            f"estimated as {GENERIC_MATRICES} float32 matrices of that size)"
+        )
+        return line, work
     loss = build_loss(cfg)
     chunk_bytes, rows = loss.work_space(layout.local_batch, layout.global_batch, max_positives, where)
     budget = loss.memory_budget or DEFAULT_BUDGET_BYTES["cuda" if where.type == "cuda" else "cpu"]

@@ -204,12 +204,12 @@ def _apply_optim_config(trainer: Trainer) -> None:
     """Make this config's optimizer hyper-parameters apply at the current step (the restored optimizer and
     schedule carry the checkpoint's: base rates, weight decay, betas, momentum)."""
     o = trainer.cfg.optim
-    fresh = trainer.unwrapped.parameter_groups(o.lr, o.head_lr_mult, o.weight_decay)
+    fresh = trainer.parameter_groups(trainer.unwrapped)
     factor = lr_factor(o, trainer.total_steps)(trainer.step)
     for group, new in zip(trainer.optimizer.param_groups, fresh):
         group["initial_lr"] = new["lr"]
         group["lr"] = new["lr"] * factor
-        group["weight_decay"] = o.weight_decay
+        group["weight_decay"] = new["weight_decay"]
         if "betas" in group:
             group["betas"] = tuple(o.betas)
         if "momentum" in group:

@@ -4,9 +4,11 @@ from (the loss, the data stream, the network, DeepSpeed's batch settings)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from ddp_rank.config import Config, ConfigError
 from ddp_rank.data.manifest import Manifest, is_url
@@ -21,11 +23,14 @@ from ddp_rank.runtime import TrainError, open_shards
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.train.batchnorm import convert_to_cross_rank
 from ddp_rank.train.layout import BatchLayout
+from ddp_rank.train.pml_loss import PML_PREFIX, build_pml
 
 __all__ = [
+    "TrainingLoss",
     "build_loss",
     "build_network",
     "build_stream",
+    "build_training_loss",
     "check_evaluation",
     "check_inputs",
     "configure_deepspeed",
@@ -36,9 +41,34 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class TrainingLoss:
+    """The loss a run trains with: a listwise loss, or a pytorch-metric-learning loss with its optional miner
+    and a line for the log saying how it was built."""
+
+    loss: nn.Module
+    miner: nn.Module | None = None
+    description: str | None = None
+
+    @property
+    def parameters(self) -> list[nn.Parameter]:
+        """The loss's own trainable parameters (a proxy loss's proxies); empty for most losses."""
+        return [p for p in self.loss.parameters() if p.requires_grad]
+
+
+def build_training_loss(cfg: Config, manifest: Manifest) -> TrainingLoss:
+    """The loss of ``cfg.loss``: a pml loss sized on the shards' class count (proxies), else :func:`build_loss`."""
+    if cfg.loss.name.startswith(PML_PREFIX):
+        parts = build_pml(cfg, num_classes=len(manifest.classes))
+        return TrainingLoss(parts.loss, parts.miner, parts.description)
+    return TrainingLoss(build_loss(cfg))
+
+
 def build_loss(cfg: Config) -> ListwiseLoss:
     """The listwise loss of ``cfg.loss`` (it knows no ranks; :class:`GlobalBatchLoss` spreads it)."""
     lc = cfg.loss
+    if lc.name.startswith(PML_PREFIX):
+        raise ConfigError(f"loss.name={lc.name} is not a listwise loss: build it with build_training_loss")
     budget = lc.memory_budget_mb * 2**20 if lc.memory_budget_mb else None
     common: dict[str, Any] = {
         "normalize": lc.normalize,

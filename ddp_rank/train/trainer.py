@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ddp_rank.config import Config, ConfigError
 from ddp_rank.data.batch import StreamBatch
-from ddp_rank.distributed import GlobalBatchLoss
+from ddp_rank.distributed import GlobalBatchLoss, average_gradients
 from ddp_rank.distributed.agreement import RankFailure, min_over_ranks, raise_if_any_failed
 from ddp_rank.eval.runner import evaluate_model
 from ddp_rank.logs import configure_run_logging
@@ -48,6 +48,7 @@ from ddp_rank.train.chunk_choice import auto_chunk
 from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.optim import build_optimizer, build_scheduler
+from ddp_rank.train.pml_loss import generic_work_space
 from ddp_rank.train.preemption import (
     EXIT_REQUEUE,
     RunStopped,
@@ -58,9 +59,11 @@ from ddp_rank.train.preemption import (
 from ddp_rank.train.run_report import RunReport, StepResult
 from ddp_rank.train.run_state import RunState
 from ddp_rank.train.setup import (
+    TrainingLoss,
     build_loss,
     build_network,
     build_stream,
+    build_training_loss,
     check_inputs,
     configure_deepspeed,
     uses_deepspeed,
@@ -114,38 +117,71 @@ class Trainer:
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
-        loss = build_loss(cfg)
         model, notes = build_network(cfg, self.device, deepspeed=uses_deepspeed(acc))
+        # After the network: a proxy loss's random proxies leave the model's initial weights as with any loss.
+        training_loss = build_training_loss(cfg, self.manifest)
+        self.loss_parameters = self._loss_parameters(training_loss)
         if cfg.distributed.fixed_chunk is None:
-            self.layout = self._auto_chunk(model, loss)
+            self.layout = self._auto_chunk(model, training_loss.loss)
         self.report = RunReport(cfg, self.layout, self.device, self.is_main)
         for note in notes:
             self.report.note(note)
-        optimizer = build_optimizer(
-            model.parameter_groups(cfg.optim.lr, cfg.optim.head_lr_mult, cfg.optim.weight_decay), cfg.optim
-        )
+        if training_loss.description and self.is_main:
+            log.info(f"loss: {training_loss.description}")
+        optimizer = build_optimizer(self.parameter_groups(model), cfg.optim)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.deepspeed = configure_deepspeed(acc, self.layout, cfg.optim.grad_clip)
         self.model, self.optimizer = acc.prepare(model, optimizer)
         acc.register_for_checkpointing(self.scheduler)
+        if self.loss_parameters:  # saved and resumed with the run (custom_checkpoint_1 in each checkpoint)
+            acc.register_for_checkpointing(training_loss.loss)
         self.backend = backend_for_accelerator(acc, self.model)
         self.loss_fn = GlobalBatchLoss(
-            loss,
+            training_loss.loss,
             grad_reduction="sum" if cfg.distributed.grad_reduction == "sum" else "mean",
+            miner=training_loss.miner,
         )
         self.progress = _Progress()
         self.checkpoints = CheckpointManager(
             self.out_dir / "checkpoints", cfg.train.keep_last, self.is_main, acc.wait_for_everyone
         )
 
-    def _auto_chunk(self, model: EmbeddingNet, loss: ListwiseLoss) -> BatchLayout:
+    def _loss_parameters(self, training_loss: TrainingLoss) -> list[torch.nn.Parameter]:
+        """The loss's own parameters (proxies), on the device; refused where they cannot be trained exactly."""
+        params = training_loss.parameters
+        if not params:
+            return []
+        acc = self.accelerator
+        if uses_deepspeed(acc) or acc.mixed_precision == "fp16":
+            raise TrainError(
+                f"loss.name={self.cfg.loss.name} has parameters of its own, which this run cannot train: DeepSpeed "
+                "and fp16 loss scaling handle only the model's parameters. Use DDP (no DeepSpeed config) with "
+                "train.mixed_precision=bf16 or no, or a loss without parameters"
+            )
+        training_loss.loss.to(self.device)
+        return params
+
+    def parameter_groups(self, model: EmbeddingNet) -> list[dict[str, Any]]:
+        """The optimizer's groups: the model's (backbone, head), then the loss's own parameters, if any, at
+        ``optim.lr * loss.params_lr_mult`` without weight decay."""
+        o = self.cfg.optim
+        groups = model.parameter_groups(o.lr, o.head_lr_mult, o.weight_decay)
+        if self.loss_parameters:
+            lr = o.lr * self.cfg.loss.params_lr_mult
+            groups.append({"params": self.loss_parameters, "lr": lr, "weight_decay": 0.0, "name": "loss"})
+        return groups
+
+    def _auto_chunk(self, model: EmbeddingNet, loss: torch.nn.Module) -> BatchLayout:
         """``distributed.chunk_size=auto``: measure, choose, agree on the smallest chunk over the ranks."""
         layout, cfg = self.layout, self.cfg
         largest_class = max(self.manifest.split(cfg.data.train_split).class_counts.values(), default=1)
         positives = (
             cfg.data.images_per_class if cfg.data.sampler == "pk" else min(largest_class, layout.global_batch)
         )
-        work, _ = loss.work_space(layout.local_batch, layout.global_batch, positives, self.device)
+        if isinstance(loss, ListwiseLoss):
+            work, _ = loss.work_space(layout.local_batch, layout.global_batch, positives, self.device)
+        else:
+            work = generic_work_space(layout.global_batch)
         dtype = autocast_dtype(self.accelerator)
         error: str | None = None
         try:
@@ -207,6 +243,9 @@ class Trainer:
             # Raised on every rank alike by the loss layer: NaN / Inf embeddings (the network diverged), or an
             # exception inside the loss on some rank (its message names the rank).
             raise TrainError(f"step {self.progress.step + 1}: {exc}") from exc
+        # The loss's own parameters are outside DDP: every rank holds their full gradient; the mean keeps them
+        # bitwise equal on every rank.
+        average_gradients(self.loss_parameters)
         grad_norm = None
         if self.cfg.optim.grad_clip and not self.deepspeed:
             grad_norm = float(
@@ -329,7 +368,8 @@ class Trainer:
             s = self.step
             if s % cfg.train.log_every == 0 or s == self.total_steps:
                 data = self.batches.counts()  # a collective: every rank, every log step
-                lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+                # The model's groups (backbone, head); a proxy loss's group is not the head's.
+                lrs = [float(g["lr"]) for g in self.optimizer.param_groups if g.get("name") != "loss"]
                 self.report.log_train(s, self.total_steps, s / self.steps_per_epoch, window, lrs, data)
                 window = []
             if has_eval and (s % eval_every == 0 or s == self.total_steps):
