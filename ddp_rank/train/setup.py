@@ -19,6 +19,8 @@ from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutiona
 from ddp_rank.runtime import TrainError, open_shards
 from ddp_rank.runtime.data_setup import schedule_config
 from ddp_rank.train.batchnorm import convert_to_cross_rank
+from ddp_rank.train.bn_mode import BatchNormMode
+from ddp_rank.train.ghost_batchnorm import convert_to_ghost
 from ddp_rank.train.layout import BatchLayout
 
 __all__ = [
@@ -111,15 +113,20 @@ def build_stream(cfg: Config, manifest: Manifest, rank: int, world_size: int) ->
         raise TrainError(f"data: {exc}; `ddp-rank plan --config ...` shows what the shards allow") from exc
 
 
-def build_network(cfg: Config, device: torch.device) -> tuple[EmbeddingNet, list[str]]:
+def build_network(
+    cfg: Config, device: torch.device, batchnorm: BatchNormMode
+) -> tuple[EmbeddingNet, list[str]]:
     """The embedding network on this device's layout, with what the user must hear about it (``init_from``'s
-    report). Channels-last on CUDA for convolutional backbones; BatchNorm across ranks with ``model.sync_bn``."""
+    report). Channels-last on CUDA for convolutional backbones; BatchNorm as ``batchnorm`` (the layout's mode)
+    says: across ranks with ``model.sync_bn``, over groups of local images with ``model.bn_group_size``."""
     notes: list[str] = []
     model = build_model(cfg.model, cfg.data.image_size)
     if cfg.model.init_from:
         notes.append(init_from(model, cfg.model.init_from).summary())
     if device.type == "cuda" and is_convolutional(model):
         model.use_channels_last()
+    if batchnorm.kind == "groups":
+        convert_to_ghost(model, batchnorm.group)
     if cfg.model.sync_bn:
         # In place (an EmbeddingNet is not itself a BatchNorm layer); PyTorch's fused SyncBatchNorm on CUDA.
         convert_to_cross_rank(model, cuda=device.type == "cuda")
