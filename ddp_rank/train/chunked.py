@@ -154,7 +154,7 @@ def check_batchnorm(module: nn.Module, chunk_size: int) -> None:
     saying what to change): a BatchNorm layer in train mode that is not ghost batch normalisation normalises each
     chunk by its own statistics, and ghost groups that do not divide the chunk would be cut across chunks."""
     for name, layer in module.named_modules():
-        if not isinstance(layer, _BatchNorm) or not layer.training:
+        if not isinstance(layer, _BatchNorm) or not _uses_batch_statistics(layer):
             continue
         if not isinstance(layer, GhostBatchNorm):
             raise ValueError(
@@ -169,6 +169,11 @@ def check_batchnorm(module: nn.Module, chunk_size: int) -> None:
                 f"chunk_size={chunk_size} cuts the BatchNorm groups of {layer.group_size} rows of {name} across "
                 f"chunks: use a chunk_size that is a multiple of {layer.group_size}"
             )
+
+
+def _uses_batch_statistics(layer: _BatchNorm) -> bool:
+    """Train mode, or a layer without running statistics, which normalises with its input's even in eval mode."""
+    return layer.training or layer.running_mean is None
 
 
 def _live_batchnorm_buffers(module: nn.Module) -> list[Tensor]:

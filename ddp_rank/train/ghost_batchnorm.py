@@ -11,8 +11,8 @@ groups: the direct and the chunked step compute one function.
 Running statistics are updated once per group, in order, exactly as a plain BatchNorm layer that saw the groups
 one after another (momentum, or the cumulative average with ``momentum=None``); the chunked step's first pass
 meets the groups in the same order, and its second pass keeps the statistics of the first. A last group shorter
-than ``group_size`` (a rank with fewer rows, in a user's own loop) is normalised by itself. Eval mode, and a
-layer that tracks no running statistics in eval mode, are plain BatchNorm.
+than ``group_size`` (a rank with fewer rows, in a user's own loop) is normalised by itself. Eval mode is plain
+BatchNorm with the running statistics; a layer that tracks none normalises by groups in eval mode too.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["GhostBatchNorm", "convert_to_ghost", "ghost_group_sizes"]
+__all__ = ["GhostBatchNorm", "convert_to_ghost"]
 
 
 class GhostBatchNorm(_BatchNorm):
@@ -54,8 +54,9 @@ class GhostBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: Tensor) -> Tensor:
-        if not self.training or input.shape[0] <= self.group_size:
-            return super().forward(input)  # eval mode, or one group: plain BatchNorm
+        batch_statistics = self.training or self.running_mean is None
+        if not batch_statistics or input.shape[0] <= self.group_size:
+            return super().forward(input)  # running statistics, or one group: plain BatchNorm
         self._check_input_dim(input)
         return torch.cat(
             [super(GhostBatchNorm, self).forward(group) for group in input.split(self.group_size)]
@@ -92,8 +93,3 @@ def convert_to_ghost(module: nn.Module, group_size: int) -> nn.Module:
     for name, child in module.named_children():
         module.add_module(name, convert_to_ghost(child, group_size))
     return module
-
-
-def ghost_group_sizes(module: nn.Module) -> set[int]:
-    """The group sizes of the :class:`GhostBatchNorm` layers of ``module`` that are in train mode."""
-    return {m.group_size for m in module.modules() if isinstance(m, GhostBatchNorm) and m.training}

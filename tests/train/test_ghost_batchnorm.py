@@ -130,6 +130,14 @@ def test_a_chunked_step_refuses_batchnorm_that_would_change_the_function() -> No
         forward_backward(PlainBackend(ghost), images(), labels, SmoothAPLoss(tau=0.1), chunk_size=6)
 
 
+def test_a_layer_without_running_statistics_is_refused_even_in_eval_mode() -> None:
+    """Such a layer normalises with the statistics of its input in eval mode too: freezing does not help."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(75, 6), nn.BatchNorm1d(6, track_running_stats=False)).double()
+    model.eval()
+    with pytest.raises(ValueError, match="cannot compute the batch statistics"):
+        forward_backward(PlainBackend(model), images(), torch.arange(N) % 3, SmoothAPLoss(tau=0.1), chunk_size=4)
+
+
 def test_frozen_batchnorm_chunked_equals_direct_and_leaves_the_statistics() -> None:
     direct, chunked = conv_net(), conv_net()
     for model in (direct, chunked):
