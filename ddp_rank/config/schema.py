@@ -162,21 +162,39 @@ class ModelConfig(_Section):
     normalize: bool = _field(True, "L2-normalise the embeddings (papers: yes; the losses assume unit rows).")
     freeze_bn: str = _field(
         "auto",
-        "BatchNorm during training: 'auto' = frozen (eval mode) in the chunked step only, where chunk statistics "
-        "are not batch statistics (the chunked step always freezes it); 'always' = frozen in every step (small "
-        "or single-category local batches, fine-tuning at a new resolution: the demo).",
-        choices=("auto", "always"),
+        "BatchNorm during training; the direct and the chunked step always compute the same function, whatever "
+        "distributed.chunk_size=auto picks on a machine. 'always' = frozen (eval mode: running statistics, never "
+        "updated) in every step (small or single-category local batches, fine-tuning at a new resolution: the "
+        "demo); 'never' = train mode, statistics of groups of model.bn_group_size images (0: the whole local "
+        "batch, the direct step only); 'auto' = as 'never' with model.sync_bn, with a model.bn_group_size, or "
+        "where the config pins the direct step (distributed.chunk_size=0 or at least the local batch), and frozen "
+        "where the step may be chunked (chunk_size=auto or smaller than the local batch), as the FastAP authors' "
+        "large-batch mode. The log and `ddp-rank plan` say the mode.",
+        choices=("auto", "always", "never"),
     )
     sync_bn: bool = _field(
         False,
         "Normalise BatchNorm layers in train mode with the statistics of the GLOBAL batch (SyncBatchNorm; on CPU "
         "ranks an equivalent), not of each rank's share: small or single-category local batches. Costs two small "
-        "all-reduces per layer and forward. Running statistics are averaged over the ranks before every "
-        "evaluation and checkpoint whatever this is.",
+        "all-reduces per layer and forward. The chunked step cannot compute these statistics: with a chunk "
+        "smaller than the local batch the run is refused at start-up. Running statistics are averaged over the "
+        "ranks before every evaluation and checkpoint whatever this is.",
+    )
+    bn_group_size: int = _field(
+        0,
+        "Ghost batch normalisation: BatchNorm in train mode normalises each group of this many consecutive local "
+        "images with its own statistics, in the direct and the chunked step alike (chunks are then multiples of "
+        "it, and the running statistics are updated once per group). Must divide the local batch. 0 = no groups "
+        "(see model.freeze_bn).",
+        minimum=0,
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.bn_group_size == 1:
+            raise ConfigError(
+                "model.bn_group_size=1 would normalise every image by itself; use 0 (no groups) or at least 2"
+            )
         if self.backbone.startswith(TIMM_PREFIX):
             if not self.backbone[len(TIMM_PREFIX) :].strip():
                 raise ConfigError(

@@ -10,7 +10,8 @@ feeds it is measured at start-up on the real model at the real image size (:func
 - on CPU, where nothing tracks allocations, the bytes of every tensor autograd saves for the backward pass
   (``torch.autograd.graph.saved_tensors_hooks``), which is what a training step holds per image.
 
-Both probe a copy of the network with BatchNorm frozen (as in the chunked step), under the run's autocast and with
+Both probe a copy of the network with BatchNorm frozen (a train-mode layer keeps tensors of the same sizes for the
+backward pass, and a probe of 2 images could not form a BatchNorm group), under the run's autocast and with
 the RNG forked, so the run's model, buffers and random stream are untouched. One unmeasured forward + backward
 comes first: the first step of a fresh copy sets up one-time state (cuBLAS / cuDNN workspaces), which would count
 in the small probe only and make the growth per image look smaller than it is.

@@ -104,6 +104,7 @@ def describe_plan(
             why, step = "no chunk fits (see below)", "none: the run cannot start"
         facts.append(("chunk (auto)", why))
     facts.append(("step", step))
+    facts.append(("BatchNorm", layout.batchnorm.describe(layout.local_batch)))
     facts.append(("loss work space per rank", work_line))
     frag = fragmentation(manifest, data.train_split)
     facts.append(("spans", frag.summary()))
@@ -156,7 +157,13 @@ def _auto_chunk(
     choice = auto_chunk(
         model.to(where), cfg, layout.local_batch, layout.global_batch, where, dtype, work_bytes, world_size
     )
-    return BatchLayout.from_config(cfg, world_size, chunk_size=choice.chunk or 0), choice.describe()
+    chosen = BatchLayout.from_config(cfg, world_size, chunk_size=choice.chunk or 0)  # whole BatchNorm groups
+    rounded = (
+        f"; {chosen.chunk_size:,} to hold whole BatchNorm groups of {chosen.batchnorm.group}"
+        if chosen.chunk_size is not None and chosen.chunk_size != choice.chunk
+        else ""
+    )
+    return chosen, choice.describe() + rounded
 
 
 def _work_space(cfg: Config, layout: BatchLayout, max_positives: int, where: torch.device) -> tuple[str, int]:

@@ -22,6 +22,8 @@ from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutiona
 from ddp_rank.runtime import TrainError, open_shards
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.train.batchnorm import convert_to_cross_rank
+from ddp_rank.train.bn_mode import BatchNormMode
+from ddp_rank.train.ghost_batchnorm import convert_to_ghost
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.pml_loss import PML_PREFIX, build_pml
 
@@ -150,17 +152,19 @@ def build_stream(cfg: Config, manifest: Manifest, rank: int, world_size: int) ->
 
 
 def build_network(
-    cfg: Config, device: torch.device, deepspeed: bool = False
+    cfg: Config, device: torch.device, batchnorm: BatchNormMode, deepspeed: bool = False
 ) -> tuple[EmbeddingNet, list[str]]:
     """The embedding network on this device's layout, with what the user must hear about it (``init_from``'s
-    report). Channels-last where :func:`wants_channels_last` says; BatchNorm across ranks with
-    ``model.sync_bn``."""
+    report). Channels-last where :func:`wants_channels_last` says; BatchNorm as ``batchnorm`` (the layout's mode)
+    says: across ranks with ``model.sync_bn``, over groups of local images with ``model.bn_group_size``."""
     notes: list[str] = []
     model = build_model(cfg.model, cfg.data.image_size)
     if cfg.model.init_from:
         notes.append(init_from(model, cfg.model.init_from).summary())
     if wants_channels_last(model, device, deepspeed):
         model.use_channels_last()
+    if batchnorm.kind == "groups":
+        convert_to_ghost(model, batchnorm.group)
     if cfg.model.sync_bn:
         # In place (an EmbeddingNet is not itself a BatchNorm layer); PyTorch's fused SyncBatchNorm on CUDA.
         convert_to_cross_rank(model, cuda=device.type == "cuda")
