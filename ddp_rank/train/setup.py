@@ -18,6 +18,7 @@ from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
 from ddp_rank.runtime import TrainError, open_shards
 from ddp_rank.runtime.data_setup import schedule_config
+from ddp_rank.runtime.shards import model_input_dim
 from ddp_rank.train.batchnorm import convert_to_cross_rank
 from ddp_rank.train.layout import BatchLayout
 
@@ -111,11 +112,14 @@ def build_stream(cfg: Config, manifest: Manifest, rank: int, world_size: int) ->
         raise TrainError(f"data: {exc}; `ddp-rank plan --config ...` shows what the shards allow") from exc
 
 
-def build_network(cfg: Config, device: torch.device) -> tuple[EmbeddingNet, list[str]]:
+def build_network(
+    cfg: Config, device: torch.device, manifest: Manifest | None = None
+) -> tuple[EmbeddingNet, list[str]]:
     """The embedding network on this device's layout, with what the user must hear about it (``init_from``'s
-    report). Channels-last on CUDA for convolutional backbones; BatchNorm across ranks with ``model.sync_bn``."""
+    report). Channels-last on CUDA for convolutional backbones; BatchNorm across ranks with ``model.sync_bn``.
+    ``manifest``: the run's shards (loaded once), whose vectors' length a feature head takes."""
     notes: list[str] = []
-    model = build_model(cfg.model, cfg.data.image_size)
+    model = build_model(cfg.model, cfg.data.image_size, model_input_dim(cfg, manifest))
     if cfg.model.init_from:
         notes.append(init_from(model, cfg.model.init_from).summary())
     if device.type == "cuda" and is_convolutional(model):

@@ -107,7 +107,7 @@ class Trainer:
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
         loss = build_loss(cfg)
-        model, notes = build_network(cfg, self.device)
+        model, notes = build_network(cfg, self.device, self.manifest)
         if cfg.distributed.fixed_chunk is None:
             self.layout = self._auto_chunk(model, loss)
         self.report = RunReport(cfg, self.layout, self.device, self.is_main)
