@@ -7,7 +7,8 @@ and ``.cls`` members live; ``ddp-rank shards verify`` uses it to prove a whole s
 truncated file ends the scan with a reason instead of an exception, and samples missing a required member are
 dropped, so one bad shard costs its own samples and nothing else. Shards made by other tools and indexed
 (``labelled=False``) need only an image per sample: their classes come from the manifest. Only image, ``.cls``
-and ``.json`` bytes are ever interpreted: there is no pickle decoder anywhere in the read path.
+and ``.json`` bytes are ever interpreted (and the raw float16 ``.f16`` vector of a feature sample, which takes
+an image's place: ``data.features``): there is no pickle decoder anywhere in the read path.
 
 Both walk the 512-byte headers with one decoder, ``decode_header`` (stdlib ``tarfile.TarInfo.frombuf``, which
 checks the checksum and reads every numeric field, base-256 sizes included), seeking over member data. Unlike a

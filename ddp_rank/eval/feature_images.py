@@ -25,7 +25,13 @@ def image_model(cfg: Config, head: FeatureHeadNet) -> ImageFeatureNet:
     record = feature_record(open_shards(cfg))
     if record is None:  # open_shards refuses this for model.backbone=features; a guard for other callers
         raise ConfigError(f"{cfg.data.shards}/manifest.json has no build.features record")
-    backbone_cfg = ModelConfig(backbone=record.backbone, weights=record.weights, pooling=record.pooling)
+    try:
+        backbone_cfg = ModelConfig(backbone=record.backbone, weights=record.weights, pooling=record.pooling)
+    except ConfigError as exc:  # e.g. the synthetic vectors of ddp_rank.data.synthetic_features
+        raise ConfigError(
+            f"{cfg.data.shards}/manifest.json records the backbone {record.backbone!r}, which cannot embed an "
+            f"image ({exc}); search with vectors of shards made by `ddp-rank shards features` instead"
+        ) from exc
     image_size = int(record.transform["image_size"])
     backbone = build_seeded(lambda: build_model(backbone_cfg, image_size), record.init_seed)
     digest = weights_digest(backbone.backbone)
