@@ -9,7 +9,9 @@ The shards are synthetic (``ddp_rank.data.synthetic_features``: clustered float1
 shards; embedding 70,000 images first would take hours here and would not change the step), the run is the real
 ``ddp-rank train`` (stream, plan, GlobalBatchLoss, optimizer) with ``model.backbone=features``, one process. Per
 step, from the run's ``metrics.jsonl``: the step time (without the wait for data) and the data wait; the table
-gives the median over the steps after the first (the first pays for warm-up) and the worst step.
+gives the median over the steps after the first (the first pays for warm-up) and the worst step, and the CPU
+seconds of the whole run beside its wall time (on a shared machine the wall time is the CPU time stretched by
+the other jobs' load).
 
 The table is printed and written to benchmarks/results/features-<YYYY-MM-DD>.md with the machine named.
 """
@@ -72,7 +74,10 @@ def main() -> int:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         t0 = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "ddp_rank.cli", "train", *overrides], env=env, capture_output=True, text=True
+            [sys.executable, "-m", "ddp_rank.cli", "train", *overrides],
+            env=env,
+            capture_output=True,
+            text=True,
         )
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
@@ -80,12 +85,13 @@ def main() -> int:
             return 1
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in rows if r.get("kind") == "train"]
-    peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    peak_gib, cpu_s = usage.ru_maxrss / 2**20, usage.ru_utime + usage.ru_stime
     later = steps[1:] or steps
     step_times = [s["step_time"] for s in later]
     data_times = [s["data_time"] for s in later]
     header = ["loss", "global batch", "vectors (dim)", "head", "steps", "step s (median)", "step s (worst)",
-              "data wait s (median)", "first step s", "loss at steps", "peak RSS GiB", "run wall s"]  # fmt: skip
+              "data wait s (median)", "first step s", "loss at steps", "peak RSS GiB", "run wall s", "run CPU s"]  # fmt: skip
     table = markdown_table(
         header,
         [
@@ -93,7 +99,8 @@ def main() -> int:
                 args.loss,
                 f"{args.batch:,}",
                 f"{vectors:,} ({args.dim})",
-                f"{args.dim}->{args.embedding_dim}" + (f" MLP {args.head_hidden}" if args.head_hidden else ""),
+                f"{args.dim}->{args.embedding_dim}"
+                + (f" MLP {args.head_hidden}" if args.head_hidden else ""),
                 str(len(steps)),
                 f"{statistics.median(step_times):.2f}",
                 f"{max(step_times):.2f}",
@@ -102,6 +109,7 @@ def main() -> int:
                 ", ".join(f"{s['loss']:.4f}" for s in steps),
                 f"{peak_gib:.1f}",
                 f"{wall:.0f}",
+                f"{cpu_s:.0f}",
             ]
         ],
     )

@@ -5,6 +5,7 @@ evaluation (against brute force), search of an image file, and the refusal of sh
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -200,3 +201,25 @@ def test_image_shards_are_refused_for_a_feature_head(
         err = capsys.readouterr().err.strip()
         assert "manifest.json has no build.features record" in err + capsys.readouterr().out
         assert "Traceback" not in err
+
+
+def test_a_malformed_record_and_bad_build_input_get_one_line(
+    built: dict[str, Path], tmp_path: Path, capsys: Any
+) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(built["feat"], broken)
+    raw = json.loads((broken / "manifest.json").read_text())
+    del raw["build"]["features"]["weights_digest"]
+    (broken / "manifest.json").write_text(json.dumps(raw))
+    commands = [
+        (["plan", *HEAD, f"data.shards={broken}"], "build.features.weights_digest is missing"),
+        (features_cmd(tmp_path / "nope", tmp_path / "out"), "manifest.json not found"),
+        (features_cmd(built["feat"], tmp_path / "out"), "holds feature vectors already"),
+        ([*features_cmd(built["images"], tmp_path / "out"), "model.backbone=features"], "no image backbone"),
+    ]
+    for command, message in commands:
+        capsys.readouterr()
+        assert main(command) != 0
+        captured = capsys.readouterr()
+        assert message in captured.err + captured.out
+        assert "Traceback" not in captured.err
