@@ -198,9 +198,8 @@ def export_embeddings(
         rank, world = accelerator.process_index, accelerator.num_processes
         model, _ = build_eval_model(cfg, ckpt, None)
         data_cfg = cfg.data
-        if source["kind"] != "split" and isinstance(
-            model, FeatureHeadNet
-        ):  # images: the recorded backbone first
+        if source["kind"] != "split" and isinstance(model, FeatureHeadNet):
+            # Images into a head trained on feature shards: the backbone the shards record goes first.
             model, data_cfg = image_model(cfg, model), image_config(cfg).data
         model.to(accelerator.device)
         transform, bs = transform_from_config(data_cfg), cfg.eval.batch_size
