@@ -189,6 +189,29 @@ def test_search_of_an_image_file_runs_the_recorded_backbone_then_the_head(
     capsys.readouterr()
     assert main(["search", str(tmp_path / "index"), image, "-k", "1"]) == 0
     assert key in capsys.readouterr().out.splitlines()[1]
+    # export --images: the image folder through the recorded backbone and the head, row for row as the split
+    folder = tmp_path / "export-images"
+    assert (
+        main(
+            [
+                "export",
+                "--checkpoint",
+                str(run),
+                "--images",
+                str(built["root"] / "images"),
+                "--output",
+                str(folder),
+            ]
+        )
+        == 0
+    )
+    by_path = {
+        str(built["root"] / "images" / k): row
+        for k, row in zip(load_export(folder).keys, load_export(folder).embeddings)
+    }
+    samples = stored(built["feat"])
+    for k, row in zip(export.keys, export.embeddings):
+        np.testing.assert_allclose(by_path[samples[str(k)][1]["source"]], row, atol=2e-3)
 
 
 def test_image_shards_are_refused_for_a_feature_head(
