@@ -129,7 +129,7 @@ def metric_names(
         raise EvalError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
     settings = _deployment_settings(deployment, ks)
     if protocol in DEPLOYMENT_PROTOCOLS:
-        return deployment_metric_names([protocol], settings)
+        return deployment_metric_names([protocol, *_extra_groups(protocol, metrics)], settings)
     extra = deployment_metric_names(_extra_groups(protocol, metrics), settings)
     base = [f"recall@{k}" for k in sorted(set(_ks(protocol, ks)))]
     if map_at_r and protocol != "vehicleid":
@@ -167,7 +167,8 @@ def evaluate(
         raise EvalError(f"the test set has {len(data.labels)} image(s): retrieval needs at least 2")
     settings = _deployment_settings(deployment, ks)
     if protocol in DEPLOYMENT_PROTOCOLS:
-        return _deployment(protocol, [protocol], data, settings)
+        return _deployment(protocol, [protocol, *_extra_groups(protocol, metrics)], data, settings)
+    groups = _extra_groups(protocol, metrics)  # refused before any search
     out: dict[str, Any] = _evaluate_retrieval(
         protocol,
         data,
@@ -179,7 +180,6 @@ def evaluate(
         seed=seed,
         device=device,
     )
-    groups = _extra_groups(protocol, metrics)
     return {**out, **_deployment(protocol, groups, data, settings)} if groups else out
 
 
@@ -191,7 +191,7 @@ def _deployment_settings(settings: DeploymentSettings | None, ks: Sequence[int] 
 def _extra_groups(protocol: str, metrics: Sequence[str]) -> list[str]:
     """The groups of ``eval.metrics`` added to ``protocol``; refused beside VehicleID (a set of test lists, each
     evaluated on its own: there is no one split of pairs)."""
-    groups = [m for m in metrics if m != protocol]
+    groups = [m for m in metrics if m != protocol]  # verification and identification go together too
     if groups and protocol == "vehicleid":
         raise EvalError(
             f"eval.metrics={','.join(groups)} is not available beside eval.protocol=vehicleid (its test lists are "
