@@ -91,6 +91,8 @@ def _best_per_identity(
     e: np.ndarray, probes: np.ndarray, gallery: np.ndarray, starts: np.ndarray, block_bytes: int
 ) -> Any:
     """Yield (probe rows, [b, identities] best gallery score of each identity) block by block."""
+    if not len(gallery):  # nothing enrolled (a split of one identity): no probe can be scored
+        return
     step = max(1, block_bytes // (BYTES_PER_SCORE * max(len(gallery), 1)))
     g = e[gallery]
     for start in range(0, len(probes), step):

@@ -1,30 +1,26 @@
 """Several runs' verification or identification curves on one figure (``ddp-rank compare --curve roc``).
 
-Each run keeps its last evaluation's curves in ``curves.json`` (``ddp_rank.train.run_report``); a results JSON of
-``ddp-rank eval`` keeps them per entry. Both are read here and drawn with ``ddp_rank.eval.curves``.
+Each run keeps its evaluations' curves in ``curves.json`` (``ddp_rank.train.run_report``); the last one is drawn,
+with ``ddp_rank.eval.curves``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from ddp_rank.eval.curves import draw_curve
 from ddp_rank.experiments.runs import RunSummary
-from ddp_rank.train.run_report import CURVES_FILE
+from ddp_rank.train.run_report import read_curves
 
 __all__ = ["plot_run_curves", "run_curves"]
 
 
 def run_curves(run: RunSummary) -> dict[str, Any]:
     """The curves of ``run``'s last evaluation that drew any, or {} (none, or an unreadable file)."""
-    path = run.path / CURVES_FILE
-    try:
-        return dict(json.loads(path.read_text())["curves"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
+    saved = read_curves(run.path)
+    return dict(saved[list(saved)[-1]]) if saved else {}
 
 
 def plot_run_curves(runs: list[RunSummary], kind: str, path: str | os.PathLike[str]) -> Path | None:

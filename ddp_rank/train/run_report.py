@@ -28,10 +28,21 @@ from ddp_rank.train.run_outputs import MetricsLogger, read_metrics, write_plots,
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CURVES_FILE", "RunReport", "StepResult"]
+__all__ = ["CURVES_FILE", "RunReport", "StepResult", "read_curves"]
 
 CURVES_FILE = "curves.json"
-"""The last evaluation's verification / identification curves (``ddp-rank compare --curve`` reads them)."""
+"""The verification / identification curves of each evaluation, ``{"step <s>": curves}`` in the order of the
+steps (``ddp-rank compare --curve`` draws the last)."""
+
+
+def read_curves(run_dir: Path) -> dict[str, Any]:
+    """The curves a run saved, by step (empty without a readable ``curves.json``)."""
+    try:
+        saved = json.loads((run_dir / CURVES_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
 
 DATA_EVENTS = tuple(f.name for f in dataclasses.fields(DataEvents))
 """The data events every ``train`` record carries (as ``data_<event>``): counts since this start, all ranks."""
@@ -168,7 +179,9 @@ class RunReport:
         if self.logger is not None:
             self.logger.log("eval", step, metrics)
         if self.is_main and curves:
-            atomic_write_text(self.out_dir / CURVES_FILE, json.dumps({"step": step, "curves": curves}) + "\n")
+            saved = read_curves(self.out_dir)
+            saved[f"step {step}"] = curves
+            atomic_write_text(self.out_dir / CURVES_FILE, json.dumps(saved) + "\n")
         if self.is_main:
             shown = {k: v for k, v in metrics.items() if not k.rsplit("/", 1)[-1].startswith("num_")}
             log.info(
@@ -235,12 +248,12 @@ class RunReport:
         )
 
     def _curve_plots(self) -> list[Path]:
-        """roc.png, det.png, pr.png, cmc.png of the last evaluation that had curves (``train.plots``)."""
-        path = self.out_dir / CURVES_FILE
-        if not self.cfg.train.plots or not path.is_file():
+        """roc.png, det.png, pr.png, cmc.png of the first and the last evaluation (``train.plots``)."""
+        saved = read_curves(self.out_dir)
+        if not self.cfg.train.plots or not saved:
             return []
-        saved = json.loads(path.read_text())
-        return draw_curves({f"step {saved['step']}": saved["curves"]}, self.out_dir)
+        names = list(saved)
+        return draw_curves({name: saved[name] for name in dict.fromkeys([names[0], names[-1]])}, self.out_dir)
 
     def close(self) -> None:
         """Flush and close the metrics log (safe to call twice)."""

@@ -85,26 +85,41 @@ def test_by_hand_closed_set_and_an_empty_open_set() -> None:
         assert m["fnir@fpir=1e-1"] is None and m["fnir@fpir=1e-2"] is None  # no stranger: not measurable
 
 
+def test_one_identity_enrols_nothing_at_half() -> None:
+    m, curves = identification_metrics(
+        np.eye(3, dtype=np.float32), np.zeros(3, dtype=np.int64), enrolled_fraction=0.4
+    )
+    assert m["gallery_size"] == 0 and m["num_non_mated_probes"] == 3 and m["cmc@1"] is None and curves == {}
+
+
 def test_fnir_by_hand() -> None:
     # One enrolled identity (gallery g = (1, 0)), its probe at 0.9; ten strangers at 0.1 ... 0.95.
     g, probe = [1.0, 0.0], [0.9, np.sqrt(1 - 0.81)]
     strangers = [[s, np.sqrt(1 - s * s)] for s in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.95)]
     e = np.array([g, probe, *strangers], dtype=np.float32)
     y = np.array([0, 0, *range(1, 11)])
-    # Pick the seed whose split enrols identity 0 only (1/11 of the identities, rounded: 1).
-    seed = next(s for s in range(50) if set(y[split_identities(y, 1 / 11, 1, s).gallery]) == {0})
-    m, _ = identification_metrics(e, y, fpirs=(0.1, 0.2), enrolled_fraction=1 / 11, seed=seed)
-    gallery_row = split_identities(y, 1 / 11, 1, seed).gallery[0]
-    if gallery_row == 0:
-        # FPIR 0.1: one stranger (0.95) may pass; threshold 0.85: the probe at 0.9 passes. FPIR 0.2 likewise.
-        assert m["fnir@fpir=1e-1"] == 0.0 and m["fnir@fpir=2e-1"] == 0.0
-    assert m["num_non_mated_probes"] == 10 and m["gallery_identities"] == 1
+    # A seed whose split enrols identity 0 only (1/11 of the identities), with row 0 as its gallery image.
+    seed = next(s for s in range(500) if split_identities(y, 1 / 11, 1, s).gallery.tolist() == [0])
+    m, _ = identification_metrics(e, y, fpirs=(0.05, 0.1, 0.2), enrolled_fraction=1 / 11, seed=seed)
+    # FPIR 0.1: one stranger in ten (0.95) may pass, the threshold is the next one (0.85): the probe (0.9)
+    # passes. FPIR 0.2: threshold 0.8, it passes too. FPIR 0.05 needs 20 strangers: not measurable.
+    assert m["fnir@fpir=1e-1"] == 0.0 and m["fnir@fpir=2e-1"] == 0.0 and m["fnir@fpir=5e-2"] is None
+    assert m["num_non_mated_probes"] == 10 and m["gallery_identities"] == 1 and m["cmc@1"] == 1.0
+    # Without the stranger at 0.95 and with one at 0.92 instead, FPIR 0.1 puts the threshold at 0.92: missed.
+    e[11] = [0.92, np.sqrt(1 - 0.92**2)]
+    m, _ = identification_metrics(e, y, fpirs=(0.1,), enrolled_fraction=1 / 11, seed=seed)
+    assert m["fnir@fpir=1e-1"] == 0.0  # 0.95 -> 0.92 is still the one allowed through: threshold 0.85
+    e[10] = [0.93, np.sqrt(1 - 0.93**2)]  # two strangers above the probe now: threshold 0.92
+    m, _ = identification_metrics(e, y, fpirs=(0.1,), enrolled_fraction=1 / 11, seed=seed)
+    assert m["fnir@fpir=1e-1"] == 1.0
 
 
 def test_protocols_and_the_figures_beside_them() -> None:
     g = torch.Generator().manual_seed(0)
     y = torch.arange(60) // 3
-    e = torch.nn.functional.normalize(torch.randn(20, 8, generator=g)[y] + 0.5 * torch.randn(60, 8, generator=g))
+    e = torch.nn.functional.normalize(
+        torch.randn(20, 8, generator=g)[y] + 0.5 * torch.randn(60, 8, generator=g)
+    )
     data = EmbeddedSet(e, y, torch.zeros(60, dtype=torch.long))
     verification = evaluate("verification", data)
     assert set(verification) == {*metric_names("verification"), "curves"}
