@@ -52,8 +52,8 @@ def draw_curve(
     except ImportError as exc:
         raise ImportError(f"{kind}.png needs matplotlib: pip install 'ddp_rank[eval]'") from exc
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
-    for name, curve in entries.items():
-        _DRAW[kind](ax, name, curve)
+    for index, (name, curve) in enumerate(entries.items()):
+        _DRAW[kind](ax, name, curve, index)
     _AXES[kind](ax)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="best")
@@ -80,38 +80,45 @@ def draw_curves(
     return written
 
 
-def _roc(ax: Any, name: str, curve: Mapping[str, Any]) -> None:
+def _roc(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
     pts = [(x, y) for x, y in zip(curve["fpr"], curve["tpr"], strict=True) if x > 0]
     (line,) = ax.plot(*zip(*pts, strict=True), label=name) if pts else ax.plot([], [], label=name)
     for key, (fpr, tpr) in curve.get("operating_points", {}).items():
         ax.plot([fpr], [tpr], "o", color=line.get_color(), ms=5)
+        # The n-th curve's labels one line below the (n-1)-th's: close curves stay readable.
         ax.annotate(
             f"{key.upper()}: {100 * tpr:.1f}%",
             (fpr, tpr),
             fontsize=6,
-            xytext=(3, -9),
+            color=line.get_color(),
+            xytext=(4, -10 - 8 * index),
             textcoords="offset points",
         )
 
 
-def _det(ax: Any, name: str, curve: Mapping[str, Any]) -> None:
+def _det(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
     pts = [(x, 1 - y) for x, y in zip(curve["fpr"], curve["tpr"], strict=True) if x > 0 and y < 1]
     (line,) = ax.plot(*zip(*pts, strict=True), label=name) if pts else ax.plot([], [], label=name)
     eer = curve.get("eer")
     if eer:
         ax.plot([eer], [eer], "D", color=line.get_color(), ms=5)
         ax.annotate(
-            f"EER {100 * eer:.2f}%", (eer, eer), fontsize=6, xytext=(4, 4), textcoords="offset points"
+            f"EER {100 * eer:.2f}%",
+            (eer, eer),
+            fontsize=6,
+            color=line.get_color(),
+            xytext=(5, 4 + 8 * index),
+            textcoords="offset points",
         )
 
 
-def _cmc(ax: Any, name: str, curve: Mapping[str, Any]) -> None:
+def _cmc(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
     label = f"{name} (gallery {curve['gallery_size']:,} images, {curve['gallery_identities']:,} identities)"
     (line,) = ax.plot(curve["rank"], [100 * r for r in curve["rate"]], label=label)
     ax.plot([1], [100 * curve["rate"][0]], "o", color=line.get_color(), ms=5)
 
 
-def _pr(ax: Any, name: str, curve: Mapping[str, Any]) -> None:
+def _pr(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
     ax.plot(curve["recall"], curve["precision"], label=name)
 
 
