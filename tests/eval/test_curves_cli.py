@@ -20,12 +20,14 @@ pytest.importorskip("matplotlib")
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-step tiny_cnn run evaluated with Recall@k and both groups of deployment figures beside it."""
+    """A 2-step tiny_cnn run evaluated with Recall@k and both groups of deployment figures beside it, its best
+    checkpoint chosen by a figure the test split cannot measure (240 negative pairs for TPR@FPR=1e-4)."""
     tmp = tmp_path_factory.mktemp("run")
     out = tmp / "run"
     run_training(load_config(None, [*TINY_OVERRIDES, f"data.shards={build_tiny_shards(tmp)}",
                                     f"train.output_dir={out}", "train.steps=2",
-                                    "eval.metrics=[verification,identification]"]))  # fmt: skip
+                                    "eval.metrics=[verification,identification]",
+                                    "train.best_metric=tpr@fpr=1e-4"]))  # fmt: skip
     return out
 
 
@@ -40,6 +42,7 @@ def test_the_run_logs_the_figures_and_draws_the_curves(run_dir: Path) -> None:
     assert "**verification**: TPR@FPR=1e-2" in summary and "TPR@FPR=1e-4 not measurable" in summary
     assert "**identification**: CMC@1" in summary and "gallery" in summary
     assert "![roc](roc.png)" in summary
+    assert "**best**" not in summary  # the best-checkpoint figure was not measurable: no best, no crash
     assert list(json.loads((run_dir / "curves.json").read_text())) == [f"step {r['step']}" for r in evals]
 
 
