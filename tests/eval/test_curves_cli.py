@@ -35,7 +35,9 @@ def test_the_run_logs_the_figures_and_draws_the_curves(run_dir: Path) -> None:
     evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
     assert evals and all("roc_auc" in r and "cmc@1" in r and "recall@1" in r for r in evals)
     assert "curves" not in evals[-1]  # the curves go to curves.json, not into the log
-    assert "tpr@fpr=1e-4" in evals[-1] and evals[-1]["tpr@fpr=1e-4"] is None  # 240 negative pairs: not measurable
+    assert (
+        "tpr@fpr=1e-4" in evals[-1] and evals[-1]["tpr@fpr=1e-4"] is None
+    )  # 240 negative pairs: not measurable
     for picture in ("roc.png", "det.png", "pr.png", "cmc.png"):
         assert (run_dir / picture).stat().st_size > 1000, picture
     summary = (run_dir / "summary.md").read_text()
@@ -57,13 +59,17 @@ def test_eval_output_draws_every_entry_and_prints_the_figures(
     printed = capsys.readouterr().out
     assert "verification: TPR@FPR=1e-2" in printed and "results-roc.png" in printed
     entries = json.loads(out.read_text())
-    assert len(entries) == 2 and all("roc" in e["curves"] and "roc_auc" in e["metrics"] for e in entries.values())
+    assert len(entries) == 2 and all(
+        "roc" in e["curves"] and "roc_auc" in e["metrics"] for e in entries.values()
+    )
     for picture in ("roc", "det", "pr"):
         assert (tmp_path / f"results-{picture}.png").is_file()
     assert not (tmp_path / "results-cmc.png").exists()  # no identification asked
 
 
-def test_compare_draws_runs_on_one_figure(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_compare_draws_runs_on_one_figure(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     other = tmp_path / "other"
     shutil.copytree(run_dir, other)
     picture = tmp_path / "both.png"
@@ -75,16 +81,31 @@ def test_compare_draws_runs_on_one_figure(run_dir: Path, tmp_path: Path, capsys:
     del saved[list(saved)[-1]]["cmc"]
     (run_dir / "curves.json").write_text(json.dumps(saved))
     try:
-        assert main(["compare", str(run_dir), str(other), "--curve", "cmc", "--curve-output", str(picture)]) == 2
+        assert (
+            main(["compare", str(run_dir), str(other), "--curve", "cmc", "--curve-output", str(picture)]) == 2
+        )
         assert "no run has a cmc curve" in capsys.readouterr().err
     finally:
         (run_dir / "curves.json").write_text(kept)
 
 
 def test_settings_are_checked_at_start_up() -> None:
-    with pytest.raises(ConfigError, match=r"eval\.metrics=verification is not available with eval\.protocol=vehicleid"):
+    with pytest.raises(
+        ConfigError, match=r"eval\.metrics=verification is not available with eval\.protocol=vehicleid"
+    ):
         load_config(None, ["eval.protocol=vehicleid", "eval.metrics=[verification]"])
     with pytest.raises(ConfigError, match=r"eval\.enrolled_fraction"):
         load_config(None, ["eval.enrolled_fraction=0"])
     with pytest.raises(ConfigError, match=r"eval\.fprs"):
         load_config(None, ["eval.fprs=[0.01,2]"])
+
+
+def test_best_metric_is_checked_against_the_deployment_figures() -> None:
+    from ddp_rank.train.setup import check_evaluation
+
+    cfg = load_config(None, ["eval.protocol=verification"])  # best_metric stays recall@1: not reported
+    with pytest.raises(
+        ConfigError, match=r"valid: tpr@fpr=1e-2, tpr@fpr=1e-3, tpr@fpr=1e-4, roc_auc, eer, pr_auc$"
+    ):
+        check_evaluation(cfg, None)  # type: ignore[arg-type]  # the manifest is read for VehicleID only
+    check_evaluation(load_config(None, ["eval.metrics=[identification]", "train.best_metric=cmc@1"]), None)  # type: ignore[arg-type]
