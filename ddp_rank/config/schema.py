@@ -462,8 +462,10 @@ class EvalConfig(_Section):
     protocol: str = _field(
         "sop",
         "'sop': each test image queries all the others (also the demo); 'inshop': query set vs gallery set; "
-        "'vehicleid': small / medium / large test lists, one random gallery image per vehicle.",
-        choices=("sop", "inshop", "vehicleid"),
+        "'vehicleid': small / medium / large test lists, one random gallery image per vehicle; 'verification': "
+        "every pair of the test split, TPR@FPR, ROC AUC, EER, AP; 'identification': a seeded enrolled / "
+        "non-enrolled split of the test identities, CMC and FNIR@FPIR.",
+        choices=("sop", "inshop", "vehicleid", "verification", "identification"),
     )
     ks: list[int] = field(
         default_factory=list,
@@ -492,6 +494,62 @@ class EvalConfig(_Section):
     vehicleid_repeats: int = _field(
         1, "VehicleID: gallery draws averaged (one random image per vehicle each).", minimum=1
     )
+    metrics: list[str] = field(
+        default_factory=list,
+        metadata=_meta(
+            "Deployment figures reported beside eval.protocol's (sop, inshop): 'verification' (TPR@FPR, ROC AUC, "
+            "EER, AP over every pair of the test split) and/or 'identification' (CMC, FNIR@FPIR); their curves "
+            "are drawn as roc.png, det.png, pr.png, cmc.png.",
+            choices=("verification", "identification"),
+        ),
+    )
+    fprs: list[float] = field(
+        default_factory=lambda: [1e-2, 1e-3, 1e-4],
+        metadata=_meta(
+            "Verification: the false positive rates of the reported TPR@FPR (exact, no interpolation; a rate "
+            "needing more negative pairs than the split has is reported as not measurable).",
+            above=0.0,
+            maximum=1.0,
+        ),
+    )
+    max_positive_pairs: int = _field(
+        1 << 24,
+        "Verification: most positive (same-class) pairs kept in memory, about 28 bytes each; the negative pairs "
+        "are counted in blocks and never kept. A split with more positive pairs is refused.",
+        minimum=1,
+    )
+    block_mb: int = _field(
+        256, "Verification and identification: MiB of work space for one block of pair scores.", minimum=1
+    )
+    enrolled_fraction: float = _field(
+        0.5,
+        "Identification: share of the test identities enrolled in the gallery (drawn with train.seed); the "
+        "others' images are the open-set (non-mated) probes. 1 = closed set only.",
+        above=0.0,
+        maximum=1.0,
+    )
+    gallery_per_identity: int = _field(
+        1,
+        "Identification: gallery images per enrolled identity, drawn at random (the rest are its probes); "
+        "0 = all of its images but one.",
+        minimum=0,
+    )
+    fpirs: list[float] = field(
+        default_factory=lambda: [1e-1, 1e-2],
+        metadata=_meta(
+            "Identification: the false positive identification rates of the reported FNIR@FPIR.",
+            above=0.0,
+            maximum=1.0,
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.metrics and self.protocol == "vehicleid":
+            raise ConfigError(
+                f"eval.metrics={','.join(self.metrics)} is not available with eval.protocol=vehicleid (its test "
+                "lists are evaluated one by one): use eval.protocol=verification or identification on one list"
+            )
 
 
 @dataclass

@@ -16,7 +16,7 @@ from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.data.stream import ShardStream
 from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.eval.protocols import metric_names
-from ddp_rank.eval.runner import vehicleid_splits
+from ddp_rank.eval.runner import deployment_settings, vehicleid_splits
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
 from ddp_rank.runtime import TrainError, open_shards
@@ -97,7 +97,12 @@ def check_evaluation(cfg: Config, manifest: Manifest) -> None:
     if cfg.eval.protocol == "vehicleid":
         sizes = list(vehicleid_splits(cfg, manifest)) or sizes
     names = metric_names(
-        cfg.eval.protocol, cfg.eval.ks or None, map_at_r=cfg.eval.map_at_r, vehicleid_sizes=sizes
+        cfg.eval.protocol,
+        cfg.eval.ks or None,
+        map_at_r=cfg.eval.map_at_r,
+        vehicleid_sizes=sizes,
+        metrics=cfg.eval.metrics,
+        deployment=deployment_settings(cfg),
     )
     if cfg.train.best_metric not in names:
         valid = [n for n in names if not n.rsplit("/", 1)[-1].startswith("num_")]

@@ -328,6 +328,12 @@ class Trainer:
             raise ConfigError(
                 f"train.best_metric='{name}' is not among the evaluation metrics {sorted(metrics)}"
             )
+        if metrics[name] is None:  # e.g. a TPR@FPR the test split has too few negative pairs to measure
+            if self.is_main:
+                log.warning(
+                    f"train.best_metric='{name}' is not measurable on this test split: no best checkpoint"
+                )
+            return
         value = float(metrics[name])
         if self.progress.best_value is None or value > self.progress.best_value:
             self.progress.best_value, self.progress.best_step = value, self.step
