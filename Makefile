@@ -51,7 +51,8 @@ study: $(STAMP)
 # .gpu-wheels/ (below). The report goes to $(GPU_RESULTS)/gpu-<date>.md: on the device tool GPU_RESULTS=$$OUT,
 # then here `python benchmarks/gpu_check.py --merge` (README, GPU acceptance). The exit status to read is the
 # script's (0 pass, 1 a FAIL or NOT MEASURED, 2 no CUDA): make turns every failure into its own 2.
-GPU_PYTHON ?= python3
+# The project's .venv where there is one (its torch), else the machine's python3 (the GPU machine has no .venv).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 PART ?= all
 GPU_RESULTS ?= benchmarks/results
 gpu-check:

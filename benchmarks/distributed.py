@@ -203,7 +203,8 @@ def run_loss_benchmark(sizes: list[int], pml_max: int, dim: int, repeats: int) -
 
 # ------------------------------------------------------------------------------------ part 2: chunked step
 def small_cnn(dim: int) -> nn.Module:
-    """A small CNN without BatchNorm (frozen in the chunked path anyway), with dropout to exercise RNG replay."""
+    """A small CNN without BatchNorm (direct and chunked compute the same function), with dropout to exercise RNG
+    replay."""
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1),

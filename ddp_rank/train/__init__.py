@@ -10,15 +10,18 @@ from ddp_rank.train.backends import (
     frozen_batchnorm,
 )
 from ddp_rank.train.chunked import StepOutput, forward_backward
+from ddp_rank.train.ghost_batchnorm import GhostBatchNorm, convert_to_ghost
 
 __all__ = [
     "AccelerateBackend",
     "DDPBackend",
     "DeepSpeedBackend",
+    "GhostBatchNorm",
     "PlainBackend",
     "StepBackend",
     "StepOutput",
     "backend_for_accelerator",
+    "convert_to_ghost",
     "forward_backward",
     "frozen_batchnorm",
 ]

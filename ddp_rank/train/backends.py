@@ -292,10 +292,10 @@ def _refuse_static_graph(model: DistributedDataParallel) -> None:
 def frozen_batchnorm(module: nn.Module) -> Iterator[None]:
     """Put every BatchNorm layer of `module` in eval mode for the duration, then restore its mode.
 
-    Why the chunked step needs it: in train mode BatchNorm normalises with the statistics of the CHUNK, not of
-    the batch, so a chunked gradient would not be the batch gradient, and running statistics would be updated
-    once per chunk and per pass instead of once per step. Frozen, it uses the running statistics (those of the
-    pretrained backbone), as FastAP's own large-batch ("staged") mode does.
+    For a loop of one's own around ``forward_backward``: in train mode a plain BatchNorm layer normalises with
+    the statistics of the rows it is given, a chunk's in the chunked step, which that step therefore refuses.
+    Frozen in both steps it uses the running statistics (those of the pretrained backbone), as FastAP's own
+    large-batch ("staged") mode does, and the direct and the chunked step train the same function.
     """
     layers = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     modes = [m.training for m in layers]

@@ -10,7 +10,8 @@ feeds it is measured at start-up on the real model at the real image size (:func
 - on CPU, where nothing tracks allocations, the bytes of every tensor autograd saves for the backward pass
   (``torch.autograd.graph.saved_tensors_hooks``), which is what a training step holds per image.
 
-Both probe a copy of the network with BatchNorm frozen (as in the chunked step), under the run's autocast and with
+Both probe a copy of the network with BatchNorm frozen (a train-mode layer keeps tensors of the same sizes for the
+backward pass, and a probe of 2 images could not form a BatchNorm group), under the run's autocast and with
 the RNG forked, so the run's model, buffers and random stream are untouched. One unmeasured forward + backward
 comes first: the first step of a fresh copy sets up one-time state (cuBLAS / cuDNN workspaces), which would count
 in the small probe only and make the growth per image look smaller than it is.
@@ -43,6 +44,7 @@ from torch import nn
 
 from ddp_rank.config import Config
 from ddp_rank.model import freeze_batchnorm
+from ddp_rank.model.feature_head import example_input
 from ddp_rank.train.host_memory import available_memory
 
 __all__ = ["ChunkChoice", "auto_chunk", "choose_chunk", "measure_activation_bytes", "memory_budget"]
@@ -154,7 +156,7 @@ def measure_activation_bytes(
     sizes: list[int] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for n in (PROBE_SIZES[0], *PROBE_SIZES):  # the first step only warms up: not measured
-            images = torch.randint(0, 256, (n, 3, image_size, image_size), dtype=torch.uint8, device=device)
+            images = example_input(probe, n, image_size, device)
             sizes.append(_step_bytes(probe, images, autocast_dtype))
     small, large = sizes[1:]
     grown = (large - small) // (PROBE_SIZES[1] - PROBE_SIZES[0])

@@ -12,11 +12,16 @@ section 4.1, and GradCache) keeps only the embeddings:
    match pass 1, and the cached G belongs to the activations being differentiated) and backpropagate
    ``sum(e_chunk * G_chunk)``, whose gradient w.r.t. the parameters is the chunk's share of ``dL/dtheta``.
 
-Gradients are those of the direct step for a model whose forward is row-independent (no BatchNorm in train
-mode); with dropout they are those of the same chunk-by-chunk forwards kept in one graph (the masks are drawn
-per chunk, so they are not the masks of one big forward, but they are the same in both passes). BatchNorm is
-frozen in the chunked path (see ``frozen_batchnorm``) and its running statistics are averaged over the ranks before
-pass 1 (``ddp_rank.train.batchnorm``), so both passes on every rank normalise alike; the direct path leaves it alone.
+Gradients are those of the direct step for a model whose forward is row-independent; with dropout they are those
+of the same chunk-by-chunk forwards kept in one graph (the masks are drawn per chunk, so they are not the masks of
+one big forward, but they are the same in both passes). BatchNorm is what could make the two paths train
+different functions, so the step never changes it behind the caller's back: layers in eval mode (frozen) are
+row-independent; ghost batch normalisation (``ddp_rank.train.ghost_batchnorm``) normalises fixed groups of rows,
+which chunks that are multiples of the group hold whole (pass 1 updates the running statistics group by group as
+the direct step does, pass 2 leaves them as pass 1 left them, whatever DDP broadcasts); any other BatchNorm layer
+in train mode normalises over whatever rows it is given, and the chunked path refuses it (ValueError) instead of
+silently computing another function. The running statistics are averaged over the ranks before every step
+(``ddp_rank.train.batchnorm``), so every rank starts a step from the same ones.
 Gradient reduction (DDP, DeepSpeed) happens once per step: ``no_sync`` wraps the forward AND backward of every
 chunk but the last, and DeepSpeed's backwards are coalesced. Mixed precision: the loss and G are float32,
 only the chunk objectives go through the engine's loss scaling, so the scale is applied exactly once.
@@ -31,9 +36,12 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddp_rank.train.backends import StepBackend, frozen_batchnorm
+from ddp_rank.train.backends import StepBackend
+from ddp_rank.train.batchnorm import batchnorm_buffers
+from ddp_rank.train.ghost_batchnorm import GhostBatchNorm
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -101,7 +109,9 @@ def forward_backward(
             ``[c, ...]`` inputs to ``[c, d]`` embeddings.
         chunk_size: the most rows one forward with autograd may hold. ``None``, or a step whose largest local
             batch over all ranks fits, runs the direct path (one forward, one backward); otherwise every rank
-            runs the chunked path (a rank with no rows runs it with one empty chunk).
+            runs the chunked path (a rank with no rows runs it with one empty chunk). Both compute the same
+            function; a model whose BatchNorm would not (a plain BatchNorm layer in train mode, or ghost groups
+            that do not divide the chunk) is refused with a ValueError before any forward.
         return_embeddings: also return this rank's embeddings, detached (``StepOutput.embeddings``); the
             chunked path returns those of its no-grad pass, which the second pass reproduces.
     """
@@ -134,15 +144,55 @@ def _direct(backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossF
 def _chunked(
     backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossFn, chunk_size: int
 ) -> StepOutput:
+    check_batchnorm(backend.bare_module, chunk_size)
     chunks = inputs.split(chunk_size)
-    # Both passes normalise with the running statistics, so they must be the same on every rank (a direct step
-    # or DDP's broadcast of rank 0's buffers before pass 2 would otherwise make the passes disagree).
+    # As in the direct step: every rank starts from the same running statistics (frozen layers normalise with
+    # them in both passes; DDP's broadcast of rank 0's buffers before pass 2 then changes nothing).
     backend.sync_batchnorm()
-    with frozen_batchnorm(backend.bare_module):
-        embeddings, states = _forward_no_grad(backend, chunks)
-        loss, cache = _build_cache(embeddings, labels, loss_fn)
-        _forward_backward(backend, chunks, states, cache.split(chunk_size))
+    embeddings, states = _forward_no_grad(backend, chunks)
+    loss, cache = _build_cache(embeddings, labels, loss_fn)
+    # Pass 1 updated the running statistics of layers in train mode, group by group as a direct forward would;
+    # pass 2 must neither update them again nor let DDP replace them with rank 0's.
+    after_pass_1 = [b.clone() for b in _live_batchnorm_buffers(backend.bare_module)]
+    _forward_backward(backend, chunks, states, cache.split(chunk_size))
+    with torch.no_grad():
+        for buffer, kept in zip(_live_batchnorm_buffers(backend.bare_module), after_pass_1):
+            buffer.copy_(kept)
     return StepOutput(loss, chunks=len(chunks), embeddings=embeddings)
+
+
+def check_batchnorm(module: nn.Module, chunk_size: int) -> None:
+    """Refuse a chunked step whose BatchNorm would compute another function than the direct step (ValueError,
+    saying what to change): a BatchNorm layer in train mode that is not ghost batch normalisation normalises each
+    chunk by its own statistics, and ghost groups that do not divide the chunk would be cut across chunks."""
+    for name, layer in module.named_modules():
+        if not isinstance(layer, _BatchNorm) or not _uses_batch_statistics(layer):
+            continue
+        if not isinstance(layer, GhostBatchNorm):
+            raise ValueError(
+                f"the chunked step (chunk_size={chunk_size}) cannot compute the batch statistics of the BatchNorm "
+                f"layer {name or type(layer).__name__} in train mode (each chunk would be normalised by itself): "
+                "freeze BatchNorm (ddp_rank.model.freeze_batchnorm(model) after model.train()), use ghost batch "
+                "normalisation with a group that divides the chunk (ddp_rank.train.convert_to_ghost(model, "
+                "group_size)), or a chunk_size that holds the whole batch"
+            )
+        if chunk_size % layer.group_size:
+            raise ValueError(
+                f"chunk_size={chunk_size} cuts the BatchNorm groups of {layer.group_size} rows of {name} across "
+                f"chunks: use a chunk_size that is a multiple of {layer.group_size}"
+            )
+
+
+def _uses_batch_statistics(layer: _BatchNorm) -> bool:
+    """Train mode, or a layer without running statistics, which normalises with its input's even in eval mode."""
+    return layer.training or layer.running_mean is None
+
+
+def _live_batchnorm_buffers(module: nn.Module) -> list[Tensor]:
+    """The running statistics of the BatchNorm layers that a train-mode forward updates."""
+    return [
+        b for m in module.modules() if isinstance(m, _BatchNorm) and m.training for b in batchnorm_buffers(m)
+    ]
 
 
 def _forward_no_grad(backend: StepBackend, chunks: tuple[Tensor, ...]) -> tuple[Tensor, list[RngState]]:

@@ -117,13 +117,17 @@ class Trainer:
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
-        model, notes = build_network(cfg, self.device, deepspeed=uses_deepspeed(acc))
+        model, notes = build_network(
+            cfg, self.device, self.layout.batchnorm, deepspeed=uses_deepspeed(acc), manifest=self.manifest
+        )
         # After the network: a proxy loss's random proxies leave the model's initial weights as with any loss.
         training_loss = build_training_loss(cfg, self.manifest)
         self.loss_parameters = self._loss_parameters(training_loss)
         if cfg.distributed.fixed_chunk is None:
             self.layout = self._auto_chunk(model, training_loss.loss)
         self.report = RunReport(cfg, self.layout, self.device, self.is_main)
+        if self.is_main:
+            log.info(f"BatchNorm: {self.layout.batchnorm.describe(self.layout.local_batch)}")
         for note in notes:
             self.report.note(note)
         if training_loss.description and self.is_main:
@@ -195,13 +199,15 @@ class Trainer:
         except RankFailure as exc:
             raise TrainError(f"distributed.chunk_size=auto: {exc}") from None
         chunk = min_over_ranks(choice.chunk or layout.local_batch)
-        agreed = BatchLayout.from_config(cfg, self.world_size, chunk_size=chunk)
+        agreed = BatchLayout.from_config(cfg, self.world_size, chunk_size=chunk)  # whole BatchNorm groups
         if self.is_main:
             ranks = (
                 f"; the smallest over the ranks: {chunk:,}"
                 if chunk != (choice.chunk or layout.local_batch)
                 else ""
             )
+            if agreed.chunk_size is not None and agreed.chunk_size != chunk:
+                ranks += f"; {agreed.chunk_size:,} to hold whole BatchNorm groups of {agreed.batchnorm.group}"
             log.info(choice.describe() + ranks)
         return agreed
 
@@ -233,7 +239,7 @@ class Trainer:
         batch = self.batches.next() if batch is None else batch.to(self.device)
         t1 = time.perf_counter()
         self.model.train()
-        if self.cfg.model.freeze_bn == "always":
+        if self.layout.batchnorm.frozen:
             freeze_batchnorm(self.model)
         try:
             out = forward_backward(
@@ -322,6 +328,12 @@ class Trainer:
             raise ConfigError(
                 f"train.best_metric='{name}' is not among the evaluation metrics {sorted(metrics)}"
             )
+        if metrics[name] is None:  # e.g. a TPR@FPR the test split has too few negative pairs to measure
+            if self.is_main:
+                log.warning(
+                    f"train.best_metric='{name}' is not measurable on this test split: no best checkpoint"
+                )
+            return
         value = float(metrics[name])
         if self.progress.best_value is None or value > self.progress.best_value:
             self.progress.best_value, self.progress.best_step = value, self.step

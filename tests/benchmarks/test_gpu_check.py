@@ -599,3 +599,19 @@ def test_train_keeps_going_after_a_failed_configuration(
     crashed_bare = targets.train_verdicts([{**rows[0], "error": "exit 1: boom"}, rows[2]])
     assert _status(crashed_bare, "trainer direct >=") == targets.NOT_MEASURED
     assert "the bare loop crashed: exit 1: boom" in crashed_bare[0].detail
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("venv", [True, False], ids=["with-venv", "without-venv"])
+def test_make_gpu_check_uses_the_projects_venv_when_there_is_one(tmp_path: Path, venv: bool) -> None:
+    """Where torch lives in ``.venv`` the check must run with it (``python3`` there has no torch); the GPU
+    machine has no ``.venv`` and a system ``python3`` with torch. ``make -n`` prints the command it would run."""
+    if venv:
+        (tmp_path / ".venv" / "bin").mkdir(parents=True)
+        (tmp_path / ".venv" / "bin" / "python").write_text("")
+    out = subprocess.run(
+        ["make", "-n", "-f", str(REPO / "Makefile"), "-C", str(tmp_path), "gpu-check"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    command = next(line for line in out.splitlines() if "gpu_check.py" in line)
+    assert command.split()[0] == (".venv/bin/python" if venv else "python3"), command

@@ -193,3 +193,24 @@ def test_plan_for_a_gpu_it_does_not_have_leaves_the_step_to_start_up(tmp_path: P
     assert not problems
     assert "chosen at start-up" in dict(facts)["chunk (auto)"]
     assert dict(facts)["step"] == "chunked or direct, decided at start-up from the GPU's free memory"
+
+
+def test_plan_says_the_batchnorm_mode_and_keeps_ghost_groups_whole(tmp_path: Path) -> None:
+    shards = write("sop", tmp_path / "s")
+    base = _tiny_cnn_plan(shards, "data.image_size=32", "data.resize_size=32", "distributed.memory_budget_mb=1")
+    facts, problems = describe_plan(load_config(None, [*base, "model.bn_group_size=4"]), 2, device="cpu")
+    assert not problems
+    assert "statistics of each group of 4 local images" in dict(facts)["BatchNorm"]
+    chunk = int(dict(facts)["step"].rsplit(" ", 1)[1])
+    why = dict(facts)["chunk (auto)"]
+    chosen = int(why.split("runs in chunks of ")[1].split(";")[0].replace(",", ""))
+    assert chunk % 4 == 0 and chunk == chosen - chosen % 4
+    assert ("to hold whole BatchNorm groups of 4" in why) is (chosen % 4 != 0)
+
+    facts, problems = describe_plan(load_config(None, base), 2, device="cpu")  # the default: freeze_bn=auto
+    assert not problems and dict(facts)["BatchNorm"].startswith("frozen")
+
+    # Live statistics of the whole local batch cannot be chunked: refused, not trained as another function.
+    facts, problems = describe_plan(load_config(None, [*base, "model.freeze_bn=never"]), 2, device="cpu")
+    assert any("whole local batch of 128 images" in p for p in problems), problems
+    assert dict(facts)["step"] == "none: the run cannot start"

@@ -104,11 +104,13 @@ def test_running_buffers_become_the_mean_over_ranks() -> None:
 
 
 def _chunk_after_direct_worker(rank: int, world: int) -> dict[str, object]:
-    """A direct step (BatchNorm live: the ranks' buffers drift apart), then a chunked step under DDP."""
+    """A direct step (BatchNorm live: the ranks' buffers drift apart), then a chunked step under DDP with
+    BatchNorm frozen (the chunked step refuses BatchNorm in train mode that is not ghost batch normalisation)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from ddp_rank.distributed import GlobalBatchLoss
     from ddp_rank.losses import FastAPLoss
+    from ddp_rank.model import freeze_batchnorm
     from ddp_rank.train.backends import DDPBackend
     from ddp_rank.train.chunked import forward_backward
 
@@ -126,6 +128,7 @@ def _chunk_after_direct_worker(rank: int, world: int) -> dict[str, object]:
     before = {"params": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
     before["buffers"] = [b.clone() for b in batchnorm_buffers(model.module)]
     x, _ = global_batch(1)
+    freeze_batchnorm(model)
     forward_backward(backend, x[rows], labels[rows], loss, chunk_size=2)
     return {**before, "grads": {n: p.grad.clone() for n, p in model.module.named_parameters()}}
 
@@ -140,13 +143,54 @@ def test_a_chunked_step_after_a_direct_one_uses_the_same_statistics_in_both_pass
     reference.load_state_dict(got[0]["params"], strict=False)
     for buf, a, b in zip(batchnorm_buffers(reference), got[0]["buffers"], got[1]["buffers"]):
         buf.copy_((a + b) / 2 if a.is_floating_point() else a)
-    reference.eval()  # the chunked step freezes BatchNorm: running statistics, averaged over the ranks
+    reference.eval()  # frozen BatchNorm: the running statistics, averaged over the ranks before the step
     x, _ = global_batch(1)
     labels = torch.arange(sum(SIZES)) % 3
     FastAPLoss()(reference(x), labels).backward()
     for name, p in reference.named_parameters():
         for rank_result in got:
             torch.testing.assert_close(rank_result["grads"][name], p.grad, msg=name)
+
+
+def _ghost_worker(rank: int, world: int, chunk: int | None) -> dict[str, object]:
+    """Two steps under DDP of a model with ghost batch normalisation (groups of 2), direct or chunked."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddp_rank.distributed import GlobalBatchLoss
+    from ddp_rank.losses import FastAPLoss
+    from ddp_rank.train import DDPBackend, convert_to_ghost, forward_backward
+
+    model = DistributedDataParallel(convert_to_ghost(small_net().double(), 2))
+    backend, loss = DDPBackend(model), GlobalBatchLoss(FastAPLoss())
+    labels, rows = torch.arange(sum(GHOST_SIZES)) % 3, slice(rank * 4, rank * 4 + 4)
+    grads = []
+    for step in range(2):
+        x, _ = global_batch(step)
+        forward_backward(backend, x[: sum(GHOST_SIZES)][rows], labels[rows], loss, chunk_size=chunk)
+        grads.append({n: p.grad.clone() for n, p in model.module.named_parameters()})
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+        model.zero_grad()
+    return {"grads": grads, "buffers": [b.clone() for b in batchnorm_buffers(model.module)]}
+
+
+GHOST_SIZES = (4, 4)
+
+
+@pytest.mark.distributed
+def test_ghost_batchnorm_under_ddp_chunked_equals_direct_with_each_ranks_running_statistics() -> None:
+    """Pass 1 of the chunked step updates the running statistics with this rank's groups; pass 2's forwards
+    under DDP broadcast rank 0's buffers, which must not replace them: the buffers equal the direct step's."""
+    direct = run_distributed(_ghost_worker, 2, args=(None,))
+    chunked = run_distributed(_ghost_worker, 2, args=(2,))
+    for rank in range(2):
+        for step in range(2):
+            for name, g in direct[rank]["grads"][step].items():
+                torch.testing.assert_close(chunked[rank]["grads"][step][name], g, msg=f"{rank} {step} {name}")
+        for mine, want in zip(chunked[rank]["buffers"], direct[rank]["buffers"]):
+            torch.testing.assert_close(mine, want)
+    assert not torch.equal(direct[0]["buffers"][0], direct[1]["buffers"][0]), "each rank keeps its own update"
 
 
 def _trainer_worker(rank: int, world: int, shards: str, out: str, extra: tuple[str, ...]) -> dict[str, object]:
@@ -184,7 +228,7 @@ def test_evaluation_equals_the_saved_checkpoint_rescored(sync_bn: bool, tmp_path
     from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
     shards = build_tiny_shards(tmp_path / "data")
-    extra = (f"model.sync_bn={str(sync_bn).lower()}",)
+    extra = (f"model.sync_bn={str(sync_bn).lower()}", "model.freeze_bn=never")
     got = run_distributed(_trainer_worker, 2, args=(str(shards), str(tmp_path / "run"), extra), timeout=300)
     assert got[0]["sync_layers"] == (4 if sync_bn else 0)
     local0, local1 = got[0]["local"], got[1]["local"]

@@ -72,18 +72,24 @@ def test_dropout_masks_are_replayed() -> None:
     assert not torch.allclose(reference(8)[0], reference(7)[0]), "dropout must change the gradient"
 
 
-def test_batchnorm_is_frozen_in_the_chunked_path() -> None:
+def test_batchnorm_in_train_mode_is_refused_by_the_chunked_path_not_silently_frozen() -> None:
+    """The chunked path used to freeze BatchNorm while the direct path kept it live: two functions, picked by the
+    chunk. Now it refuses, and BatchNorm frozen by the caller gives the direct gradient of the frozen model
+    (tests/train/test_ghost_batchnorm.py has ghost batch normalisation, which both paths compute alike)."""
     inputs, labels = batch()
     model = mlp(batchnorm=True)
+    with pytest.raises(ValueError, match=r"BatchNorm layer 1 in train mode"):
+        forward_backward(PlainBackend(model), inputs, labels, SmoothAPLoss(tau=0.1), chunk_size=4)
+
     bn = model[1]
     bn.running_mean.fill_(0.1)
+    bn.eval()  # frozen by the caller
     before = {k: v.clone() for k, v in bn.state_dict().items()}
     forward_backward(PlainBackend(model), inputs, labels, SmoothAPLoss(tau=0.1), chunk_size=4)
     for key, value in bn.state_dict().items():
         assert torch.equal(value, before[key]), f"BatchNorm {key} changed"
-    assert model.training and bn.training, "train mode must be restored after the step"
+    assert model.training and not bn.training, "the step leaves the modes as it found them"
 
-    # The frozen chunked gradient is the direct gradient of the model with BatchNorm in eval mode.
     reference = mlp(batchnorm=True)
     reference.load_state_dict(model.state_dict())
     reference[1].eval()

@@ -44,3 +44,66 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_refused_naming_the_settin
     cfg = load_config(None, ["data.global_batch_size=100"])
     with pytest.raises(ConfigError, match=r"data.global_batch_size=100 does not split over 3"):
         BatchLayout.from_config(cfg, 3)
+
+
+@pytest.mark.parametrize(
+    ("settings", "kind", "group"),
+    [
+        ([], "frozen", 0),  # auto, chunk_size=auto: the step may be chunked, no group given
+        (["distributed.chunk_size=16"], "frozen", 0),  # chunked by the config
+        (["distributed.chunk_size=0"], "batch", 32),  # the config pins the direct step: batch statistics
+        (["distributed.chunk_size=32"], "batch", 32),  # a chunk that holds the local batch: direct too
+        (["model.bn_group_size=8"], "groups", 8),  # ghost batch normalisation, chunk auto
+        (["model.bn_group_size=8", "distributed.chunk_size=16"], "groups", 8),
+        (["model.freeze_bn=never"], "batch", 32),
+        (["model.sync_bn=true"], "global", 32),
+        (["model.freeze_bn=always", "model.bn_group_size=8"], "frozen", 0),
+    ],
+)
+def test_the_batchnorm_mode_follows_from_the_config_alone(settings: list[str], kind: str, group: int) -> None:
+    cfg = load_config(None, ["data.global_batch_size=64", *settings])
+    mode = BatchLayout.from_config(cfg, 2).batchnorm  # 32 images per rank
+    assert (mode.kind, mode.group) == (kind, group)
+    assert mode.describe(32).startswith("frozen" if kind == "frozen" else "train mode")
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (["model.bn_group_size=12"], r"model.bn_group_size=12 does not divide the local batch of 32"),
+        (["model.bn_group_size=64"], r"model.bn_group_size=64 does not divide"),
+        (["model.bn_group_size=8", "distributed.chunk_size=12"], r"distributed.chunk_size=12 does not"),
+        (["model.freeze_bn=never", "distributed.chunk_size=16"], r"whole local batch of 32 .*distributed.chunk_size=16"),
+        (["model.sync_bn=true", "distributed.chunk_size=16"], r"model.sync_bn=true .* cannot compute"),
+        (["model.sync_bn=true", "model.bn_group_size=8"], r"set one of them"),
+    ],
+)
+def test_a_batchnorm_the_chunked_step_cannot_compute_is_refused_up_front(settings: list[str], message: str) -> None:
+    cfg = load_config(None, ["data.global_batch_size=64", *settings])
+    with pytest.raises(ConfigError, match=message):
+        BatchLayout.from_config(cfg, 2)
+
+
+def test_a_group_size_of_one_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"model.bn_group_size=1 would normalise every image by itself"):
+        load_config(None, ["model.bn_group_size=1"])
+
+
+@pytest.mark.parametrize(
+    ("settings", "chosen", "chunk"),
+    [
+        (["model.bn_group_size=8"], 21, 16),  # the chunk auto chose, rounded down to whole groups
+        (["model.bn_group_size=8"], 40, None),  # fits: direct
+        ([], 21, 21),  # frozen: any chunk
+    ],
+)
+def test_a_chunk_chosen_by_auto_keeps_the_groups_whole(settings: list[str], chosen: int, chunk: int | None) -> None:
+    cfg = load_config(None, ["data.global_batch_size=64", *settings])
+    assert BatchLayout.from_config(cfg, 2, chosen).chunk_size == chunk
+
+
+@pytest.mark.parametrize("settings", [["model.bn_group_size=8"], ["model.freeze_bn=never"], ["model.sync_bn=true"]])
+def test_auto_refuses_to_start_when_not_even_one_group_fits(settings: list[str]) -> None:
+    cfg = load_config(None, ["data.global_batch_size=64", *settings])
+    with pytest.raises(ConfigError, match=r"distributed.chunk_size=auto \(at most 5 images fit"):
+        BatchLayout.from_config(cfg, 2, 5)
