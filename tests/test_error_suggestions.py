@@ -59,7 +59,10 @@ def _suggestions() -> list[tuple[str, str, str | None]]:
                 continue  # ``section.key=value`` in a usage line, ``s3.bucket=...``: not a setting
             quoted = value[:1] in "'\"" and len(value) >= 2
             value = value[1:-1] if quoted else value.rstrip(":.")  # (unquoted: the sentence's own colon)
-            literal = None if _PLACEHOLDER in value or "<" in value else value
+            # A setting that opens the message is the one refused ("model.bn_group_size=1 would ..."), not a
+            # suggestion: only its key is checked.
+            echo = m.start() == 0
+            literal = None if echo or _PLACEHOLDER in value or "<" in value else value
             out.append((f"{where}:{line}", f"{section}.{key}", literal))
     return out
 
