@@ -7,7 +7,7 @@ from ddp_rank.data.schedule import ScheduleConfig
 
 
 def schedule_config(cfg: Config) -> ScheduleConfig:
-    """The sampler settings of ``cfg.data`` (seeded by ``train.seed``)."""
+    """The sampler settings of ``cfg.data`` (seeded by :func:`data_seed`)."""
     data = cfg.data
     return ScheduleConfig(
         strategy=data.sampler,  # type: ignore[arg-type]
@@ -16,5 +16,11 @@ def schedule_config(cfg: Config) -> ScheduleConfig:
         steps_per_epoch=data.steps_per_epoch or None,
         images_per_class=data.images_per_class,
         category_aware=data.category_aware,
-        seed=cfg.train.seed,
+        seed=data_seed(cfg),
     )
+
+
+def data_seed(cfg: Config) -> int:
+    """The seed of the data schedule, the dealing to ranks and the augmentations: ``data.seed``, or ``train.seed``
+    when it is -1 (so one seed varies everything, and ``data.seed`` varies the data alone)."""
+    return cfg.data.seed if cfg.data.seed >= 0 else cfg.train.seed
