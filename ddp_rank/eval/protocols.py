@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ddp_rank.eval.retrieval import retrieval_metrics
+from ddp_rank.eval.bootstrap import QueryBootstrap, bootstrap_queries
+from ddp_rank.eval.retrieval import QueryScores, query_scores, retrieval_metrics
 
 __all__ = [
     "PROTOCOLS",
@@ -132,22 +133,30 @@ def evaluate(
     repeats: int = 1,
     seed: int = 0,
     device: torch.device | str | None = None,
-) -> dict[str, float]:
+    bootstrap: QueryBootstrap | None = None,
+) -> dict[str, Any]:
     """Run ``protocol`` on ``data``; returns a flat ``{metric: value}`` dict (see the module doc for keys).
 
     ``backend`` / ``device``: the exact search (:class:`ddp_rank.eval.retrieval.ExactSearch`; by default on the
-    GPU when there is one).
+    GPU when there is one). ``bootstrap``: also the spread of each metric over the queries, under the key
+    ``bootstrap`` (``ddp_rank.eval.bootstrap``; sop and inshop).
     """
     if protocol not in PROTOCOLS:
         raise EvalError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
+    if bootstrap is not None and protocol == "vehicleid":
+        raise EvalError(
+            "the query bootstrap covers the sop and inshop protocols; VehicleID's figures average random "
+            "galleries (eval.vehicleid_repeats): leave out --bootstrap"
+        )
     if len(data.labels) < 2:
         raise EvalError(f"the test set has {len(data.labels)} image(s): retrieval needs at least 2")
     kk = _ks(protocol, ks)
     e, y = data.embeddings, data.labels
     if protocol == "sop":
-        return retrieval_metrics(
+        scores = query_scores(
             e, y, e, y, kk, exclude_self=True, map_at_r=map_at_r, backend=backend, device=device
         )
+        return _with_bootstrap(scores, bootstrap)
     if protocol == "inshop":
         q, g = subset_mask(data, "query"), subset_mask(data, "gallery")
         if not q.any() or not g.any():
@@ -155,9 +164,8 @@ def evaluate(
                 f"protocol inshop needs test samples with subset 'query' and 'gallery' (found {int(q.sum())} query, "
                 f"{int(g.sum())} gallery): build the shards with the In-Shop recipe, or use eval.protocol=sop"
             )
-        return retrieval_metrics(
-            e[q], y[q], e[g], y[g], kk, map_at_r=map_at_r, backend=backend, device=device
-        )
+        scores = query_scores(e[q], y[q], e[g], y[g], kk, map_at_r=map_at_r, backend=backend, device=device)
+        return _with_bootstrap(scores, bootstrap)
     # vehicleid
     out: dict[str, float] = {}
     gen = torch.Generator().manual_seed(seed)
@@ -186,6 +194,14 @@ def evaluate(
             out[f"{size}/{k}"] = v
         evaluated.append(size)
     return with_largest_list_as_headline(out, evaluated)
+
+
+def _with_bootstrap(scores: QueryScores, bootstrap: QueryBootstrap | None) -> dict[str, Any]:
+    """The metrics of ``scores``, with their spread over the queries when ``bootstrap`` is asked for."""
+    out: dict[str, Any] = dict(scores.metrics())
+    if bootstrap is not None:
+        out["bootstrap"] = bootstrap_queries(scores, bootstrap)
+    return out
 
 
 def _one_per_class(labels: Tensor, gen: torch.Generator) -> Tensor:

@@ -16,9 +16,10 @@ import torch.distributed as dist
 
 from ddp_rank.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from ddp_rank.data.transforms import transform_from_config
+from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.export import embed_batches_to_arrays, write_manifest, write_part
 from ddp_rank.eval.protocols import VEHICLEID_SIZES
-from ddp_rank.eval.report import format_table, write_json
+from ddp_rank.eval.report import bootstrap_note, format_table, write_json
 from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
 from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
 from ddp_rank.model import RawPixels, build_model, load_model_weights, read_meta, resolve_checkpoint
@@ -120,8 +121,11 @@ class Evaluation:
 
     def table(self) -> str:
         queries = int(self.metrics.get("num_queries", 0))
-        return f"{self.protocol} protocol, split '{self.split}' ({queries} queries)\n" + format_table(
-            {self.label: self.metrics}
+        note = bootstrap_note(self.metrics)
+        return (
+            f"{self.protocol} protocol, split '{self.split}' ({queries} queries)\n"
+            + format_table({self.label: self.metrics})
+            + (f"\n{note}" if note else "")
         )
 
 
@@ -132,9 +136,15 @@ def evaluate_and_record(
     split: str | None = None,
     name: str | None = None,
     output: str | None = None,
+    bootstrap: QueryBootstrap | None = None,
 ) -> Evaluation:
     """Evaluate on every rank; rank 0 adds the result to the JSON (``output``, default OUTPUT_DIR/eval.json).
-    Tears down the process group."""
+    ``bootstrap``: each metric's spread over the queries too. Tears down the process group."""
+    if bootstrap is not None and cfg.eval.protocol == "vehicleid":
+        raise ConfigError(
+            "--bootstrap resamples the queries of the sop and inshop protocols; VehicleID's figures average "
+            "random galleries (eval.vehicleid_repeats): leave out --bootstrap"
+        )
     check_split(cfg, None)
     split, described = _splits_to_evaluate(cfg, split)
     if checkpoint is not None and baseline is not None:
@@ -144,7 +154,12 @@ def evaluate_and_record(
         model, default_name = build_eval_model(cfg, checkpoint, baseline)
         model.to(accelerator.device)
         metrics = evaluate_model(
-            model, cfg, split, device=accelerator.device, autocast_dtype=autocast_dtype(accelerator)
+            model,
+            cfg,
+            split,
+            device=accelerator.device,
+            autocast_dtype=autocast_dtype(accelerator),
+            bootstrap=bootstrap,
         )
         label = name or default_name
         out_path = Path(output) if output else Path(cfg.train.output_dir) / "eval.json"
