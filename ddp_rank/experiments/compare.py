@@ -39,7 +39,7 @@ class Comparison:
         self.metrics = metric_keys(runs)
         # Runs that differ in their seeds are replicates: pooled into points with a mean and a spread.
         self.replicates = (
-            Replicates(runs, self.keys, metric, self.metrics) if is_replicated(runs, self.keys) else None
+            Replicates(runs, self.keys, metric, self.metrics) if is_replicated(self.keys) else None
         )
 
     def rows(self) -> list[dict[str, Any]]:

@@ -36,7 +36,7 @@ def plot_comparison(
     except ImportError as exc:
         raise ImportError("compare.png needs matplotlib: pip install 'ddp_rank[eval]'") from exc
     everyone = differing_keys(runs)
-    if is_replicated(runs, everyone):  # runs that differ in their seeds: each point's mean and spread
+    if is_replicated(everyone):  # runs that differ in their seeds: each point's mean and spread
         return draw_points(Replicates(runs, everyone, metric, [metric]), Path(path), x_key, plt)
     keys = differing_keys(finished)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

@@ -31,8 +31,8 @@ from ddp_rank.experiments.runs import RunSummary
 __all__ = ["Difference", "Point", "Replicates", "is_replicated"]
 
 
-def is_replicated(runs: Sequence[RunSummary], keys: Sequence[str]) -> bool:
-    """Whether the runs' differing ``keys`` include a seed: then they are replicates of points."""
+def is_replicated(keys: Sequence[str]) -> bool:
+    """Whether the keys that differ between runs include a seed: then the runs are replicates of points."""
     return any(key in REPLICATE_KEYS for key in keys)
 
 

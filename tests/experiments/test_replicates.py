@@ -23,7 +23,9 @@ from ddp_rank.train.run_state import RunState
 T_975_DF2 = 4.3027  # Student's t, 97.5% quantile, 2 degrees of freedom (any printed table)
 
 
-def make_run(root: Path, sampler: str, seed: int, final: float, status: str = "finished", *extra: str) -> Path:
+def make_run(
+    root: Path, sampler: str, seed: int, final: float, status: str = "finished", *extra: str
+) -> Path:
     """A run as the trainer leaves it: an early evaluation ABOVE the final one (so pooling the best would show),
     then the final one; ``status`` in run.json."""
     run = root / f"data.sampler={sampler},train.seed={seed}"
@@ -84,8 +86,9 @@ def test_the_difference_interval_matches_a_hand_computation(tmp_path: Path) -> N
     assert diff["difference"] == pytest.approx(mean)
     assert (diff["low"], diff["high"]) == pytest.approx((mean - half, mean + half), abs=1e-5)
     assert diff["low"] < 0 < diff["high"] and diff["verdict"] == "within noise"
-    assert "| data.sampler=hard | data.sampler=random | data.sampler | +2.33 | [-1.46, +6.13] | 3 | within noise |" in (
-        compare_runs(runs).markdown()
+    assert (
+        "| data.sampler=hard | data.sampler=random | data.sampler | +2.33 | [-1.46, +6.13] | 3 | within noise |"
+        in (compare_runs(runs).markdown())
     )
 
 
@@ -155,7 +158,10 @@ def test_the_command_prints_points_csv_and_draws_error_bars(
     png = tmp_path / "compare.png"
     assert main(["compare", str(tmp_path / "s"), "--csv", "--points", "--plot", str(png)]) == 0
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
-    assert [(r["point"], r["finished"]) for r in rows] == [("data.sampler=hard", "3"), ("data.sampler=random", "1")]
+    assert [(r["point"], r["finished"]) for r in rows] == [
+        ("data.sampler=hard", "3"),
+        ("data.sampler=random", "1"),
+    ]
     assert png.is_file() and png.stat().st_size > 0
     assert main(["compare", str(tmp_path / "s"), "--points"]) == 2
     assert "--points goes with --csv" in capsys.readouterr().err
