@@ -42,10 +42,13 @@ class Point:
 
     settings: tuple[tuple[str, Any], ...]
     runs: list[RunSummary] = field(default_factory=list)
+    named_by: tuple[str, ...] | None = None
+    """The keys its name shows (the settings' own, not those that follow them); None: every key."""
 
     @property
     def name(self) -> str:
-        return ",".join(f"{key}={_text(value)}" for key, value in self.settings) or "all runs"
+        shown = [(k, v) for k, v in self.settings if self.named_by is None or k in self.named_by]
+        return ",".join(f"{key}={_text(value)}" for key, value in shown) or "all runs"
 
     @property
     def finished(self) -> list[RunSummary]:
@@ -113,11 +116,12 @@ class Replicates:
         self.metrics = metrics
         self.keys = [key for key in keys if key not in REPLICATE_KEYS]
         self.factors = _factors([run for run in runs if run.config], self.keys)
+        named_by = tuple(group[0] for group in self.factors.values())
         points: dict[tuple[tuple[str, Any], ...], Point] = {}
         for run in runs:
             if run.config:  # a folder that never started has no settings to pool by
                 settings = tuple((key, run.config.get(key)) for key in self.keys)
-                points.setdefault(settings, Point(settings)).runs.append(run)
+                points.setdefault(settings, Point(settings, named_by=named_by)).runs.append(run)
         self.points = list(points.values())
 
     def differences(self) -> list[Difference]:

@@ -147,6 +147,7 @@ def test_keys_that_follow_a_setting_go_with_it(tmp_path: Path) -> None:
     runs = [read_run(p) for p in sorted(tmp_path.glob("b*/*"))]
     (diff,) = json.loads(compare_runs(runs).json())["differences"]
     assert diff["setting"] == "data.global_batch_size (with train.steps)"
+    assert (diff["first"], diff["second"]) == ("data.global_batch_size=16", "data.global_batch_size=32")
     assert diff["difference"] == pytest.approx(0.125)
 
 
