@@ -308,6 +308,12 @@ class TrainConfig(_Section):
         "float atomics replaced by sorted kernels): two runs, and a killed-and-resumed run, give bit-identical "
         "weights on a GPU as on CPU. Slower on GPUs (benchmarks/train.py measures it); CPU runs are deterministic anyway.",
     )
+    deterministic_fill: bool = _field(
+        False,
+        "With train.deterministic: also fill every fresh tensor with NaN (torch.utils.deterministic."
+        "fill_uninitialized_memory), so that a kernel reading memory it never wrote shows as NaN. A write per "
+        "allocation: a check to run when a deterministic run still varies, not a setting to train with.",
+    )
     log_every: int = _field(10, "Steps between metrics.jsonl records and progress-bar updates.", minimum=1)
     checkpoint_every: int = _field(
         0, "Steps between periodic checkpoints; 0 = only at the end of each epoch.", minimum=0

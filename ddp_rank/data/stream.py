@@ -206,14 +206,13 @@ class ShardStream(IterableDataset):
         images: list[torch.Tensor] = []
         labels: list[int] = []
         keys: list[str] = []
-        with torch.random.fork_rng(devices=[]):  # per-image seeds must not move the caller's RNG
-            for piece in pieces:
-                class_id, chosen, tensors = self._load_with_replacement(
-                    epoch, step, piece, transform, events, taken
-                )
-                images.extend(tensors)
-                labels.extend([class_id] * len(tensors))
-                keys.extend(chosen)
+        for piece in pieces:
+            class_id, chosen, tensors = self._load_with_replacement(
+                epoch, step, piece, transform, events, taken
+            )
+            images.extend(tensors)
+            labels.extend([class_id] * len(tensors))
+            keys.extend(chosen)
         events.add_counts(self.reader.store.take_counts())  # cache_fallbacks, read_retries
         label_tensor = torch.tensor(labels, dtype=torch.int64)
         return StreamBatch(
@@ -284,12 +283,13 @@ class ShardStream(IterableDataset):
                 events.decode_errors += 1
                 shard = self.reader.where[class_id][0].path
                 raise ClassReadError(class_id, shard, f"image {sample.key} does not decode: {exc}") from exc
-            # The CPU generator only: torch.manual_seed also queues a CUDA re-seed, and with CUDA not yet
-            # initialised each queued call records a stack trace (a third of the decode time per image).
-            torch.default_generator.manual_seed(
+            # Each image's augmentation draws from a generator of its own, seeded by where the image stands in
+            # the plan: never the torch RNG the model draws from, so batches may be read in another thread
+            # (the trainer's feed) without moving or racing the model's random stream.
+            generator = torch.Generator().manual_seed(
                 image_seed(self.schedule_config.seed, epoch, step, class_id, index)
             )
-            out.append(transform(decoded))
+            out.append(transform(decoded, generator))
             keys.append(sample.key)
         return keys, out
 

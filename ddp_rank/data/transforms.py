@@ -21,6 +21,7 @@ Only image bytes are decoded here (jpg / png / webp through PIL); no generic or 
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,7 +29,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.transforms import RandomResizedCrop
 
 from ddp_rank.data.image_modes import grey16_to_l, is_grey16
 
@@ -38,7 +38,10 @@ if TYPE_CHECKING:
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-ImageTransform = Callable[[Image.Image], torch.Tensor]
+ImageTransform = Callable[..., torch.Tensor]
+"""``transform(image, generator=None) -> uint8 [3, H, W]``: the random draws come from ``generator`` (the torch
+RNG when None). The training stream gives each image a generator of its own, so reading batches in a background
+thread never touches the RNG the model draws from."""
 
 
 CROP_MODES = ("random_resized", "paper")
@@ -134,13 +137,14 @@ class ResizedCropFlip:
         self.config = config
         self.ratio = (3.0 / 4.0, 4.0 / 3.0)
 
-    def __call__(self, image: Image.Image) -> torch.Tensor:
+    def __call__(self, image: Image.Image, generator: torch.Generator | None = None) -> torch.Tensor:
         width, height, scale = _virtual_size(*image.size, self.config.resize)
-        dims = torch.empty(1, 1, 1).expand(1, height, width)  # only the shape is read: no allocation
-        top, left, h, w = RandomResizedCrop.get_params(dims, list(self.config.crop_scale), list(self.ratio))
+        top, left, h, w = random_resized_crop_box(
+            height, width, self.config.crop_scale, self.ratio, generator
+        )
         box = (left / scale, top / scale, (left + w) / scale, (top + h) / scale)
         out = image.resize((self.config.crop, self.config.crop), Image.Resampling.BILINEAR, box=box)
-        if self.config.flip and torch.rand(1).item() < 0.5:
+        if self.config.flip and torch.rand(1, generator=generator).item() < 0.5:
             out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return _to_uint8_chw(out)
 
@@ -151,12 +155,44 @@ class ResizeCenterCrop:
     def __init__(self, config: TransformConfig) -> None:
         self.config = config
 
-    def __call__(self, image: Image.Image) -> torch.Tensor:
+    def __call__(self, image: Image.Image, generator: torch.Generator | None = None) -> torch.Tensor:
         width, height, scale = _virtual_size(*image.size, self.config.resize)
         crop = self.config.crop
         top, left = round((height - crop) / 2.0), round((width - crop) / 2.0)
         box = (left / scale, top / scale, (left + crop) / scale, (top + crop) / scale)
         return _to_uint8_chw(image.resize((crop, crop), Image.Resampling.BILINEAR, box=box))
+
+
+def random_resized_crop_box(
+    height: int,
+    width: int,
+    scale: Sequence[float],
+    ratio: Sequence[float],
+    generator: torch.Generator | None = None,
+) -> tuple[int, int, int, int]:
+    """``(top, left, h, w)`` of a random crop of a height x width image covering ``scale`` of its area with an
+    aspect ratio in ``ratio`` (log-uniform): torchvision's ``RandomResizedCrop.get_params``, draw for draw (the
+    same numbers from the same RNG state), with the draws taken from ``generator``; after 10 misses, the centre
+    crop of the largest box whose ratio is within bounds."""
+    area = height * width
+    low, high = (float(x) for x in torch.log(torch.tensor(ratio)))  # float32 logs, as torchvision takes them
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
+        aspect = torch.exp(torch.empty(1).uniform_(low, high, generator=generator)).item()
+        w = round(math.sqrt(target_area * aspect))
+        h = round(math.sqrt(target_area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, size=(1,), generator=generator).item())
+            left = int(torch.randint(0, width - w + 1, size=(1,), generator=generator).item())
+            return top, left, h, w
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, round(width / min(ratio))
+    elif in_ratio > max(ratio):
+        h, w = height, round(height * max(ratio))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
 
 
 def _square_crop_box(
@@ -177,13 +213,13 @@ class SquareResizeCropFlip:
     def __init__(self, config: TransformConfig) -> None:
         self.config = config
 
-    def __call__(self, image: Image.Image) -> torch.Tensor:
+    def __call__(self, image: Image.Image, generator: torch.Generator | None = None) -> torch.Tensor:
         resize, crop = self.config.resize, self.config.crop
-        top = int(torch.randint(0, resize - crop + 1, (1,)).item())
-        left = int(torch.randint(0, resize - crop + 1, (1,)).item())
+        top = int(torch.randint(0, resize - crop + 1, (1,), generator=generator).item())
+        left = int(torch.randint(0, resize - crop + 1, (1,), generator=generator).item())
         box = _square_crop_box(image, resize, top, left, crop)
         out = image.resize((crop, crop), Image.Resampling.BILINEAR, box=box)
-        if self.config.flip and torch.rand(1).item() < 0.5:
+        if self.config.flip and torch.rand(1, generator=generator).item() < 0.5:
             out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         return _to_uint8_chw(out)
 
@@ -194,7 +230,7 @@ class SquareResizeCenterCrop:
     def __init__(self, config: TransformConfig) -> None:
         self.config = config
 
-    def __call__(self, image: Image.Image) -> torch.Tensor:
+    def __call__(self, image: Image.Image, generator: torch.Generator | None = None) -> torch.Tensor:
         resize, crop = self.config.resize, self.config.crop
         offset = round((resize - crop) / 2.0)
         box = _square_crop_box(image, resize, offset, offset, crop)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -307,8 +308,34 @@ def _bf16_mm(a: Tensor, b: Tensor) -> Tensor:
     """bf16 operands, float32 accumulation and result on CUDA (``out_dtype``); on CPU, which has no such kernel
     and no bf16 speed-up either, the product is rounded to bf16 before it is widened."""
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
+        return _mm_float32_out(a, b)
     return torch.mm(a, b).float()
+
+
+def _mm_float32_out(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` accumulated and returned in float32. A torch whose ``mm`` has no ``out_dtype`` (older than the
+    project's tested versions) gets float32 operands instead: the same accuracy, without bf16's speed."""
+    if _mm_takes_out_dtype():
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+@functools.cache
+def _mm_takes_out_dtype() -> bool:
+    """Whether ``torch.mm`` knows the ``out_dtype`` keyword (asked once, on two 1 x 1 tensors)."""
+    one = torch.ones(1, 1, dtype=torch.bfloat16)
+    try:
+        torch.mm(one, one, out_dtype=torch.float32)
+    except TypeError:
+        warnings.warn(
+            f"torch {torch.__version__} has no torch.mm(out_dtype=...): loss.matmul_precision=bf16 multiplies in "
+            "float32 (same accuracy, no bf16 speed-up); a newer torch has the bf16 kernel",
+            stacklevel=2,
+        )
+        return False
+    except RuntimeError:
+        pass  # the keyword is known; this device or dtype has no kernel for it, which CUDA bf16 does
+    return True
 
 
 def refuse_double_backward() -> None:

@@ -1,25 +1,33 @@
 """Keep the device fed: the next batch is read and copied to the device while the current step computes.
 
-The DataLoader's workers already prepare batches ahead on the host; what remains is the copy to the GPU and, with
-no workers, the read itself. :class:`DeviceFeed` holds one batch in hand: when the trainer takes batch ``k`` it
-has already asked the loader for batch ``k + 1`` and, on CUDA, started that batch's copy on a side stream, which
-overlaps the step on the default stream (the host tensors are pinned by the loader, so the copy is asynchronous).
+:class:`DeviceFeed` reads in a thread of its own. When the trainer takes batch ``k``, the reader starts on batch
+``k + 1``: it asks the loader for it (the DataLoader's workers, or with ``num_workers=0`` the stream itself, read
+and decode it) and, on CUDA, copies it to the device on a side stream. All of that runs while step ``k``
+computes; the trainer waits only when batch ``k + 1`` is not ready by the time it asks, and that wait is what its
+``data_time`` measures. At most one batch is held ahead of the one in use (device memory for two batches, as
+with a plain double buffer).
 
-Two things a look-ahead must not change:
+Three things the reader must not change:
 
 - **Errors belong to their batch.** An exception raised while fetching batch ``k + 1`` is kept and raised when the
-  trainer asks for ``k + 1``, so the trainer's per-step agreement between ranks (``Trainer._next_batch``) still
+  trainer asks for ``k + 1``, so the trainer's per-step agreement between ranks (``TrainBatches.next``) still
   sees it at the step it concerns, on the same call as every other rank.
 - **Positions are those consumed.** The loader's notion of "handed out" runs one batch ahead; the feed reports
   each batch when it hands it on (``consumed``, with ``StreamLoader(track_position=False)``: the loader's
   ``consumed``), so a checkpoint resumes at the first batch not trained on.
+- **The model's random stream.** The stream draws each image's augmentation from a generator of its own (never
+  the torch RNG that dropout and the chunked step's replay use), so reading in another thread moves no random
+  number the step draws.
 
-On the CPU the feed does the same look-ahead with no copy, so the CPU tests run the code path a GPU run takes.
+On the CPU the feed reads ahead the same way with no copy, so the CPU tests run the code path a GPU run takes, and
+a CPU run overlaps its reads (decoding and file reads release the GIL) with its step too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -28,11 +36,17 @@ from ddp_rank.data.batch import StreamBatch
 
 __all__ = ["DeviceFeed"]
 
+_END = object()
+"""Put by the reader when the loader is exhausted."""
+
 
 class DeviceFeed:
-    """Iterate ``batches`` with their tensors moved to ``device``, one batch read (and copied) ahead.
+    """Iterate ``batches`` with their tensors moved to ``device``, the next batch read (and copied) by a background
+    thread while the caller works on the current one.
 
     The batch's tensors are moved (``StreamBatch.to``); everything else (keys, step, events) passes through.
+    :meth:`close` stops the reader after the fetch in progress, and waits for it: once it returns, nothing reads
+    from ``batches`` any more (a new feed may read the same stream).
     """
 
     def __init__(
@@ -45,51 +59,68 @@ class DeviceFeed:
         self.device = device
         self._consumed = consumed
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._ahead: StreamBatch | BaseException | None = None
+        self._ready: queue.Queue[object] = queue.Queue()
+        self._may_read = threading.Semaphore(1)  # the reader fetches one batch per batch handed over
+        self._closed = threading.Event()
         self._done = False
-        self._read_ahead()
+        self._reader = threading.Thread(target=self._read, name="ddp_rank-device-feed", daemon=True)
+        self._reader.start()
 
     def __iter__(self) -> DeviceFeed:
         return self
 
     def __next__(self) -> StreamBatch:
-        ahead = self._ahead
-        if self._done and ahead is None:
+        if self._done:
             raise StopIteration
-        self._ahead = None
-        if isinstance(ahead, BaseException):
+        item = self._ready.get()
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        if isinstance(item, BaseException):
             self._done = True  # a failed loader is not read again
-            raise ahead
-        assert ahead is not None
+            raise item
+        assert isinstance(item, StreamBatch)
+        self._may_read.release()  # the reader starts on the next batch while the caller works on this one
         if self._copy_stream is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self._copy_stream)
-            for value in ahead.tensors():
+            for value in item.tensors():
                 if value.device.type == "cuda":
                     # The allocator must not reuse this memory for the side stream while the step still reads it.
                     value.record_stream(current)
         if self._consumed is not None:
-            self._consumed(ahead)
-        self._read_ahead()
-        return ahead
+            self._consumed(item)
+        return item
 
     def close(self) -> None:
-        """Drop the batch in hand and the loader (its workers end with it)."""
-        self._ahead, self._done = None, True
+        """Stop the reader (after the fetch it is in, if any) and drop the batch read ahead."""
+        self._done = True
+        self._closed.set()
+        self._reader.join()
+        self._ready = queue.Queue()
         self._source = iter(())
 
-    def _read_ahead(self) -> None:
-        if self._done:
-            return
-        try:
-            host = next(self._source)
-        except StopIteration:
-            self._done = True
-            return
-        except Exception as exc:  # re-raised, unchanged, when its batch is asked for
-            self._ahead = exc
-            return
-        self._ahead = self._to_device(host)
+    def _read(self) -> None:
+        """The reader thread: wait for a free place, fetch and copy one batch, hand it over; until the loader
+        ends, fails, or the feed is closed."""
+        while self._wait_for_a_place():
+            try:
+                item: object = self._to_device(next(self._source))
+            except StopIteration:
+                item = _END
+            except Exception as exc:  # re-raised, unchanged, when its batch is asked for
+                item = exc
+            if self._closed.is_set():
+                return
+            self._ready.put(item)
+            if not isinstance(item, StreamBatch):
+                return
+
+    def _wait_for_a_place(self) -> bool:
+        while not self._closed.is_set():
+            if self._may_read.acquire(timeout=0.1):
+                return not self._closed.is_set()
+        return False
 
     def _to_device(self, host: StreamBatch) -> StreamBatch:
         if self.device.type == "cpu":

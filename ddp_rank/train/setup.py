@@ -28,6 +28,8 @@ __all__ = [
     "check_evaluation",
     "check_inputs",
     "configure_deepspeed",
+    "uses_deepspeed",
+    "wants_channels_last",
 ]
 
 
@@ -111,14 +113,17 @@ def build_stream(cfg: Config, manifest: Manifest, rank: int, world_size: int) ->
         raise TrainError(f"data: {exc}; `ddp-rank plan --config ...` shows what the shards allow") from exc
 
 
-def build_network(cfg: Config, device: torch.device) -> tuple[EmbeddingNet, list[str]]:
+def build_network(
+    cfg: Config, device: torch.device, deepspeed: bool = False
+) -> tuple[EmbeddingNet, list[str]]:
     """The embedding network on this device's layout, with what the user must hear about it (``init_from``'s
-    report). Channels-last on CUDA for convolutional backbones; BatchNorm across ranks with ``model.sync_bn``."""
+    report). Channels-last where :func:`wants_channels_last` says; BatchNorm across ranks with
+    ``model.sync_bn``."""
     notes: list[str] = []
     model = build_model(cfg.model, cfg.data.image_size)
     if cfg.model.init_from:
         notes.append(init_from(model, cfg.model.init_from).summary())
-    if device.type == "cuda" and is_convolutional(model):
+    if wants_channels_last(model, device, deepspeed):
         model.use_channels_last()
     if cfg.model.sync_bn:
         # In place (an EmbeddingNet is not itself a BatchNorm layer); PyTorch's fused SyncBatchNorm on CUDA.
@@ -126,13 +131,26 @@ def build_network(cfg: Config, device: torch.device) -> tuple[EmbeddingNet, list
     return model, notes
 
 
+def wants_channels_last(model: EmbeddingNet, device: torch.device, deepspeed: bool) -> bool:
+    """Channels-last weights and inputs for a convolutional backbone on CUDA (cuDNN's fast layout), except under
+    DeepSpeed: ZeRO makes every weight a view of its flat buffer in the standard layout, so channels-last set
+    before ``prepare`` fails there (DeepSpeed 0.19 broadcasts each weight viewed as bytes) or would be lost in
+    the views, and set after it, it would give the weights new storage apart from the buffer the optimizer
+    updates: training would silently stop (tests/train/test_zero_layout.py shows both)."""
+    return device.type == "cuda" and is_convolutional(model) and not deepspeed
+
+
+def uses_deepspeed(accelerator: Any) -> bool:
+    """Whether ``accelerator`` runs DeepSpeed (its launcher gave it a DeepSpeed plugin)."""
+    return getattr(accelerator.state, "deepspeed_plugin", None) is not None
+
+
 def configure_deepspeed(accelerator: Any, layout: BatchLayout, grad_clip: float) -> bool:
     """Give DeepSpeed the batch sizes accelerate would otherwise take from a prepared loader; False when the
     run does not use DeepSpeed."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None:
+    if not uses_deepspeed(accelerator):
         return False
-    ds = plugin.deepspeed_config
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
     ds["train_micro_batch_size_per_gpu"] = layout.local_batch
     ds["train_batch_size"] = layout.global_batch
     ds["gradient_accumulation_steps"] = 1

@@ -56,7 +56,14 @@ from ddp_rank.train.preemption import (
 )
 from ddp_rank.train.run_report import RunReport, StepResult
 from ddp_rank.train.run_state import RunState
-from ddp_rank.train.setup import build_loss, build_network, build_stream, check_inputs, configure_deepspeed
+from ddp_rank.train.setup import (
+    build_loss,
+    build_network,
+    build_stream,
+    check_inputs,
+    configure_deepspeed,
+    uses_deepspeed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +94,7 @@ class Trainer:
         self.cfg = cfg
         self.manifest = check_inputs(cfg)
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
-        set_deterministic(cfg.train.deterministic)
+        set_deterministic(cfg.train.deterministic, cfg.train.deterministic_fill)
         self.accelerator = acc = accelerator if accelerator is not None else make_accelerator(cfg)
         self.world_size = acc.num_processes
         self.rank = acc.process_index
@@ -107,7 +114,7 @@ class Trainer:
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
         loss = build_loss(cfg)
-        model, notes = build_network(cfg, self.device)
+        model, notes = build_network(cfg, self.device, deepspeed=uses_deepspeed(acc))
         if cfg.distributed.fixed_chunk is None:
             self.layout = self._auto_chunk(model, loss)
         self.report = RunReport(cfg, self.layout, self.device, self.is_main)

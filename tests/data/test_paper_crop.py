@@ -85,3 +85,31 @@ def test_config_setting_reaches_the_transform() -> None:
     assert transform_from_config(load_config().data).mode == "random_resized"
     with pytest.raises(ValueError, match="valid choices: random_resized, paper"):
         load_config(None, ["data.crop=papers"])
+
+
+@pytest.mark.parametrize(("height", "width"), [(256, 341), (341, 256), (64, 64), (3, 200), (200, 3)])
+def test_the_random_resized_crop_draws_as_torchvision_does(height: int, width: int) -> None:
+    """The crop box from a generator of its own is torchvision's ``RandomResizedCrop.get_params`` draw for draw
+    (same RNG state, same box), its fallback included (the thin images miss all ten tries)."""
+    from torchvision.transforms import RandomResizedCrop
+
+    dims = torch.empty(1, 1, 1).expand(1, height, width)
+    for seed in range(200):
+        torch.manual_seed(seed)
+        expected = RandomResizedCrop.get_params(dims, [0.08, 1.0], [3 / 4, 4 / 3])
+        got = transforms.random_resized_crop_box(
+            height, width, (0.08, 1.0), (3 / 4, 4 / 3), torch.Generator().manual_seed(seed)
+        )
+        assert got == tuple(int(v) for v in expected), seed
+
+
+def test_a_transform_with_its_own_generator_leaves_the_torch_rng_alone() -> None:
+    image = noise_image(300, 200, seed=2)
+    for mode in ("paper", "random_resized"):
+        transform = transforms.train_transform(TransformConfig(resize=64, crop=56, mode=mode))
+        torch.manual_seed(5)
+        state = torch.get_rng_state()
+        a = transform(image, torch.Generator().manual_seed(7))
+        assert torch.equal(torch.get_rng_state(), state)
+        torch.manual_seed(7)
+        assert torch.equal(a, transform(image))  # the same draws as from the torch RNG seeded alike

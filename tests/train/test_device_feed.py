@@ -6,6 +6,8 @@ embeddings, bit for bit), and plain iteration for the feed (same batches, same o
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -83,15 +85,62 @@ def batches(n: int, fail_at: int | None = None, log: list[int] | None = None) ->
         yield StreamBatch(images, labels, torch.zeros(2, dtype=torch.int64), ["a", "b"], 0, k, (0,))
 
 
-def test_the_feed_yields_every_batch_in_order_one_read_ahead() -> None:
-    read: list[int] = []
-    feed = DeviceFeed(batches(4, log=read), torch.device("cpu"))
-    assert read == [0]  # the first batch is read when the feed starts
-    first = next(feed)
-    assert first.step == 0 and read == [0, 1]  # taking batch k reads k + 1
-    rest = list(feed)
-    assert [b.step for b in rest] == [1, 2, 3]
-    assert all(torch.equal(b.images, torch.full((2, 3, 4, 4), b.step, dtype=torch.uint8)) for b in rest)
+def test_the_feed_yields_every_batch_in_order() -> None:
+    feed = DeviceFeed(batches(4), torch.device("cpu"))
+    got = list(feed)
+    assert [b.step for b in got] == [0, 1, 2, 3]
+    assert all(torch.equal(b.images, torch.full((2, 3, 4, 4), b.step, dtype=torch.uint8)) for b in got)
+    with pytest.raises(StopIteration):
+        next(feed)
+
+
+def test_the_next_batch_is_read_while_the_step_runs_and_no_further() -> None:
+    """The overlap itself: reading batch k + 1 can only finish once step k has started (the source waits for
+    it), and step k waits for that read: a feed that reads k + 1 before handing k over (or not at all while the
+    step runs) fails here instead of hanging. The reader never runs two batches ahead."""
+    stepping = [threading.Event() for _ in range(4)]
+    read = [threading.Event() for _ in range(4)]
+    started: list[int] = []
+
+    def source() -> Iterator[StreamBatch]:
+        for k, batch in enumerate(batches(4)):
+            started.append(k)
+            if k > 0:
+                assert stepping[k - 1].wait(10), f"batch {k} was read before step {k - 1} started"
+            read[k].set()
+            yield batch
+
+    feed = DeviceFeed(source(), torch.device("cpu"))
+    for k in range(3):
+        batch = next(feed)
+        assert batch.step == k
+        stepping[k].set()  # the step runs ...
+        assert read[k + 1].wait(10), f"batch {k + 1} was not read while step {k} ran"
+        time.sleep(0.2)
+        assert started == list(range(k + 2)), "the reader went two batches ahead"
+    feed.close()
+
+
+def test_closing_waits_for_the_read_in_progress() -> None:
+    """After ``close`` nothing reads the source any more (a new feed may read the same stream)."""
+    reading, release = threading.Event(), threading.Event()
+    finished: list[int] = []
+
+    def source() -> Iterator[StreamBatch]:
+        for k, batch in enumerate(batches(3)):
+            if k == 1:
+                reading.set()
+                release.wait(10)
+                time.sleep(0.2)
+                finished.append(k)
+            yield batch
+
+    feed = DeviceFeed(source(), torch.device("cpu"))
+    next(feed)
+    assert reading.wait(10)
+    release.set()
+    feed.close()
+    assert finished == [1]
     with pytest.raises(StopIteration):
         next(feed)
 

@@ -241,8 +241,16 @@ def test_deterministic_mode_trains_and_is_switched_on(
                 trainer.close()
         assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"
         assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
+        # Fresh memory is not filled with NaN unless asked (a write per allocation, NaN losses from scratch
+        # space read before it is written).
+        assert not torch.utils.deterministic.fill_uninitialized_memory
+        trainer = Trainer(cfg_for(shards, tmp_path / "fill", "train.deterministic=true",
+                                  "train.deterministic_fill=true"))  # fmt: skip
+        trainer.close()
+        assert torch.utils.deterministic.fill_uninitialized_memory
     finally:
         torch.use_deterministic_algorithms(was)
+        torch.utils.deterministic.fill_uninitialized_memory = True  # torch's default
         torch.backends.cudnn.deterministic = False
     for a, b in zip(*results):
         assert torch.equal(a, b)
