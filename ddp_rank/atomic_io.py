@@ -47,6 +47,17 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     fsync_dir(p.parent)
 
 
+def follow_umask(root: Path) -> None:
+    """Give every file under ``root`` the mode a plain ``open(path, "w")`` gives (0666 minus the umask).
+
+    Why: some writers make their files owner-only whatever the umask (safetensors' ``save_file`` writes 0600),
+    and a run directory shared on a cluster must read the same for every file in it."""
+    mode = 0o666 & ~current_umask()
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            os.chmod(os.path.join(dirpath, name), mode)
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new file inside ``path`` durable (best effort where directories have no fd)."""
     try:

@@ -39,6 +39,12 @@ def register(subparsers: Any) -> None:
     source.add_argument("--images", help="a folder of images (searched recursively; keys: relative paths)")
     source.add_argument("--shards-url", help="WebDataset shards: a URL or path, brace patterns allowed")
     p.add_argument("--output", required=True, help="export directory to write")
+    p.add_argument(
+        "--on-bad",
+        choices=("error", "skip"),
+        default="error",
+        help="--images: stop at an unreadable file (default) or leave it out and list it in export.json",
+    )
     p.set_defaults(func=_run_export)
 
     p = subparsers.add_parser(
@@ -73,6 +79,7 @@ def _fail(command: str, exc: Exception) -> int:
 
 
 def _errors() -> tuple[type[Exception], ...]:
+    from ddp_rank.eval.export import ExportError
     from ddp_rank.eval.protocols import EvalError
     from ddp_rank.eval.sources import SourceError
     from ddp_rank.eval.vector_index import IndexBuildError
@@ -80,7 +87,7 @@ def _errors() -> tuple[type[Exception], ...]:
     from ddp_rank.runtime import TrainError
 
     return (ConfigError, ModelError, CheckpointError, TrainError, EvalError, SourceError, IndexBuildError,
-            FileNotFoundError)  # fmt: skip
+            ExportError, FileNotFoundError)  # fmt: skip
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -89,7 +96,7 @@ def _run_export(args: argparse.Namespace) -> int:
     try:
         cfg = load_run_config(args.config, args.checkpoint, args.overrides)
         manifest = export_embeddings(
-            cfg, args.checkpoint, args.output, args.split, args.images, args.shards_url
+            cfg, args.checkpoint, args.output, args.split, args.images, args.shards_url, args.on_bad
         )
         if manifest:  # rank 0
             print(describe_export(manifest, args.output))

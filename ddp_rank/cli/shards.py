@@ -248,8 +248,12 @@ def _serve(args: argparse.Namespace) -> int:
     def announce(url: str) -> None:
         print(f"serving {args.directory} at {url} (Ctrl-C stops)", flush=True)
 
-    with contextlib.suppress(KeyboardInterrupt):
-        serve_forever(args.directory, args.host, args.port, on_ready=announce)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            serve_forever(args.directory, args.host, args.port, on_ready=announce)
+    except OSError as exc:  # no such folder; the address in use or not ours to bind
+        print(f"ddp-rank shards serve: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -55,10 +55,20 @@ class RangeRequestHandler(http.server.SimpleHTTPRequestHandler):
         return io.BytesIO(body)
 
 
+def checked_directory(directory: str | Path) -> str:
+    """``directory`` if it is an existing folder; else a one-line :class:`NotADirectoryError` (a server of a
+    folder that does not exist answers 404 to every request, which looks like a network fault)."""
+    path = Path(directory)
+    if not path.is_dir():
+        problem = "does not exist" if not path.exists() else "is a file, not a folder"
+        raise NotADirectoryError(f"'{directory}' {problem}: pass the folder that holds the shards")
+    return str(path)
+
+
 @contextmanager
 def serve_directory(directory: str | Path, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     """Serve ``directory`` in a background thread; yields its base URL (port 0: a free one)."""
-    handler = partial(RangeRequestHandler, directory=str(directory))
+    handler = partial(RangeRequestHandler, directory=checked_directory(directory))
     server = http.server.ThreadingHTTPServer((host, port), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -72,7 +82,7 @@ def serve_directory(directory: str | Path, host: str = "127.0.0.1", port: int = 
 def serve_forever(directory: str | Path, host: str, port: int, on_ready: Callable[[str], None]) -> None:
     """Serve ``directory`` until interrupted, logging each request; ``on_ready`` gets the base URL once the
     socket listens (port 0: a free one)."""
-    handler = partial(RangeRequestHandler, directory=str(directory))
+    handler = partial(RangeRequestHandler, directory=checked_directory(directory))
     RangeRequestHandler.quiet = False
     with http.server.ThreadingHTTPServer((host, port), handler) as server:
         on_ready(f"http://{host}:{server.server_address[1]}")

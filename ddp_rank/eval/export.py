@@ -8,13 +8,16 @@ in parallel and no rank holds more than its share)::
     part-00001-of-00002.npz        categories [n] str, subsets [n] str
 
 ``load_export`` concatenates the parts in rank order. ``export.json`` is written last, by rank 0, once every
-part is complete: a directory without it is not an export.
+part is complete: a directory without it is not an export. It records each part's size and SHA-256, and
+``load_export`` compares them before numpy opens a part (an export of an older version, without them: the part
+must open and hold the five arrays); a missing, cut or changed part is refused in one line that names it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +30,12 @@ from torch import nn
 from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.eval.embed import autocast
 from ddp_rank.eval.sources import ImageBatch
+from ddp_rank.file_checks import file_digest, size_problem
 
 __all__ = [
     "EXPORT_MANIFEST",
     "Embeddings",
+    "ExportError",
     "embed_batches_to_arrays",
     "load_export",
     "part_name",
@@ -38,6 +43,12 @@ __all__ = [
 ]
 
 EXPORT_MANIFEST = "export.json"
+ARRAYS = ("embeddings", "keys", "labels", "categories", "subsets")
+PART_RE = re.compile(r"^part-\d{5}-of-\d{5}\.npz$")
+
+
+class ExportError(ValueError):
+    """An export (or an index's ``items/``) that cannot be read: the message names the file and the fix."""
 
 
 @dataclass
@@ -133,8 +144,8 @@ def write_manifest(out_dir: str | os.PathLike[str], world: int, meta: dict[str, 
     dim = None
     for r in range(world):
         with np.load(root / part_name(r, world)) as f:
-            parts.append({"file": part_name(r, world), "rows": int(f["embeddings"].shape[0])})
-            dim = int(f["embeddings"].shape[1])
+            rows, dim = (int(n) for n in f["embeddings"].shape)
+        parts.append({"file": part_name(r, world), "rows": rows, **file_digest(root / part_name(r, world))})
     manifest = {"format": "ddp_rank-embeddings", "version": 1, "rows": sum(int(p["rows"]) for p in parts),
                 "dim": dim, "parts": parts, **meta}  # fmt: skip
     atomic_write_text(root / EXPORT_MANIFEST, json.dumps(manifest, indent=1) + "\n")
@@ -149,7 +160,7 @@ def save_export(data: Embeddings, out_dir: str | os.PathLike[str]) -> Path:
 
 
 def load_export(path: str | os.PathLike[str]) -> Embeddings:
-    """Read an export directory (or its ``export.json``): all parts, concatenated in rank order."""
+    """Read an export directory (or its ``export.json``): all parts, checked, concatenated in rank order."""
     root = Path(path)
     if root.name == EXPORT_MANIFEST:
         root = root.parent
@@ -159,13 +170,69 @@ def load_export(path: str | os.PathLike[str]) -> Embeddings:
             f"'{path}' is not an export (no {EXPORT_MANIFEST}): create one with `ddp-rank export`, or it is still "
             "being written"
         )
-    manifest = json.loads(manifest_path.read_text())
-    arrays: dict[str, list[np.ndarray]] = {
-        k: [] for k in ("embeddings", "keys", "labels", "categories", "subsets")
-    }
+    manifest = _read_manifest(manifest_path)
+    arrays: dict[str, list[np.ndarray]] = {k: [] for k in ARRAYS}
     for part in manifest["parts"]:
-        with np.load(root / part["file"]) as f:
-            for k in arrays:
-                arrays[k].append(f[k])
+        for k, a in _read_part(root, part).items():
+            arrays[k].append(a)
     meta = {k: v for k, v in manifest.items() if k not in ("parts",)}
-    return Embeddings(**{k: np.concatenate(v) for k, v in arrays.items()}, meta=meta)
+    if not manifest["parts"]:
+        raise ExportError(f"{manifest_path} lists no part: export again with `ddp-rank export`")
+    try:
+        return Embeddings(**{k: np.concatenate(v) for k, v in arrays.items()}, meta=meta)
+    except ValueError as exc:
+        raise ExportError(
+            f"{root}: the parts do not fit together ({exc}); export again with `ddp-rank export`"
+        ) from exc
+
+
+_AGAIN = "export again with `ddp-rank export` (an index: build it again with `ddp-rank index`)"
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """``export.json``, checked: an object whose ``parts`` are plain part names in this folder with rows."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ExportError(f"{path} is damaged (not JSON: {str(exc).splitlines()[0]}); {_AGAIN}") from exc
+    parts = manifest.get("parts") if isinstance(manifest, dict) else None
+    if not isinstance(parts, list) or not all(
+        isinstance(p, dict)
+        and isinstance(p.get("file"), str)
+        and PART_RE.match(p["file"])  # a plain name: nothing outside the folder is read
+        and isinstance(p.get("rows"), int)
+        and p["rows"] >= 0
+        for p in parts
+    ):
+        raise ExportError(f"{path} is damaged (no list of parts with their file and rows); {_AGAIN}")
+    return manifest
+
+
+def _read_part(root: Path, part: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The arrays of one part, after its size and digest (when recorded) match ``export.json``."""
+    path = root / part["file"]
+    if isinstance(part.get("bytes"), int) and isinstance(part.get("sha256"), str):
+        problem = size_problem(path, part["bytes"])
+        if problem is None and file_digest(path)["sha256"] != part["sha256"]:
+            problem = f"{path.name} does not match the SHA-256 recorded in {EXPORT_MANIFEST}"
+        if problem is not None:
+            raise ExportError(f"{root}: {problem}; {_AGAIN}")
+    elif not path.is_file():
+        raise ExportError(f"{root}: {path.name} is missing; {_AGAIN}")
+    try:
+        with np.load(path) as f:
+            arrays = {k: f[k] for k in ARRAYS}
+    except Exception as exc:  # numpy / zipfile raise many kinds for a damaged .npz
+        raise ExportError(
+            f"{root}: {path.name} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            f"; {_AGAIN}"
+        ) from exc
+    n = part["rows"]
+    e = arrays["embeddings"]
+    if (
+        e.ndim != 2
+        or len(e) != n
+        or any(a.ndim != 1 or len(a) != n for k, a in arrays.items() if k != "embeddings")
+    ):
+        raise ExportError(f"{root}: {path.name} does not hold {n} rows as {EXPORT_MANIFEST} says; {_AGAIN}")
+    return arrays

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader
 
 from ddp_rank.data.eval_reader import EvalShards, contiguous_range
@@ -106,16 +107,28 @@ def image_batches(
     transform: TransformConfig,
     batch_size: int,
     root: Path | None = None,
+    skipped: list[str] | None = None,
 ) -> Iterator[ImageBatch]:
-    """Batches of the image files ``paths`` (keys: the path relative to ``root``, or as given)."""
+    """Batches of the image files ``paths`` (keys: the path relative to ``root``, or as given).
+
+    An unreadable file raises :class:`SourceError` naming it; with a ``skipped`` list it is left out and
+    recorded there instead (``path: why``), as ``--on-bad skip`` asks."""
     for start in range(0, len(paths), batch_size):
-        chunk = [Path(p) for p in paths[start : start + batch_size]]
+        chunk = []
         images = []
-        for p in chunk:
+        for p in (Path(q) for q in paths[start : start + batch_size]):
             try:
                 images.append(decode_image(p.read_bytes(), transform.resize))
-            except (OSError, ValueError) as exc:
-                raise SourceError(f"cannot read the image {p}: {exc}") from exc
+                chunk.append(p)
+            except Exception as exc:  # PIL raises OSError, ValueError, SyntaxError, DecompressionBombError...
+                why = bad_image_reason(exc)
+                if skipped is None:
+                    raise SourceError(
+                        f"cannot read the image {p}: {why}; remove it, or pass --on-bad skip to leave such files out"
+                    ) from exc
+                skipped.append(f"{p}: {why}")
+        if not chunk:
+            continue
         yield ImageBatch(
             images=_transform_batch(images, transform),
             keys=[str(p.relative_to(root)) if root is not None else str(p) for p in chunk],
@@ -125,13 +138,31 @@ def image_batches(
         )
 
 
+_OBJECT_REPR = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")
+
+
+def bad_image_reason(exc: BaseException) -> str:
+    """Why an image did not decode, in words: PIL's messages carry object reprs (``<_io.BytesIO object at
+    0x...>``) instead of the file, which the caller names."""
+    if isinstance(exc, UnidentifiedImageError):
+        return "not an image format PIL can read"
+    text = _OBJECT_REPR.sub("", str(exc)).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
 def folder_batches(
-    root: str | os.PathLike[str], transform: TransformConfig, batch_size: int, rank: int, world: int
+    root: str | os.PathLike[str],
+    transform: TransformConfig,
+    batch_size: int,
+    rank: int,
+    world: int,
+    skipped: list[str] | None = None,
 ) -> Iterator[ImageBatch]:
-    """This rank's contiguous part of the images under ``root`` (keys relative to ``root``)."""
+    """This rank's contiguous part of the images under ``root`` (keys relative to ``root``); unreadable files
+    are an error, or left out and listed in ``skipped`` when one is given."""
     paths = list_images(root)
     lo, hi = contiguous_range(len(paths), world, rank)
-    yield from image_batches(paths[lo:hi], transform, batch_size, root=Path(root))
+    yield from image_batches(paths[lo:hi], transform, batch_size, root=Path(root), skipped=skipped)
 
 
 def _expand(url: str) -> list[str]:
@@ -202,7 +233,7 @@ def open_image(path: str | os.PathLike[str]) -> Image.Image:
     try:
         return decode_image(Path(path).read_bytes())
     except (OSError, ValueError) as exc:
-        raise SourceError(f"cannot read the image {path}: {exc}") from exc
+        raise SourceError(f"cannot read the image {path}: {bad_image_reason(exc)}") from exc
 
 
 def pil_batch(images: Sequence[Image.Image], transform: TransformConfig) -> torch.Tensor:

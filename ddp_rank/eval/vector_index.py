@@ -13,7 +13,9 @@ queries, the fraction of their exact top-k that the index returns in its top-k.
 
 An index directory holds ``index.faiss``, ``items/`` (the export it indexes, in the export layout: row i of the
 index is row i there, with its key, label and category) and ``index.json`` (the kind, its settings, the measured
-recall, and the description of the export: source, checkpoint, model).
+recall, the description of the export: source, checkpoint, model, and the size and SHA-256 of ``index.faiss``).
+:meth:`SearchIndex.load` checks every file before faiss or numpy reads it and refuses a missing, cut or changed
+one in one line that names it (``ddp_rank.eval.export`` checks ``items/``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.eval.export import Embeddings
+from ddp_rank.eval.export import Embeddings, ExportError
+from ddp_rank.file_checks import file_digest, size_problem
 
 __all__ = [
     "INDEX_KINDS",
@@ -41,6 +44,8 @@ __all__ = [
 ]
 
 INDEX_KINDS = ("flat", "ivfpq", "hnsw")
+INDEX_FILE = "index.faiss"
+_REBUILD = "build it again with `ddp-rank index EXPORT --output DIR`"
 
 
 class IndexBuildError(ValueError):
@@ -181,13 +186,15 @@ class SearchIndex:
 
         root = Path(out_dir)
         root.mkdir(parents=True, exist_ok=True)
-        faiss.write_index(self.index, str(root / "index.faiss"))
+        faiss.write_index(self.index, str(root / INDEX_FILE))
         save_export(self.items, root / "items")
+        self.info["files"] = {INDEX_FILE: file_digest(root / INDEX_FILE)}
         atomic_write_text(root / "index.json", json.dumps(self.info, indent=1) + "\n")
         return root
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SearchIndex:
+        """Read an index directory, every file checked first (:class:`ExportError` names the damaged one)."""
         import faiss
 
         from ddp_rank.eval.export import load_export
@@ -197,10 +204,59 @@ class SearchIndex:
             raise FileNotFoundError(
                 f"'{path}' is not an index directory (no index.json): build one with `ddp-rank index`"
             )
-        info = json.loads((root / "index.json").read_text())
-        index: Any = faiss.read_index(str(root / "index.faiss"))
+        info = _read_info(root / "index.json")
+        _check_index_file(root, info.get("files"))
+        items = load_export(root / "items")
+        try:
+            index: Any = faiss.read_index(str(root / INDEX_FILE))
+        except RuntimeError as exc:  # faiss's message is a C++ location: the file and the fix say more
+            raise ExportError(f"{root / INDEX_FILE} cannot be read by faiss (damaged); {_REBUILD}") from exc
+        if index.ntotal != len(items) or index.d != items.dim:
+            raise ExportError(
+                f"{root / INDEX_FILE} holds {index.ntotal} vectors of dim {index.d} but items/ holds {len(items)} of "
+                f"dim {items.dim}: they come from different builds; {_REBUILD}"
+            )
         if info["spec"]["kind"] == "hnsw":
             index.hnsw.efSearch = info["spec"]["ef_search"]
         elif info["spec"]["kind"] == "ivfpq":
             index.nprobe = info["spec"]["nprobe"]
-        return cls(index, load_export(root / "items"), info)
+        return cls(index, items, info)
+
+
+def _read_info(path: Path) -> dict[str, Any]:
+    """``index.json``, checked: an object with the index's kind and the settings :meth:`SearchIndex.load` uses."""
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ExportError(f"{path} is damaged (not JSON: {str(exc).splitlines()[0]}); {_REBUILD}") from exc
+    spec = info.get("spec") if isinstance(info, dict) else None
+    needs = {"hnsw": "ef_search", "ivfpq": "nprobe"}
+    if (
+        not isinstance(spec, dict)
+        or spec.get("kind") not in INDEX_KINDS
+        or not isinstance(spec.get(needs.get(spec["kind"], "kind")), int | str)
+        or not isinstance(info.get("recall_k"), int)
+    ):
+        raise ExportError(f"{path} is damaged (no valid spec.kind, its settings, recall_k); {_REBUILD}")
+    return info
+
+
+def _check_index_file(root: Path, files: Any) -> None:
+    """``index.faiss`` against its size and SHA-256 in ``index.json`` (an index of an older version, without
+    them: it must exist, and faiss's own reading is the check)."""
+    path = root / INDEX_FILE
+    record = files.get(INDEX_FILE) if isinstance(files, dict) else None
+    if (
+        isinstance(record, dict)
+        and isinstance(record.get("bytes"), int)
+        and isinstance(record.get("sha256"), str)
+    ):
+        problem = size_problem(path, record["bytes"])
+        if problem is None and file_digest(path)["sha256"] != record["sha256"]:
+            problem = f"{INDEX_FILE} does not match the SHA-256 recorded in index.json"
+    elif files is not None:
+        problem = "index.json's record of index.faiss is damaged"
+    else:
+        problem = None if path.is_file() else f"{INDEX_FILE} is missing"
+    if problem is not None:
+        raise ExportError(f"{root}: {problem}; {_REBUILD}")

@@ -7,12 +7,14 @@ untrained network, the trained one) can be written to the same file and printed 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import gather_object
 
 from ddp_rank.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from ddp_rank.data.transforms import transform_from_config
@@ -25,6 +27,8 @@ from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batch
 from ddp_rank.model import RawPixels, build_model, load_model_weights, read_meta, resolve_checkpoint
 from ddp_rank.runtime import autocast_dtype, make_accelerator, open_shards
 from ddp_rank.runtime.shards import check_split as _check_in_manifest
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Evaluation",
@@ -187,8 +191,18 @@ def export_embeddings(
     split: str | None = None,
     images: str | None = None,
     shards_url: str | None = None,
+    on_bad: str = "error",
 ) -> dict[str, Any]:
-    """Embed the source on every rank, each writing its part; rank 0 writes ``export.json``. Tears down."""
+    """Embed the source on every rank, each writing its part; rank 0 writes ``export.json``. Tears down.
+
+    ``on_bad="skip"`` (``--images`` only) leaves unreadable image files out: each rank logs its own, and
+    ``export.json`` lists them all under ``skipped`` (``path: why``)."""
+    if on_bad not in ("error", "skip"):
+        raise ConfigError(f"--on-bad {on_bad}: valid are error, skip")
+    if on_bad == "skip" and images is None:
+        raise ConfigError(
+            "--on-bad skip applies to --images (a folder of image files); shards replace unreadable samples"
+        )
     if images is None and shards_url is None:
         split = split or cfg.data.test_split
         if not split:
@@ -205,6 +219,7 @@ def export_embeddings(
     accelerator = make_accelerator(cfg)
     try:
         rank, world = accelerator.process_index, accelerator.num_processes
+        skipped: list[str] | None = [] if on_bad == "skip" else None
         model, _ = build_eval_model(cfg, ckpt, None)
         model.to(accelerator.device)
         transform, bs = transform_from_config(cfg.data), cfg.eval.batch_size
@@ -213,16 +228,19 @@ def export_embeddings(
                 cfg.data.shards, source["split"], transform, bs, rank, world, cfg.data.num_workers
             )
         elif source["kind"] == "images":
-            batches = folder_batches(source["folder"], transform, bs, rank, world)
+            batches = folder_batches(source["folder"], transform, bs, rank, world, skipped)
         else:
             batches = url_shard_batches(source["url"], transform, bs, rank, world)
         dtype = autocast_dtype(accelerator)
         data = embed_batches_to_arrays(model, batches, cfg.model.embedding_dim, accelerator.device, dtype)
         write_part(output, rank, world, data)
+        for line in skipped or []:
+            log.warning(f"skipped an unreadable image: {line}")
+        every_skipped = gather_object(skipped) if skipped is not None and world > 1 else skipped
         accelerator.wait_for_everyone()
         manifest: dict[str, Any] = {}
         if accelerator.is_main_process:
-            meta = {
+            meta: dict[str, Any] = {
                 "source": source,
                 "checkpoint": ckpt,
                 "model": cfg.model.backbone,
@@ -230,6 +248,8 @@ def export_embeddings(
                 "mixed_precision": str(accelerator.mixed_precision),
                 "config": to_dict(cfg),
             }
+            if every_skipped is not None:
+                meta["skipped"] = list(every_skipped)
             manifest = write_manifest(output, world, meta)
         accelerator.wait_for_everyone()
         return manifest
@@ -241,9 +261,11 @@ def export_embeddings(
 
 def describe_export(manifest: dict[str, Any], output: str) -> str:
     """The line ``ddp-rank export`` prints for the ``export.json`` it wrote."""
+    skipped = manifest.get("skipped")
+    left_out = f"; skipped {len(skipped)} unreadable file(s), listed in export.json" if skipped else ""
     return (
         f"exported {manifest['rows']} embeddings of dim {manifest['dim']} ({_describe(manifest['source'])}) to "
-        f"{output} in {len(manifest['parts'])} part(s)"
+        f"{output} in {len(manifest['parts'])} part(s){left_out}"
     )
 
 

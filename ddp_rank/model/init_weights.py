@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_rank.model.checkpoints import CheckpointError, resolve_checkpoint
+from ddp_rank.model.checkpoints import CheckpointError, resolve_checkpoint, verify_checkpoint
 
 __all__ = ["InitReport", "init_from", "read_weights"]
 
@@ -66,6 +66,10 @@ def _weights_file(source: Path) -> Path:
             f"model.init_from='{source}': not a weights file and {exc}; pass a run directory, a step-* "
             "checkpoint or a .safetensors/.pth file"
         ) from exc
+    try:
+        verify_checkpoint(ckpt)
+    except CheckpointError as exc:
+        raise CheckpointError(f"model.init_from='{source}': {exc}") from exc
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (ckpt / name).is_file():
             return ckpt / name
@@ -78,17 +82,20 @@ def _weights_file(source: Path) -> Path:
 def read_weights(source: str | os.PathLike[str]) -> tuple[Path, dict[str, torch.Tensor]]:
     """(the file read, its state_dict) for a run, a checkpoint or a weights file; wrappers unwrapped."""
     path = _weights_file(Path(source))
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    state: Any
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        state: Any = load_file(str(path))
-    else:
-        try:
+            state = load_file(str(path))
+        else:
             state = torch.load(str(path), map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CheckpointError(
-                f"model.init_from='{source}': {path} is not a torch weights file ({exc})"
-            ) from exc
+    except Exception as exc:
+        kind = "a safetensors" if path.suffix == ".safetensors" else "a torch weights"
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(
+            f"model.init_from='{source}': {path} is not {kind} file or is damaged ({type(exc).__name__}: {first})"
+        ) from exc
     for key in _CONTAINERS:
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]

@@ -6,7 +6,8 @@ which evaluation and export share; the names are re-exported here for the traine
 Layout under ``<output_dir>/checkpoints/``::
 
     step-00000120/          one complete checkpoint (whatever the save function writes: with accelerate, the
-        meta.json           model, optimizer, scheduler, scaler, per-rank RNG) + meta.json, written LAST
+        meta.json           model, optimizer, scheduler, scaler, per-rank RNG) + meta.json, written LAST, with
+                            the size and SHA-256 of every other file (``files``: what readers check first)
     .tmp-step-00000160/     a checkpoint being written (ignored, removed at the next start)
     .tmp-trash-step-*/      a checkpoint being deleted (ignored, removed at the next start)
     best.json               {"step": 120, "metric": "recall@1", "value": 0.41}
@@ -39,9 +40,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.atomic_io import atomic_write_text, fsync_dir, fsync_tree
+from ddp_rank.atomic_io import atomic_write_text, follow_umask, fsync_dir, fsync_tree
+from ddp_rank.file_checks import digest_files
 from ddp_rank.model.checkpoints import (
     BEST_NAME,
+    FILES_KEY,
     META_NAME,
     STEP_RE,
     CheckpointError,
@@ -152,9 +155,13 @@ class CheckpointManager:
         save_fn(tmp)
         self.barrier()
         if self.is_main:
+            follow_umask(tmp)
             fsync_tree(tmp)
+            # The record every reader checks the files against; in meta.json, so it is as atomic as the rest.
+            files = digest_files(tmp, skip=(META_NAME,))
             atomic_write_text(
-                tmp / META_NAME, json.dumps({**meta, "step": step}, indent=1, sort_keys=True) + "\n"
+                tmp / META_NAME,
+                json.dumps({**meta, "step": step, FILES_KEY: files}, indent=1, sort_keys=True) + "\n",
             )
             # A leftover of this step (an earlier timeline) goes to a trash name first: a kill before the new one is
             # in place leaves the older checkpoints, never a step-* that lost part of its files but kept meta.json.

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from ddp_rank.config import to_dict
 from ddp_rank.model import init_from
-from ddp_rank.model.checkpoints import CheckpointError, read_meta, resolve_checkpoint
+from ddp_rank.model.checkpoints import (
+    CheckpointError,
+    newest_intact_checkpoint,
+    read_meta,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 from ddp_rank.runtime.data_setup import data_seed
 from ddp_rank.train.checkpoint import check_world_size
 from ddp_rank.train.optim import lr_factor
@@ -97,7 +103,9 @@ def resume(trainer: Trainer) -> Path | None:
                 "train.output_dir, delete the old run, or train.resume=auto to continue it"
             )
         return None
-    path = trainer.checkpoints.latest() if mode == "auto" else resolve_checkpoint(mode, prefer="latest")
+    path = (
+        _intact_latest(trainer) if mode == "auto" else verify_checkpoint(resolve_checkpoint(mode, "latest"))
+    )
     if path is None:
         return None
     meta = read_meta(path)
@@ -127,7 +135,7 @@ def resume(trainer: Trainer) -> Path | None:
             f"not restored.\n{report.summary()}"
         )
     else:
-        trainer.accelerator.load_state(str(path))
+        _load_accelerate_state(trainer, path)
     load_state_dict(trainer, meta)
     if changes:
         _apply_optim_config(trainer)
@@ -144,6 +152,36 @@ def resume(trainer: Trainer) -> Path | None:
         )
     _abandon_later_checkpoints(trainer, meta)
     return path
+
+
+def _intact_latest(trainer: Trainer) -> Path | None:
+    """The newest checkpoint of this run whose files are intact (``ddp_rank.model.checkpoints``), each newer,
+    damaged one noted in one line; it is moved aside with the other later checkpoints once the resume is done
+    (:func:`_abandon_later_checkpoints`). Every rank checks (each reads the files it loads anyway)."""
+    path, damaged = newest_intact_checkpoint(trainer.checkpoints.root)
+    if damaged and path is None:
+        newest, problem = damaged[0]
+        raise CheckpointError(
+            f"checkpoint {newest} is damaged ({problem}) and no earlier checkpoint of the run is intact: restore "
+            f"the files from a copy, or move {trainer.checkpoints.root} aside to start afresh"
+        )
+    for bad, problem in damaged:
+        trainer.report.note(f"checkpoint {bad} is damaged ({problem}): continuing from {path} instead")
+    return path
+
+
+def _load_accelerate_state(trainer: Trainer, path: Path) -> None:
+    """``accelerator.load_state`` of a checked checkpoint; what a parser still refuses (a file the checks could
+    not judge: a checkpoint of an older version) becomes one line naming the checkpoint."""
+    try:
+        trainer.accelerator.load_state(str(path))
+    except Exception as exc:
+        lines = str(exc).strip().splitlines()
+        detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded ({detail}); resume from another one with train.resume=<a step-* "
+            "directory>, or move it aside"
+        ) from exc
 
 
 def _abandon_later_checkpoints(trainer: Trainer, meta: dict[str, Any]) -> None:

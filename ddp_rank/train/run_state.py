@@ -1,7 +1,8 @@
 """``run.json``: where a run stands, for the tools that read run directories (``ddp-rank compare``, ``sweep``).
 
-Rank 0 writes it atomically at each start once the trainer's checks passed (``running``, with its host, pid and
-start time), and at the end of that start: ``finished``, ``stopped`` (a signal: resumable, ``ddp_rank.train.preemption``) or ``crashed`` (with
+Rank 0 writes it atomically at each start once the trainer's checks passed and its checkpoint (if any) is loaded
+(``running``, with its host, pid and start time, and the steps of the record it continues), and at the end of
+that start: ``finished``, ``stopped`` (a signal: resumable, ``ddp_rank.train.preemption``) or ``crashed`` (with
 the error). A process killed outright (SIGKILL, the node lost) leaves ``running``; a reader on the same host
 tells that apart by the pid (:func:`is_alive`). ``seconds`` adds up the wall time of every start, so a run
 resumed twice reports the time it really took.
@@ -56,6 +57,7 @@ class RunState:
         earlier = read_run_state(run_dir) if enabled else None
         self._earlier_s = float(earlier.get("seconds", 0.0)) if earlier else 0.0
         self._starts = int(earlier.get("starts", 0)) if earlier else 0
+        self._earlier_steps = earlier.get("steps") if earlier else None
         self._t0 = time.monotonic()
         self._started = False
         self._facts: dict[str, Any] = {}  # this start's process, kept in every state it writes
@@ -63,7 +65,8 @@ class RunState:
     def start(self) -> None:
         self._started = True
         self._facts = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now()}
-        self._write("running")
+        # The steps the earlier starts reached stay in the record while this one runs (a kill leaves them).
+        self._write("running", **({"steps": self._earlier_steps} if self._earlier_steps is not None else {}))
 
     def finished(self, steps: int) -> None:
         self._write("finished", steps=steps, ended=_now())
@@ -72,8 +75,8 @@ class RunState:
         self._write("stopped", steps=step, ended=_now())
 
     def crashed(self, error: BaseException, step: int | None) -> None:
-        """Record the failure, unless this start never began and the directory holds another run's state."""
-        if not self._started and self.path.exists():
+        """Record the failure of a start that began (:meth:`start`); one that never began writes nothing."""
+        if not self._started:
             return
         message = f"{type(error).__name__}: {error}".strip()
         self._write("crashed", error=message[:2000], steps=step, ended=_now())

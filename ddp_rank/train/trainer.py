@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,22 +292,25 @@ class Trainer:
                 log.info(f"new best {name} {100 * value:.2f} at step {self.step}")
 
     # ------------------------------------------------------------------ the loop
-    def fit(self) -> dict[str, Any]:
+    def fit(self, started: Callable[[], None] = lambda: None) -> dict[str, Any]:
         """Train to ``total_steps`` (resuming if configured); returns a summary dict (same on every rank).
 
+        ``started`` is called once the resume (if any) succeeded, before the first step: the run has begun
+        (``run_training`` records it in ``run.json`` then, so a refused resume leaves the earlier record).
         Raises :class:`RunStopped` on every rank, after a checkpoint, when a stop signal reached any rank
         (``ddp_rank.train.preemption``)."""
         self.stop.install()
         try:
-            return self._fit()
+            return self._fit(started)
         finally:
             self.stop.restore()
 
-    def _fit(self) -> dict[str, Any]:
+    def _fit(self, started: Callable[[], None]) -> dict[str, Any]:
         cfg = self.cfg
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.resume()
+        started()
         data_facts = {"steps_per_epoch": self.steps_per_epoch, "categories_left_out": self.stream.left_out}
         self.report.start(self.step, self.total_steps, resumed, data_facts)
         self.accelerator.wait_for_everyone()
@@ -392,8 +396,8 @@ def run_training(cfg: Config) -> dict[str, Any]:
     stop = StopRequest(cfg.train.stop_signals, cfg.train.stop_grace_s).install()
     try:
         trainer = Trainer(cfg, stop=stop)
-        state.start()  # after the checks: a refused start leaves the state of the run it refused to touch
-        summary = trainer.fit()
+        # After the checks and the resume: a refused start leaves the record of the run it refused to touch.
+        summary = trainer.fit(started=state.start)
         state.finished(trainer.step)
         return summary
     except RunStopped as stopped:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,6 +172,44 @@ def test_export_of_an_image_folder(tiny: dict[str, Path]) -> None:
     assert matched == 24
 
 
+def test_export_of_an_image_folder_with_unreadable_files(
+    tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """``--on-bad error`` (the default) stops at the first unreadable file, naming it without an object repr;
+    ``--on-bad skip`` leaves them out and lists them in export.json."""
+    import shutil
+
+    images = tmp_path / "images"
+    shutil.copytree(tiny["images"] / "cat0" / "cls0_0", images)
+    (images / "broken.png").write_bytes(b"not a png")
+    good = images / "0001.png"
+    (images / "cut.png").write_bytes(good.read_bytes()[:40])
+    args = ["export", "--checkpoint", str(tiny["run"]), "--images", str(images)]
+    assert main([*args, "--output", str(tmp_path / "stop")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot read the image {images / 'broken.png'}" in err[0], err
+    assert "0x" not in err[0] and "--on-bad skip" in err[0]
+    assert main([*args, "--output", str(tmp_path / "skip"), "--on-bad", "skip"]) == 0
+    assert "skipped 2 unreadable file(s)" in capsys.readouterr().out
+    export = load_export(tmp_path / "skip")
+    assert sorted(export.keys.tolist()) == sorted(p.name for p in images.glob("0*.png"))
+    skipped = json.loads((tmp_path / "skip" / "export.json").read_text())["skipped"]
+    assert [line.split(":")[0] for line in skipped] == [str(images / "broken.png"), str(images / "cut.png")]
+    assert all("0x" not in line for line in skipped)
+    assert main(["export", "--checkpoint", str(tiny["run"]), "--output", str(tmp_path / "x"), "--on-bad",
+                 "skip"]) == 2  # fmt: skip
+    assert "--on-bad skip applies to --images" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_folder_that_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["shards", "serve", str(tmp_path / "nowhere"), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"'{tmp_path / 'nowhere'}' does not exist" in err[0], err
+    (tmp_path / "file").write_text("x")
+    assert main(["shards", "serve", str(tmp_path / "file"), "--port", "0"]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
 @pytest.fixture()
 def http_shards(tiny: dict[str, Path]) -> Iterator[str]:
     from ddp_rank.data.serve import serve_directory
@@ -189,6 +228,26 @@ def test_export_of_shards_at_a_url(tiny: dict[str, Path], http_shards: str) -> N
     for key, emb, label in zip(remote.keys, remote.embeddings, remote.labels):
         np.testing.assert_allclose(emb, by_key[key], atol=1e-6)
         assert label == int(key[1:8])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_processes_skip_their_own_unreadable_images(tiny: dict[str, Path], tmp_path: Path) -> None:
+    """Each rank leaves out the bad files of its share; export.json lists those of both ranks."""
+    import shutil
+
+    images = tmp_path / "images"
+    shutil.copytree(tiny["images"] / "cat0" / "cls0_0", images)
+    for name in ("0000-bad.png", "0003-bad.png"):  # sorted first and last: one in each rank's half
+        (images / name).write_bytes(b"not a png")
+    out = tmp_path / "export"
+    result = launch("export", "--checkpoint", str(tiny["run"]), "--images", str(images), "--output", str(out),
+                    "--on-bad", "skip", "data.num_workers=0")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    skipped = json.loads((out / "export.json").read_text())["skipped"]
+    assert sorted(line.split(":")[0] for line in skipped) == [str(images / "0000-bad.png"),
+                                                              str(images / "0003-bad.png")]  # fmt: skip
+    assert sorted(load_export(out).keys.tolist()) == sorted(p.name for p in images.glob("000?.png"))
 
 
 @pytest.mark.slow

@@ -220,6 +220,11 @@ def test_run_state_adds_up_the_time_of_every_start_and_keeps_a_refused_start_out
     refused.crashed(ValueError("the output directory holds another run"), None)
     assert json.loads((tmp_path / RUN_FILE).read_text())["status"] == "finished"
     RunState(tmp_path / "fresh").crashed(ValueError("no shards"), None)  # a fresh run that failed to start
-    assert json.loads((tmp_path / "fresh" / RUN_FILE).read_text())["status"] == "crashed"
+    assert not (tmp_path / "fresh" / RUN_FILE).exists(), "a start that never began is not a run"
+    third = RunState(tmp_path)  # a later start keeps the finished record's steps until it writes its own
+    third.start()
+    assert json.loads((tmp_path / RUN_FILE).read_text())["steps"] == 20
+    third.crashed(ValueError("diverged"), 23)
+    assert json.loads((tmp_path / RUN_FILE).read_text())["steps"] == 23
     RunState(tmp_path / "rank1", enabled=False).start()
     assert not (tmp_path / "rank1").exists()
