@@ -6,6 +6,7 @@ Examples::
     ddp-rank compare 'runs/bs*' runs/pnp --plot compare.png
     ddp-rank compare runs/* --csv > runs.csv       # or --json
     ddp-rank compare runs/a runs/b --curve roc     # both runs' ROC curves on one figure: compare-roc.png
+    ddp-rank compare runs/sweep --csv --points     # replicates (runs differing only in seeds): one row per point
 
 Files and folders without a run among the arguments (``runs/sweep/*`` also names the sweep's ``compare.md``) are
 passed over with a note on stderr; no run at all is an error.
@@ -37,6 +38,12 @@ def register(subparsers: Any) -> None:
     form.add_argument("--json", action="store_true", help="JSON instead of markdown")
     p.add_argument(
         "--metric", default="recall@1", help="the metric whose best value is shown (default recall@1)"
+    )
+    p.add_argument(
+        "--points",
+        action="store_true",
+        help="with --csv: one row per point (runs that differ only in train.seed / data.seed pooled: mean, std, "
+        "min, max, count of each metric) instead of one per run",
     )
     p.add_argument("--plot", metavar="PNG", help="also draw the finished runs' metric into this file")
     p.add_argument(
@@ -75,7 +82,12 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    print(table.csv() if args.csv else table.json() if args.json else table.markdown(), end="")
+    if args.points and not args.csv:
+        print("ddp-rank compare: error: --points goes with --csv (markdown and JSON hold the points already)",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    csv = table.points_csv() if args.points else table.csv()
+    print(csv if args.csv else table.json() if args.json else table.markdown(), end="")
     if args.plot:
         try:
             drawn = plot_comparison(runs, args.metric, args.plot, args.x)

@@ -100,6 +100,13 @@ class DataConfig(_Section):
     augment: bool = _field(
         True, "Random crop + horizontal flip for training (papers); off = the test-time centre crop."
     )
+    seed: int = _field(
+        -1,
+        "Seed of the data alone: which classes and images each step draws, how they are dealt to the ranks, and "
+        "each image's crop and flip; -1 = train.seed. Sweep it with train.seed fixed to vary the data order with "
+        "the same initial weights, or fix it and sweep train.seed to vary only the initialisation.",
+        minimum=-1,
+    )
     crop: str = _field(
         "random_resized",
         "Image preprocessing. 'paper' = the FastAP / PNP papers' exactly: resize to resize_size x resize_size "
@@ -363,7 +370,10 @@ class TrainConfig(_Section):
     )
     steps: int = _field(0, "Total optimizer steps; overrides epochs when > 0.", minimum=0)
     seed: int = _field(
-        0, "Seed of the model init, the data schedule and the augmentations (PNP: 0).", minimum=0
+        0,
+        "Seed of the model's initial weights (the embedding head's, and the backbone's without pretrained weights) "
+        "and of dropout; also of the data schedule and the augmentations unless data.seed is set (PNP: 0).",
+        minimum=0,
     )
     mixed_precision: str = _field(
         "auto",

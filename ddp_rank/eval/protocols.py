@@ -32,12 +32,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ddp_rank.eval.bootstrap import QueryBootstrap, bootstrap_queries
 from ddp_rank.eval.deployment import (
     DeploymentSettings,
     deployment_metric_names,
     deployment_metrics,
 )
-from ddp_rank.eval.retrieval import retrieval_metrics
+from ddp_rank.eval.retrieval import QueryScores, query_scores, retrieval_metrics
 
 __all__ = [
     "DEPLOYMENT_PROTOCOLS",
@@ -153,16 +154,24 @@ def evaluate(
     device: torch.device | str | None = None,
     metrics: Sequence[str] = (),
     deployment: DeploymentSettings | None = None,
+    bootstrap: QueryBootstrap | None = None,
 ) -> dict[str, Any]:
     """Run ``protocol`` on ``data``; returns a flat ``{metric: value}`` dict (see the module doc for keys), with
     the curves of the verification / identification figures under ``curves`` when there are any.
 
     ``backend`` / ``device``: the exact search (:class:`ddp_rank.eval.retrieval.ExactSearch`; by default on the
     GPU when there is one). ``metrics``: figure groups added beside ``sop`` / ``inshop`` (``verification``,
-    ``identification``), with ``deployment``'s settings (``ks`` gives the CMC ranks when set).
+    ``identification``), with ``deployment``'s settings (``ks`` gives the CMC ranks when set). ``bootstrap``:
+    also the spread of each retrieval metric over the queries, under the key ``bootstrap``
+    (``ddp_rank.eval.bootstrap``; sop and inshop).
     """
     if protocol not in PROTOCOLS:
         raise EvalError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
+    if bootstrap is not None and protocol == "vehicleid":
+        raise EvalError(
+            "the query bootstrap covers the sop and inshop protocols; VehicleID's figures average random "
+            "galleries (eval.vehicleid_repeats): leave out --bootstrap"
+        )
     if len(data.labels) < 2:
         raise EvalError(f"the test set has {len(data.labels)} image(s): retrieval needs at least 2")
     settings = _deployment_settings(deployment, ks)
@@ -179,6 +188,7 @@ def evaluate(
         repeats=repeats,
         seed=seed,
         device=device,
+        bootstrap=bootstrap,
     )
     return {**out, **_deployment(protocol, groups, data, settings)} if groups else out
 
@@ -220,14 +230,16 @@ def _evaluate_retrieval(
     repeats: int,
     seed: int,
     device: torch.device | str | None,
+    bootstrap: QueryBootstrap | None,
 ) -> dict[str, Any]:
-    """Recall@k / MAP@R under the papers' protocols (sop, inshop, vehicleid)."""
+    """Recall@k / MAP@R under the papers' protocols (sop, inshop, vehicleid), with their query bootstrap."""
     kk = _ks(protocol, ks)
     e, y = data.embeddings, data.labels
     if protocol == "sop":
-        return retrieval_metrics(
+        scores = query_scores(
             e, y, e, y, kk, exclude_self=True, map_at_r=map_at_r, backend=backend, device=device
         )
+        return _with_bootstrap(scores, bootstrap)
     if protocol == "inshop":
         q, g = subset_mask(data, "query"), subset_mask(data, "gallery")
         if not q.any() or not g.any():
@@ -235,9 +247,8 @@ def _evaluate_retrieval(
                 f"protocol inshop needs test samples with subset 'query' and 'gallery' (found {int(q.sum())} query, "
                 f"{int(g.sum())} gallery): build the shards with the In-Shop recipe, or use eval.protocol=sop"
             )
-        return retrieval_metrics(
-            e[q], y[q], e[g], y[g], kk, map_at_r=map_at_r, backend=backend, device=device
-        )
+        scores = query_scores(e[q], y[q], e[g], y[g], kk, map_at_r=map_at_r, backend=backend, device=device)
+        return _with_bootstrap(scores, bootstrap)
     # vehicleid
     out: dict[str, float] = {}
     gen = torch.Generator().manual_seed(seed)
@@ -266,6 +277,14 @@ def _evaluate_retrieval(
             out[f"{size}/{k}"] = v
         evaluated.append(size)
     return with_largest_list_as_headline(out, evaluated)
+
+
+def _with_bootstrap(scores: QueryScores, bootstrap: QueryBootstrap | None) -> dict[str, Any]:
+    """The metrics of ``scores``, with their spread over the queries when ``bootstrap`` is asked for."""
+    out: dict[str, Any] = dict(scores.metrics())
+    if bootstrap is not None:
+        out["bootstrap"] = bootstrap_queries(scores, bootstrap)
+    return out
 
 
 def _one_per_class(labels: Tensor, gen: torch.Generator) -> Tensor:

@@ -6,8 +6,9 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["deployment_lines", "format_table", "metric_columns", "write_json"]
+__all__ = ["bootstrap_note", "deployment_lines", "format_table", "metric_columns", "write_json"]
 
 _HIDDEN = (
     "num_queries",
@@ -18,6 +19,7 @@ _HIDDEN = (
     "gallery_identities",
     "num_mated_probes",
     "num_non_mated_probes",
+    "bootstrap",
 )
 
 
@@ -38,14 +40,13 @@ def metric_columns(rows: Mapping[str, Mapping[str, float]]) -> list[str]:
     return sorted(names, key=key)
 
 
-def format_table(rows: Mapping[str, Mapping[str, float]], columns: Sequence[str] | None = None) -> str:
-    """A markdown table: one row per entry of ``rows`` (e.g. raw pixels / before / after), metrics in percent."""
+def format_table(rows: Mapping[str, Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """A markdown table: one row per entry of ``rows`` (e.g. raw pixels / before / after), metrics in percent;
+    ``52.80 ± 0.90`` where a row carries its query bootstrap (``ddp_rank.eval.bootstrap``: ± one standard
+    error)."""
     cols = list(columns) if columns is not None else metric_columns(rows)
     names = [_short(c) for c in cols]
-    body = [
-        [name, *("-" if metrics.get(c) is None else f"{100 * metrics[c]:.2f}" for c in cols)]
-        for name, metrics in rows.items()
-    ]
+    body = [[name, *(_cell(metrics, c) for c in cols)] for name, metrics in rows.items()]
     widths = [max(len(r[i]) for r in [["model", *names], *body]) for i in range(len(cols) + 1)]
 
     def line(cells: Sequence[str]) -> str:
@@ -103,6 +104,24 @@ def deployment_lines(metrics: Mapping[str, object]) -> dict[str, str]:
             + f"{metrics.get('num_mated_probes'):,} mated and {metrics.get('num_non_mated_probes'):,} non-mated probes)"
         )
     return lines
+
+
+def _cell(metrics: Mapping[str, Any], column: str) -> str:
+    if metrics.get(column) is None:
+        return "-"
+    spread = (metrics.get("bootstrap") or {}).get("metrics", {}).get(column)
+    return f"{100 * metrics[column]:.2f}" + (f" ± {100 * spread['se']:.2f}" if spread else "")
+
+
+def bootstrap_note(metrics: Mapping[str, Any]) -> str:
+    """The line that says what a table's ± is, or "" without a bootstrap."""
+    settings = metrics.get("bootstrap")
+    if not settings:
+        return ""
+    return (
+        f"± one standard error over the queries: {settings['resamples']} bootstrap resamples (seed "
+        f"{settings['seed']}); 95% intervals in the results JSON"
+    )
 
 
 def write_json(results: Mapping[str, object], path: str | os.PathLike[str]) -> Path:

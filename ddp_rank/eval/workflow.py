@@ -18,11 +18,12 @@ from accelerate.utils import gather_object
 
 from ddp_rank.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from ddp_rank.data.transforms import transform_from_config
+from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.curves import draw_curves, split_curves
 from ddp_rank.eval.export import embed_batches_to_arrays, write_manifest, write_part
 from ddp_rank.eval.feature_images import image_config, image_model
 from ddp_rank.eval.protocols import VEHICLEID_SIZES
-from ddp_rank.eval.report import deployment_lines, format_table, write_json
+from ddp_rank.eval.report import bootstrap_note, deployment_lines, format_table, write_json
 from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
 from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
 from ddp_rank.model import RawPixels, build_model, load_model_weights, read_meta, resolve_checkpoint
@@ -138,6 +139,9 @@ class Evaluation:
             f"{self.protocol} protocol, split '{self.split}'{counted}",
             format_table({self.label: self.metrics}),
         ]
+        note = bootstrap_note(self.metrics)
+        if note:
+            lines.append(note)
         lines += [f"{name}: {line}" for name, line in deployment_lines(self.metrics).items()]
         if self.pictures:
             lines.append("curves: " + ", ".join(str(p) for p in self.pictures))
@@ -151,9 +155,15 @@ def evaluate_and_record(
     split: str | None = None,
     name: str | None = None,
     output: str | None = None,
+    bootstrap: QueryBootstrap | None = None,
 ) -> Evaluation:
     """Evaluate on every rank; rank 0 adds the result to the JSON (``output``, default OUTPUT_DIR/eval.json).
-    Tears down the process group."""
+    ``bootstrap``: each metric's spread over the queries too. Tears down the process group."""
+    if bootstrap is not None and cfg.eval.protocol == "vehicleid":
+        raise ConfigError(
+            "--bootstrap resamples the queries of the sop and inshop protocols; VehicleID's figures average "
+            "random galleries (eval.vehicleid_repeats): leave out --bootstrap"
+        )
     check_split(cfg, None)
     split, described = _splits_to_evaluate(cfg, split)
     if checkpoint is not None and baseline is not None:
@@ -164,7 +174,12 @@ def evaluate_and_record(
         model.to(accelerator.device)
         metrics, curves = split_curves(
             evaluate_model(
-                model, cfg, split, device=accelerator.device, autocast_dtype=autocast_dtype(accelerator)
+                model,
+                cfg,
+                split,
+                device=accelerator.device,
+                autocast_dtype=autocast_dtype(accelerator),
+                bootstrap=bootstrap,
             )
         )
         label = name or default_name

@@ -140,7 +140,8 @@ def test_one_training_step_of_the_head_matches_autograd_by_hand(
     torch.manual_seed(cfg.train.seed)
     net = FeatureHeadNet(128, 16, hidden=8)
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    stream = ShardStream(built["feat"], 16, schedule=schedule_config(cfg), rank=0, world_size=1)
+    schedule = schedule_config(cfg, Manifest.load(built["feat"]))
+    stream = ShardStream(built["feat"], 16, schedule=schedule, rank=0, world_size=1)
     batch = stream.batch(0, 0)
     build_loss(cfg)(net(batch.images), batch.labels).backward()
     after = final_weights(tmp_path / "run")
