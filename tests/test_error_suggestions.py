@@ -62,7 +62,8 @@ def _suggestions() -> list[tuple[str, str, str | None]]:
             # A setting that opens the message is the one refused ("model.bn_group_size=1 would ..."), not a
             # suggestion: only its key is checked.
             echo = m.start() == 0
-            literal = None if echo or _PLACEHOLDER in value or "<" in value else value
+            metavariable = re.fullmatch(r"[A-Z][A-Z_]*", value) is not None  # train.seed=S, data.shards=DIR
+            literal = None if echo or metavariable or _PLACEHOLDER in value or "<" in value else value
             out.append((f"{where}:{line}", f"{section}.{key}", literal))
     return out
 

@@ -39,7 +39,7 @@ def register(subparsers: Any) -> None:
                    help="hold steps (default) or images seen equal across data.global_batch_size values")  # fmt: skip
     p.add_argument("--replicates", type=int, default=0, metavar="K",
                    help="train each point K times with train.seed = the config's seed, +1, ... +K-1; compare "
-                   "gives each point's mean and spread (an axis train.seed=a,b,c or data.seed=a,b,c does the same)")  # fmt: skip
+                   "gives each point's mean and spread (an axis train.seed=0,1,2 or data.seed=0,1,2 does the same)")  # fmt: skip
     p.add_argument("--processes", type=int, default=1,
                    help="processes per run under accelerate launch (one per GPU with CUDA, gloo on the CPU)")  # fmt: skip
     p.add_argument("--launch", default="", metavar="CMD",
