@@ -42,7 +42,8 @@ demo-shards: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/loss.py
 
-# The README's emoji study (batch size, sampler, loss; about 25 minutes on 2 cores); outputs in runs/study/.
+# The README's emoji study (batch size, sampler, loss; 3 seeds per point: about 75 minutes on 2 cores;
+# REPLICATES=1 for single runs); outputs in runs/study/
 study: $(STAMP)
 	PYTHON=$(BIN)/python bash benchmarks/study.sh
 

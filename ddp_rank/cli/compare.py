@@ -5,6 +5,8 @@ Examples::
     ddp-rank compare runs/sweep                    # every run of a sweep's folder
     ddp-rank compare 'runs/bs*' runs/pnp --plot compare.png
     ddp-rank compare runs/* --csv > runs.csv       # or --json
+    ddp-rank compare runs/a runs/b --curve roc     # both runs' ROC curves on one figure: compare-roc.png
+    ddp-rank compare runs/sweep --csv --points     # replicates (runs differing only in seeds): one row per point
 
 Files and folders without a run among the arguments (``runs/sweep/*`` also names the sweep's ``compare.md``) are
 passed over with a note on stderr; no run at all is an error.
@@ -37,9 +39,24 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--metric", default="recall@1", help="the metric whose best value is shown (default recall@1)"
     )
+    p.add_argument(
+        "--points",
+        action="store_true",
+        help="with --csv: one row per point (runs that differ only in train.seed / data.seed pooled: mean, std, "
+        "min, max, count of each metric) instead of one per run",
+    )
     p.add_argument("--plot", metavar="PNG", help="also draw the finished runs' metric into this file")
     p.add_argument(
         "--x", metavar="KEY", help="the plot's x axis: this config key (default: the one that differs)"
+    )
+    p.add_argument(
+        "--curve",
+        choices=("roc", "det", "cmc", "pr"),
+        help="also draw this curve of every run's last evaluation on one figure (eval.protocol=verification or "
+        "identification, or eval.metrics), operating points marked",
+    )
+    p.add_argument(
+        "--curve-output", metavar="PNG", help="where --curve draws (default compare-<curve>.png here)"
     )
     p.set_defaults(func=run)
 
@@ -65,7 +82,12 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    print(table.csv() if args.csv else table.json() if args.json else table.markdown(), end="")
+    if args.points and not args.csv:
+        print("ddp-rank compare: error: --points goes with --csv (markdown and JSON hold the points already)",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    csv = table.points_csv() if args.points else table.csv()
+    print(csv if args.csv else table.json() if args.json else table.markdown(), end="")
     if args.plot:
         try:
             drawn = plot_comparison(runs, args.metric, args.plot, args.x)
@@ -75,4 +97,26 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"plot: {drawn}" if drawn else "plot: no finished run with an evaluation to draw", file=sys.stderr
         )
+    if args.curve:
+        return _draw_curve(runs, args.curve, args.curve_output or f"compare-{args.curve}.png")
+    return 0
+
+
+def _draw_curve(runs: list[Any], kind: str, path: str) -> int:
+    from ddp_rank.experiments.curves import plot_run_curves
+
+    try:
+        drawn = plot_run_curves(runs, kind, path)
+    except ImportError as exc:
+        print(f"ddp-rank compare: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if drawn is None:
+        print(
+            f"ddp-rank compare: error: no run has a {kind} curve (curves.json); evaluate with "
+            f"eval.protocol={'identification' if kind == 'cmc' else 'verification'} or "
+            f"eval.metrics=[{'identification' if kind == 'cmc' else 'verification'}]",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    print(f"{kind} curve: {drawn}", file=sys.stderr)
     return 0

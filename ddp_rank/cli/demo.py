@@ -11,7 +11,8 @@ Steps (each skipped when its output exists, so a second run only retrains):
 2. Recall@k of raw pixels on the held-out classes (``ddp-rank eval --baseline raw-pixels``);
 3. FastAP training under ``accelerate launch`` (configs/demo.yaml): one process per GPU found, else 2 gloo
    processes on the CPU; it evaluates the network before the first step and after the last;
-4. the table raw pixels / before / after, written with the plots and the run summary to runs/demo/.
+4. the table raw pixels / before / after (Recall@k and, with configs/demo.yaml's ``eval.metrics``, the
+   verification figures), written with the plots, the ROC curve and the run summary to runs/demo/.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ddp_rank.cli.arguments import add_config_arguments
 
@@ -123,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         launch, f"FastAP training, {args.processes} processes"
     )
 
-    from ddp_rank.eval.report import format_table
+    from ddp_rank.eval.curves import draw_curve
+    from ddp_rank.eval.report import deployment_lines, format_table
     from ddp_rank.train.run_outputs import read_metrics
+    from ddp_rank.train.run_report import read_curves
 
     rows: dict[str, dict[str, float]] = {}
     raw = json.loads(results.read_text())
@@ -132,30 +136,68 @@ def main(argv: list[str] | None = None) -> int:
     evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
     if not evals:
         raise SystemExit("demo: the training run logged no evaluation (is data.test_split set?)")
-    strip = ("kind", "step", "map@r", "num_queries", "num_lone_queries")
+    strip = (
+        "kind",
+        "step",
+        "map@r",
+        "num_queries",
+        "num_lone_queries",
+        "num_positive_pairs",
+        "num_negative_pairs",
+    )
     rows["network before training"] = {k: v for k, v in evals[0].items() if k not in strip}
     rows[f"network after training ({evals[-1]['step']} steps)"] = {
         k: v for k, v in evals[-1].items() if k not in strip
     }
     rows["raw pixels"] = {k: v for k, v in rows["raw pixels"].items() if k not in strip}
     table = format_table(rows)
+    verification = _verification_text(evals[-1], deployment_lines)
+    roc = _draw_roc(draw_curve, raw["raw pixels"].get("curves"), read_curves(run_dir), out / "roc.png")
     total = time.perf_counter() - t_start
     timing_lines = "\n".join(f"- {k}: {v:.0f} s" for k, v in timings.items())
     gain = 100 * (evals[-1]["recall@1"] - evals[0]["recall@1"])
     text = (
         "# ddp_rank emoji demo\n\n"
         "Held-out emoji classes, each image querying all the others (SOP protocol), Recall@k in percent.\n\n"
-        f"{table}\n\nRecall@1 gain from training: {gain:+.1f} points.\n\n"
-        f"Timings ({args.processes} processes):\n{timing_lines}\n- total: {total:.0f} s\n\n"
+        f"{table}\n\nRecall@1 gain from training: {gain:+.1f} points.\n\n{verification}"
+        + ("![ROC](roc.png)\n\n" if roc else "")
+        + f"Timings ({args.processes} processes):\n{timing_lines}\n- total: {total:.0f} s\n\n"
         f"Training run: [summary](train/summary.md), ![loss](train/loss.png) ![recall](train/recall.png)\n"
     )
     (out / "demo.md").write_text(text)
     print("\n" + table)
     print(f"\nRecall@1 gain from training: {gain:+.1f} points; total {total:.0f} s")
+    if verification:
+        print(verification.strip())
     print(
         f"written: {out / 'demo.md'}, {run_dir / 'summary.md'}, {run_dir / 'loss.png'}, {run_dir / 'recall.png'}"
+        + (f", {roc}" if roc else "")
     )
     return 0
+
+
+def _verification_text(after: dict[str, Any], deployment_lines: Any) -> str:
+    """The demo.md paragraph on the verification figures of the trained network (eval.metrics=[verification])."""
+    line = deployment_lines(after).get("verification")
+    if line is None:
+        return ""
+    return (
+        "Verification, every pair of held-out images (a 1:1 deployment: same emoji or not?), TPR at fixed FPR, "
+        "ROC AUC, EER and AP in the table above; after training: " + line + ".\n\n"
+    )
+
+
+def _draw_roc(draw_curve: Any, raw: dict[str, Any] | None, run: dict[str, Any], path: Path) -> Path | None:
+    """raw pixels, the network before and after training on one ROC figure; None without curves."""
+    curves = {"raw pixels": raw or {}}
+    if run:
+        steps = list(run)
+        curves["network before training"] = run[steps[0]]
+        curves[f"network after training ({steps[-1]})"] = run[steps[-1]]
+    try:
+        return draw_curve("roc", curves, path)
+    except ImportError:
+        return None
 
 
 if __name__ == "__main__":

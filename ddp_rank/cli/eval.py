@@ -1,10 +1,13 @@
-"""``ddp-rank eval``: Recall@k / MAP@R of a trained run, the untrained network or raw pixels. Thin.
+"""``ddp-rank eval``: Recall@k / MAP@R (or the verification / identification figures and their curves) of a
+trained run, the untrained network or raw pixels. Thin.
 
 Examples::
 
     ddp-rank eval --checkpoint runs/demo        # the run's config.yaml, its best (else latest) checkpoint
     ddp-rank eval --config configs/demo.yaml --baseline raw-pixels --output raw.json
     ddp-rank eval --checkpoint runs/demo/checkpoints/step-00000100 eval.search=torch
+    ddp-rank eval --checkpoint runs/demo eval.protocol=verification --output runs/demo/verify.json  # + -roc.png
+    ddp-rank eval --checkpoint runs/demo --bootstrap 1000   # R@1 52.80 ± 0.90: the spread over the queries
     accelerate launch --config_file launch/accelerate_cpu_2proc.yaml -m ddp_rank.cli eval --config ...
 
 Every process embeds its part of the test split; the embeddings are gathered (padded) and rank 0 searches and
@@ -27,8 +30,11 @@ def register(subparsers: Any) -> None:
     """Add the ``eval`` sub-command."""
     p = subparsers.add_parser(
         "eval",
-        help="retrieval evaluation (Recall@k, MAP@R) with the SOP / In-Shop / VehicleID protocols",
-        description="Embed the test split of data.shards and report Recall@k and MAP@R (eval.protocol).",
+        help="retrieval evaluation (Recall@k, MAP@R) with the SOP / In-Shop / VehicleID protocols, or "
+        "verification (TPR@FPR, ROC AUC, EER) and identification (CMC, FNIR@FPIR)",
+        description="Embed the test split of data.shards and report Recall@k and MAP@R, or the verification / "
+        "identification figures (eval.protocol, eval.metrics); their curves are drawn beside the results JSON as "
+        "<name>-roc.png, -det.png, -pr.png, -cmc.png.",
     )
     add_config_arguments(
         p,
@@ -47,17 +53,35 @@ def register(subparsers: Any) -> None:
         help="split to evaluate (default data.test_split; VehicleID recipe shards: every test_<size> list)",
     )
     p.add_argument("--name", help="row name in the table and key in the JSON (default: what was evaluated)")
-    p.add_argument("--output", help="write the results JSON here (default OUTPUT_DIR/eval.json)")
+    p.add_argument(
+        "--output",
+        help="write the results JSON here (default OUTPUT_DIR/eval.json); curve pictures go beside it",
+    )
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also each metric's spread over the test queries: N resamples of the queries with replacement "
+        "(1000 is usual); the table shows value ± standard error, the JSON the 95%% interval too (sop, inshop)",
+    )
+    p.add_argument("--bootstrap-seed", type=int, default=0, metavar="S", help="seed of the resampling (0)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Parse, evaluate, print. Setup errors print one clear line and exit 2."""
+    from ddp_rank.eval.bootstrap import QueryBootstrap
     from ddp_rank.eval.protocols import EvalError
     from ddp_rank.eval.workflow import evaluate_and_record, load_run_config
     from ddp_rank.model import CheckpointError, ModelError
     from ddp_rank.runtime import TrainError
 
+    if args.bootstrap == 1 or args.bootstrap < 0:
+        print(f"ddp-rank eval: error: --bootstrap {args.bootstrap}: give 2 or more resamples (1000 is usual), "
+              "or 0 for none", file=sys.stderr)  # fmt: skip
+        return 2
+    bootstrap = QueryBootstrap(args.bootstrap, args.bootstrap_seed) if args.bootstrap else None
     try:
         cfg = load_run_config(args.config, args.checkpoint, args.overrides)
         done = evaluate_and_record(
@@ -67,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
             split=args.split,
             name=args.name,
             output=args.output,
+            bootstrap=bootstrap,
         )
         if done.written:
             print(f"\n{done.table()}\nresults: {done.path}")

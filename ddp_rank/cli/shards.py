@@ -11,6 +11,7 @@ Examples::
     ddp-rank shards info data/emoji-shards
     ddp-rank shards index data/laion-subset --split train='train-*.tar' --class-field label
     ddp-rank shards reshard data/laion-subset data/laion-contiguous --max-samples 2000 --memory-mb 512
+    ddp-rank shards features data/emoji-shards data/emoji-features --config configs/demo.yaml
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def register(subparsers: Any) -> None:
     info.set_defaults(func=_info)
     _add_index(sub)
     _add_reshard(sub)
+    _add_features(sub)
     _add_listing(sub)
     serve = sub.add_parser("serve", help="serve a shard directory over HTTP with Range requests")
     serve.add_argument("directory")
@@ -130,6 +132,23 @@ def _reshard(args: argparse.Namespace) -> int:
         return 2
     print(format_info(args.out))
     return 0
+
+
+def _add_features(sub: Any) -> None:
+    from ddp_rank.cli.arguments import add_config_arguments
+
+    p = sub.add_parser(
+        "features",
+        help="embed every image of a shard set once with the config's frozen backbone: feature shards "
+        "(train a head on them with model.backbone=features)",
+    )
+    p.add_argument("source", help="image shard directory or URL (made by `shards build` or `shards index`)")
+    p.add_argument("out", help="directory to write the feature shards to (new, or an unfinished build)")
+    add_config_arguments(p, "experiment YAML: model.backbone/weights/pooling and data.* sizes and crop")
+    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
+    p.add_argument("--overwrite", action="store_true", help="replace the feature shards in OUT")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_features)
 
 
 def _add_build(sub: Any) -> None:
@@ -226,6 +245,35 @@ def _build(args: argparse.Namespace) -> int:
     report.extend(result.report)
     _print_report(report)
     print(format_info(args.out))
+    return 0
+
+
+def _features(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from ddp_rank.config import ConfigError, load_config
+    from ddp_rank.eval.feature_build import FeatureBuildError, FeatureBuildOptions, build_feature_shards
+    from ddp_rank.model import ModelError
+    from ddp_rank.runtime import make_accelerator
+
+    accelerator = None
+    try:
+        if args.batch_size < 1:
+            raise FeatureBuildError(f"--batch-size must be at least 1, got {args.batch_size}")
+        cfg = load_config(args.config, args.overrides)
+        accelerator = make_accelerator(cfg)
+        options = FeatureBuildOptions(args.batch_size, args.overwrite, not args.no_progress)
+        manifest = build_feature_shards(cfg, args.source, args.out, accelerator, options)
+    except (ConfigError, ModelError, FeatureBuildError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if accelerator is not None:
+            accelerator.end_training()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    if manifest is not None:
+        print(format_info(args.out))
     return 0
 
 

@@ -5,6 +5,7 @@ Examples::
 
     ddp-rank sweep --config configs/demo.yaml --processes 2 --equal images \\
         data.global_batch_size=32,128,512,2048
+    ddp-rank sweep --config configs/demo.yaml data.sampler=hard,random --replicates 3   # seeds 0, 1, 2
     ddp-rank sweep --config c.yaml loss.name=fastap,pnp data.sampler=hard,random --print > commands.txt
     # a SLURM array: sed -n "$((SLURM_ARRAY_TASK_ID + 1))p" commands.txt | bash
 """
@@ -36,6 +37,9 @@ def register(subparsers: Any) -> None:
     add_config_arguments(p, "experiment YAML the points start from")
     p.add_argument("--equal", choices=("steps", "images"), default="steps",
                    help="hold steps (default) or images seen equal across data.global_batch_size values")  # fmt: skip
+    p.add_argument("--replicates", type=int, default=0, metavar="K",
+                   help="train each point K times with train.seed = the config's seed, +1, ... +K-1; compare "
+                   "gives each point's mean and spread (an axis train.seed=a,b,c or data.seed=a,b,c does the same)")  # fmt: skip
     p.add_argument("--processes", type=int, default=1,
                    help="processes per run under accelerate launch (one per GPU with CUDA, gloo on the CPU)")  # fmt: skip
     p.add_argument("--launch", default="", metavar="CMD",
@@ -51,14 +55,14 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ddp_rank.config import ConfigError
     from ddp_rank.experiments.compare import compare_runs
-    from ddp_rank.experiments.grid import expand_grid, split_axes
+    from ddp_rank.experiments.grid import REPLICATE_KEYS, expand_grid, split_axes
     from ddp_rank.experiments.plot import plot_comparison
     from ddp_rank.experiments.runs import read_run
     from ddp_rank.experiments.sweep import Launcher, point_command, point_dir, run_sweep
 
     try:
         fixed, axes = split_axes(args.overrides)
-        base, points = expand_grid(args.config, args.overrides, args.equal)
+        base, points = expand_grid(args.config, args.overrides, args.equal, args.replicates)
     except ConfigError as exc:
         print(f"ddp-rank sweep: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -83,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     (out / "compare.md").write_text(text)
     print("\n" + text, end="")
     try:
-        x_key = axes[0][0] if len(axes) == 1 else None
+        settings = [key for key, _ in axes if key not in REPLICATE_KEYS]
+        x_key = settings[0] if len(settings) == 1 else None
         drawn = plot_comparison(runs, args.metric, out / "compare.png", x_key)
         if drawn:
             print(f"written: {out / 'compare.md'}, {drawn}")

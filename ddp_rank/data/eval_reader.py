@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ddp_rank.data.features import decode_vector, feature_dim
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.reader import ClassReader, ClassReadError
 from ddp_rank.data.shard_cache import ShardCache
@@ -60,7 +61,8 @@ class EvalSplitBatch:
     """One batch of an evaluation split, in sample order."""
 
     images: torch.Tensor
-    """``[n, 3, H, W]``, as the transform leaves them (uint8 or normalised float)."""
+    """``[n, 3, H, W]``, as the transform leaves them (uint8 or normalised float); ``[n, dim]`` float32 vectors
+    for feature shards."""
     labels: torch.Tensor
     """``[n]`` int64 class ids (the manifest's)."""
     categories: torch.Tensor
@@ -100,6 +102,8 @@ class EvalShards(IterableDataset):
         self._class_category = np.array(
             [-1 if c.category is None else c.category for c in self.manifest.classes], dtype=np.int64
         )
+        self.feature_dim = feature_dim(self.manifest)
+        """The vectors' length for feature shards (batches ``[n, dim]`` float32), None for image shards."""
 
     @property
     def num_samples(self) -> int:
@@ -135,13 +139,18 @@ class EvalShards(IterableDataset):
             self.reader.close()
 
     def _batch(self, items: list[tuple[int, SpanSample]], transform: Any) -> EvalSplitBatch:
-        images = [transform(decode_image(s.image, self.transform_config.resize)) for _, s in items]
+        if self.feature_dim is not None:
+            dim = self.feature_dim
+            batch = torch.from_numpy(np.stack([decode_vector(s.image, dim) for _, s in items]))
+        else:
+            images = [transform(decode_image(s.image, self.transform_config.resize)) for _, s in items]
+            batch = collate_images(images, self.transform_config)
         subsets = [
             str(json.loads(s.meta.decode("utf-8")).get("subset") or "") if s.meta else "" for _, s in items
         ]
         labels = torch.tensor([cid for cid, _ in items], dtype=torch.int64)
         return EvalSplitBatch(
-            images=collate_images(images, self.transform_config),
+            images=batch,
             labels=labels,
             categories=torch.from_numpy(self._class_category[labels.numpy()]),
             keys=[s.key for _, s in items],

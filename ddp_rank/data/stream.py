@@ -36,6 +36,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ddp_rank.data.batch import DataEvents, StreamBatch
 from ddp_rank.data.dealing import deal
+from ddp_rank.data.features import decode_vector, feature_dim
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, local_batch_size
 from ddp_rank.data.reader import ClassReader, ClassReadError
@@ -135,6 +136,9 @@ class ShardStream(IterableDataset):
         self._class_category = np.array(
             [-1 if c.category is None else c.category for c in self.manifest.classes], dtype=np.int64
         )
+        self.feature_dim = feature_dim(self.manifest)
+        """The vectors' length for feature shards (``data.features``: batches are ``[n, dim]`` float32, no
+        transform), None for image shards."""
 
     # ---------------------------------------------------------------- position
 
@@ -216,7 +220,7 @@ class ShardStream(IterableDataset):
         events.add_counts(self.reader.store.take_counts())  # cache_fallbacks, read_retries
         label_tensor = torch.tensor(labels, dtype=torch.int64)
         return StreamBatch(
-            images=collate_images(images, self.transform_config),
+            images=torch.stack(images) if self.feature_dim else collate_images(images, self.transform_config),
             labels=label_tensor,
             categories=torch.from_numpy(self._class_category[label_tensor.numpy()]),
             keys=keys,
@@ -274,6 +278,8 @@ class ShardStream(IterableDataset):
         events: DataEvents,
     ) -> tuple[list[str], list[torch.Tensor]]:
         samples = self.reader.read(class_id)
+        if self.feature_dim is not None:
+            return self._load_vectors(class_id, samples, images, events)
         keys, out = [], []
         for index in images:
             sample: SpanSample = samples[index]
@@ -291,6 +297,23 @@ class ShardStream(IterableDataset):
             )
             out.append(transform(decoded, generator))
             keys.append(sample.key)
+        return keys, out
+
+    def _load_vectors(
+        self, class_id: int, samples: Sequence[SpanSample], images: Sequence[int], events: DataEvents
+    ) -> tuple[list[str], list[torch.Tensor]]:
+        """The vectors of samples ``images`` of a feature class: no transform, so no per-image seed either."""
+        dim = self.feature_dim or 0
+        keys, out = [], []
+        for index in images:
+            sample = samples[index]
+            keys.append(sample.key)
+            try:
+                out.append(torch.from_numpy(decode_vector(sample.image, dim)))
+            except ValueError as exc:
+                events.decode_errors += 1
+                shard = self.reader.shard_of(class_id, index)
+                raise ClassReadError(class_id, shard, f"vector {sample.key} does not decode: {exc}") from exc
         return keys, out
 
 

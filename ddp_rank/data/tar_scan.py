@@ -7,7 +7,8 @@ and ``.cls`` members live; ``ddp-rank shards verify`` uses it to prove a whole s
 truncated file ends the scan with a reason instead of an exception, and samples missing a required member are
 dropped, so one bad shard costs its own samples and nothing else. Shards made by other tools and indexed
 (``labelled=False``) need only an image per sample: their classes come from the manifest. Only image, ``.cls``
-and ``.json`` bytes are ever interpreted: there is no pickle decoder anywhere in the read path.
+and ``.json`` bytes are ever interpreted (and the raw float16 ``.f16`` vector of a feature sample, which takes
+an image's place: ``data.features``): there is no pickle decoder anywhere in the read path.
 
 Both walk the 512-byte headers with one decoder, ``decode_header`` (stdlib ``tarfile.TarInfo.frombuf``, which
 checks the checksum and reads every numeric field, base-256 sizes included), seeking over member data. Unlike a
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NamedTuple
 
-from ddp_rank.data.manifest import IMAGE_EXTENSIONS
+from ddp_rank.data.manifest import PAYLOAD_EXTENSIONS
 
 _BLOCK = tarfile.BLOCKSIZE
 _ZERO_BLOCK = bytes(_BLOCK)
@@ -196,7 +197,7 @@ def scan_shard(path: str | os.PathLike[str], expected: int | None = None, labell
                 key, ext = sample_key(m.name)
                 groups.setdefault(key, {})[ext] = m
             for key, parts in groups.items():
-                if not labelled and not any(e in parts for e in IMAGE_EXTENSIONS):
+                if not labelled and not any(e in parts for e in PAYLOAD_EXTENSIONS):
                     continue
                 entry = _complete_sample(f, key, parts, file_size, labelled)
                 if entry is None:
@@ -217,7 +218,7 @@ def _complete_sample(
     f: IO[bytes], key: str, members: dict[str, Member], file_size: int, labelled: bool = True
 ) -> SampleEntry | None:
     """The sample, or None when a required member is missing or cut short (``scan_shard``'s ``labelled``)."""
-    image_ext = next((e for e in IMAGE_EXTENSIONS if e in members), None)
+    image_ext = next((e for e in PAYLOAD_EXTENSIONS if e in members), None)
     if image_ext is None:
         return None
     if any(m.offset_data + m.size > file_size for m in members.values()):
@@ -314,11 +315,11 @@ def parse_span(data: bytes, expected: int) -> list[SpanSample]:
     for name, payload in members:
         key, ext = sample_key(name)
         parts = groups.setdefault(key, {})
-        if ext in IMAGE_EXTENSIONS or ext == "json":
+        if ext in PAYLOAD_EXTENSIONS or ext == "json":
             parts[ext] = payload
     samples = []
     for key, parts in groups.items():
-        image_ext = next((e for e in IMAGE_EXTENSIONS if e in parts), None)
+        image_ext = next((e for e in PAYLOAD_EXTENSIONS if e in parts), None)
         if image_ext is not None:
             samples.append(SpanSample(key, image_ext, parts[image_ext], parts.get("json")))
     if len(samples) != expected:

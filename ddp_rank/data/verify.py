@@ -1,4 +1,5 @@
-"""``ddp-rank shards verify``: prove a shard directory matches its manifest and every image decodes.
+"""``ddp-rank shards verify``: prove a shard directory matches its manifest and every image decodes (every
+vector of feature shards has its length and finite values).
 
 Checks, per shard: the file exists, its size and sha256 match, the tar reads to the end, every class's byte
 range has the manifest's digest and holds its samples (what the stream reads), and every image decodes. Problems
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
+from ddp_rank.data.features import decode_vector, feature_dim
 from ddp_rank.data.manifest import Manifest, ShardInfo, is_url, sha256_file, span_digest
 from ddp_rank.data.tar_scan import SpanError, SpanSample, parse_span, scan_shard
 
@@ -34,9 +36,11 @@ class Problem:
         return f"{self.shard}: {self.message}"
 
 
-def verify_shard(path: Path, shard: ShardInfo, decode: bool = True, labelled: bool = True) -> list[Problem]:
+def verify_shard(
+    path: Path, shard: ShardInfo, decode: bool = True, labelled: bool = True, vector_dim: int | None = None
+) -> list[Problem]:
     """Every check for one shard at ``path`` (module level so worker processes can run it); ``labelled`` as in
-    ``scan_shard``."""
+    ``scan_shard``; ``vector_dim`` for feature shards, whose samples are vectors of that length, not images."""
     if not path.is_file():
         return [Problem(shard.path, "missing file")]
     problems = []
@@ -66,7 +70,9 @@ def verify_shard(path: Path, shard: ShardInfo, decode: bool = True, labelled: bo
             except SpanError as exc:
                 problems.append(Problem(shard.path, f"class {span.id}: {exc}"))
                 continue
-            if decode:
+            if decode and vector_dim is not None:
+                problems.extend(_bad_vectors(samples, span.id, shard.path, vector_dim))
+            elif decode:
                 problems.extend(_undecodable(samples, span.id, shard.path))
     return problems
 
@@ -82,6 +88,14 @@ def _undecodable(samples: list[SpanSample], class_id: int, name: str) -> Iterato
             )
 
 
+def _bad_vectors(samples: list[SpanSample], class_id: int, name: str, dim: int) -> Iterator[Problem]:
+    for sample in samples:
+        try:
+            decode_vector(sample.image, dim)
+        except ValueError as exc:
+            yield Problem(name, f"class {class_id}: vector {sample.key}.{sample.image_ext} is bad: {exc}")
+
+
 def verify_shards(directory: str | os.PathLike[str], decode: bool = True, workers: int = 1) -> list[Problem]:
     """All problems of a shard directory (empty list: it is sound)."""
     manifest = Manifest.load(directory)
@@ -92,7 +106,12 @@ def verify_shards(directory: str | os.PathLike[str], decode: bool = True, worker
         )
     shards = [s for split in manifest.splits.values() for s in split.shards]
     paths = [manifest.shard_path(s) for s in shards]
-    check = partial(verify_shard, decode=decode, labelled=not manifest.build.get("indexed", False))
+    check = partial(
+        verify_shard,
+        decode=decode,
+        labelled=not manifest.build.get("indexed", False),
+        vector_dim=feature_dim(manifest),
+    )
     if workers > 1 and len(shards) > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:
             results = list(pool.map(check, paths, shards))

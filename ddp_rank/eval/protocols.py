@@ -8,6 +8,12 @@
   vehicles), one image per vehicle is drawn at random into the gallery and all the others query it;
   Recall@1, 5, averaged over ``repeats`` draws. Plain keys (``recall@1``) repeat the largest evaluated list.
   No MAP@R: each query has exactly one relevant gallery image, so MAP@R would always equal Recall@1.
+- ``verification``: every pair of the test set, TPR@FPR, ROC AUC, EER, AP (``ddp_rank.eval.verification``).
+- ``identification``: a seeded enrolled / non-enrolled split of the test identities, CMC and FNIR@FPIR with the
+  gallery size (``ddp_rank.eval.identification``).
+
+Beside ``sop`` and ``inshop``, ``metrics`` adds the verification and/or identification figures on the same test
+set (``eval.metrics``); their curves come under the key ``curves`` (``ddp_rank.eval.curves``).
 
 Subsets come from the ``subset`` field of each sample's ``.json`` in the shards (written by the data layer's
 build from the listing's ``subset`` column). A sample may carry several tokens separated by commas, e.g.
@@ -20,15 +26,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ddp_rank.eval.retrieval import retrieval_metrics
+from ddp_rank.eval.bootstrap import QueryBootstrap, bootstrap_queries
+from ddp_rank.eval.deployment import (
+    DeploymentSettings,
+    deployment_metric_names,
+    deployment_metrics,
+)
+from ddp_rank.eval.retrieval import QueryScores, query_scores, retrieval_metrics
 
 __all__ = [
+    "DEPLOYMENT_PROTOCOLS",
     "PROTOCOLS",
     "PROTOCOL_KS",
     "SUBSET_TOKENS",
@@ -42,7 +55,8 @@ __all__ = [
     "with_largest_list_as_headline",
 ]
 
-PROTOCOLS = ("sop", "inshop", "vehicleid")
+PROTOCOLS = ("sop", "inshop", "vehicleid", "verification", "identification")
+DEPLOYMENT_PROTOCOLS = ("verification", "identification")
 PROTOCOL_KS: dict[str, tuple[int, ...]] = {
     "sop": (1, 10, 100, 1000),
     "inshop": (1, 10, 20, 30, 40, 50),
@@ -96,7 +110,7 @@ def subset_mask(data: EmbeddedSet, token: str) -> Tensor:
 
 
 def _ks(protocol: str, ks: Sequence[int] | None) -> list[int]:
-    return list(ks) if ks else list(PROTOCOL_KS[protocol])
+    return list(ks) if ks else list(PROTOCOL_KS.get(protocol, ()))
 
 
 def metric_names(
@@ -105,6 +119,8 @@ def metric_names(
     *,
     map_at_r: bool = True,
     vehicleid_sizes: Sequence[str] = VEHICLEID_SIZES,
+    metrics: Sequence[str] = (),
+    deployment: DeploymentSettings | None = None,
 ) -> list[str]:
     """The metric keys :func:`evaluate` returns for these settings, known before any image is read.
 
@@ -112,12 +128,16 @@ def metric_names(
     """
     if protocol not in PROTOCOLS:
         raise EvalError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
+    settings = _deployment_settings(deployment, ks)
+    if protocol in DEPLOYMENT_PROTOCOLS:
+        return deployment_metric_names([protocol, *_extra_groups(protocol, metrics)], settings)
+    extra = deployment_metric_names(_extra_groups(protocol, metrics), settings)
     base = [f"recall@{k}" for k in sorted(set(_ks(protocol, ks)))]
     if map_at_r and protocol != "vehicleid":
         base.append("map@r")
     base += ["num_queries", "num_lone_queries"]
     if protocol != "vehicleid":
-        return base
+        return base + extra
     return base + [f"{size}/{name}" for size in vehicleid_sizes for name in base]
 
 
@@ -132,22 +152,94 @@ def evaluate(
     repeats: int = 1,
     seed: int = 0,
     device: torch.device | str | None = None,
-) -> dict[str, float]:
-    """Run ``protocol`` on ``data``; returns a flat ``{metric: value}`` dict (see the module doc for keys).
+    metrics: Sequence[str] = (),
+    deployment: DeploymentSettings | None = None,
+    bootstrap: QueryBootstrap | None = None,
+) -> dict[str, Any]:
+    """Run ``protocol`` on ``data``; returns a flat ``{metric: value}`` dict (see the module doc for keys), with
+    the curves of the verification / identification figures under ``curves`` when there are any.
 
     ``backend`` / ``device``: the exact search (:class:`ddp_rank.eval.retrieval.ExactSearch`; by default on the
-    GPU when there is one).
+    GPU when there is one). ``metrics``: figure groups added beside ``sop`` / ``inshop`` (``verification``,
+    ``identification``), with ``deployment``'s settings (``ks`` gives the CMC ranks when set). ``bootstrap``:
+    also the spread of each retrieval metric over the queries, under the key ``bootstrap``
+    (``ddp_rank.eval.bootstrap``; sop and inshop).
     """
     if protocol not in PROTOCOLS:
         raise EvalError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
+    if bootstrap is not None and protocol == "vehicleid":
+        raise EvalError(
+            "the query bootstrap covers the sop and inshop protocols; VehicleID's figures average random "
+            "galleries (eval.vehicleid_repeats): leave out --bootstrap"
+        )
     if len(data.labels) < 2:
         raise EvalError(f"the test set has {len(data.labels)} image(s): retrieval needs at least 2")
+    settings = _deployment_settings(deployment, ks)
+    if protocol in DEPLOYMENT_PROTOCOLS:
+        return _deployment(protocol, [protocol, *_extra_groups(protocol, metrics)], data, settings)
+    groups = _extra_groups(protocol, metrics)  # refused before any search
+    out: dict[str, Any] = _evaluate_retrieval(
+        protocol,
+        data,
+        ks,
+        map_at_r=map_at_r,
+        backend=backend,
+        vehicleid_sizes=vehicleid_sizes,
+        repeats=repeats,
+        seed=seed,
+        device=device,
+        bootstrap=bootstrap,
+    )
+    return {**out, **_deployment(protocol, groups, data, settings)} if groups else out
+
+
+def _deployment_settings(settings: DeploymentSettings | None, ks: Sequence[int] | None) -> DeploymentSettings:
+    settings = settings or DeploymentSettings()
+    return replace(settings, ranks=tuple(ks)) if ks else settings
+
+
+def _extra_groups(protocol: str, metrics: Sequence[str]) -> list[str]:
+    """The groups of ``eval.metrics`` added to ``protocol``; refused beside VehicleID (a set of test lists, each
+    evaluated on its own: there is no one split of pairs)."""
+    groups = [m for m in metrics if m != protocol]  # verification and identification go together too
+    if groups and protocol == "vehicleid":
+        raise EvalError(
+            f"eval.metrics={','.join(groups)} is not available beside eval.protocol=vehicleid (its test lists are "
+            "evaluated one by one); use eval.protocol=verification or identification on one list's split"
+        )
+    return groups
+
+
+def _deployment(
+    protocol: str, groups: Sequence[str], data: EmbeddedSet, settings: DeploymentSettings
+) -> dict[str, Any]:
+    try:
+        return deployment_metrics(groups, data.embeddings, data.labels, settings)
+    except ValueError as exc:
+        raise EvalError(f"eval.protocol={protocol}: {exc}") from exc
+
+
+def _evaluate_retrieval(
+    protocol: str,
+    data: EmbeddedSet,
+    ks: Sequence[int] | None,
+    *,
+    map_at_r: bool,
+    backend: str,
+    vehicleid_sizes: Sequence[str],
+    repeats: int,
+    seed: int,
+    device: torch.device | str | None,
+    bootstrap: QueryBootstrap | None,
+) -> dict[str, Any]:
+    """Recall@k / MAP@R under the papers' protocols (sop, inshop, vehicleid), with their query bootstrap."""
     kk = _ks(protocol, ks)
     e, y = data.embeddings, data.labels
     if protocol == "sop":
-        return retrieval_metrics(
+        scores = query_scores(
             e, y, e, y, kk, exclude_self=True, map_at_r=map_at_r, backend=backend, device=device
         )
+        return _with_bootstrap(scores, bootstrap)
     if protocol == "inshop":
         q, g = subset_mask(data, "query"), subset_mask(data, "gallery")
         if not q.any() or not g.any():
@@ -155,9 +247,8 @@ def evaluate(
                 f"protocol inshop needs test samples with subset 'query' and 'gallery' (found {int(q.sum())} query, "
                 f"{int(g.sum())} gallery): build the shards with the In-Shop recipe, or use eval.protocol=sop"
             )
-        return retrieval_metrics(
-            e[q], y[q], e[g], y[g], kk, map_at_r=map_at_r, backend=backend, device=device
-        )
+        scores = query_scores(e[q], y[q], e[g], y[g], kk, map_at_r=map_at_r, backend=backend, device=device)
+        return _with_bootstrap(scores, bootstrap)
     # vehicleid
     out: dict[str, float] = {}
     gen = torch.Generator().manual_seed(seed)
@@ -186,6 +277,14 @@ def evaluate(
             out[f"{size}/{k}"] = v
         evaluated.append(size)
     return with_largest_list_as_headline(out, evaluated)
+
+
+def _with_bootstrap(scores: QueryScores, bootstrap: QueryBootstrap | None) -> dict[str, Any]:
+    """The metrics of ``scores``, with their spread over the queries when ``bootstrap`` is asked for."""
+    out: dict[str, Any] = dict(scores.metrics())
+    if bootstrap is not None:
+        out["bootstrap"] = bootstrap_queries(scores, bootstrap)
+    return out
 
 
 def _one_per_class(labels: Tensor, gen: torch.Generator) -> Tensor:

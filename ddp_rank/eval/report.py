@@ -6,10 +6,21 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["format_table", "metric_columns", "write_json"]
+__all__ = ["bootstrap_note", "deployment_lines", "format_table", "metric_columns", "write_json"]
 
-_HIDDEN = ("num_queries", "num_lone_queries")
+_HIDDEN = (
+    "num_queries",
+    "num_lone_queries",
+    "num_positive_pairs",
+    "num_negative_pairs",
+    "gallery_size",
+    "gallery_identities",
+    "num_mated_probes",
+    "num_non_mated_probes",
+    "bootstrap",
+)
 
 
 def metric_columns(rows: Mapping[str, Mapping[str, float]]) -> list[str]:
@@ -29,14 +40,13 @@ def metric_columns(rows: Mapping[str, Mapping[str, float]]) -> list[str]:
     return sorted(names, key=key)
 
 
-def format_table(rows: Mapping[str, Mapping[str, float]], columns: Sequence[str] | None = None) -> str:
-    """A markdown table: one row per entry of ``rows`` (e.g. raw pixels / before / after), metrics in percent."""
+def format_table(rows: Mapping[str, Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """A markdown table: one row per entry of ``rows`` (e.g. raw pixels / before / after), metrics in percent;
+    ``52.80 ± 0.90`` where a row carries its query bootstrap (``ddp_rank.eval.bootstrap``: ± one standard
+    error)."""
     cols = list(columns) if columns is not None else metric_columns(rows)
-    names = [c.replace("recall@", "R@").replace("map@r", "MAP@R") for c in cols]
-    body = [
-        [name, *("-" if metrics.get(c) is None else f"{100 * metrics[c]:.2f}" for c in cols)]
-        for name, metrics in rows.items()
-    ]
+    names = [_short(c) for c in cols]
+    body = [[name, *(_cell(metrics, c) for c in cols)] for name, metrics in rows.items()]
     widths = [max(len(r[i]) for r in [["model", *names], *body]) for i in range(len(cols) + 1)]
 
     def line(cells: Sequence[str]) -> str:
@@ -49,6 +59,69 @@ def format_table(rows: Mapping[str, Mapping[str, float]], columns: Sequence[str]
     lines = [line(["model", *names]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     lines += [line(r) for r in body]
     return "\n".join(lines)
+
+
+def _short(name: str) -> str:
+    """A table header: ``recall@1`` -> ``R@1``, ``tpr@fpr=1e-3`` -> ``TPR@1e-3``, ``roc_auc`` -> ``AUC``."""
+    for long, short in (
+        ("recall@", "R@"),
+        ("map@r", "MAP@R"),
+        ("tpr@fpr=", "TPR@"),
+        ("fnir@fpir=", "FNIR@"),
+        ("cmc@", "CMC@"),
+        ("roc_auc", "AUC"),
+        ("pr_auc", "AP"),
+        ("eer", "EER"),
+    ):
+        name = name.replace(long, short)
+    return name
+
+
+def _percent(value: object) -> str:
+    return f"{100 * value:.2f}%" if isinstance(value, float) else "not measurable"
+
+
+def deployment_lines(metrics: Mapping[str, object]) -> dict[str, str]:
+    """One line each for the verification and identification figures of ``metrics`` (those it has), saying
+    which are not measurable and on how many pairs / probes and how large a gallery they stand."""
+    lines = {}
+    if "num_negative_pairs" in metrics:
+        rates = [k for k in metrics if k.startswith("tpr@fpr=")]
+        lines["verification"] = (
+            ", ".join(f"TPR@FPR={k.split('=')[1]} {_percent(metrics[k])}" for k in rates)
+            + f", ROC AUC {_percent(metrics.get('roc_auc'))}, EER {_percent(metrics.get('eer'))}"
+            + f", AP {_percent(metrics.get('pr_auc'))}"
+            + f" ({metrics.get('num_positive_pairs'):,} positive, {metrics['num_negative_pairs']:,} negative pairs)"
+        )
+    if "gallery_size" in metrics:
+        ranks = [k for k in metrics if k.startswith("cmc@")]
+        rates = [k for k in metrics if k.startswith("fnir@fpir=")]
+        lines["identification"] = (
+            ", ".join(f"CMC@{k.split('@')[1]} {_percent(metrics[k])}" for k in ranks)
+            + "; "
+            + ", ".join(f"FNIR@FPIR={k.split('=')[1]} {_percent(metrics[k])}" for k in rates)
+            + f" (gallery {metrics['gallery_size']:,} images of {metrics.get('gallery_identities'):,} identities, "
+            + f"{metrics.get('num_mated_probes'):,} mated and {metrics.get('num_non_mated_probes'):,} non-mated probes)"
+        )
+    return lines
+
+
+def _cell(metrics: Mapping[str, Any], column: str) -> str:
+    if metrics.get(column) is None:
+        return "-"
+    spread = (metrics.get("bootstrap") or {}).get("metrics", {}).get(column)
+    return f"{100 * metrics[column]:.2f}" + (f" ± {100 * spread['se']:.2f}" if spread else "")
+
+
+def bootstrap_note(metrics: Mapping[str, Any]) -> str:
+    """The line that says what a table's ± is, or "" without a bootstrap."""
+    settings = metrics.get("bootstrap")
+    if not settings:
+        return ""
+    return (
+        f"± one standard error over the queries: {settings['resamples']} bootstrap resamples (seed "
+        f"{settings['seed']}); 95% intervals in the results JSON"
+    )
 
 
 def write_json(results: Mapping[str, object], path: str | os.PathLike[str]) -> Path:

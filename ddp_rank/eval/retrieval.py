@@ -22,12 +22,13 @@ processed in blocks and the metrics accumulated, so memory stays ``O(block * (N 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ExactSearch", "faiss_available", "knn_search", "retrieval_metrics"]
+__all__ = ["ExactSearch", "QueryScores", "faiss_available", "knn_search", "query_scores", "retrieval_metrics"]
 
 
 def faiss_available() -> bool:
@@ -127,6 +128,37 @@ def _drop_self(indices: Tensor, self_index: Tensor) -> Tensor:
     return indices[~is_self].view(indices.shape[0], indices.shape[1] - 1)
 
 
+@dataclass(frozen=True)
+class QueryScores:
+    """Each non-lone query's own figures: ``hits[k]`` (bool [n]: a relevant item among its first k results) and
+    ``average_precision`` (float64 [n], the AP@R whose mean is MAP@R; None when not asked for). The metrics are
+    their means; ``ddp_rank.eval.bootstrap`` resamples them."""
+
+    hits: dict[int, np.ndarray]
+    average_precision: np.ndarray | None
+    num_lone_queries: int
+
+    @property
+    def num_queries(self) -> int:
+        return len(next(iter(self.hits.values()))) if self.hits else 0
+
+    def per_query(self) -> dict[str, np.ndarray]:
+        """``{"recall@1": [n] 0/1, ..., "map@r": [n]}``: the values whose means are the metrics."""
+        out = {f"recall@{k}": hit.astype(np.float64) for k, hit in self.hits.items()}
+        if self.average_precision is not None:
+            out["map@r"] = self.average_precision
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        n = self.num_queries
+        out: dict[str, float] = {
+            name: (float(v.mean()) if n else float("nan")) for name, v in self.per_query().items()
+        }
+        out["num_queries"] = n
+        out["num_lone_queries"] = self.num_lone_queries
+        return out
+
+
 def retrieval_metrics(
     queries: Tensor,
     query_labels: Tensor,
@@ -146,6 +178,26 @@ def retrieval_metrics(
     Returns ``{"recall@1": ..., "map@r": ..., "num_queries": ..., "num_lone_queries": ...}``; a k larger than
     the database is clipped (Recall@k then counts every non-lone query as a hit).
     """
+    return query_scores(
+        queries, query_labels, database, database_labels, ks,
+        exclude_self=exclude_self, map_at_r=map_at_r, backend=backend, block=block, device=device,
+    ).metrics()  # fmt: skip
+
+
+def query_scores(
+    queries: Tensor,
+    query_labels: Tensor,
+    database: Tensor,
+    database_labels: Tensor,
+    ks: Sequence[int],
+    *,
+    exclude_self: bool = False,
+    map_at_r: bool = True,
+    backend: str = "auto",
+    block: int = 4096,
+    device: torch.device | str | None = None,
+) -> QueryScores:
+    """Each query's hits at every k and its AP@R (see :func:`retrieval_metrics` for the arguments)."""
     if exclude_self and queries.shape[0] != database.shape[0]:
         raise ValueError("exclude_self needs the database to be the queries themselves")
     ql = query_labels.detach().cpu().long()
@@ -160,8 +212,8 @@ def retrieval_metrics(
     ks = sorted({int(x) for x in ks})
     k_max = min(max([*ks, int(r.max()) if map_at_r and len(r) else 1]), n_db)
 
-    hits_at = {k: 0 for k in ks}
-    ap_sum = 0.0
+    first_hits: list[Tensor] = []
+    average_precisions: list[Tensor] = []
     q_idx = torch.nonzero(valid).flatten()
     searcher = ExactSearch(database, backend, device)
     for start in range(0, len(q_idx), block):
@@ -170,20 +222,18 @@ def retrieval_metrics(
         if exclude_self:
             idx = _drop_self(idx, rows)
         rel = dl[idx] == ql[rows].unsqueeze(1)  # [b, k_max]
-        first_hit = torch.where(rel.any(1), rel.float().argmax(1), torch.full_like(rows, k_max + 1))
-        for k in ks:
-            hits_at[k] += int((first_hit < k).sum())
+        first_hits.append(torch.where(rel.any(1), rel.float().argmax(1), torch.full_like(rows, k_max + 1)))
         if map_at_r:
             rr = r[rows]
             positions = torch.arange(1, k_max + 1).unsqueeze(0)
             in_r = positions <= rr.unsqueeze(1)
             rel_r = rel & in_r
             precision = rel_r.cumsum(1).double() / positions
-            ap_sum += float(((precision * rel_r).sum(1) / rr.double()).sum())
-    n = int(valid.sum())
-    out: dict[str, float] = {f"recall@{k}": (hits_at[k] / n if n else float("nan")) for k in ks}
-    if map_at_r:
-        out["map@r"] = ap_sum / n if n else float("nan")
-    out["num_queries"] = n
-    out["num_lone_queries"] = int((~valid).sum())
-    return out
+            average_precisions.append((precision * rel_r).sum(1) / rr.double())
+    first_hit = torch.cat(first_hits).numpy() if first_hits else np.zeros(0, dtype=np.int64)
+    ap = torch.cat(average_precisions).numpy() if average_precisions else np.zeros(0)
+    return QueryScores(
+        hits={k: first_hit < k for k in ks},
+        average_precision=ap if map_at_r else None,
+        num_lone_queries=int((~valid).sum()),
+    )

@@ -27,6 +27,8 @@ from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.distributed.process_group import is_distributed, rank, world_size
+from ddp_rank.eval.bootstrap import QueryBootstrap
+from ddp_rank.eval.deployment import DeploymentSettings
 from ddp_rank.eval.embed import EvalBatch, embed_batches, gather_embedded
 from ddp_rank.eval.protocols import (
     SUBSET_TOKENS,
@@ -38,7 +40,14 @@ from ddp_rank.eval.protocols import (
     with_largest_list_as_headline,
 )
 
-__all__ = ["evaluate_model", "key_index", "read_eval_batches", "score", "vehicleid_splits"]
+__all__ = [
+    "deployment_settings",
+    "evaluate_model",
+    "key_index",
+    "read_eval_batches",
+    "score",
+    "vehicleid_splits",
+]
 
 
 def key_index(key: str) -> int:
@@ -105,8 +114,10 @@ def evaluate_model(
     autocast_dtype: torch.dtype | None = None,
     num_workers: int | None = None,
     manifest: Manifest | None = None,
+    bootstrap: QueryBootstrap | None = None,
 ) -> dict[str, Any]:
-    """Recall@k / MAP@R of ``model`` on ``split`` (default ``data.test_split``) with ``eval.protocol``.
+    """Recall@k / MAP@R of ``model`` on ``split`` (default ``data.test_split``) with ``eval.protocol``;
+    ``bootstrap``: with their spread over the queries (``ddp_rank.eval.bootstrap``).
 
     Must be called on every rank; returns the same dict on every rank. ``manifest``: the loaded manifest of
     ``data.shards`` (the trainer passes its own, so a periodic evaluation reads no manifest); loaded once here
@@ -121,7 +132,7 @@ def evaluate_model(
             )
     target = split or cfg.data.test_split
     data = embed_split(model, cfg, target, device, autocast_dtype, num_workers, manifest)
-    return score(data, cfg, device=device)
+    return score(data, cfg, device=device, bootstrap=bootstrap)
 
 
 def _vehicleid_list_split(split: str) -> dict[str, str]:
@@ -163,11 +174,25 @@ def _evaluate_vehicleid_splits(
     return with_largest_list_as_headline(out, list(per_size))
 
 
+def deployment_settings(cfg: Config) -> DeploymentSettings:
+    """The verification / identification settings of ``cfg.eval`` (the split seeded with ``train.seed``)."""
+    return DeploymentSettings(
+        fprs=tuple(cfg.eval.fprs),
+        fpirs=tuple(cfg.eval.fpirs),
+        enrolled_fraction=cfg.eval.enrolled_fraction,
+        gallery_per_identity=cfg.eval.gallery_per_identity,
+        max_positive_pairs=cfg.eval.max_positive_pairs,
+        block_bytes=cfg.eval.block_mb << 20,
+        seed=cfg.train.seed,
+    )
+
+
 def score(
     data: EmbeddedSet,
     cfg: Config,
     vehicleid_sizes: list[str] | None = None,
     device: torch.device | str | None = None,
+    bootstrap: QueryBootstrap | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg.eval.protocol`` on gathered embeddings on rank 0 and broadcast the result to every rank.
 
@@ -186,6 +211,9 @@ def score(
                 repeats=cfg.eval.vehicleid_repeats,
                 seed=cfg.train.seed,
                 device=device,
+                metrics=cfg.eval.metrics,
+                deployment=deployment_settings(cfg),
+                bootstrap=bootstrap,
             )
         except Exception as exc:  # report on every rank instead of leaving the others waiting
             result[0] = exc

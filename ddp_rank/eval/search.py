@@ -3,7 +3,8 @@
 ``Searcher`` is the Python API for serving from your own code; ``ddp-rank search`` prints what it returns. The
 model is rebuilt from what the index records: the checkpoint the export was made with and the exact config used
 (image size, crop, backbone) and the precision it embedded in, so a query is embedded exactly like the indexed
-collection.
+collection. A head trained on feature shards gets the backbone their manifest records in front of it
+(``feature_images``): the query image is embedded as the shards' images were, then by the head.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from torch import nn
 from ddp_rank.config import Config, config_from_dict, load_config
 from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.eval.embed import autocast
+from ddp_rank.eval.feature_images import image_config, image_model
 from ddp_rank.eval.sources import open_image, pil_batch
 from ddp_rank.eval.vector_index import SearchIndex
+from ddp_rank.model.feature_head import FeatureHeadNet
 from ddp_rank.runtime.accelerator import precision_dtype
 
 __all__ = ["Hit", "Searcher"]
@@ -77,6 +80,8 @@ class Searcher:
         else:
             cfg = load_run_config(None, checkpoint, [])
         model, _ = build_eval_model(cfg, checkpoint, None)
+        if isinstance(model, FeatureHeadNet):  # queries are images: the shards' recorded backbone first
+            model, cfg = image_model(cfg, model), image_config(cfg)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = precision_dtype(export.get("mixed_precision", "no"))

@@ -18,14 +18,19 @@ from accelerate.utils import gather_object
 
 from ddp_rank.config import Config, ConfigError, config_from_dict, load_config, to_dict
 from ddp_rank.data.transforms import transform_from_config
+from ddp_rank.eval.bootstrap import QueryBootstrap
+from ddp_rank.eval.curves import draw_curves, split_curves
 from ddp_rank.eval.export import embed_batches_to_arrays, write_manifest, write_part
+from ddp_rank.eval.feature_images import image_config, image_model
 from ddp_rank.eval.protocols import VEHICLEID_SIZES
-from ddp_rank.eval.report import format_table, write_json
+from ddp_rank.eval.report import bootstrap_note, deployment_lines, format_table, write_json
 from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
 from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
 from ddp_rank.model import RawPixels, build_model, load_model_weights, read_meta, resolve_checkpoint
+from ddp_rank.model.feature_head import FeatureHeadNet, RawFeatures
 from ddp_rank.runtime import autocast_dtype, make_accelerator, open_shards
 from ddp_rank.runtime.shards import check_split as _check_in_manifest
+from ddp_rank.runtime.shards import model_input_dim
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ __all__ = [
     "build_eval_model",
     "check_split",
     "describe_export",
+    "draw_curve_pictures",
     "evaluate_and_record",
     "export_embeddings",
     "load_run_config",
@@ -96,9 +102,12 @@ def build_eval_model(
     cfg: Config, checkpoint: str | None, baseline: str | None
 ) -> tuple[torch.nn.Module, str]:
     """The model to evaluate and its default name: raw pixels, the untrained network, or a checkpoint's."""
+    dim = model_input_dim(cfg)
+    if baseline == "raw-pixels" and dim is not None:  # on feature shards: the frozen backbone's own vectors
+        return RawFeatures(), "raw features"
     if baseline == "raw-pixels":
         return RawPixels(min(cfg.data.image_size, RAW_PIXEL_SIZE)), "raw pixels"
-    model = build_model(cfg.model, cfg.data.image_size)
+    model = build_model(cfg.model, cfg.data.image_size, dim)
     if baseline == "untrained" or checkpoint is None:
         return model, f"{cfg.model.backbone} before training"
     path = load_model_weights(model, resolve_checkpoint(checkpoint))
@@ -112,8 +121,8 @@ def results_table(results: dict[str, dict[str, Any]]) -> str:
 
 @dataclass(frozen=True)
 class Evaluation:
-    """One evaluation as ``ddp-rank eval`` reports it: the metrics, the row name, what was evaluated, and the
-    results JSON it was added to (``written``: by this process, rank 0)."""
+    """One evaluation as ``ddp-rank eval`` reports it: the metrics, the row name, what was evaluated, the
+    results JSON it was added to (``written``: by this process, rank 0) and the curve pictures drawn beside it."""
 
     metrics: dict[str, Any]
     label: str
@@ -121,12 +130,22 @@ class Evaluation:
     split: str
     path: Path
     written: bool
+    pictures: tuple[Path, ...] = ()
 
     def table(self) -> str:
         queries = int(self.metrics.get("num_queries", 0))
-        return f"{self.protocol} protocol, split '{self.split}' ({queries} queries)\n" + format_table(
-            {self.label: self.metrics}
-        )
+        counted = f" ({queries} queries)" if "num_queries" in self.metrics else ""
+        lines = [
+            f"{self.protocol} protocol, split '{self.split}'{counted}",
+            format_table({self.label: self.metrics}),
+        ]
+        note = bootstrap_note(self.metrics)
+        if note:
+            lines.append(note)
+        lines += [f"{name}: {line}" for name, line in deployment_lines(self.metrics).items()]
+        if self.pictures:
+            lines.append("curves: " + ", ".join(str(p) for p in self.pictures))
+        return "\n".join(lines)
 
 
 def evaluate_and_record(
@@ -136,9 +155,15 @@ def evaluate_and_record(
     split: str | None = None,
     name: str | None = None,
     output: str | None = None,
+    bootstrap: QueryBootstrap | None = None,
 ) -> Evaluation:
     """Evaluate on every rank; rank 0 adds the result to the JSON (``output``, default OUTPUT_DIR/eval.json).
-    Tears down the process group."""
+    ``bootstrap``: each metric's spread over the queries too. Tears down the process group."""
+    if bootstrap is not None and cfg.eval.protocol == "vehicleid":
+        raise ConfigError(
+            "--bootstrap resamples the queries of the sop and inshop protocols; VehicleID's figures average "
+            "random galleries (eval.vehicleid_repeats): leave out --bootstrap"
+        )
     check_split(cfg, None)
     split, described = _splits_to_evaluate(cfg, split)
     if checkpoint is not None and baseline is not None:
@@ -147,11 +172,19 @@ def evaluate_and_record(
     try:
         model, default_name = build_eval_model(cfg, checkpoint, baseline)
         model.to(accelerator.device)
-        metrics = evaluate_model(
-            model, cfg, split, device=accelerator.device, autocast_dtype=autocast_dtype(accelerator)
+        metrics, curves = split_curves(
+            evaluate_model(
+                model,
+                cfg,
+                split,
+                device=accelerator.device,
+                autocast_dtype=autocast_dtype(accelerator),
+                bootstrap=bootstrap,
+            )
         )
         label = name or default_name
         out_path = Path(output) if output else Path(cfg.train.output_dir) / "eval.json"
+        pictures: list[Path] = []
         if accelerator.is_main_process:
             results: dict[str, Any] = json.loads(out_path.read_text()) if out_path.is_file() else {}
             results[label] = {
@@ -160,13 +193,30 @@ def evaluate_and_record(
                 "split": described,
                 "shards": cfg.data.shards,
                 "checkpoint": checkpoint,
+                **({"curves": curves} if curves else {}),
             }
             write_json(results, out_path)
-        return Evaluation(metrics, label, cfg.eval.protocol, described, out_path, accelerator.is_main_process)
+            pictures = draw_curve_pictures(results, out_path)
+        return Evaluation(
+            metrics,
+            label,
+            cfg.eval.protocol,
+            described,
+            out_path,
+            accelerator.is_main_process,
+            tuple(pictures),
+        )
     finally:
         accelerator.end_training()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def draw_curve_pictures(results: dict[str, dict[str, Any]], path: Path) -> list[Path]:
+    """``<stem>-roc.png``, ``-det``, ``-pr``, ``-cmc`` beside the results JSON ``path``: one line per entry of
+    the JSON that has curves (raw pixels, before and after training on one figure)."""
+    curves = {name: entry["curves"] for name, entry in results.items() if entry.get("curves")}
+    return draw_curves(curves, path.parent, prefix=f"{path.stem}-") if curves else []
 
 
 def export_embeddings(
@@ -206,8 +256,12 @@ def export_embeddings(
         rank, world = accelerator.process_index, accelerator.num_processes
         skipped: list[str] | None = [] if on_bad == "skip" else None
         model, _ = build_eval_model(cfg, ckpt, None)
+        data_cfg = cfg.data
+        if source["kind"] != "split" and isinstance(model, FeatureHeadNet):
+            # Images into a head trained on feature shards: the backbone the shards record goes first.
+            model, data_cfg = image_model(cfg, model), image_config(cfg).data
         model.to(accelerator.device)
-        transform, bs = transform_from_config(cfg.data), cfg.eval.batch_size
+        transform, bs = transform_from_config(data_cfg), cfg.eval.batch_size
         if source["kind"] == "split":
             batches = split_batches(
                 cfg.data.shards, source["split"], transform, bs, rank, world, cfg.data.num_workers

@@ -12,6 +12,7 @@ import io
 import json
 from typing import Any
 
+from ddp_rank.experiments.replicates import Replicates, is_replicated
 from ddp_rank.experiments.runs import RunSummary, metric_keys
 
 __all__ = ["Comparison", "compare_runs"]
@@ -36,6 +37,10 @@ class Comparison:
         self.metric = metric
         self.keys = differing_keys(runs)
         self.metrics = metric_keys(runs)
+        # Runs that differ in their seeds are replicates: pooled into points with a mean and a spread.
+        self.replicates = (
+            Replicates(runs, self.keys, metric, self.metrics) if is_replicated(self.keys) else None
+        )
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per run: plain values (fractions for metrics, seconds, images/s), None where unknown."""
@@ -79,7 +84,8 @@ class Comparison:
             "Metrics in percent; steps done of those asked for; wall time over every start of a run (so far for "
             "one still running here; - where unknown: a run that died, or runs on another host)."
         )
-        return "\n".join([*lines, "", legend, *(["", *notes] if notes else [])]) + "\n"
+        text = "\n".join([*lines, "", legend, *(["", *notes] if notes else [])]) + "\n"
+        return text + ("\n" + self.replicates.markdown() if self.replicates else "")
 
     def csv(self) -> str:
         rows = self.rows()
@@ -89,10 +95,17 @@ class Comparison:
         writer.writerows(rows)
         return out.getvalue()
 
+    def points_csv(self) -> str:
+        """The replicates' points as CSV (one row per point: mean, std, min, max, count per metric); the runs'
+        CSV when no run differs in its seeds."""
+        return self.replicates.csv() if self.replicates else self.csv()
+
     def json(self) -> str:
-        return json.dumps(
-            {"differing_keys": self.keys, "metrics": self.metrics, "runs": self.rows()}, indent=1
-        )
+        out: dict[str, Any] = {"differing_keys": self.keys, "metrics": self.metrics, "runs": self.rows()}
+        if self.replicates:
+            out["points"] = self.replicates.rows()
+            out["differences"] = self.replicates.difference_rows()
+        return json.dumps(out, indent=1)
 
 
 def compare_runs(runs: list[RunSummary], metric: str = "recall@1") -> Comparison:

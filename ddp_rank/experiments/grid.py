@@ -11,6 +11,12 @@ batch B trains ``round(S0 * B0 / B)`` steps (at least 1), where S0 and B0 are ``
 ``eval_every``, ``checkpoint_every``, ``warmup_steps``, and each of ``step_milestones``) shrink or grow the same
 way, so each run logs, evaluates and decays its learning rate at the same numbers of images. With
 ``train.steps=0`` (epochs) the images are equal already.
+
+Replicates: ``--replicates K`` adds the axis ``train.seed=S,S+1,...,S+K-1`` (S: the config's ``train.seed``), and
+an axis over ``train.seed`` or ``data.seed`` given by hand is a replicate axis too. A replicate axis stands last
+in the folder names (``loss.name=pnp,train.seed=1``) and varies slowest in the order the points run, so a sweep
+cut short has the whole grid at the first seed before any point has its second; ``compare`` pools the runs that
+differ only in these keys into one point with a mean and a spread.
 """
 
 from __future__ import annotations
@@ -21,12 +27,15 @@ from dataclasses import dataclass
 
 from ddp_rank.config import Config, ConfigError, load_config, to_dict
 
-__all__ = ["EQUAL_CHOICES", "SweepPoint", "expand_grid", "split_axes"]
+__all__ = ["EQUAL_CHOICES", "REPLICATE_KEYS", "SweepPoint", "expand_grid", "split_axes"]
 
 EQUAL_CHOICES = ("steps", "images")
 BATCH_KEY = "data.global_batch_size"
 SCALED_INTERVALS = ("train.log_every", "train.eval_every", "train.checkpoint_every", "optim.warmup_steps")
 MILESTONES_KEY = "optim.step_milestones"
+REPLICATE_KEYS = ("train.seed", "data.seed")
+"""Keys whose values make replicates of one point rather than points of their own (``ddp_rank.experiments.compare``
+pools them)."""
 
 
 @dataclass(frozen=True)
@@ -81,23 +90,37 @@ def split_axes(items: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]
 
 
 def expand_grid(
-    config_path: str | os.PathLike[str] | None, items: list[str], equal: str = "steps"
+    config_path: str | os.PathLike[str] | None,
+    items: list[str],
+    equal: str = "steps",
+    replicates: int = 0,
 ) -> tuple[Config, list[SweepPoint]]:
-    """(the config without the axes, every point of the grid with its loaded config); raises ConfigError."""
+    """(the config without the axes, every point of the grid with its loaded config); raises ConfigError.
+
+    ``replicates`` > 0 adds the axis ``train.seed`` with that many seeds from the config's (module docstring)."""
     if equal not in EQUAL_CHOICES:
         raise ConfigError(f"--equal {equal!r} is not one of {', '.join(EQUAL_CHOICES)}")
+    if replicates < 0:
+        raise ConfigError(f"--replicates {replicates}: give a number of seeds per point, 1 or more")
     fixed, axes = split_axes(items)
     base = load_config(config_path, fixed)
+    if replicates > 0:
+        axes = _with_replicates(axes, replicates, base.train.seed)
     if not axes:
         raise ConfigError(
             "nothing to sweep: give at least one key with several values, e.g. loss.name=fastap,pnp"
         )
+    # Replicate axes last in the names, first (slowest) in the running order.
+    axes = [a for a in axes if a[0] not in REPLICATE_KEYS] + [a for a in axes if a[0] in REPLICATE_KEYS]
+    settings = sum(key not in REPLICATE_KEYS for key, _ in axes)
+    run_order = axes[settings:] + axes[:settings]
     if equal == "images" and BATCH_KEY not in dict(axes):
         raise ConfigError(f"--equal images holds images seen equal across batch sizes: sweep {BATCH_KEY}")
     _refuse_shared_folders(axes)
     points = []
-    for combination in itertools.product(*(values for _, values in axes)):
-        swept = tuple((key, value) for (key, _), value in zip(axes, combination, strict=True))
+    for combination in itertools.product(*(values for _, values in run_order)):
+        chosen = {key: value for (key, _), value in zip(run_order, combination, strict=True)}
+        swept = tuple((key, chosen[key]) for key, _ in axes)
         derived = _equal_images(base, dict(swept), {k for k, _ in axes}) if equal == "images" else ()
         overrides = [f"{key}={value}" for key, value in swept] + list(derived)
         try:
@@ -107,6 +130,19 @@ def expand_grid(
             raise ConfigError(f"sweep point {point}: {exc}") from None
         points.append(SweepPoint(swept, derived, config))
     return base, points
+
+
+def _with_replicates(
+    axes: list[tuple[str, list[str]]], replicates: int, first_seed: int
+) -> list[tuple[str, list[str]]]:
+    """``axes`` plus ``train.seed`` over ``replicates`` seeds from ``first_seed``; refused beside a seed axis."""
+    if any(key == "train.seed" for key, _ in axes):
+        raise ConfigError(
+            "--replicates and a train.seed axis both set the seeds: give --replicates K, or train.seed=0,1,2"
+        )
+    if replicates == 1:
+        return axes
+    return [*axes, ("train.seed", [str(first_seed + i) for i in range(replicates)])]
 
 
 def _refuse_shared_folders(axes: list[tuple[str, list[str]]]) -> None:

@@ -1,6 +1,7 @@
 """``compare.png``: the finished runs' metric against the one setting they differ in (a batch-size sweep: R@1
 against the global batch, best and last), or, when they differ in more than one (or in a setting that is not a
-number), against images seen, one curve per run. Needs matplotlib (``pip install ddp_rank[eval]``)."""
+number), against images seen, one curve per run; runs that differ in their seeds, each point's mean with an
+error bar (``ddp_rank.experiments.plot_points``). Needs matplotlib (``pip install ddp_rank[eval]``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 from pathlib import Path
 
 from ddp_rank.experiments.compare import differing_keys
+from ddp_rank.experiments.plot_points import draw_points
+from ddp_rank.experiments.replicates import Replicates, is_replicated
 from ddp_rank.experiments.runs import RunSummary
 
 __all__ = ["plot_comparison"]
@@ -32,6 +35,9 @@ def plot_comparison(
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ImportError("compare.png needs matplotlib: pip install 'ddp_rank[eval]'") from exc
+    everyone = differing_keys(runs)
+    if is_replicated(everyone):  # runs that differ in their seeds: each point's mean and spread
+        return draw_points(Replicates(runs, everyone, metric, [metric]), Path(path), x_key, plt)
     keys = differing_keys(finished)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     swept = x_key or (keys[0] if len(keys) == 1 else None)

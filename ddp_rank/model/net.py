@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddp_rank.config import BACKBONES, TIMM_PREFIX, ModelConfig
+from ddp_rank.config import BACKBONES, FEATURES_BACKBONE, TIMM_PREFIX, ModelConfig
 from ddp_rank.data.transforms import uint8_to_unit
 from ddp_rank.model.backbones import build_timm_backbone, replace_pooling
 
@@ -298,10 +298,25 @@ def _efficientnet_lite0(weights: str, image_size: int) -> nn.Module:
     return _EfficientNetLiteFeatures(net)
 
 
-def build_model(cfg: ModelConfig, image_size: int = 224) -> EmbeddingNet:
+def build_model(cfg: ModelConfig, image_size: int = 224, feature_dim: int | None = None) -> EmbeddingNet:
     """Build the embedding network described by ``cfg`` (``image_size`` matters to EfficientNet-Lite and to
-    vision transformers, whose position embeddings are sized for it)."""
+    vision transformers, whose position embeddings are sized for it). ``feature_dim``: the vectors' length of
+    feature shards, which ``model.backbone=features`` (a head only) needs."""
     name, weights = cfg.backbone, cfg.weights
+    if name == FEATURES_BACKBONE:
+        from ddp_rank.model.feature_head import FeatureHeadNet  # it builds on EmbeddingNet, defined here
+
+        if feature_dim is None:
+            raise ModelError(
+                f"model.backbone={FEATURES_BACKBONE} needs feature shards (their manifest records the vectors' "
+                "length): point data.shards at a directory made by `ddp-rank shards features`"
+            )
+        if weights not in ("none", "default"):
+            raise ModelError(
+                f"model.weights='{weights}' with model.backbone={FEATURES_BACKBONE}: there is no backbone to load "
+                "into; set model.weights=none (start a head from a run with model.init_from)"
+            )
+        return FeatureHeadNet(feature_dim, cfg.embedding_dim, cfg.head_hidden, cfg.normalize)
     mean, std = IMAGENET_MEAN, IMAGENET_STD
     if name.startswith(TIMM_PREFIX):
         try:

@@ -6,7 +6,7 @@ from ddp_rank.config import Config
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.schedule import ScheduleConfig
 
-__all__ = ["resolve_sampler", "schedule_config"]
+__all__ = ["data_seed", "resolve_sampler", "schedule_config"]
 
 
 def resolve_sampler(cfg: Config, manifest: Manifest) -> tuple[str, str]:
@@ -32,7 +32,7 @@ def resolve_sampler(cfg: Config, manifest: Manifest) -> tuple[str, str]:
 
 
 def schedule_config(cfg: Config, manifest: Manifest) -> ScheduleConfig:
-    """The sampler settings of ``cfg.data`` on ``manifest`` (``auto`` resolved; seeded by ``train.seed``)."""
+    """The sampler settings of ``cfg.data`` on ``manifest`` (``auto`` resolved; seeded by :func:`data_seed`)."""
     data = cfg.data
     return ScheduleConfig(
         strategy=resolve_sampler(cfg, manifest)[0],  # type: ignore[arg-type]
@@ -41,5 +41,11 @@ def schedule_config(cfg: Config, manifest: Manifest) -> ScheduleConfig:
         steps_per_epoch=data.steps_per_epoch or None,
         images_per_class=data.images_per_class,
         category_aware=data.category_aware,
-        seed=cfg.train.seed,
+        seed=data_seed(cfg),
     )
+
+
+def data_seed(cfg: Config) -> int:
+    """The seed of the data schedule, the dealing to ranks and the augmentations: ``data.seed``, or ``train.seed``
+    when it is -1 (so one seed varies everything, and ``data.seed`` varies the data alone)."""
+    return cfg.data.seed if cfg.data.seed >= 0 else cfg.train.seed

@@ -44,6 +44,7 @@ from torch import nn
 
 from ddp_rank.config import Config
 from ddp_rank.model import freeze_batchnorm
+from ddp_rank.model.feature_head import example_input
 from ddp_rank.train.host_memory import available_memory
 
 __all__ = ["ChunkChoice", "auto_chunk", "choose_chunk", "measure_activation_bytes", "memory_budget"]
@@ -155,7 +156,7 @@ def measure_activation_bytes(
     sizes: list[int] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for n in (PROBE_SIZES[0], *PROBE_SIZES):  # the first step only warms up: not measured
-            images = torch.randint(0, 256, (n, 3, image_size, image_size), dtype=torch.uint8, device=device)
+            images = example_input(probe, n, image_size, device)
             sizes.append(_step_bytes(probe, images, autocast_dtype))
     small, large = sizes[1:]
     grown = (large - small) // (PROBE_SIZES[1] - PROBE_SIZES[0])

@@ -21,6 +21,7 @@ from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
 from ddp_rank.model import build_model
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
+from ddp_rank.runtime.shards import check_model_input, model_input_dim
 from ddp_rank.train.chunk_choice import auto_chunk, measure_activation_bytes
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.pml_loss import GENERIC_MATRICES, PML_PREFIX, generic_work_space
@@ -58,6 +59,10 @@ def describe_plan(
         catalog = Catalog.from_manifest(manifest, data.train_split)
     except (OSError, ValueError, KeyError) as exc:
         return facts, [*problems, f"data.shards: {exc}"]
+    try:
+        check_model_input(manifest, cfg)
+    except ConfigError as exc:
+        return facts, [*problems, str(exc)]
     images = sum(catalog.class_sizes.values())
     facts.append(("usable classes / images", f"{len(catalog.class_sizes):,} / {images:,}"))
     if catalog.singletons:
@@ -93,7 +98,9 @@ def describe_plan(
     step = _step_line(layout)
     if cfg.distributed.fixed_chunk is None:
         try:
-            chosen, why = _auto_chunk(cfg, layout, where, work_bytes, world_size, precision_dtype(precision))
+            chosen, why = _auto_chunk(
+                cfg, layout, where, work_bytes, world_size, precision_dtype(precision), manifest
+            )
             step = (
                 _step_line(chosen)
                 if chosen
@@ -140,13 +147,18 @@ def _auto_chunk(
     work_bytes: int,
     world_size: int,
     dtype: torch.dtype | None,
+    manifest: Manifest,
 ) -> tuple[BatchLayout | None, str]:
     """``distributed.chunk_size=auto`` as the trainer will decide it: (the layout with the chosen chunk, why), from
     the same probe of the network (built without its pretrained weights: activations do not depend on them) under
     the run's autocast ``dtype``. On a GPU the budget is that GPU's free memory at start-up, so planning for one
     from a machine without it gives the per-image figure only, and no layout. Raises ValueError when not even one
     image fits."""
-    model = build_model(dataclasses.replace(cfg.model, weights="none", init_from=""), cfg.data.image_size)
+    model = build_model(
+        dataclasses.replace(cfg.model, weights="none", init_from=""),
+        cfg.data.image_size,
+        model_input_dim(cfg, manifest),
+    )
     if where.type == "cuda" and not torch.cuda.is_available():
         per_image, how = measure_activation_bytes(model, cfg.data.image_size, torch.device("cpu"), dtype)
         return None, (

@@ -20,6 +20,7 @@ from ddp_rank.model.checkpoints import (
     resolve_checkpoint,
     verify_checkpoint,
 )
+from ddp_rank.runtime.data_setup import data_seed
 from ddp_rank.train.checkpoint import check_world_size
 from ddp_rank.train.optim import lr_factor
 from ddp_rank.train.resume_check import describe_changes, resume_changes, tensor_changes
@@ -52,7 +53,7 @@ def schedule_signature(trainer: Trainer) -> dict[str, Any]:
     """What decides which samples each step draws, besides the layout the stream itself records."""
     data = trainer.cfg.data
     return {
-        "seed": trainer.cfg.train.seed,
+        "seed": data_seed(trainer.cfg),
         "sampler": trainer.stream.schedule_config.strategy,  # data.sampler=auto resolved
         "categories_per_batch": data.categories_per_batch,
         "batches_per_pair": data.batches_per_pair,

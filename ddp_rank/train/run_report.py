@@ -7,6 +7,7 @@ Rank 0 writes; the other ranks keep the notes (so the summary can list them) and
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import sys
 import time
@@ -19,14 +20,29 @@ import torch
 from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.config import Config, save_config, to_dict
 from ddp_rank.data.batch import DataEvents
-from ddp_rank.eval.report import format_table
+from ddp_rank.eval.curves import draw_curves, split_curves
+from ddp_rank.eval.report import deployment_lines, format_table
 from ddp_rank.train.console import StepLine, peak_memory
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.run_outputs import MetricsLogger, read_metrics, write_plots, write_summary
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RunReport", "StepResult"]
+__all__ = ["CURVES_FILE", "RunReport", "StepResult", "read_curves"]
+
+CURVES_FILE = "curves.json"
+"""The verification / identification curves of each evaluation, ``{"step <s>": curves}`` in the order of the
+steps (``ddp-rank compare --curve`` draws the last)."""
+
+
+def read_curves(run_dir: Path) -> dict[str, Any]:
+    """The curves a run saved, by step (empty without a readable ``curves.json``)."""
+    try:
+        saved = json.loads((run_dir / CURVES_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
 
 DATA_EVENTS = tuple(f.name for f in dataclasses.fields(DataEvents))
 """The data events every ``train`` record carries (as ``data_<event>``): counts since this start, all ranks."""
@@ -157,9 +173,15 @@ class RunReport:
             log.info(str(line))
 
     def evaluation(self, step: int, metrics: dict[str, Any]) -> None:
-        """Log an evaluation and print its table (rank 0)."""
+        """Log an evaluation and print its table (rank 0); its curves (verification, identification) go to
+        ``curves.json``, the last evaluation's, drawn at the end of the run."""
+        metrics, curves = split_curves(metrics)
         if self.logger is not None:
             self.logger.log("eval", step, metrics)
+        if self.is_main and curves:
+            saved = read_curves(self.out_dir)
+            saved[f"step {step}"] = curves
+            atomic_write_text(self.out_dir / CURVES_FILE, json.dumps(saved) + "\n")
         if self.is_main:
             shown = {k: v for k, v in metrics.items() if not k.rsplit("/", 1)[-1].startswith("num_")}
             log.info(
@@ -182,6 +204,7 @@ class RunReport:
             return
         records = read_metrics(self.out_dir / "metrics.jsonl")
         plots = write_plots(records, self.out_dir) if self.cfg.train.plots else []
+        plots += self._curve_plots()
         evals = [r for r in records if r.get("kind") == "eval"]
         tables = {}
         if evals:
@@ -206,6 +229,8 @@ class RunReport:
         )
         if data["categories_left_out"]:
             facts["categories left out"] = "; ".join(data["categories_left_out"])
+        if evals:
+            facts.update(deployment_lines(evals[-1]))
         for i, note in enumerate(self.notes, start=1):
             facts[f"note {i}"] = note.replace("\n", " ")
         if summary["best_step"] is not None:
@@ -221,6 +246,14 @@ class RunReport:
             tables=tables,
             plots=plots,
         )
+
+    def _curve_plots(self) -> list[Path]:
+        """roc.png, det.png, pr.png, cmc.png of the first and the last evaluation (``train.plots``)."""
+        saved = read_curves(self.out_dir)
+        if not self.cfg.train.plots or not saved:
+            return []
+        names = list(saved)
+        return draw_curves({name: saved[name] for name in dict.fromkeys([names[0], names[-1]])}, self.out_dir)
 
     def close(self) -> None:
         """Flush and close the metrics log (safe to call twice)."""

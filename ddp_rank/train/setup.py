@@ -16,11 +16,12 @@ from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.data.stream import ShardStream
 from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.eval.protocols import metric_names
-from ddp_rank.eval.runner import vehicleid_splits
+from ddp_rank.eval.runner import deployment_settings, vehicleid_splits
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
 from ddp_rank.runtime import TrainError, open_shards
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
+from ddp_rank.runtime.shards import model_input_dim
 from ddp_rank.train.batchnorm import convert_to_cross_rank
 from ddp_rank.train.bn_mode import BatchNormMode
 from ddp_rank.train.ghost_batchnorm import convert_to_ghost
@@ -96,7 +97,12 @@ def check_evaluation(cfg: Config, manifest: Manifest) -> None:
     if cfg.eval.protocol == "vehicleid":
         sizes = list(vehicleid_splits(cfg, manifest)) or sizes
     names = metric_names(
-        cfg.eval.protocol, cfg.eval.ks or None, map_at_r=cfg.eval.map_at_r, vehicleid_sizes=sizes
+        cfg.eval.protocol,
+        cfg.eval.ks or None,
+        map_at_r=cfg.eval.map_at_r,
+        vehicleid_sizes=sizes,
+        metrics=cfg.eval.metrics,
+        deployment=deployment_settings(cfg),
     )
     if cfg.train.best_metric not in names:
         valid = [n for n in names if not n.rsplit("/", 1)[-1].startswith("num_")]
@@ -152,13 +158,18 @@ def build_stream(cfg: Config, manifest: Manifest, rank: int, world_size: int) ->
 
 
 def build_network(
-    cfg: Config, device: torch.device, batchnorm: BatchNormMode, deepspeed: bool = False
+    cfg: Config,
+    device: torch.device,
+    batchnorm: BatchNormMode,
+    deepspeed: bool = False,
+    manifest: Manifest | None = None,
 ) -> tuple[EmbeddingNet, list[str]]:
     """The embedding network on this device's layout, with what the user must hear about it (``init_from``'s
     report). Channels-last where :func:`wants_channels_last` says; BatchNorm as ``batchnorm`` (the layout's mode)
-    says: across ranks with ``model.sync_bn``, over groups of local images with ``model.bn_group_size``."""
+    says: across ranks with ``model.sync_bn``, over groups of local images with ``model.bn_group_size``.
+    ``manifest``: the run's shards (loaded once), whose vectors' length a feature head takes."""
     notes: list[str] = []
-    model = build_model(cfg.model, cfg.data.image_size)
+    model = build_model(cfg.model, cfg.data.image_size, model_input_dim(cfg, manifest))
     if cfg.model.init_from:
         notes.append(init_from(model, cfg.model.init_from).summary())
     if wants_channels_last(model, device, deepspeed):

@@ -117,7 +117,9 @@ class Trainer:
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
-        model, notes = build_network(cfg, self.device, self.layout.batchnorm, deepspeed=uses_deepspeed(acc))
+        model, notes = build_network(
+            cfg, self.device, self.layout.batchnorm, deepspeed=uses_deepspeed(acc), manifest=self.manifest
+        )
         # After the network: a proxy loss's random proxies leave the model's initial weights as with any loss.
         training_loss = build_training_loss(cfg, self.manifest)
         self.loss_parameters = self._loss_parameters(training_loss)
@@ -326,6 +328,12 @@ class Trainer:
             raise ConfigError(
                 f"train.best_metric='{name}' is not among the evaluation metrics {sorted(metrics)}"
             )
+        if metrics[name] is None:  # e.g. a TPR@FPR the test split has too few negative pairs to measure
+            if self.is_main:
+                log.warning(
+                    f"train.best_metric='{name}' is not measurable on this test split: no best checkpoint"
+                )
+            return
         value = float(metrics[name])
         if self.progress.best_value is None or value > self.progress.best_value:
             self.progress.best_value, self.progress.best_step = value, self.step

@@ -25,5 +25,8 @@ def test_demo_driver_on_tiny_shards(tmp_path: Path) -> None:
     for row in ("raw pixels", "network before training", "network after training (3 steps)"):
         assert f"| {row}" in text
     assert "Recall@1 gain from training" in text and "R@10" in text
+    # configs/demo.yaml adds the verification figures beside Recall@k, and their ROC curve.
+    assert "TPR@1e-2" in text and "AUC" in text and "after training: TPR@FPR=1e-2" in text
+    assert "![ROC](roc.png)" in text and (out / "roc.png").stat().st_size > 1000
     for name in ("summary.md", "loss.png", "recall.png", "metrics.jsonl"):
         assert (out / "train" / name).is_file(), name

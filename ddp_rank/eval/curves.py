@@ -1,0 +1,154 @@
+"""The verification and identification curves as pictures, one line per model or run, operating points marked.
+
+An evaluation's metrics carry its curves under the key :data:`CURVES_KEY` (``roc`` and ``pr`` from verification,
+``cmc`` from identification: lists of exact points, see ``ddp_rank.eval.verification``); :func:`split_curves`
+takes them out before the numbers are logged, and :func:`draw_curves` draws them:
+
+- ``roc.png``: TPR against FPR, FPR on a log axis (the low-FPR end is where deployments operate), each TPR@FPR
+  operating point marked;
+- ``det.png``: FNR against FPR, both on log axes, the equal error rate marked;
+- ``cmc.png``: identification rate against rank (closed set), the gallery size in the legend;
+- ``pr.png``: precision against recall over the pairs.
+
+Needs matplotlib (the ``eval`` extra); without it nothing is drawn.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CURVES_KEY", "CURVE_KINDS", "draw_curve", "draw_curves", "split_curves"]
+
+CURVES_KEY = "curves"
+CURVE_KINDS = ("roc", "det", "cmc", "pr")
+SOURCE = {"roc": "roc", "det": "roc", "cmc": "cmc", "pr": "pr"}
+"""Which stored curve each picture is drawn from (the DET curve is the ROC curve's points)."""
+
+
+def split_curves(metrics: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the metrics without their curves, the curves: empty when the evaluation drew none)."""
+    numbers = {k: v for k, v in metrics.items() if k != CURVES_KEY}
+    return numbers, dict(metrics.get(CURVES_KEY) or {})
+
+
+def draw_curve(
+    kind: str, curves_by_name: Mapping[str, Mapping[str, Any]], path: str | os.PathLike[str]
+) -> Path | None:
+    """Draw the ``kind`` curve (one of :data:`CURVE_KINDS`) of every entry that has it into ``path``; None when
+    no entry has it. Raises ImportError with the install command when matplotlib is missing."""
+    if kind not in CURVE_KINDS:
+        raise ValueError(f"unknown curve {kind!r}; valid: {', '.join(CURVE_KINDS)}")
+    entries = {name: c[SOURCE[kind]] for name, c in curves_by_name.items() if c.get(SOURCE[kind])}
+    if not entries:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(f"{kind}.png needs matplotlib: pip install 'ddp_rank[eval]'") from exc
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for index, (name, curve) in enumerate(entries.items()):
+        _DRAW[kind](ax, name, curve, index)
+    _AXES[kind](ax)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def draw_curves(
+    curves_by_name: Mapping[str, Mapping[str, Any]], out_dir: str | os.PathLike[str], prefix: str = ""
+) -> list[Path]:
+    """Every picture the curves allow, as ``<out_dir>/<prefix><kind>.png``; [] without matplotlib."""
+    written: list[Path] = []
+    for kind in CURVE_KINDS:
+        try:
+            path = draw_curve(kind, curves_by_name, Path(out_dir) / f"{prefix}{kind}.png")
+        except ImportError:
+            return written
+        if path is not None:
+            written.append(path)
+    return written
+
+
+def _roc(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
+    pts = [(x, y) for x, y in zip(curve["fpr"], curve["tpr"], strict=True) if x > 0]
+    (line,) = ax.plot(*zip(*pts, strict=True), label=name) if pts else ax.plot([], [], label=name)
+    for key, (fpr, tpr) in curve.get("operating_points", {}).items():
+        ax.plot([fpr], [tpr], "o", color=line.get_color(), ms=5)
+        # The n-th curve's labels one line below the (n-1)-th's: close curves stay readable.
+        ax.annotate(
+            f"{key.upper()}: {100 * tpr:.1f}%",
+            (fpr, tpr),
+            fontsize=6,
+            color=line.get_color(),
+            xytext=(4, -10 - 8 * index),
+            textcoords="offset points",
+        )
+
+
+def _det(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
+    pts = [(x, 1 - y) for x, y in zip(curve["fpr"], curve["tpr"], strict=True) if x > 0 and y < 1]
+    (line,) = ax.plot(*zip(*pts, strict=True), label=name) if pts else ax.plot([], [], label=name)
+    eer = curve.get("eer")
+    if eer:
+        ax.plot([eer], [eer], "D", color=line.get_color(), ms=5)
+        ax.annotate(
+            f"EER {100 * eer:.2f}%",
+            (eer, eer),
+            fontsize=6,
+            color=line.get_color(),
+            xytext=(5, 4 + 8 * index),
+            textcoords="offset points",
+        )
+
+
+def _cmc(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
+    label = f"{name} (gallery {curve['gallery_size']:,} images, {curve['gallery_identities']:,} identities)"
+    (line,) = ax.plot(curve["rank"], [100 * r for r in curve["rate"]], label=label)
+    ax.plot([1], [100 * curve["rate"][0]], "o", color=line.get_color(), ms=5)
+
+
+def _pr(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
+    ax.plot(curve["recall"], curve["precision"], label=name)
+
+
+def _roc_axes(ax: Any) -> None:
+    ax.set_xscale("log")
+    ax.set_xlabel("false positive rate (negative pairs accepted)")
+    ax.set_ylabel("true positive rate (positive pairs accepted)")
+    ax.set_title("verification ROC")
+
+
+def _det_axes(ax: Any) -> None:
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("false positive rate")
+    ax.set_ylabel("false negative rate")
+    ax.set_title("verification DET")
+
+
+def _cmc_axes(ax: Any) -> None:
+    ax.set_xscale("log")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("identification rate (%)")
+    ax.set_title("closed-set identification (CMC)")
+
+
+def _pr_axes(ax: Any) -> None:
+    ax.set_xlabel("recall (positive pairs)")
+    ax.set_ylabel("precision")
+    ax.set_title("verification precision-recall")
+
+
+_DRAW = {"roc": _roc, "det": _det, "cmc": _cmc, "pr": _pr}
+_AXES = {"roc": _roc_axes, "det": _det_axes, "cmc": _cmc_axes, "pr": _pr_axes}

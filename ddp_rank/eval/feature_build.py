@@ -1,0 +1,292 @@
+"""``ddp-rank shards features``: embed every image of a shard set once with a frozen backbone, into feature shards.
+
+The output mirrors the source: the same splits, shard paths, classes (in the same order, so the same byte-range
+layout and plan) and categories; each sample's image becomes ``<key>.f16``, the backbone's output as float16
+(``ddp_rank.data.features``). The backbone is the config's (``model.backbone``, ``model.weights``,
+``model.pooling``), in eval mode, with the evaluation transform of ``data.*``, in the launcher's precision; the
+manifest records all of that under ``build.features`` with the digest of the weights, so that an image searched
+later is embedded the same way.
+
+Work sharing and resume: the shards still to write are dealt round-robin to the ranks of the launch; each
+shard is written whole under a temporary name and renamed (``tar_writer``), then a small record of it (its
+manifest entry) is written beside, in ``DST/.features-build/``. A build killed at any point starts again where
+it stopped: shards with a record are kept, any other is written again. The manifest comes last, written by rank
+0 once every rank is done; the records are removed then. A second build with another backbone or source into a
+directory holding an unfinished one is refused (``--overwrite`` starts it afresh).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ddp_rank.atomic_io import atomic_write_text
+from ddp_rank.config import FEATURES_BACKBONE, Config, ConfigError
+from ddp_rank.data.features import BUILD_KEY, FeatureRecord, encode_vector, feature_record
+from ddp_rank.data.manifest import MANIFEST_NAME, ClassSpan, Manifest, ShardInfo, SplitInfo, is_url
+from ddp_rank.data.reader import ClassReader, ClassReadError
+from ddp_rank.data.tar_scan import SpanSample
+from ddp_rank.data.tar_writer import shard_writer
+from ddp_rank.data.transforms import collate_images, decode_image, test_transform, transform_from_config
+from ddp_rank.eval.embed import autocast
+from ddp_rank.model import EmbeddingNet, build_model
+from ddp_rank.model.feature_head import build_seeded, image_features, weights_digest
+from ddp_rank.runtime import autocast_dtype
+
+__all__ = ["FeatureBuildError", "FeatureBuildOptions", "build_feature_shards", "feature_record_for"]
+
+PROGRESS_DIR = ".features-build"
+"""Inside DST while a build runs: ``build.json`` (what is being built) and one record per finished shard."""
+
+
+class FeatureBuildError(ValueError):
+    """The feature build cannot run or go on; the message names the file or setting and the fix."""
+
+
+@dataclass(frozen=True)
+class FeatureBuildOptions:
+    batch_size: int = 256
+    """Images per forward pass of the backbone."""
+    overwrite: bool = False
+    """Start afresh in a DST that holds feature shards or an unfinished build (nothing else there is touched)."""
+    progress: bool = True
+
+
+def feature_record_for(
+    cfg: Config, backbone: EmbeddingNet, mixed_precision: str, source: str
+) -> FeatureRecord:
+    """The ``build.features`` record of vectors made by ``backbone`` (built from ``cfg``)."""
+    return FeatureRecord(
+        backbone=cfg.model.backbone,
+        weights=cfg.model.weights,
+        pooling=cfg.model.pooling,
+        weights_digest=weights_digest(backbone.backbone),
+        dim=int(backbone.head.in_features),
+        transform={
+            "crop": cfg.data.crop,
+            "resize_size": cfg.data.resize_size,
+            "image_size": cfg.data.image_size,
+        },
+        mixed_precision=mixed_precision,
+        init_seed=cfg.train.seed,
+        source=source,
+    )
+
+
+def build_feature_shards(
+    cfg: Config,
+    source: str,
+    out: str,
+    accelerator: Any,
+    options: FeatureBuildOptions,
+    on_shard: Callable[[ShardInfo], None] | None = None,
+) -> Manifest | None:
+    """Build feature shards of ``source`` in ``out`` on every rank of ``accelerator``; rank 0 returns the
+    manifest it wrote, the other ranks None. ``on_shard`` is called after each shard this rank finished."""
+    src = _open_source(source, out)
+    model = _backbone(cfg)
+    device = accelerator.device
+    model.to(device)
+    record = feature_record_for(cfg, model, str(accelerator.mixed_precision), source)
+    dst = Path(out)
+    progress = dst / PROGRESS_DIR
+    if accelerator.is_main_process:
+        _start(dst, record, options.overwrite)
+    accelerator.wait_for_everyone()
+    todo = [(split, shard) for split, shard in _all_shards(src) if not _done_path(progress, shard).is_file()]
+    mine = todo[accelerator.process_index :: accelerator.num_processes]
+    embed = _Embedder(model, cfg, device, accelerator, options.batch_size)
+    total = sum(shard.samples for _, shard in mine)
+    desc = (
+        f"features (rank 0 of {accelerator.num_processes})" if accelerator.num_processes > 1 else "features"
+    )
+    bar = tqdm(
+        total=total, unit="img", desc=desc, disable=not (options.progress and accelerator.is_main_process)
+    )
+    try:
+        for split, shard in mine:
+            info = _write_shard(src, split, shard, dst, embed, bar)
+            atomic_write_text(_done_path(progress, shard), json.dumps(_shard_json(info)) + "\n")
+            if on_shard is not None:
+                on_shard(info)
+    finally:
+        bar.close()
+    accelerator.wait_for_everyone()
+    manifest = None
+    if accelerator.is_main_process:
+        manifest = _finish(src, dst, record)
+    accelerator.wait_for_everyone()
+    return manifest
+
+
+def _open_source(source: str, out: str) -> Manifest:
+    if is_url(out):
+        raise FeatureBuildError(f"DST={out} is a URL: feature shards are written to a local directory")
+    try:
+        src = Manifest.load(source)
+    except (FileNotFoundError, ValueError) as exc:
+        raise FeatureBuildError(f"SRC={source}: {exc}") from exc
+    if feature_record(src) is not None:
+        raise FeatureBuildError(
+            f"SRC={source} holds feature vectors already, not images: pass the image shards they were made from"
+        )
+    if Path(out).resolve() == Path(source).resolve():
+        raise FeatureBuildError(f"DST={out} is SRC: write the feature shards to another directory")
+    return src
+
+
+def _backbone(cfg: Config) -> EmbeddingNet:
+    if cfg.model.backbone == FEATURES_BACKBONE:
+        raise ConfigError(
+            f"model.backbone={FEATURES_BACKBONE} has no image backbone to embed with: the config of "
+            "`ddp-rank shards features` names the backbone that makes the vectors (resnet50, timm:..., ...)"
+        )
+    model = build_seeded(lambda: build_model(cfg.model, cfg.data.image_size), cfg.train.seed)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _start(dst: Path, record: FeatureRecord, overwrite: bool) -> None:
+    """Create DST, or check that what it holds is this build's to resume; ``overwrite`` clears an earlier one."""
+    progress = dst / PROGRESS_DIR
+    wanted = record.to_json()
+    if overwrite:
+        shutil.rmtree(progress, ignore_errors=True)
+        (dst / MANIFEST_NAME).unlink(missing_ok=True)
+    if (dst / MANIFEST_NAME).is_file():
+        raise FeatureBuildError(
+            f"DST={dst} already holds a finished shard set ({MANIFEST_NAME}); pass --overwrite to replace it"
+        )
+    if not overwrite and dst.is_dir() and not progress.is_dir() and any(dst.iterdir()):
+        raise FeatureBuildError(
+            f"DST={dst} is not empty and holds no unfinished feature build: use a new directory"
+        )
+    started = progress / "build.json"
+    if started.is_file():
+        previous = json.loads(started.read_text(encoding="utf-8"))
+        if previous != wanted:
+            changed = sorted(k for k in wanted if previous.get(k) != wanted[k])
+            raise FeatureBuildError(
+                f"DST={dst} holds an unfinished feature build with another {', '.join(changed)}; rerun it with "
+                "the same config to finish it, or pass --overwrite to start afresh"
+            )
+        return
+    progress.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(started, json.dumps(wanted, indent=1) + "\n")
+
+
+def _all_shards(src: Manifest) -> Iterator[tuple[str, ShardInfo]]:
+    for name in sorted(src.splits):
+        for shard in src.splits[name].shards:
+            yield name, shard
+
+
+def _done_path(progress: Path, shard: ShardInfo) -> Path:
+    return progress / (shard.path.replace("/", "__") + ".json")
+
+
+class _Embedder:
+    """Images to backbone vectors in batches, in eval mode and the launcher's precision."""
+
+    def __init__(self, model: EmbeddingNet, cfg: Config, device: torch.device, accelerator: Any, batch: int):
+        self.model = model
+        self.device = device
+        self.dtype = autocast_dtype(accelerator)
+        self.transform_config = transform_from_config(cfg.data, pixels="uint8")
+        self.transform = test_transform(self.transform_config)
+        self.batch = batch
+
+    @torch.no_grad()
+    def __call__(self, images: list[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        for start in range(0, len(images), self.batch):
+            tensors = [
+                self.transform(decode_image(data, self.transform_config.resize))
+                for data in images[start : start + self.batch]
+            ]
+            batch = collate_images(tensors, self.transform_config).to(self.device)
+            with autocast(self.device, self.dtype):
+                vectors = image_features(self.model, batch)
+            out.extend(encode_vector(v) for v in vectors.float().cpu().numpy())
+        return out
+
+
+def _write_shard(
+    src: Manifest, split: str, shard: ShardInfo, dst: Path, embed: _Embedder, bar: tqdm
+) -> ShardInfo:
+    """Embed one source shard's classes and write its feature shard (same path, classes, keys, json)."""
+    reader = ClassReader(src, split)
+    path = dst / shard.path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with shard_writer(path) as writer:
+            # Classes are small: gather a batch's worth before each forward pass, then write in class order.
+            pending: list[tuple[int, SpanSample]] = []
+            for index, span in enumerate(shard.classes):
+                pending += [(span.id, s) for s in _read(reader, span, shard, src)]
+                if len(pending) >= embed.batch or index == len(shard.classes) - 1:
+                    vectors = embed([s.image for _, s in pending])
+                    for (class_id, sample), vector in zip(pending, vectors):
+                        meta = json.loads(sample.meta.decode("utf-8")) if sample.meta else {}
+                        writer.add(sample.key, "f16", vector, class_id, meta)
+                    bar.update(len(pending))
+                    pending = []
+            nbytes, digest = writer.close()
+    finally:
+        reader.close()
+    return ShardInfo(shard.path, shard.category, tuple(writer.spans), writer.samples, nbytes, digest)
+
+
+def _read(reader: ClassReader, span: ClassSpan, shard: ShardInfo, src: Manifest) -> list[SpanSample]:
+    try:
+        return reader.read(span.id)
+    except ClassReadError as exc:
+        raise FeatureBuildError(
+            f"SRC={src.root}: {exc}; check the image shards with `ddp-rank shards verify {src.root}`"
+        ) from exc
+
+
+def _shard_json(info: ShardInfo) -> dict[str, Any]:
+    return {**asdict(info), "classes": [[c.id, c.count, c.offset, c.length, c.digest] for c in info.classes]}
+
+
+def _shard_from_json(raw: dict[str, Any]) -> ShardInfo:
+    spans = tuple(ClassSpan(int(a), int(b), int(c), int(d), str(e)) for a, b, c, d, e in raw["classes"])
+    return ShardInfo(
+        raw["path"], raw["category"], spans, int(raw["samples"]), int(raw["bytes"]), raw["sha256"]
+    )
+
+
+def _finish(src: Manifest, dst: Path, record: FeatureRecord) -> Manifest:
+    """The manifest of the finished set (the source's splits, classes and categories; the feature shards)."""
+    progress = dst / PROGRESS_DIR
+    splits = {}
+    for name, split in src.splits.items():
+        shards = []
+        for shard in split.shards:
+            done = _done_path(progress, shard)
+            if not done.is_file():
+                raise FeatureBuildError(
+                    f"shard {shard.path} was not written by any rank; run the build again"
+                )
+            shards.append(_shard_from_json(json.loads(done.read_text(encoding="utf-8"))))
+        splits[name] = SplitInfo(name=name, class_counts=dict(split.class_counts), shards=tuple(shards))
+    manifest = Manifest(
+        categories=src.categories,
+        classes=src.classes,
+        splits=splits,
+        build={BUILD_KEY: record.to_json()},
+        root=str(dst),
+    )
+    manifest.save(dst)
+    shutil.rmtree(progress, ignore_errors=True)
+    return manifest
