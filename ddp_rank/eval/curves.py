@@ -24,6 +24,8 @@ __all__ = ["CURVES_KEY", "CURVE_KINDS", "draw_curve", "draw_curves", "split_curv
 
 CURVES_KEY = "curves"
 CURVE_KINDS = ("roc", "det", "cmc", "pr")
+DET_FLOOR = 1e-6
+"""Where det.png draws a false negative rate of 0 (log axes)."""
 SOURCE = {"roc": "roc", "det": "roc", "cmc": "cmc", "pr": "pr"}
 """Which stored curve each picture is drawn from (the DET curve is the ROC curve's points)."""
 
@@ -97,7 +99,8 @@ def _roc(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
 
 
 def _det(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
-    pts = [(x, 1 - y) for x, y in zip(curve["fpr"], curve["tpr"], strict=True) if x > 0 and y < 1]
+    # A false negative rate of 0 (every positive pair accepted) has no place on a log axis: drawn at the floor.
+    pts = [(x, max(1 - y, DET_FLOOR)) for x, y in zip(curve["fpr"], curve["tpr"], strict=True) if x > 0]
     (line,) = ax.plot(*zip(*pts, strict=True), label=name) if pts else ax.plot([], [], label=name)
     eer = curve.get("eer")
     if eer:

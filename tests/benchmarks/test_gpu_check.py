@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 import signal
 import site
@@ -609,9 +610,11 @@ def test_make_gpu_check_uses_the_projects_venv_when_there_is_one(tmp_path: Path,
     if venv:
         (tmp_path / ".venv" / "bin").mkdir(parents=True)
         (tmp_path / ".venv" / "bin" / "python").write_text("")
+    # A make of its own: under `make test VENV=...` (as .ci/run calls it) MAKEFLAGS would hand VENV down.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     out = subprocess.run(
         ["make", "-n", "-f", str(REPO / "Makefile"), "-C", str(tmp_path), "gpu-check"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True, env=env,
     ).stdout  # fmt: skip
     command = next(line for line in out.splitlines() if "gpu_check.py" in line)
     assert command.split()[0] == (".venv/bin/python" if venv else "python3"), command

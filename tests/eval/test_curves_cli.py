@@ -109,3 +109,17 @@ def test_best_metric_is_checked_against_the_deployment_figures() -> None:
     ):
         check_evaluation(cfg, None)  # type: ignore[arg-type]  # the manifest is read for VehicleID only
     check_evaluation(load_config(None, ["eval.metrics=[identification]", "train.best_metric=cmc@1"]), None)  # type: ignore[arg-type]
+
+
+def test_a_perfect_separation_is_drawn_too(tmp_path: Path) -> None:
+    """Every positive pair above every negative one: FNR 0 from the lowest FPR on, drawn at the DET floor."""
+    import numpy as np
+
+    from ddp_rank.eval.curves import draw_curves
+    from ddp_rank.eval.verification import verification_metrics
+
+    y = np.repeat(np.arange(5), 3)
+    metrics, curves = verification_metrics(np.eye(5, dtype=np.float32)[y], y)
+    assert metrics["roc_auc"] == 1.0 and metrics["eer"] == 0.0
+    drawn = draw_curves({"perfect": curves}, tmp_path)
+    assert [p.name for p in drawn] == ["roc.png", "det.png", "pr.png"]
