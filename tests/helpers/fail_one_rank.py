@@ -14,7 +14,6 @@ import sys
 from torch import nn
 
 import ddp_rank.train.setup as setup_module
-import ddp_rank.train.trainer as trainer_module
 from ddp_rank.cli import main
 
 WHERE = sys.argv[1]
@@ -62,9 +61,10 @@ def _failing_model(*args, **kwargs):  # type: ignore[no-untyped-def]
     return model
 
 
-_build_loss, _build_model = trainer_module.build_loss, setup_module.build_model
+# The trainer builds its loss through setup.build_training_loss, which calls setup's build_loss.
+_build_loss, _build_model = setup_module.build_loss, setup_module.build_model
 if WHERE == "loss":
-    trainer_module.build_loss = _failing_loss
+    setup_module.build_loss = _failing_loss
 else:
     setup_module.build_model = _failing_model
 
