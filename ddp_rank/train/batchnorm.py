@@ -29,7 +29,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ddp_rank.distributed.buffers import average_tensors, differentiable_all_reduce_sum
 from ddp_rank.distributed.process_group import ProcessGroup, is_distributed
 
-__all__ = ["CrossRankBatchNorm", "batchnorm_buffers", "convert_to_cross_rank", "sync_batchnorm_buffers"]
+__all__ = [
+    "CrossRankBatchNorm",
+    "batchnorm_buffers",
+    "convert_to_cross_rank",
+    "sync_batchnorm_buffers",
+    "take_over_batchnorm",
+]
 
 
 class CrossRankBatchNorm(_BatchNorm):
@@ -93,6 +99,19 @@ class CrossRankBatchNorm(_BatchNorm):
         self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
 
 
+def take_over_batchnorm(replacement: _BatchNorm, layer: _BatchNorm) -> _BatchNorm:
+    """``replacement`` made to share ``layer``'s parameters and running statistics (the same tensors, so the
+    optimizer and checkpoints see no change) and its train/eval mode; returns ``replacement``."""
+    if layer.affine:
+        replacement.weight, replacement.bias = layer.weight, layer.bias
+    if layer.track_running_stats:
+        replacement.running_mean = layer.running_mean
+        replacement.running_var = layer.running_var
+        replacement.num_batches_tracked = layer.num_batches_tracked
+    replacement.train(layer.training)
+    return replacement
+
+
 def convert_to_cross_rank(
     module: nn.Module, group: ProcessGroup | None = None, *, cuda: bool = False
 ) -> nn.Module:
@@ -110,16 +129,7 @@ def convert_to_cross_rank(
             module.track_running_stats,
             group,
         )
-        with torch.no_grad():
-            if module.affine:
-                converted.weight = module.weight
-                converted.bias = module.bias
-            if module.track_running_stats:
-                converted.running_mean = module.running_mean
-                converted.running_var = module.running_var
-                converted.num_batches_tracked = module.num_batches_tracked
-        converted.train(module.training)
-        return converted
+        return take_over_batchnorm(converted, module)
     for name, child in module.named_children():
         module.add_module(name, convert_to_cross_rank(child, group, cuda=cuda))
     return module

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ddp_rank.train.batchnorm import take_over_batchnorm
+
 __all__ = ["GhostBatchNorm", "convert_to_ghost"]
 
 
@@ -82,14 +84,7 @@ def convert_to_ghost(module: nn.Module, group_size: int) -> nn.Module:
             module.affine,
             module.track_running_stats,
         )
-        if module.affine:
-            ghost.weight, ghost.bias = module.weight, module.bias
-        if module.track_running_stats:
-            ghost.running_mean = module.running_mean
-            ghost.running_var = module.running_var
-            ghost.num_batches_tracked = module.num_batches_tracked
-        ghost.train(module.training)
-        return ghost
+        return take_over_batchnorm(ghost, module)
     for name, child in module.named_children():
         module.add_module(name, convert_to_ghost(child, group_size))
     return module

@@ -11,11 +11,9 @@ import io
 import json
 import random
 import shutil
-import sys
 import tarfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,20 +56,6 @@ def workspace(pristine: Path, tmp_path: Path) -> Path:
 def _first_shard(directory: Path) -> str:
     return str(Manifest.load(directory).split("train").shards[0].path)
 
-
-@pytest.fixture
-def opened() -> Iterator[list[str]]:
-    """Paths this process opens while the test runs (audit hooks cannot be removed: this one goes quiet)."""
-    seen: list[str] = []
-    live = [True]
-
-    def hook(event: str, args: tuple[Any, ...]) -> None:
-        if live[0] and event == "open" and isinstance(args[0], str | bytes | Path):
-            seen.append(str(args[0]))
-
-    sys.addaudithook(hook)
-    yield seen
-    live[0] = False
 
 
 # ---------------------------------------------------------------- manifest mutations

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -228,21 +227,6 @@ def test_safe_paths_join_inside_the_root(path: str) -> None:
     assert confined_join("/data/shards", path) == f"/data/shards/{path}"
     assert confined_join("https://host/data/", path) == f"https://host/data/{path}"
 
-
-@pytest.fixture
-def opened() -> Iterator[list[str]]:
-    """The files this process opens while the test runs (an audit hook; hooks cannot be removed, so it
-    records only while the list is live)."""
-    seen: list[str] = []
-    live = [True]
-
-    def hook(event: str, args: tuple[Any, ...]) -> None:
-        if live[0] and event == "open" and isinstance(args[0], str | bytes | Path):
-            seen.append(str(args[0]))
-
-    sys.addaudithook(hook)
-    yield seen
-    live[0] = False
 
 
 def test_a_manifest_built_in_code_cannot_read_outside_either(
