@@ -25,10 +25,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not distributed"
 
+# The examples are code a user copies: linted, formatted and type-checked like the package.
 lint: $(STAMP)
-	$(BIN)/ruff check ddp_rank tests benchmarks
-	$(BIN)/ruff format --check ddp_rank
+	$(BIN)/ruff check ddp_rank tests benchmarks examples
+	$(BIN)/ruff format --check ddp_rank examples
 	$(BIN)/mypy
+	$(BIN)/mypy examples
 
 # Builds the emoji shards (npm pack), trains FastAP on 2 CPU processes, evaluates; outputs in runs/demo/.
 demo: $(STAMP)
