@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXTRAS := dev,eval,demo,deepspeed
 
-.PHONY: install test test-fast lint demo demo-shards bench study clean gpu-check gpu-wheels
+.PHONY: install test test-fast test-long lint demo demo-shards bench study clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,12 +18,27 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
-	$(BIN)/python -m pytest
+# The suite runs on every core (pytest-xdist, one worker a core; TEST_WORKERS=0 runs it in this process): each
+# file's tests stay on one worker (--dist loadfile), so a module's shards and runs are built once, and the files
+# that start several processes go first (tests/conftest.py). Plain `pytest` runs everything, `make test-long`
+# included, one test at a time.
+TEST_WORKERS ?= auto
+PYTEST := $(BIN)/python -m pytest
+PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-# Everything but the tests that start several processes (gloo ranks, accelerate launch, DeepSpeed).
+# Everything but the runs of minutes (marker long).
+test: $(STAMP)
+	$(PYTEST) $(PARALLEL) -m "not long"
+
+# Everything but the tests that start several processes (gloo ranks, accelerate launch, DeepSpeed) and the slow
+# end-to-end runs.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not distributed"
+	$(PYTEST) $(PARALLEL) -m "not slow and not distributed and not long"
+
+# The runs of minutes (the soak: 2 ranks, 2,000 steps with faults), alone so they have the cores; .ci/run runs
+# this target after make test.
+test-long: $(STAMP)
+	$(PYTEST) -m long
 
 # The examples are code a user copies: linted, formatted and type-checked like the package.
 lint: $(STAMP)

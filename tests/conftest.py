@@ -1,17 +1,54 @@
 """Shared test set-up: tests marked ``cuda`` are skipped with the reason where no CUDA GPU is visible.
 
+Under pytest-xdist (``make test``: ``-n 2 --dist loadfile``) each worker gets its share of the cores as torch
+threads (two workers of two threads each on a 2-core machine would fight over the cores), and the files that
+start several processes are handed out first, so that the long ones do not end the run on one worker while the
+other sits idle.
+
 The helpers are the package ``tests.helpers`` (the repository root is on ``sys.path`` through pytest's rootdir
 and ``pythonpath`` setting), never a folder put on ``sys.path`` by hand."""
 
 import logging
+import os
 from collections.abc import Iterator
 
 import pytest
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        return
+    import torch
+
+    threads = max(1, _cores() // int(workers))
+    torch.set_num_threads(threads)
+    # The processes the tests start (single-process CLI runs; launchers set their ranks' own) inherit it.
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+def _multi_process_files_first(items: list[pytest.Item]) -> None:
+    """Stable order: the files holding ``slow`` tests, then those holding ``distributed`` ones, then the rest."""
+    def weight(item: pytest.Item) -> int:
+        return 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("distributed") else 2
+
+    def file(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    first: dict[str, int] = {}
+    for item in items:
+        first[file(item)] = min(first.get(file(item), 2), weight(item))
+    items.sort(key=lambda item: first[file(item)])
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
+    _multi_process_files_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible: torch.cuda.is_available() is False)")

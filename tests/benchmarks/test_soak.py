@@ -25,6 +25,7 @@ def _soak_module() -> Any:
     return module
 
 
+@pytest.mark.long  # minutes of 2 ranks: make test-long, which CI runs after make test
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_soak_with_faults_ends_where_a_run_without_them_ends(tmp_path: Path) -> None:
