@@ -33,6 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _multi_process_files_first(items: list[pytest.Item]) -> None:
     """Stable order: the files holding ``slow`` tests, then those holding ``distributed`` ones, then the rest."""
+
     def weight(item: pytest.Item) -> int:
         return 0 if item.get_closest_marker("slow") else 1 if item.get_closest_marker("distributed") else 2
 
