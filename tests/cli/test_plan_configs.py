@@ -128,7 +128,9 @@ def test_plan_reports_the_work_space_the_step_uses(tmp_path: Path) -> None:
     """The work space line is the loss's own chunk plan for this batch on the run's device, beside the budget
     (a 128-image batch on a CPU takes well under a MiB, not the budget)."""
     shards = write("sop", tmp_path / "s")
-    cfg = load_config(None, [f"data.shards={shards}", "data.global_batch_size=128", "loss.name=pnp"])
+    # The loss's work space does not depend on the backbone: the tiny one spares probing a ResNet's activations.
+    cfg = load_config(None, [f"data.shards={shards}", "data.global_batch_size=128", "loss.name=pnp",
+                             "model.backbone=tiny_cnn"])  # fmt: skip
     facts, problems = describe_plan(cfg, 2, device="cpu")
     assert not problems
     line = dict(facts)["loss work space per rank"]
