@@ -13,7 +13,8 @@ ready. The copy itself is ordered on the device (``wait_stream``), so what is le
 shows in the step's time, not in ``data_time``.
 
 Measured for each ``--workers`` value, the step being the trainer's (``forward_backward`` with the model's
-precision, the optimizer step, ``float(loss)``), ``torch.cuda.synchronize`` before every clock read on CUDA:
+precision, the optimizer step, ``float(loss)``), the device synchronised before every clock read on CUDA (for
+the fed step only the step's stream, as the trainer's ``float(loss)``: the feed's copy runs on a side stream):
 
 - ``device_s``: the step on one batch already on the device (the median of a block before the fed steps and one
   after, so that a machine whose speed drifts does not favour either);
@@ -73,6 +74,13 @@ def slowed(batches: Iterator[StreamBatch], delay_s: float) -> Iterator[StreamBat
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _sync_step(device: torch.device) -> None:
+    """Wait for the step's stream only, as the trainer's ``float(loss)`` does: the feed's copy of the next batch
+    on its side stream goes on (a device-wide synchronize would wait for it and charge it to this step)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 class Bench:
@@ -142,12 +150,12 @@ class Bench:
         totals, waits = [], []
         try:
             for _ in range(n):
-                _sync(self.device)
+                _sync_step(self.device)
                 t0 = time.perf_counter()
                 batch = next(feed)
                 t1 = time.perf_counter()
                 self.step(batch)
-                _sync(self.device)
+                _sync_step(self.device)
                 totals.append(time.perf_counter() - t0)
                 waits.append(t1 - t0)
         finally:
