@@ -2,7 +2,7 @@
 ``DeviceFeed`` against the same step on a batch already on the device, and against the loader alone.
 
     python benchmarks/feed_check.py --device cuda --backbone resnet50 --image-size 224 --batch 128 --workers 0,8
-    python benchmarks/feed_check.py --device cpu --backbone tiny_cnn --image-size 16 --batch 32 --workers 0 \
+    python benchmarks/feed_check.py --device cpu --image-size 16 --batch 16 --workers 0 --device-step-s 0.2 \
         --slow-loader 0.6 --feed synchronous          # a broken feed: the check must FAIL it
 
 What ``DeviceFeed`` overlaps (``ddp_rank/train/device_feed.py``): when the trainer takes batch k, a reader thread
@@ -25,7 +25,9 @@ the fed step only the step's stream, as the trainer's ``float(loss)``: the feed'
 All are medians over ``--steps`` after ``--warmup``. ``--slow-loader SHARE`` makes every batch's fetch sleep
 SHARE x ``device_s`` (a slow disk or decoder, in whichever thread fetches), and ``--feed synchronous`` replaces
 the feed by one that reads and copies in the caller's thread when asked (no overlap): the two faults the check
-must FAIL. The rows go to ``--json``, rewritten after each configuration; ``gpu_targets.feed_verdicts`` judges
+must FAIL. ``--device-step-s S`` stands a fixed S-second wait in for the model's step: what the host does while
+a GPU computes (it waits in ``synchronize``), where a model stepping on a shared CPU would instead compete with
+the reader thread for the cores and time the machine's load, not the feed. The rows go to ``--json``, rewritten after each configuration; ``gpu_targets.feed_verdicts`` judges
 them.
 """
 
@@ -103,6 +105,9 @@ class Bench:
         # The stream's position stays put (track_position=False): every iter starts the same epoch again.
         self.loader = StreamLoader(build_stream(cfg, Manifest.load(shards), 0, 1),
                                    pin_memory=self.device.type == "cuda", track_position=False)  # fmt: skip
+        self.step_s = args.device_step_s
+        if self.step_s > 0:
+            return  # a simulated device: no model
         torch.manual_seed(0)
         model = build_model(cfg.model, args.image_size).to(self.device)
         if wants_channels_last(model, self.device, deepspeed=False):
@@ -118,6 +123,9 @@ class Bench:
     def step(self, batch: StreamBatch) -> None:
         from ddp_rank.train import forward_backward
 
+        if self.step_s > 0:
+            time.sleep(self.step_s)
+            return
         out = forward_backward(self.backend, batch.images, batch.labels, self.loss_fn)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -172,7 +180,7 @@ def measure(args: argparse.Namespace, shards: Path, workers: int) -> dict[str, A
     loader = bench.loader_alone(n, delay)[args.warmup :]
     fed, waits = (times[args.warmup :] for times in bench.fed_steps(args.feed, n, delay))
     device_after = bench.device_steps(on_device, args.steps)
-    row = {"workers": workers, "feed": args.feed, "slow_loader_s": delay, "batch": args.batch,
+    row = {"workers": workers, "feed": args.feed, "device_step_s": args.device_step_s, "slow_loader_s": delay, "batch": args.batch,
            "steps": args.steps, "device_s": statistics.median(device_before + device_after),
            "loader_s": statistics.median(loader), "fed_s": statistics.median(fed),
            "wait_s": statistics.median(waits)}  # fmt: skip
@@ -207,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="synchronous: a feed without read-ahead (a fault the check must fail)")  # fmt: skip
     parser.add_argument("--slow-loader", type=float, default=0.0, metavar="SHARE",
                         help="every fetch sleeps SHARE x the on-device step (a slow loader)")  # fmt: skip
+    parser.add_argument("--device-step-s", type=float, default=0.0, metavar="S",
+                        help="a fixed S-second wait instead of the model's step (a simulated device)")  # fmt: skip
     parser.add_argument("--json", help="write the rows here (after each configuration)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

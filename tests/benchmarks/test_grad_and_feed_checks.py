@@ -209,9 +209,9 @@ def test_grads_check_under_ddp_on_two_gloo_processes(tmp_path: Path) -> None:
 def _feed_rows(tmp_path: Path, feed: str) -> list[dict[str, Any]]:
     out = tmp_path / f"feed-{feed}.json"
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "feed_check.py"), "--device", "cpu", "--backbone", "resnet18",
-         "--image-size", "32", "--batch", "16", "--workers", "0", "--steps", "6", "--warmup", "1",
-         "--slow-loader", "0.6", "--feed", feed, "--json", str(out)],
+        [sys.executable, str(BENCHMARKS / "feed_check.py"), "--device", "cpu", "--image-size", "16", "--batch",
+         "16", "--workers", "0", "--steps", "8", "--warmup", "2", "--device-step-s", "0.2", "--slow-loader", "0.6",
+         "--feed", feed, "--json", str(out)],
         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -221,9 +221,12 @@ def _feed_rows(tmp_path: Path, feed: str) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_feed_check_passes_the_device_feed_and_fails_a_synchronous_one(tmp_path: Path) -> None:
     """A loader slowed to 0.6 of the step: the real feed hides it (the fed step stays near the on-device one),
-    a feed that reads only when asked takes the sum, and the overlap target FAILs it."""
+    a feed that reads only when asked takes the sum, and the overlap target FAILs it. The step is a simulated
+    device (0.2 s in which the host only waits, as it does for a GPU): a model stepping on this shared CPU would
+    time the machine's load instead."""
     overlap = "reading overlaps"
     (real,) = _feed_rows(tmp_path, "real")
+    assert real["device_s"] == pytest.approx(0.2, rel=0.25)
     assert _status(targets.feed_verdicts([real], [0]), overlap) == PASS, real
     (synchronous,) = _feed_rows(tmp_path, "synchronous")
     verdicts = targets.feed_verdicts([synchronous], [0])
