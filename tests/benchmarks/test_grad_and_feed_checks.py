@@ -108,7 +108,8 @@ def test_the_grads_part_asks_for_every_engine_and_nccl_only_with_two_gpus(
         runs = {spec for c in commands for spec in c[c.index("--runs") + 1].split(",")}
         for engine in ("plain", "ddp", "zero1", "zero2"):
             assert {f"{engine}:fp32:none", f"{engine}:bf16:none"} <= runs
-        assert {"plain:fp32:drop-chunks", "zero1:bf16:no-coalescing", "zero2:bf16:no-coalescing"} <= runs
+        assert {"plain:fp32:drop-chunks", "ddp:bf16:drop-chunks", "zero1:fp32:no-coalescing",
+                "zero2:bf16:no-coalescing"} <= runs
         assert all(v.status == NOT_MEASURED for v in verdicts)  # no rows were written
         nccl = [v for v in verdicts if "NCCL" in v.target or "4 processes" in v.target]
         assert len(nccl) == (1 if gpus == 1 else 3)
