@@ -113,7 +113,23 @@ def test_the_grads_part_asks_for_every_engine_and_nccl_only_with_two_gpus(
         assert all(v.status == NOT_MEASURED for v in verdicts)  # no rows were written
         nccl = [v for v in verdicts if "NCCL" in v.target or "4 processes" in v.target]
         assert len(nccl) == (1 if gpus == 1 else 3)
-    assert gpu_check.PART_BUDGET_S["grads"] < gpu_check.BUDGET_S
+
+
+def test_grads_and_feed_run_within_their_own_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "environment", lambda: "Device: a recorded H100.")
+    left: dict[str, float] = {}
+
+    def record(part: Any) -> tuple[str, list[Any]]:
+        left[part.name] = part.time_left()
+        return "", [targets.Verdict("recorded", PASS, "")]
+
+    for name in ("train", "grads", "feed"):
+        monkeypatch.setitem(gpu_check.PART_FUNCTIONS, name, record)
+    assert gpu_check.main(["--part", "train,grads,feed", "--results", str(tmp_path)]) == 0
+    for name in ("grads", "feed"):  # a later part of a list: its time counts from its own start
+        assert gpu_check.PART_BUDGET_S[name] - 30 < left[name] <= gpu_check.PART_BUDGET_S[name] < gpu_check.BUDGET_S
+    assert left["train"] <= gpu_check.BUDGET_S
 
 
 # ----------------------------------------------------------------------------------------- feed: verdicts
