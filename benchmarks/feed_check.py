@@ -1,7 +1,7 @@
 """Does the device feed hide the reading of the next batch behind the step? The step fed by the trainer's
 ``DeviceFeed`` against the same step on a batch already on the device, and against the loader alone.
 
-    python benchmarks/feed_check.py --device cuda --backbone resnet50 --image-size 224 --batch 128 --workers 0,8
+    python benchmarks/feed_check.py --device cuda --backbone resnet50 --image-size 224 --batch 128 --workers 0,12
     python benchmarks/feed_check.py --device cpu --image-size 16 --batch 16 --workers 0 --device-step-s 0.2 \
         --slow-loader 0.6 --feed synchronous          # a broken feed: the check must FAIL it
 
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backbone", default="resnet50")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--workers", default="0,8", help="comma-separated data.num_workers values")
+    parser.add_argument("--workers", default="0,12", help="comma-separated data.num_workers values")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--feed", choices=("real", "synchronous"), default="real",

@@ -27,7 +27,7 @@ reports a pass it did not measure.
   bf16, on one GPU; DDP over NCCL with one process per GPU where there are 2 or more (NOT MEASURED otherwise);
   and broken builds (a step that keeps only the last chunk) that the check must FAIL;
 - ``feed``: ``benchmarks/feed_check.py``: ResNet-50, 224 px, batch 128, bf16: the step fed by the device feed with
-  ``num_workers=0`` and 8, against the step on a batch already on the device and the loader alone;
+  ``num_workers=0`` and 12, against the step on a batch already on the device and the loader alone;
 - ``demo``: the demo (``python -m ddp_rank.cli.demo``, what ``make demo`` runs) on carried emoji shards, and two
   ``train.deterministic=true`` runs compared bit for bit.
 
@@ -283,7 +283,9 @@ GRAD_RUNS = [(e, p, "none") for e in ("plain", "ddp", "zero1", "zero2") for p in
 the check must FAIL (``benchmarks/grad_check.py``), in both precisions (bf16's tolerance is the looser). With 2+
 GPUs, ``GRAD_RUNS_NCCL`` on one process per GPU."""
 GRAD_RUNS_NCCL = [("ddp", "fp32", "none"), ("ddp", "bf16", "none"), ("ddp", "fp32", "drop-chunks")]
-FEED_WORKERS = [0, 8]
+FEED_WORKERS = [0, 12]
+"""num_workers of the feed part: the reader thread alone, and 12 of the GPU machine's 16 cores, so that decoding
+is not what limits the fed step (where it still is, the verdict says the loader alone is slower than the step)."""
 
 
 def part_grads(part: Part) -> tuple[str, list[targets.Verdict]]:

@@ -166,7 +166,7 @@ def test_the_feed_part_runs_both_worker_settings(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(gpu_check.Part, "run", lambda self, cmd, share=1.0, env=None: commands.append(cmd) or 0)
     _, verdicts = gpu_check.part_feed(gpu_check.Part("feed", tmp_path))
     ((cmd),) = commands
-    assert cmd[cmd.index("--workers") + 1] == "0,8" and cmd[cmd.index("--device") + 1] == "cuda"
+    assert cmd[cmd.index("--workers") + 1] == "0,12" and cmd[cmd.index("--device") + 1] == "cuda"
     assert [v.status for v in verdicts] == [NOT_MEASURED, NOT_MEASURED]
     assert {"grads", "feed"} <= set(gpu_check.PARTS) and gpu_check.PART_NEEDS["feed"] == ("webdataset",)
 
