@@ -224,6 +224,8 @@ def _device(kind: str, rank: int) -> torch.device:
 def _deepspeed_engine(model: nn.Module, stage: int, bf16: bool, batch: int) -> Any:
     import deepspeed
 
+    from ddp_rank.train.batchnorm import match_batchnorm_buffers_to_weights
+
     config = {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
@@ -234,6 +236,7 @@ def _deepspeed_engine(model: nn.Module, stage: int, bf16: bool, batch: int) -> A
     }
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.0, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    match_batchnorm_buffers_to_weights(engine.module)  # as the trainer: bf16 weights, float32 running statistics
     return engine
 
 
