@@ -44,7 +44,8 @@ from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batches import TrainBatches
 from ddp_rank.train.batchnorm import sync_batchnorm_buffers
 from ddp_rank.train.checkpoint import CheckpointManager
-from ddp_rank.train.chunk_choice import auto_chunk
+from ddp_rank.train.chunk_choice import ChunkChoice, auto_chunk
+from ddp_rank.train.chunk_confirm import Confirmation, confirm_chunk, trial_step
 from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.optim import build_optimizer, build_scheduler
@@ -123,15 +124,7 @@ class Trainer:
         # After the network: a proxy loss's random proxies leave the model's initial weights as with any loss.
         training_loss = build_training_loss(cfg, self.manifest)
         self.loss_parameters = self._loss_parameters(training_loss)
-        if cfg.distributed.fixed_chunk is None:
-            self.layout = self._auto_chunk(model, training_loss.loss)
-        self.report = RunReport(cfg, self.layout, self.device, self.is_main)
-        if self.is_main:
-            log.info(f"BatchNorm: {self.layout.batchnorm.describe(self.layout.local_batch)}")
-        for note in notes:
-            self.report.note(note)
-        if training_loss.description and self.is_main:
-            log.info(f"loss: {training_loss.description}")
+        choice = self._auto_chunk(model, training_loss.loss) if cfg.distributed.fixed_chunk is None else None
         optimizer = build_optimizer(self.parameter_groups(model), cfg.optim)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.deepspeed = configure_deepspeed(acc, self.layout, cfg.optim.grad_clip)
@@ -140,6 +133,15 @@ class Trainer:
         if self.loss_parameters:  # saved and resumed with the run (custom_checkpoint_1 in each checkpoint)
             acc.register_for_checkpointing(training_loss.loss)
         self.backend = backend_for_accelerator(acc, self.model)
+        if choice is not None:  # the model is on its device now: one real step confirms the chunk
+            self.layout = self._confirm_chunk(choice)
+        self.report = RunReport(cfg, self.layout, self.device, self.is_main)
+        if self.is_main:
+            log.info(f"BatchNorm: {self.layout.batchnorm.describe(self.layout.local_batch)}")
+        for note in notes:
+            self.report.note(note)
+        if training_loss.description and self.is_main:
+            log.info(f"loss: {training_loss.description}")
         self.loss_fn = GlobalBatchLoss(
             training_loss.loss,
             grad_reduction="sum" if cfg.distributed.grad_reduction == "sum" else "mean",
@@ -175,8 +177,9 @@ class Trainer:
             groups.append({"params": self.loss_parameters, "lr": lr, "weight_decay": 0.0, "name": "loss"})
         return groups
 
-    def _auto_chunk(self, model: EmbeddingNet, loss: torch.nn.Module) -> BatchLayout:
-        """``distributed.chunk_size=auto``: measure, choose, agree on the smallest chunk over the ranks."""
+    def _auto_chunk(self, model: EmbeddingNet, loss: torch.nn.Module) -> ChunkChoice:
+        """``distributed.chunk_size=auto``: measure, choose, agree on the smallest chunk over the ranks (the
+        layout takes it); the choice of this rank, whose figures the confirmation step uses."""
         layout, cfg = self.layout, self.cfg
         largest_class = max(self.manifest.split(cfg.data.train_split).class_counts.values(), default=1)
         positives = (
@@ -187,9 +190,13 @@ class Trainer:
         else:
             work = generic_work_space(layout.global_batch)
         dtype = autocast_dtype(self.accelerator)
+        extra = sum(p.numel() * p.element_size() for p in self.loss_parameters)
         error: str | None = None
         try:
-            choice = auto_chunk(model, cfg, layout.local_batch, layout.global_batch, self.device, dtype, work)
+            choice = auto_chunk(
+                model, cfg, layout.local_batch, layout.global_batch, self.device, dtype, work,
+                world_size=self.world_size, deepspeed=uses_deepspeed(self.accelerator), extra_parameters=extra,
+            )  # fmt: skip
         except ValueError as exc:  # not even one image fits
             error = str(exc)
         except RuntimeError as exc:  # the probe itself ran out of memory, say: every rank must hear of it
@@ -199,17 +206,61 @@ class Trainer:
         except RankFailure as exc:
             raise TrainError(f"distributed.chunk_size=auto: {exc}") from None
         chunk = min_over_ranks(choice.chunk or layout.local_batch)
-        agreed = BatchLayout.from_config(cfg, self.world_size, chunk_size=chunk)  # whole BatchNorm groups
+        self.layout = BatchLayout.from_config(
+            cfg, self.world_size, chunk_size=chunk
+        )  # whole BatchNorm groups
         if self.is_main:
             ranks = (
                 f"; the smallest over the ranks: {chunk:,}"
                 if chunk != (choice.chunk or layout.local_batch)
                 else ""
             )
-            if agreed.chunk_size is not None and agreed.chunk_size != chunk:
-                ranks += f"; {agreed.chunk_size:,} to hold whole BatchNorm groups of {agreed.batchnorm.group}"
+            agreed = self.layout.chunk_size
+            if agreed is not None and agreed != chunk:
+                ranks += f"; {agreed:,} to hold whole BatchNorm groups of {self.layout.batchnorm.group}"
             log.info(choice.describe() + ranks)
-        return agreed
+        return choice
+
+    def _confirm_chunk(self, choice: ChunkChoice) -> BatchLayout:
+        """One real forward + backward of the agreed chunk on every rank before training starts, backing off
+        together on an out-of-memory error (``ddp_rank.train.chunk_confirm``); the layout of the final chunk."""
+        layout, cfg = self.layout, self.cfg
+        skipped = (
+            "DeepSpeed's gradient hooks reduce inside the backward"
+            if self.deepspeed
+            else "BatchNorm synchronised over the ranks exchanges statistics inside the forward"
+            if layout.batchnorm.kind == "global"
+            else None
+        )
+        if skipped:
+            outcome = Confirmation(layout.chunk_size, (), False, skipped)
+        else:
+            cpu = self.device.type != "cuda"
+            # On CPU the budget bounds the trial's saved tensors; the probe's intercept (weights saved for the
+            # backward, the parameters themselves) does not grow with the chunk.
+            limit = choice.budget_bytes + (choice.probe.intercept if choice.probe else 0) if cpu else None
+            step = trial_step(
+                self.backend.bare_module,
+                cfg.data.image_size,
+                self.backend.autocast,
+                layout.batchnorm.frozen,
+                hold_aside=choice.fixed.not_yet_allocated,
+                saved_limit=limit,
+            )
+            try:
+                outcome = confirm_chunk(
+                    step,
+                    layout.local_batch,
+                    layout.chunk_size,
+                    lambda rows: layout.batchnorm.round_chunk(rows, layout.local_batch),
+                )
+            except (ValueError, RankFailure) as exc:  # ConfigError too: no chunk keeps the groups whole
+                raise TrainError(f"distributed.chunk_size=auto: {exc}") from None
+        if self.is_main:
+            (log.warning if outcome.backed_off else log.info)(outcome.describe(layout.local_batch))
+        if outcome.chunk == layout.chunk_size:
+            return layout
+        return BatchLayout.from_config(cfg, self.world_size, chunk_size=outcome.chunk or layout.local_batch)
 
     @property
     def unwrapped(self) -> EmbeddingNet:
