@@ -214,24 +214,24 @@ def memory_budget(
 
 def probe_sizes(
     measured: dict[int, int], device_type: str, budget_bytes: int | None, largest: int | None
-) -> int | None:
-    """The next probe batch after the sizes ``measured`` (batch -> bytes, in the order run), or None to stop:
-    the growth per image settled, or the next batch would pass the local batch, ``LARGEST_PROBE`` or (by the
-    growth so far) the budget. The first two sizes are always ``PROBE_START`` and twice that."""
+) -> tuple[int | None, str]:
+    """(the next probe batch after the sizes ``measured`` (batch -> bytes, in the order run), or None to stop;
+    why it stops): the growth per image settled, or the next batch would pass the local batch, ``LARGEST_PROBE``
+    or (by the growth so far) the budget. The first two sizes are always ``PROBE_START`` and twice that."""
     sizes = list(measured)
     if len(sizes) < 2:
-        return PROBE_START * 2 ** len(sizes)
+        return PROBE_START * 2 ** len(sizes), ""
     growths = _growths(measured)
-    if len(growths) >= 2 and sizes[-1] >= SETTLED_SIZE.get(device_type, SETTLED_SIZE["cpu"]):
-        last, before = growths[-1], growths[-2]
-        if last > 0 and abs(last - before) <= STABLE_SPREAD * last:
-            return None
+    if sizes[-1] >= SETTLED_SIZE.get(device_type, SETTLED_SIZE["cpu"]) and _settled(growths):
+        return None, "the growth per image settled"
     following = 2 * sizes[-1]
-    if following > LARGEST_PROBE or (largest is not None and following > max(largest, 2 * PROBE_START)):
-        return None
+    if following > LARGEST_PROBE:
+        return None, f"the largest probe, {LARGEST_PROBE} images"
+    if largest is not None and following > max(largest, 2 * PROBE_START):
+        return None, f"the local batch of {largest}"
     if budget_bytes is not None and following * max(growths[-1], 0) > budget_bytes:
-        return None
-    return following
+        return None, f"{following} images would pass the budget"
+    return following, ""
 
 
 def measure_activation_bytes(
@@ -249,10 +249,9 @@ def measure_activation_bytes(
     probe.train()
     freeze_batchnorm(probe)
     measured: dict[int, int] = {}
-    stopped = "the growth per image settled"
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         _step_bytes(probe, example_input(probe, PROBE_START, image_size, device), autocast_dtype)  # warm-up
-        n = probe_sizes(measured, device.type, budget_bytes, largest)
+        n, stopped = probe_sizes(measured, device.type, budget_bytes, largest)
         while n is not None:
             images = example_input(probe, n, image_size, device)
             try:
@@ -269,18 +268,17 @@ def measure_activation_bytes(
                 torch.cuda.empty_cache()
                 stopped = f"out of memory at {n} images"
                 break
-            n = probe_sizes(measured, device.type, budget_bytes, largest)
+            n, stopped = probe_sizes(measured, device.type, budget_bytes, largest)
     growths = _growths(measured)
-    settled = stopped.startswith("the growth") and _settled(growths)
-    if not settled and stopped.startswith("the growth"):
-        stopped = "the probe reached the local batch, the budget or its largest size"
+    settled = _settled(growths)
+    stopped = stopped if settled or stopped.startswith("out of") else f"{stopped}, before the growth settled"
     grown = max(growths[-2:])
     sizes = tuple(measured)
     per_image = max(grown if grown > 0 else measured[sizes[0]] // sizes[0], 1)
     intercept = max(measured[sizes[-1]] - per_image * sizes[-1], 0)
     kind = "peak allocated" if device.type == "cuda" else "saved for backward"
     precision = f" under {str(autocast_dtype).removeprefix('torch.')} autocast" if autocast_dtype else ""
-    how = f"{kind}, probes of {', '.join(map(str, sizes))} images{precision} ({stopped})"
+    how = f"{kind}, probes of {', '.join(map(str, sizes))} images{precision} (stopped: {stopped})"
     return ActivationProbe(per_image, intercept, sizes, settled, stopped, how)
 
 
@@ -349,4 +347,6 @@ def count_saved(limit: int | None = None) -> Iterator[list[int]]:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+    if abs(n) < 2**20:
+        return f"{n / 2**10:,.1f} KiB"
+    return f"{n / 2**30:,.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.1f} MiB"

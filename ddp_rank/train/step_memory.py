@@ -125,4 +125,6 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _mib(n: float) -> str:
+    if n < 2**20:
+        return f"{n / 2**10:,.1f} KiB"
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"

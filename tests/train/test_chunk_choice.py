@@ -5,6 +5,7 @@ a cgroup's memory limit; a global batch of 4,096 on one process starts without t
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -77,13 +78,15 @@ def test_the_probe_warms_up_before_it_measures(monkeypatch: pytest.MonkeyPatch) 
     assert measured.per_image == per_image and measured.intercept == fixed and calls == [2, 2, 4, 8]
 
 
-def _probe(step_bytes: Callable[[int], int], device: str, budget: int | None, largest: int | None) -> list[int]:
+def _probe(
+    step_bytes: Callable[[int], int], device: str, budget: int | None, largest: int | None
+) -> list[int]:
     """The sizes the probe runs against a fake memory model (``probe_sizes`` drives it as the probe does)."""
     measured: dict[int, int] = {}
-    n = probe_sizes(measured, device, budget, largest)
+    n, _ = probe_sizes(measured, device, budget, largest)
     while n is not None:
         measured[n] = step_bytes(n)
-        n = probe_sizes(measured, device, budget, largest)
+        n, _ = probe_sizes(measured, device, budget, largest)
     return list(measured)
 
 
@@ -99,7 +102,7 @@ def test_the_probe_grows_until_the_growth_per_image_settles_where_real_chunks_ru
 
     sizes = _probe(gpu_step, "cuda", budget=None, largest=None)
     assert sizes == [2, 4, 8, 16, 32, 64, 128]
-    growths = [(gpu_step(b) - gpu_step(a)) // (b - a) for a, b in zip(sizes, sizes[1:])]
+    growths = [(gpu_step(b) - gpu_step(a)) // (b - a) for a, b in itertools.pairwise(sizes)]
     assert growths[-2:] == [per_image, per_image] and growths[0] < 0, "only the large probes see the truth"
     assert _probe(lambda n: per_image * n, "cpu", None, None) == [2, 4, 8]
     assert _probe(gpu_step, "cuda", None, largest=20) == [2, 4, 8, 16], "no probe past the local batch"
