@@ -145,6 +145,7 @@ def auto_chunk(
         database + loss_work_space,
         deepspeed=deepspeed,
         extra_parameters=extra_parameters,
+        input_batch_bytes=local_batch * _input_bytes(model, cfg.data.image_size),
     )
     if local_processes is None:  # the processes of this node share its memory
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -164,6 +165,12 @@ def auto_chunk(
         budget = max(budget - fixed.workspaces, 0)
     chunk = choose_chunk(local_batch, probe.per_image, budget)
     return ChunkChoice(chunk, probe.per_image, budget, local_batch, f"{probe.how}; {decided}", fixed, probe)
+
+
+def _input_bytes(model: nn.Module, image_size: int) -> int:
+    """Bytes of one input of ``model`` as the trainer feeds it (uint8 pixels, or a feature vector)."""
+    one = example_input(model, 1, image_size, torch.device("meta"))
+    return one.numel() * one.element_size()
 
 
 def choose_chunk(local_batch: int, bytes_per_image: int, budget_bytes: int) -> int | None:

@@ -19,6 +19,7 @@ from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.plan import Catalog, GlobalPlan, PlanError
 from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
 from ddp_rank.model import build_model
+from ddp_rank.model.feature_head import example_input
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.shards import check_model_input, model_input_dim
@@ -164,9 +165,11 @@ def _auto_chunk(
     if where.type == "cuda" and not torch.cuda.is_available():
         probe = measure_activation_bytes(model, cfg.data.image_size, torch.device("cpu"), dtype)
         database = 2 * layout.global_batch * cfg.model.embedding_dim * 4
+        inputs = example_input(model, layout.local_batch, cfg.data.image_size, torch.device("meta"))
         fixed = fixed_costs(
-            model, cfg.optim.name, cfg.optim.momentum, world_size, where, database + work_bytes
-        )
+            model, cfg.optim.name, cfg.optim.momentum, world_size, where, database + work_bytes,
+            input_batch_bytes=inputs.numel() * inputs.element_size(),
+        )  # fmt: skip
         return None, (
             f"{format_bytes(probe.per_image)} of activations per image ({probe.how}, on this CPU); fixed "
             f"{format_bytes(fixed.total)} per GPU: {fixed.describe()}, plus the workspaces measured there; the "

@@ -165,7 +165,8 @@ def test_nccl_settings_change_the_collective_reserve(monkeypatch: pytest.MonkeyP
 
 def test_the_budget_leaves_out_every_fixed_cost(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto_chunk on CPU with the node's memory: the budget is the fraction of the share less every fixed cost
-    of the model (weights, gradients, Adam's moments, DDP's buckets on 2 processes, the loss's work space)."""
+    of the model (weights, gradients, Adam's moments, DDP's buckets on 2 processes, the loss's work space, the
+    input batches)."""
     gib = 2**30
     monkeypatch.setattr(chunk_choice, "available_memory", lambda: (8 * gib, "MemAvailable"))
     cfg = load_config(
@@ -184,6 +185,7 @@ def test_the_budget_leaves_out_every_fixed_cost(monkeypatch: pytest.MonkeyPatch)
         ddp_buckets=params,
         optimizer_state=2 * params,
         loss_work_space=database + 1_000,
+        input_batches=2 * 64 * 3 * 16 * 16,  # two local batches of uint8 pixels: the step's and the feed's
     )
     assert choice.fixed == expected
     assert choice.budget_bytes == int(cfg.distributed.memory_fraction * 4 * gib) - expected.total
