@@ -270,10 +270,11 @@ def measure_activation_bytes(
             except torch.OutOfMemoryError:
                 if len(measured) < 2:
                     raise
+                stopped = f"out of memory at {n} images"
+            if stopped.startswith("out of memory"):  # out of the except block: its frames hold no tensor now
                 probe.zero_grad(set_to_none=True)
                 del images
                 torch.cuda.empty_cache()
-                stopped = f"out of memory at {n} images"
                 break
             n, stopped = probe_sizes(measured, device.type, budget_bytes, largest)
     growths = _growths(measured)

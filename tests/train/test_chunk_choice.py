@@ -252,3 +252,26 @@ def test_a_global_batch_of_4096_on_one_process_starts_with_nothing_chosen(
         assert torch.isfinite(torch.tensor(result.loss))
     finally:
         trainer.close()
+
+
+def test_a_probe_that_runs_out_of_memory_keeps_what_it_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake device that holds 8 images: the probe stops at 16 with the growth of 2, 4, 8; one that cannot hold
+    the first two sizes has nothing to keep and raises (the trainer tells every rank)."""
+    per_image, most = 1_000, [8]
+    calls: list[int] = []
+
+    def fake_step_bytes(model: torch.nn.Module, images: torch.Tensor, dtype: torch.dtype | None) -> int:
+        calls.append(len(images))
+        if len(images) > most[0]:
+            raise torch.OutOfMemoryError(f"{len(images)} images do not fit (simulated)")
+        return 5_000 + per_image * len(images)
+
+    monkeypatch.setattr(chunk_choice, "SETTLED_SIZE", {"cpu": 64})  # so that only the error stops it
+    monkeypatch.setattr(chunk_choice, "_step_bytes", fake_step_bytes)
+    model = build_model(ModelConfig(backbone="tiny_cnn", embedding_dim=8), 16)
+    probe = measure_activation_bytes(model, 16, torch.device("cpu"))
+    assert probe.sizes == (2, 4, 8) and probe.per_image == per_image and calls[-1] == 16
+    assert probe.stopped == "out of memory at 16 images" and "out of memory at 16" in probe.how
+    most[0] = 2
+    with pytest.raises(torch.OutOfMemoryError):
+        measure_activation_bytes(model, 16, torch.device("cpu"))
