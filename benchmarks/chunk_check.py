@@ -93,8 +93,14 @@ def simulated_memory_limit(module: nn.Module, limit: int | None) -> Iterator[Non
             hook.remove()
 
 
-def measure(cfg_overrides: list[str], steps: int, cpu_limit: int | None = None) -> dict[str, Any]:
-    """The record of ``chunk_size=auto`` for the trainer of ``cfg_overrides`` (module docstring)."""
+def measure(
+    cfg_overrides: list[str],
+    steps: int,
+    cpu_limit: int | None = None,
+    save: Callable[[dict[str, Any]], None] = lambda record: None,
+) -> dict[str, Any]:
+    """The record of ``chunk_size=auto`` for the trainer of ``cfg_overrides`` (module docstring); ``save`` is
+    given the record after each phase, so that a run stopped at its time limit leaves what it measured."""
     from ddp_rank.train.trainer import Trainer
 
     record: dict[str, Any] = {}
@@ -108,6 +114,7 @@ def measure(cfg_overrides: list[str], steps: int, cpu_limit: int | None = None) 
         return {"error": f"{type(exc).__name__}: {exc}", "log": said.lines}
     record["start_s"] = time.perf_counter() - t0
     record["log"] = said.lines
+    save(record)
     try:
         local = trainer.local_batch
         record["local_batch"] = local
@@ -140,6 +147,7 @@ def measure(cfg_overrides: list[str], steps: int, cpu_limit: int | None = None) 
             record["peak_reserved_mb"] = torch.cuda.max_memory_reserved() / 2**20
             record["peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
             record["device_mb"] = torch.cuda.get_device_properties(trainer.device).total_memory / 2**20
+        save(record)
         t1 = time.perf_counter()
         record["largest_fitting"] = largest_fitting(
             lambda chunk: run(chunk, 2), local, known_fit=record["chosen"] if chosen_ok else 0
@@ -290,15 +298,16 @@ def main(argv: list[str] | None = None) -> int:
             shards = synthetic_shards(root, classes=64)
             record = sanitizer_run(shards, root / "run", control=args.sanitizer == "control")
         else:
-            shards = synthetic_shards(
-                root, classes=args.local_batch // 4 + 16
-            )  # a few more images than a batch
+            # A few more images than one batch: the trainer's stream must fill a step (the check feeds its own).
+            shards = synthetic_shards(root, classes=args.local_batch // 4 + 16)
             overrides = real_setup(shards, root / "run", args)
             cpu = ["distributed.cpu=true"] if args.cpu_limit_bytes is not None else []
-            record = measure([*overrides, *cpu], args.steps, args.cpu_limit_bytes)
-            record["setup"] = (
-                f"{args.backbone}, {args.image_size} px, {args.precision}, local batch {args.local_batch}"
-            )
+            setup = f"{args.backbone}, {args.image_size} px, {args.precision}, local batch {args.local_batch}"
+
+            def save(partial: dict[str, Any]) -> None:
+                args.json.write_text(json.dumps({**partial, "setup": setup}, indent=1))
+
+            record = {**measure([*overrides, *cpu], args.steps, args.cpu_limit_bytes, save), "setup": setup}
     args.json.write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
     return 0

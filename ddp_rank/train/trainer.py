@@ -31,25 +31,22 @@ import torch.distributed as dist
 from ddp_rank.config import Config, ConfigError
 from ddp_rank.data.batch import StreamBatch
 from ddp_rank.distributed import GlobalBatchLoss, average_gradients
-from ddp_rank.distributed.agreement import RankFailure, min_over_ranks, raise_if_any_failed
+from ddp_rank.distributed.agreement import RankFailure
 from ddp_rank.eval.runner import evaluate_model
 from ddp_rank.logs import configure_run_logging
-from ddp_rank.losses import ListwiseLoss
 from ddp_rank.model import EmbeddingNet, freeze_batchnorm
 from ddp_rank.runtime import AGREED_ERRORS, TrainError, autocast_dtype, make_accelerator
 from ddp_rank.runtime.determinism import set_deterministic
 from ddp_rank.runtime.failure import end_process_after_failure, end_process_now, launch_rank
 from ddp_rank.train import resume as resume_
+from ddp_rank.train.auto_chunk import choose_chunk_for_run, confirm_chunk_for_run
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batches import TrainBatches
 from ddp_rank.train.batchnorm import sync_batchnorm_buffers
 from ddp_rank.train.checkpoint import CheckpointManager
-from ddp_rank.train.chunk_choice import ChunkChoice, auto_chunk
-from ddp_rank.train.chunk_confirm import Confirmation, confirm_chunk, trial_step
 from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.optim import build_optimizer, build_scheduler
-from ddp_rank.train.pml_loss import generic_work_space
 from ddp_rank.train.preemption import (
     EXIT_REQUEUE,
     RunStopped,
@@ -124,7 +121,13 @@ class Trainer:
         # After the network: a proxy loss's random proxies leave the model's initial weights as with any loss.
         training_loss = build_training_loss(cfg, self.manifest)
         self.loss_parameters = self._loss_parameters(training_loss)
-        choice = self._auto_chunk(model, training_loss.loss) if cfg.distributed.fixed_chunk is None else None
+        choice = None
+        if cfg.distributed.fixed_chunk is None:  # measured with the model still on the CPU
+            largest_class = max(self.manifest.split(cfg.data.train_split).class_counts.values(), default=1)
+            self.layout, choice = choose_chunk_for_run(
+                cfg, self.layout, model, training_loss.loss, self.device, autocast_dtype(acc), largest_class,
+                self.loss_parameters, uses_deepspeed(acc), self.is_main,
+            )  # fmt: skip
         optimizer = build_optimizer(self.parameter_groups(model), cfg.optim)
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.deepspeed = configure_deepspeed(acc, self.layout, cfg.optim.grad_clip)
@@ -134,7 +137,9 @@ class Trainer:
             acc.register_for_checkpointing(training_loss.loss)
         self.backend = backend_for_accelerator(acc, self.model)
         if choice is not None:  # the model is on its device now: one real step confirms the chunk
-            self.layout = self._confirm_chunk(choice)
+            self.layout = confirm_chunk_for_run(
+                cfg, self.layout, choice, self.backend, self.device, self.deepspeed, self.is_main
+            )
         self.report = RunReport(cfg, self.layout, self.device, self.is_main)
         if self.is_main:
             log.info(f"BatchNorm: {self.layout.batchnorm.describe(self.layout.local_batch)}")
@@ -176,91 +181,6 @@ class Trainer:
             lr = o.lr * self.cfg.loss.params_lr_mult
             groups.append({"params": self.loss_parameters, "lr": lr, "weight_decay": 0.0, "name": "loss"})
         return groups
-
-    def _auto_chunk(self, model: EmbeddingNet, loss: torch.nn.Module) -> ChunkChoice:
-        """``distributed.chunk_size=auto``: measure, choose, agree on the smallest chunk over the ranks (the
-        layout takes it); the choice of this rank, whose figures the confirmation step uses."""
-        layout, cfg = self.layout, self.cfg
-        largest_class = max(self.manifest.split(cfg.data.train_split).class_counts.values(), default=1)
-        positives = (
-            cfg.data.images_per_class if cfg.data.sampler == "pk" else min(largest_class, layout.global_batch)
-        )
-        if isinstance(loss, ListwiseLoss):
-            work, _ = loss.work_space(layout.local_batch, layout.global_batch, positives, self.device)
-        else:
-            work = generic_work_space(layout.global_batch)
-        dtype = autocast_dtype(self.accelerator)
-        extra = sum(p.numel() * p.element_size() for p in self.loss_parameters)
-        error: str | None = None
-        try:
-            choice = auto_chunk(
-                model, cfg, layout.local_batch, layout.global_batch, self.device, dtype, work,
-                world_size=self.world_size, deepspeed=uses_deepspeed(self.accelerator), extra_parameters=extra,
-            )  # fmt: skip
-        except ValueError as exc:  # not even one image fits
-            error = str(exc)
-        except RuntimeError as exc:  # the probe itself ran out of memory, say: every rank must hear of it
-            error = f"the probe of the model failed: {type(exc).__name__}: {exc}"
-        try:
-            raise_if_any_failed(error)
-        except RankFailure as exc:
-            raise TrainError(f"distributed.chunk_size=auto: {exc}") from None
-        chunk = min_over_ranks(choice.chunk or layout.local_batch)
-        self.layout = BatchLayout.from_config(
-            cfg, self.world_size, chunk_size=chunk
-        )  # whole BatchNorm groups
-        if self.is_main:
-            ranks = (
-                f"; the smallest over the ranks: {chunk:,}"
-                if chunk != (choice.chunk or layout.local_batch)
-                else ""
-            )
-            agreed = self.layout.chunk_size
-            if agreed is not None and agreed != chunk:
-                ranks += f"; {agreed:,} to hold whole BatchNorm groups of {self.layout.batchnorm.group}"
-            log.info(choice.describe() + ranks)
-        return choice
-
-    def _confirm_chunk(self, choice: ChunkChoice) -> BatchLayout:
-        """One real forward + backward of the agreed chunk on every rank before training starts, backing off
-        together on an out-of-memory error (``ddp_rank.train.chunk_confirm``); the layout of the final chunk."""
-        layout, cfg = self.layout, self.cfg
-        skipped = (
-            "DeepSpeed's gradient hooks reduce inside the backward"
-            if self.deepspeed
-            else "BatchNorm synchronised over the ranks exchanges statistics inside the forward"
-            if layout.batchnorm.kind == "global"
-            else None
-        )
-        if skipped:
-            outcome = Confirmation(layout.chunk_size, (), False, skipped)
-        else:
-            cpu = self.device.type != "cuda"
-            # On CPU the budget bounds the trial's saved tensors; the probe's intercept (weights saved for the
-            # backward, the parameters themselves) does not grow with the chunk.
-            limit = choice.budget_bytes + (choice.probe.intercept if choice.probe else 0) if cpu else None
-            step = trial_step(
-                self.backend.bare_module,
-                cfg.data.image_size,
-                self.backend.autocast,
-                layout.batchnorm.frozen,
-                hold_aside=choice.fixed.not_yet_allocated,
-                saved_limit=limit,
-            )
-            try:
-                outcome = confirm_chunk(
-                    step,
-                    layout.local_batch,
-                    layout.chunk_size,
-                    lambda rows: layout.batchnorm.round_chunk(rows, layout.local_batch),
-                )
-            except (ValueError, RankFailure) as exc:  # ConfigError too: no chunk keeps the groups whole
-                raise TrainError(f"distributed.chunk_size=auto: {exc}") from None
-        if self.is_main:
-            (log.warning if outcome.backed_off else log.info)(outcome.describe(layout.local_batch))
-        if outcome.chunk == layout.chunk_size:
-            return layout
-        return BatchLayout.from_config(cfg, self.world_size, chunk_size=outcome.chunk or layout.local_batch)
 
     @property
     def unwrapped(self) -> EmbeddingNet:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,16 +25,20 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _script(name: str) -> Any:
-    """A benchmark script as a module of its own name here (``sys.path`` is left as it was)."""
+    """A benchmark script as a module of its own name here (``sys.path`` and the scripts' bare names in
+    ``sys.modules`` are left as they were)."""
     spec = importlib.util.spec_from_file_location(f"chunk_part_{name}", BENCHMARKS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
-    saved_path = list(sys.path)
+    saved_path, saved_modules = list(sys.path), set(sys.modules)
     try:
         spec.loader.exec_module(module)
     finally:
         sys.path[:] = saved_path
+        for added in set(sys.modules) - saved_modules:  # the scripts it imported by their bare names
+            if "." not in added and (BENCHMARKS / f"{added}.py").is_file():
+                del sys.modules[added]
     return module
 
 
@@ -52,7 +57,12 @@ def _record(chosen: int, largest: int, oom: bool = False, local: int = 2048) -> 
 
 
 CLEAN = {"sanitizer_enabled": True, "control": False, "steps": 3, "reports": 0}
-CONTROL = {"sanitizer_enabled": True, "control": True, "reports": 2, "error": "CUDASanitizerErrors: detected 2"}
+CONTROL = {
+    "sanitizer_enabled": True,
+    "control": True,
+    "reports": 2,
+    "error": "CUDASanitizerErrors: detected 2",
+}
 
 
 def test_a_chunk_near_the_largest_that_fits_passes_with_its_peak_memory() -> None:
@@ -100,7 +110,9 @@ def test_the_sanitizer_verdict_fails_on_a_report_and_needs_a_reported_control() 
 
 
 @given(threshold=st.integers(0, 300), high=st.integers(1, 300), data=st.data())
-def test_the_bisection_finds_the_largest_chunk_that_fits(threshold: int, high: int, data: st.DataObject) -> None:
+def test_the_bisection_finds_the_largest_chunk_that_fits(
+    threshold: int, high: int, data: st.DataObject
+) -> None:
     known = data.draw(st.integers(0, min(threshold, high)))
     tried: list[int] = []
 
@@ -146,9 +158,9 @@ def test_on_cpu_a_miscounting_probe_makes_the_verdict_fail(
 
     monkeypatch.setattr(chunk_choice, "measure_activation_bytes", probe)
     if miscount < 1:
-        import ddp_rank.train.trainer as trainer_module
+        from ddp_rank.train import auto_chunk
 
-        monkeypatch.setattr(trainer_module, "trial_step", lambda *args, **kwargs: lambda rows: None)
+        monkeypatch.setattr(auto_chunk, "trial_step", lambda *args, **kwargs: lambda rows: None)
     overrides = [o for o in TINY_OVERRIDES if not o.startswith(("data.image_size", "data.resize_size"))]
     record = chunk_check.measure(
         [*overrides, f"data.shards={shards}", f"train.output_dir={tmp_path / 'run'}", "data.image_size=64",
@@ -161,3 +173,33 @@ def test_on_cpu_a_miscounting_probe_makes_the_verdict_fail(
     assert _status(verdicts, ">= 0.5 of the largest") == verdict, verdicts
     assert _status(verdicts, "without out-of-memory") == ("FAIL" if miscount < 1 else "PASS")
     assert record["log"] and "chunk_size=auto" in record["log"][0]
+
+
+def test_the_part_runs_the_check_and_both_sanitizer_runs_and_judges_their_records(tmp_path: Path) -> None:
+    """``gpu_check.py --part chunk`` with its commands faked: the measurement, then the clean and the control run
+    under ``TORCH_CUDA_SANITIZER=1``, each record read back from where the command was told to write it."""
+    gpu_check = _script("gpu_check")
+    assert "chunk" in gpu_check.PARTS and gpu_check.PART_FUNCTIONS["chunk"] is gpu_check.part_chunk
+    records = {
+        "--sanitizer clean": CLEAN,
+        "--sanitizer control": CONTROL,
+        "": {**_record(700, 1000), "log": ["x"]},
+    }
+    commands: list[tuple[list[str], dict[str, str] | None]] = []
+
+    class FakePart(gpu_check.Part):  # type: ignore[name-defined, misc]
+        def run(self, cmd: list[str], share: float = 1.0, env: dict[str, str] | None = None) -> int | None:
+            commands.append((cmd, env))
+            line = " ".join(cmd)
+            mode = next(key for key in records if key and key in line) if "--sanitizer" in line else ""
+            Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(records[mode]))
+            return 0
+
+    body, verdicts = gpu_check.part_chunk(FakePart("chunk", tmp_path))
+    assert [v.status for v in verdicts if v.status != targets.INFO] == [targets.PASS] * 3, verdicts
+    assert [env for _, env in commands] == [
+        None,
+        {"TORCH_CUDA_SANITIZER": "1"},
+        {"TORCH_CUDA_SANITIZER": "1"},
+    ]
+    assert body.startswith("- x")
