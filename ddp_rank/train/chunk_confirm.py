@@ -65,9 +65,10 @@ class Confirmation:
                 f"distributed.chunk_size=auto: {final} confirmed by a trial step of {self.tried[-1]:,} images"
             )
         steps = " -> ".join(f"{rows:,}" for rows in self.tried)
+        note = f"; {self.note}" if self.note else ""
         return (
             f"distributed.chunk_size=auto: backed off to {final} of the local batch of {local_batch:,} after an "
-            f"out-of-memory error on some rank in the trial step ({steps} images; {self.note})"
+            f"out-of-memory error on some rank in the trial step ({steps} images{note})"
         )
 
 
@@ -103,7 +104,7 @@ def confirm_chunk(
         smaller = int(rows * BACK_OFF)
         if smaller < 1:
             raise ValueError(
-                f"distributed.chunk_size=auto: a trial step of {rows} image(s) ran out of memory on some rank "
+                f"a trial step of {rows} image(s) ran out of memory on some rank "
                 f"({first_error or 'another rank'}): use a smaller data.image_size or backbone, or free the device"
             )
         rows = round_chunk(smaller)
