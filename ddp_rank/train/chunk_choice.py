@@ -67,11 +67,12 @@ __all__ = [
     "probe_sizes",
 ]
 
-PROBE_START = 2
-"""The first probe batch (run twice: the first run only warms up)."""
+PROBE_START = {"cuda": 2, "cpu": 1}
+"""The first probe batch (run twice: the first run only warms up). One image on CPU, where the saved bytes grow
+exactly linearly: the three sizes the growth needs then cost what two sizes from 2 images would."""
 LARGEST_PROBE = 256
 """No probe batch above this many images: the growth per image has settled long before on every backbone here."""
-SETTLED_SIZE = {"cuda": 32, "cpu": 8}
+SETTLED_SIZE = {"cuda": 32, "cpu": 4}
 """The smallest batch whose growth per image may end the probe: on a GPU, where cuDNN's choices settle."""
 STABLE_SPREAD = 0.05
 """Two successive growths per image within this share of each other: the growth has settled."""
@@ -225,16 +226,17 @@ def probe_sizes(
     """(the next probe batch after the sizes ``measured`` (batch -> bytes, in the order run), or None to stop;
     why it stops): the growth per image settled, or the next batch would pass the local batch, ``LARGEST_PROBE``
     or (by the growth so far) the budget. The first two sizes are always ``PROBE_START`` and twice that."""
+    start = _start(device_type)
     sizes = list(measured)
     if len(sizes) < 2:
-        return PROBE_START * 2 ** len(sizes), ""
+        return start * 2 ** len(sizes), ""
     growths = _growths(measured)
     if sizes[-1] >= SETTLED_SIZE.get(device_type, SETTLED_SIZE["cpu"]) and _settled(growths):
         return None, "the growth per image settled"
     following = 2 * sizes[-1]
     if following > LARGEST_PROBE:
         return None, f"the largest probe, {LARGEST_PROBE} images"
-    if largest is not None and following > max(largest, 2 * PROBE_START):
+    if largest is not None and following > max(largest, 2 * start):
         return None, f"the local batch of {largest}"
     if budget_bytes is not None and following * max(growths[-1], 0) > budget_bytes:
         return None, f"{following} images would pass the budget"
@@ -257,14 +259,14 @@ def measure_activation_bytes(
     freeze_batchnorm(probe)
     measured: dict[int, int] = {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        _step_bytes(probe, example_input(probe, PROBE_START, image_size, device), autocast_dtype)  # warm-up
+        start = _start(device.type)
+        _step_bytes(probe, example_input(probe, start, image_size, device), autocast_dtype)  # warm-up
         n, stopped = probe_sizes(measured, device.type, budget_bytes, largest)
         while n is not None:
             images = example_input(probe, n, image_size, device)
             try:
-                if (
-                    device.type == "cuda" and n > PROBE_START
-                ):  # a new shape: cuDNN chooses first, then we measure
+                # A new shape on a GPU: cuDNN chooses its algorithm first, then the step is measured.
+                if device.type == "cuda" and n > start:
                     _step_bytes(probe, images, autocast_dtype)
                 measured[n] = _step_bytes(probe, images, autocast_dtype)
             except torch.OutOfMemoryError:
@@ -288,6 +290,10 @@ def measure_activation_bytes(
     precision = f" under {str(autocast_dtype).removeprefix('torch.')} autocast" if autocast_dtype else ""
     how = f"{kind}, probes of {', '.join(map(str, sizes))} images{precision} (stopped: {stopped})"
     return ActivationProbe(per_image, intercept, sizes, settled, stopped, how)
+
+
+def _start(device_type: str) -> int:
+    return PROBE_START.get(device_type, PROBE_START["cpu"])
 
 
 def _growths(measured: dict[int, int]) -> list[int]:
