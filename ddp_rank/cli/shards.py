@@ -3,7 +3,7 @@
 Examples::
 
     ddp-rank shards listing emoji ~/.cache/ddp_rank/emoji emoji.csv --size 64
-    ddp-rank shards listing words ~/.cache/ddp_rank/words words.csv --size 64 --words 25000
+    ddp-rank shards listing words ~/.cache/ddp_rank/words words.csv --size 64 --words 26000
     ddp-rank shards listing inat /data/iNat2018 inat.csv --train-list Inaturalist_train_set1.txt \
         --test-list Inaturalist_test_set1.txt
     ddp-rank shards build emoji.csv data/emoji-shards --workers 2 --max-samples 500
@@ -198,7 +198,7 @@ def _add_listing(sub: Any) -> None:
         "words 0.2)",
     )
     p.add_argument("--seed", type=int, default=0, help="emoji, inat, words: split seed")
-    p.add_argument("--words", type=int, default=25_000, help="words: how many words (classes), common first")
+    p.add_argument("--words", type=int, default=26_000, help="words: how many words (classes), common first")
     p.add_argument(
         "--train-list", default=None, help="inat: the published train split (image paths or class ids)"
     )

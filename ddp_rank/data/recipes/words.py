@@ -167,7 +167,7 @@ def render_all(jobs: Sequence[tuple[str, str, str, str]], size: int, workers: in
 def records(
     root: str | os.PathLike[str],
     size: int = 64,
-    words: int = 25_000,
+    words: int = 26_000,
     test_fraction: float = 0.2,
     seed: int = 0,
     workers: int | None = None,
