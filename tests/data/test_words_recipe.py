@@ -56,6 +56,12 @@ def test_words_are_taken_common_tier_first(tmp_path: Path, offline: None) -> Non
     assert "extraordinary" not in everything and len(everything) == len(set(everything)) == 18
     with pytest.raises(ListingError, match=r"only 18 words .* at most that many \(--words\)"):
         words.read_words(package, 19)
+    (package / "english-words-35.json").write_text('{"words": ["dagger"]}')
+    with pytest.raises(ListingError, match=r"english-words-35\.json is not a JSON list of words"):
+        words.read_words(package, 18)
+    (package / "english-words-35.json").unlink()
+    with pytest.raises(ListingError, match=r"english-words-35\.json is missing"):
+        words.read_words(package, 18)
 
 
 def test_records_classes_categories_and_disjoint_splits(tmp_path: Path, offline: None) -> None:

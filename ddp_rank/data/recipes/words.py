@@ -85,6 +85,10 @@ def read_words(package: Path, count: int) -> list[str]:
         if not path.is_file():
             raise ListingError(f"{path} is missing: not the {WORD_LIST[0]}@{WORD_LIST[1]} package")
         listed = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(listed, list) or not all(isinstance(w, str) for w in listed):
+            raise ListingError(
+                f"{path} is not a JSON list of words: not the {WORD_LIST[0]}@{WORD_LIST[1]} package"
+            )
         fresh = sorted({w for w in listed if WORD_PATTERN.fullmatch(w)} - seen, key=_stable_order)
         chosen.extend(fresh[: count - len(chosen)])
         seen.update(fresh)
