@@ -114,8 +114,9 @@ def render_word(word: str, font_name: str, font_path: str, size: int) -> bytes:
     """One ``size`` x ``size`` greyscale PNG of ``word`` in the font at ``font_path``.
 
     The word is scaled to fill 70-92% of the width (at most 60% of the height), moved off centre by up to a
-    third of the free margin, drawn with a stroke of 0 or 1 px (a bolder weight, from 16 px letters up), dark ink on light paper; every
-    choice comes from a generator seeded by (word, font name), never from the clock or the process.
+    sixth of the free space on each axis, drawn with a stroke of 0 or 1 px (a bolder weight; only from 16 px
+    letters up), dark ink on light paper. Every choice comes from a generator seeded by (word, font name),
+    never from the clock or the process.
     """
     rng = _jitter_rng(word, font_name)
     width_frac = rng.uniform(0.70, 0.92)
