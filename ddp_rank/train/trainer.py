@@ -42,7 +42,7 @@ from ddp_rank.runtime.failure import end_process_after_failure, end_process_now,
 from ddp_rank.train import resume as resume_
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batches import TrainBatches
-from ddp_rank.train.batchnorm import sync_batchnorm_buffers
+from ddp_rank.train.batchnorm import match_batchnorm_buffers_to_weights, sync_batchnorm_buffers
 from ddp_rank.train.checkpoint import CheckpointManager
 from ddp_rank.train.chunk_choice import auto_chunk
 from ddp_rank.train.chunked import forward_backward
@@ -136,6 +136,8 @@ class Trainer:
         self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
         self.deepspeed = configure_deepspeed(acc, self.layout, cfg.optim.grad_clip)
         self.model, self.optimizer = acc.prepare(model, optimizer)
+        if self.deepspeed:
+            match_batchnorm_buffers_to_weights(self.model)
         acc.register_for_checkpointing(self.scheduler)
         if self.loss_parameters:  # saved and resumed with the run (custom_checkpoint_1 in each checkpoint)
             acc.register_for_checkpointing(training_loss.loss)
