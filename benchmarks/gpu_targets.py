@@ -414,6 +414,84 @@ def demo_verdicts(demo_exit: int | None, identical: bool | None, detail: str = "
     return verdicts
 
 
+# ----------------------------------------------------------------------------------------- chunk
+CHUNK_SHARE = 0.5
+"""``distributed.chunk_size=auto``'s chunk at least this share of the largest chunk that fits (found by bisection):
+the memory budget keeps ``memory_fraction`` (0.8) of the free memory and counts the fixed costs from above, so a
+chunk near the largest is not expected; below half of it the probe over-counts."""
+
+
+def chunk_verdicts(
+    record: dict[str, Any] | None, clean: dict[str, Any] | None, control: dict[str, Any] | None
+) -> list[Verdict]:
+    """``record``: ``benchmarks/chunk_check.py``'s (None: it left none); ``clean`` / ``control``: its sanitizer
+    runs (``--sanitizer clean`` / ``control``)."""
+    return [*_chunk_fits(record), *_sanitizer(clean, control)]
+
+
+def _chunk_fits(record: dict[str, Any] | None) -> list[Verdict]:
+    setup = (record or {}).get("setup", "the real setup")
+    starts = f"chunk_size=auto on {setup}: starts and trains without out-of-memory"
+    share = f"chunk_size=auto's chunk >= {CHUNK_SHARE:g} of the largest chunk that fits (bisection), never above it"
+    if not record:
+        return [Verdict(starts, NOT_MEASURED, "the check left no record"), Verdict(share, NOT_MEASURED, "")]
+    if "error" in record:
+        return [
+            Verdict(starts, FAIL, f"the trainer did not start: {record['error']}"),
+            Verdict(share, NOT_MEASURED, ""),
+        ]
+    chosen, local = record.get("chosen"), record.get("local_batch")
+    how = "backed off in the trial step" if record.get("backed_off") else "confirmed by the trial step"
+    if record.get("oom_at_chosen") is None:
+        verdicts = [Verdict(starts, NOT_MEASURED, "no step ran at the chosen chunk")]
+    elif record["oom_at_chosen"]:
+        verdicts = [
+            Verdict(starts, FAIL, f"out of memory in a training step at the chosen chunk of {chosen} ({how})")
+        ]
+    else:
+        verdicts = [
+            Verdict(starts, PASS, f"chunk {chosen} of the local batch of {local}, {how}; training steps ran")
+        ]
+    largest = record.get("largest_fitting")
+    if largest is None or chosen is None:
+        verdicts.append(Verdict(share, NOT_MEASURED, "the bisection did not finish"))
+    elif largest >= local and chosen >= local:
+        verdicts.append(
+            Verdict(share, NOT_MEASURED, f"the local batch of {local} fits whole: no chunk to judge")
+        )
+    elif chosen > largest:
+        verdicts.append(
+            Verdict(share, FAIL, f"chosen {chosen} > largest that fits {largest}: the probe under-counts")
+        )
+    else:
+        ratio = chosen / max(largest, 1)
+        status = PASS if ratio >= CHUNK_SHARE else FAIL
+        why = "" if status == PASS else ": the probe over-counts"
+        verdicts.append(Verdict(share, status, f"{chosen} of {largest}, {ratio:.2f}{why}"))
+    if record.get("peak_reserved_mb") is not None:
+        verdicts.append(Verdict("peak reserved memory at the chosen chunk", INFO,
+                                f"{record['peak_reserved_mb'] / 1024:.1f} GiB reserved, "
+                                f"{record.get('peak_allocated_mb', 0) / 1024:.1f} GiB allocated, of "
+                                f"{record.get('device_mb', 0) / 1024:.1f} GiB"))  # fmt: skip
+    return verdicts
+
+
+def _sanitizer(clean: dict[str, Any] | None, control: dict[str, Any] | None) -> list[Verdict]:
+    target = "the device feed's side-stream copies under TORCH_CUDA_SANITIZER=1: no report"
+    if not clean or not clean.get("sanitizer_enabled"):
+        why = (clean or {}).get("error", "the sanitizer run left no record")
+        return [Verdict(target, NOT_MEASURED, why)]
+    if clean.get("reports"):
+        return [Verdict(target, FAIL, f"{clean['reports']} report(s): {clean.get('first_report', '')[:300]}")]
+    if "error" in clean:
+        return [Verdict(target, FAIL, f"the run failed under the sanitizer: {clean['error']}")]
+    if not control or not control.get("reports"):
+        return [Verdict(target, NOT_MEASURED, "the control run (the feed's wait_stream removed) was not reported: "
+                        "the sanitizer did not see the copies, so the clean run proves nothing")]  # fmt: skip
+    return [Verdict(target, PASS, f"{clean.get('steps', 0)} steps, no report; the control run without the feed's "
+                    f"wait_stream was reported ({control['reports']} report(s))")]  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------- the report
 def section(part: str, header: str, body: str, verdicts: list[Verdict]) -> str:
     """The markdown a part appends to the day's report."""

@@ -3,6 +3,7 @@
 Examples::
 
     ddp-rank shards listing emoji ~/.cache/ddp_rank/emoji emoji.csv --size 64
+    ddp-rank shards listing words ~/.cache/ddp_rank/words words.csv --size 64 --words 26000
     ddp-rank shards listing inat /data/iNat2018 inat.csv --train-list Inaturalist_train_set1.txt \
         --test-list Inaturalist_test_set1.txt
     ddp-rank shards build emoji.csv data/emoji-shards --workers 2 --max-samples 500
@@ -186,19 +187,23 @@ def _add_listing(sub: Any) -> None:
     p.add_argument("recipe", choices=sorted(RECIPES))
     p.add_argument("root", help="the dataset folder (emoji: the download cache folder)")
     p.add_argument("out", help="listing CSV to write")
-    p.add_argument("--size", type=int, default=64, help="emoji: render size of the openmoji SVGs")
+    p.add_argument(
+        "--size", type=int, default=64, help="emoji: render size of the openmoji SVGs; words: image size"
+    )
     p.add_argument(
         "--test-fraction",
         type=float,
         default=None,
-        help="emoji, inat: fraction of classes held out (emoji 0.5, inat 0.3 without split lists)",
+        help="emoji, inat, words: fraction of classes held out (emoji 0.5, inat 0.3 without split lists, "
+        "words 0.2)",
     )
-    p.add_argument("--seed", type=int, default=0, help="emoji, inat: split seed")
+    p.add_argument("--seed", type=int, default=0, help="emoji, inat, words: split seed")
+    p.add_argument("--words", type=int, default=26_000, help="words: how many words (classes), common first")
     p.add_argument(
         "--train-list", default=None, help="inat: the published train split (image paths or class ids)"
     )
     p.add_argument("--test-list", default=None, help="inat: the published test split")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="emoji: render workers")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="emoji, words: render workers")
     p.set_defaults(func=_listing)
 
 
@@ -360,6 +365,14 @@ def _listing(args: argparse.Namespace) -> int:
         options = {
             "size": args.size,
             "test_fraction": 0.5 if args.test_fraction is None else args.test_fraction,
+            "seed": args.seed,
+            "workers": args.workers,
+        }
+    elif args.recipe == "words":
+        options = {
+            "size": args.size,
+            "words": args.words,
+            "test_fraction": 0.2 if args.test_fraction is None else args.test_fraction,
             "seed": args.seed,
             "workers": args.workers,
         }

@@ -14,7 +14,7 @@ from ddp_rank.cli import main
 from ddp_rank.data.build import BuildOptions, build_shards
 from ddp_rank.data.listing import ListingError, read_csv_listing
 from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.recipes import emoji, inshop, run_recipe, sop, vehicleid
+from ddp_rank.data.recipes import emoji, inshop, npm, run_recipe, sop, vehicleid
 from ddp_rank.data.synthetic import write_image_folder
 
 
@@ -190,8 +190,8 @@ def test_emoji_runs_npm_pack_when_not_cached(tmp_path: Path, monkeypatch: pytest
         (tmp_path / "made" / f"{name}.tgz").rename(Path(cmd[4]) / f"{name}.tgz")
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(emoji.shutil, "which", lambda name: "/usr/bin/npm")
-    monkeypatch.setattr(emoji.subprocess, "run", fake_npm)
+    monkeypatch.setattr(npm.shutil, "which", lambda name: "/usr/bin/npm")
+    monkeypatch.setattr(npm.subprocess, "run", fake_npm)
     records = emoji.records(tmp_path / "cache", vendors=("google", "twitter"), workers=1)
     assert [c[:3] for c in calls] == [
         ["npm", "pack", "emoji-datasource-google@16.0.0"],

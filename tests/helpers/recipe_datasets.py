@@ -83,3 +83,45 @@ def recipe_shards(recipe: str, tmp: Path) -> Path:
     assert main(["shards", "listing", recipe, str(root), str(listing)]) == 0
     assert main(["shards", "build", str(listing), str(out), "--workers", "1", "--no-progress"]) == 0
     return out
+
+
+def _tgz(path: Path, members: dict[str, bytes]) -> None:
+    import io
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def fake_words_packages(cache: Path, tiers: dict[int, list[str]], fonts: tuple[str, ...]) -> Path:
+    """The word-list tarball (``tiers``: SCOWL tier -> words; missing tiers are empty) and one tarball per font
+    in ``fonts``, under the names ``npm pack`` gives them. Every font is Pillow's own Aileron (the TrueType
+    bytes of ``ImageFont.load_default``; FreeType reads a font by its content, whatever the suffix): a real
+    font that needs no network and no system package."""
+    import json
+
+    from PIL import ImageFont
+
+    from ddp_rank.data.recipes import npm, words
+
+    package, version = words.WORD_LIST
+    _tgz(
+        cache / npm.tarball_name(package, version),
+        {
+            f"package/english-words-{t}.json": json.dumps(tiers.get(t, [])).encode()
+            for t in words.WORD_TIERS
+        }
+        | {"package/README.md": b"not read"},
+    )
+    font_bytes = ImageFont.load_default(12).font_bytes  # type: ignore[union-attr]
+    for name in fonts:
+        font = words.FONTS[name]
+        _tgz(
+            cache / npm.tarball_name(font.package, font.version),
+            {f"package/{font.file}": font_bytes, "package/LICENSE": b"OFL"},
+        )
+    return cache

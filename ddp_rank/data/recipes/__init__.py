@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddp_rank.data.listing import Record
-from ddp_rank.data.recipes import emoji, inat, inshop, sop, vehicleid
+from ddp_rank.data.recipes import emoji, inat, inshop, sop, vehicleid, words
 
 RECIPES: dict[str, Callable[..., list[Record]]] = {
     "sop": sop.records,
@@ -19,6 +19,7 @@ RECIPES: dict[str, Callable[..., list[Record]]] = {
     "vehicleid": vehicleid.records,
     "emoji": emoji.records,
     "inat": inat.records,
+    "words": words.records,
 }
 
 

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import tarfile
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
@@ -22,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_rank.data.listing import ListingError, Record, assign_splits
+from ddp_rank.data.recipes import npm
 
 PACKAGES: dict[str, tuple[str, str]] = {
     "google": ("emoji-datasource-google", "16.0.0"),
@@ -41,30 +39,7 @@ _WANTED_PREFIXES = (
 
 def fetch(cache: Path, package: str, version: str) -> Path:
     """``npm pack`` the package into ``cache`` (once) and unpack what the recipe reads; returns ``.../package``."""
-    cache.mkdir(parents=True, exist_ok=True)
-    tgz = cache / f"{package}-{version}.tgz"
-    if not tgz.is_file():
-        if shutil.which("npm") is None:
-            raise ListingError(f"npm not found: install Node.js/npm, or put {tgz.name} in {cache} by hand")
-        try:
-            subprocess.run(
-                ["npm", "pack", f"{package}@{version}", "--pack-destination", str(cache)],
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-        except subprocess.CalledProcessError as exc:
-            raise ListingError(f"`npm pack {package}@{version}` failed:\n{exc.stderr.strip()}") from exc
-    dest = cache / f"{package}-{version}"
-    if not (dest / "package").is_dir():
-        tmp = cache / f".{package}-{version}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        with tarfile.open(tgz, "r:gz") as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(_WANTED_PREFIXES)]
-            tar.extractall(tmp, members=members, filter="data")
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(tmp, dest)
-    return dest / "package"
+    return npm.fetch(cache, package, version, _WANTED_PREFIXES)
 
 
 def render_svg(svg: str, png: str, size: int) -> None:
