@@ -74,11 +74,12 @@ def split_axes(items: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]
             raise ConfigError(f"sweep value '{item}' is not of the form section.key=value[,value...]")
         key, raw = (part.strip() for part in item.split("=", 1))
         values = [v.strip() for v in _split_top_level(raw, ";" if key in list_keys else ",")]
-        # A lone empty value is a setting's "none" (data.test_split=): a fixed override, as train takes it.
         if any(v.count("(") != v.count(")") for v in values):
             raise ConfigError(
-                f"'{item}' has an unbalanced '(' or ')'; write e.g. {key}=pml:Loss(a=1, b=2),pml:Other()"
+                f"'{item}' has an unbalanced '(' or ')'; write e.g. "
+                f"{key}=pml:ContrastiveLoss(pos_margin=0.0, neg_margin=1.0),fastap"
             )
+        # A lone empty value is a setting's "none" (data.test_split=): a fixed override, as train takes it.
         if len(values) > 1 and not all(values):
             raise ConfigError(
                 f"'{item}' has an empty value; write {key}=a,b,c"
