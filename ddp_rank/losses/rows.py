@@ -24,6 +24,11 @@ from torch import Tensor
 # Work space a chunk may use when the caller gives no budget. On CPU small chunks stay in cache and lose
 # nothing; on a GPU large chunks amortise the kernel launches of the per-chunk maths.
 DEFAULT_BUDGET_BYTES = {"cpu": 32 * 2**20, "cuda": 1 * 2**30}
+# On CPU, the work space the torch path's passes over a block take at a time: they walk its rows in sub-blocks
+# this size, which stay in a core's L2 cache (0.5 to 2 MiB on current x86 servers) from one pass to the next.
+# Each pass is a few instructions per element, so from main memory it would wait on it: at N = 8,192 a
+# clamp over a 256-row block took 0.3 ns an element, over 32 rows 0.1 ns. On CUDA a pass takes a whole chunk.
+CPU_PASS_BYTES = 2**20
 
 
 @dataclass
@@ -63,8 +68,9 @@ class Workspace:
     until the call returns.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, pass_bytes: int | None = None) -> None:
         self.device = device
+        self.pass_bytes = pass_bytes  # the passes' sub-blocks (``pass_row_blocks``); None: whole blocks
         self._buffers: dict[str, Tensor] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -75,6 +81,15 @@ class Workspace:
             buffer = torch.empty(numel, dtype=dtype, device=self.device)
             self._buffers[name] = buffer
         return buffer[:numel].view(shape)
+
+
+def pass_row_blocks(n_rows: int, bytes_per_row: int, workspace: Workspace) -> list[slice]:
+    """The row slices a pass over ``n_rows`` rows walks: as many rows as ``workspace.pass_bytes`` holds at
+    ``bytes_per_row`` (at least one), or all of them when it is None."""
+    if workspace.pass_bytes is None or n_rows == 0:
+        return [slice(0, n_rows)]
+    step = max(1, workspace.pass_bytes // max(1, bytes_per_row))
+    return [slice(start, min(n_rows, start + step)) for start in range(0, n_rows, step)]
 
 
 @dataclass
