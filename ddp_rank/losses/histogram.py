@@ -44,8 +44,7 @@ def cumulative_histograms(t: Tensor, num_bins: int, workspace: Workspace, fused:
     if fused:
         return fused_cumulative_histograms(t, num_bins)
     n_rows, n_cols = t.shape
-    H = t.new_empty(n_rows, num_bins + 1)
-    H[:, num_bins] = n_cols  # every t <= num_bins
+    minus_H = t.new_empty(n_rows, num_bins)
     levels = torch.arange(1, num_bins + 1, device=t.device, dtype=t.dtype)[:, None]  # [num_bins, 1]
     row_bytes = histogram_pass_bytes(n_cols, num_bins, t.element_size())
     for rows in pass_row_blocks(n_rows, row_bytes, workspace):
@@ -54,8 +53,8 @@ def cumulative_histograms(t: Tensor, num_bins: int, workspace: Workspace, fused:
         # -C_l, exactly where it is not 0 or -1; the clamp saturates positions outside [0, num_bins] as
         # clamping them first would (C_l is 1 for every t <= 0 and 0 for every t >= num_bins, l < num_bins).
         torch.sub(t_rows[:, None, :], levels, out=levels_rows).clamp_(-1, 0)
-        H[rows, :num_bins] = levels_rows.sum(2).neg_()
-    return H
+        torch.sum(levels_rows, 2, out=minus_H[rows])
+    return torch.cat([minus_H.neg_(), minus_H.new_full((n_rows, 1), n_cols)], 1)  # every t <= num_bins
 
 
 def cumulative_weights(t: Tensor, num_bins: int) -> Tensor:
@@ -82,15 +81,11 @@ def bin_gradient(t: Tensor, slopes: Tensor, out: Tensor, workspace: Workspace, f
     # (num_bins, num_bins + 1) also read the last slope; they need a mask, looked for with one max per block.
     table = torch.cat([slopes.new_zeros(n_rows, 1), slopes, slopes[:, -1:], slopes.new_zeros(n_rows, 1)], 1)
     table = table.to(t.dtype)
+    above = t > num_bins if t.numel() and bool(t.max() > num_bins) else None  # rare: rows off unit length
     row_bytes = histogram_pass_bytes(n_cols, 1, t.element_size())
     for rows in pass_row_blocks(n_rows, row_bytes, workspace):
         t_rows, out_rows = t[rows], out[rows]
         bins = workspace.take("low", tuple(t_rows.shape), torch.int64)
-        above = bool(t_rows.max() > num_bins) if t_rows.numel() else False
-        mask = t_rows > num_bins if above else None
         torch.floor(t_rows, out=out_rows).clamp_(-1, num_bins + 1).add_(1)
-        bins.copy_(out_rows)
-        torch.gather(table[rows], 1, bins, out=out_rows)
-        if mask is not None:
-            out_rows.masked_fill_(mask, 0.0)
-    return out
+        torch.gather(table[rows], 1, bins.copy_(out_rows), out=out_rows)
+    return out if above is None else out.masked_fill_(above, 0.0)

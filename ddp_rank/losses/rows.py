@@ -25,10 +25,11 @@ from torch import Tensor
 # nothing; on a GPU large chunks amortise the kernel launches of the per-chunk maths.
 DEFAULT_BUDGET_BYTES = {"cpu": 32 * 2**20, "cuda": 1 * 2**30}
 # On CPU, the work space the torch path's passes over a block take at a time: they walk its rows in sub-blocks
-# this size, which stay in a core's L2 cache (0.5 to 2 MiB on current x86 servers) from one pass to the next.
-# Each pass is a few instructions per element, so from main memory it would wait on it: at N = 8,192 a
-# clamp over a 256-row block took 0.3 ns an element, over 32 rows 0.1 ns. On CUDA a pass takes a whole chunk.
-CPU_PASS_BYTES = 2**20
+# this size, which stay in cache from one pass to the next (a core's L2 of 0.5-2 MiB, or its share of L3)
+# instead of going to memory for each: each pass is a few instructions per element. Smaller sub-blocks pay
+# more eager-op overheads (several microseconds each); 1 and 4 MiB measured alike here, and 4 MiB makes a
+# quarter of the ops (benchmarks/results/loss-floor-*.md). On CUDA a pass takes a whole chunk.
+CPU_PASS_BYTES = 4 * 2**20
 
 
 @dataclass
