@@ -223,25 +223,29 @@ class ListwiseLoss(nn.Module, abc.ABC):
         passes walk (None: whole chunks).
 
         On CPU the torch path's per-block passes (``_pass_bytes_per_query_row``) walk sub-blocks of
-        ``rows.CPU_PASS_BYTES`` (at most half the budget) that stay in cache, so a chunk's rows hold only the
-        rest, and the similarity and gradient matmuls get chunks of many rows, as they run best. On CUDA (or
-        fused) a chunk's passes take it whole."""
+        ``rows.CPU_PASS_BYTES`` per thread (at most half the budget) that stay in cache, so a chunk's rows
+        hold only the rest, and the similarity and gradient matmuls get chunks of many rows, as they run
+        best. On CUDA (or fused) a chunk's passes take it whole."""
         budget = self.memory_budget or DEFAULT_BUDGET_BYTES["cuda" if device.type == "cuda" else "cpu"]
         # bf16 similarity operands: their float32 product exists beside the block until it is copied in.
         product_bytes = n_database * 4 if self.matmul_precision == "bf16" else 0
         itemsize = dtype.itemsize
         if device.type == "cuda" or fused:
             return (
-                lambda width: product_bytes
-                + self._bytes_per_query_row(n_database, width, itemsize, fused=fused),
+                lambda width: (
+                    product_bytes + self._bytes_per_query_row(n_database, width, itemsize, fused=fused)
+                ),
                 budget,
                 None,
             )
-        pass_bytes = min(CPU_PASS_BYTES, budget // 2)
+        # Each thread takes its share of a pass, in its own core's cache.
+        pass_bytes = min(CPU_PASS_BYTES * torch.get_num_threads(), budget // 2)
         return (
-            lambda width: product_bytes
-            + self._bytes_per_query_row(n_database, width, itemsize, fused=False)
-            - self._pass_bytes_per_query_row(n_database, width, itemsize),
+            lambda width: (
+                product_bytes
+                + self._bytes_per_query_row(n_database, width, itemsize, fused=False)
+                - self._pass_bytes_per_query_row(n_database, width, itemsize)
+            ),
             budget - pass_bytes,
             pass_bytes,
         )

@@ -105,8 +105,10 @@ class PNPLoss(ListwiseLoss):
         # sigmoids are ``_pass_bytes_per_query_row``.
         p = max(1, max_positives)
         per_column = 2 if fused else 1
-        return per_column * n_database * itemsize + p * SAME_CLASS_BYTES + (
-            0 if fused else self._pass_bytes_per_query_row(n_database, max_positives, itemsize)
+        return (
+            per_column * n_database * itemsize
+            + p * SAME_CLASS_BYTES
+            + (0 if fused else self._pass_bytes_per_query_row(n_database, max_positives, itemsize))
         )
 
     def _pass_bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
