@@ -11,8 +11,8 @@ Two implementations of each:
   bins); the gradient reads each position's bin from a per-row table with one ``gather``. On CPU the rows go
   in sub-blocks whose buffers stay in cache (``rows.pass_row_blocks``): each of these passes is a few
   arithmetic instructions per element, so from memory they would wait on it. Scatter-adds into the two bins
-  each position touches would do less arithmetic but cost 10 ns an element on CPU (measured), ten times the
-  whole ``[rows, num_bins, N]`` pass.
+  each position touches would do less arithmetic but cost about 10 ns an element each on CPU (measured on
+  the 2-core test machine), several times the whole ``[rows, num_bins, N]`` pass.
 - ``triton``: one fused pass each (``triton_kernels.py``): the histograms keep all the bins' sums of a row in
   registers, so the block is read once whatever the number of bins. Where they cannot run, the torch path does.
 
