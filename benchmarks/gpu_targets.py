@@ -278,6 +278,126 @@ def deepspeed_verdicts(losses: dict[str, list[float] | None], reference: str = "
     return verdicts
 
 
+# ----------------------------------------------------------------------------------------- grads
+GRAD_RTOL: dict[str, tuple[float, float]] = {"fp32": (1e-4, 1e-3), "bf16": (5e-2, 0.3)}
+"""precision -> (whole update, worst tensor): the most the chunked step's weight change may differ from the direct
+step's, relative (``benchmarks/grad_check.py``: one SGD step, lr 1, from the same weights and batch, so the change
+is the applied gradient). fp32 (TF32 off): the two steps add the same per-row terms in another order (four
+backwards accumulated against one) and the convolutions may pick other kernels for a chunk's shape: float32
+rounding, 1.8e-6 of the whole and 5.8e-6 of the worst tensor measured on CPU (tiny_cnn, 4 chunks; ResNet-18 at 32
+px: 2.5e-6 and 4.5e-6); 1e-4 and 1e-3 leave room for ResNet-50's depth and for a tensor whose update is small
+against the rounding of the others (the head's bias, whose gradient nearly cancels under L2-normalised
+embeddings). bf16: the forwards round to 8 bits (0.4 %) and a chunk's shape changes the kernels' accumulation
+order, so the two steps' embeddings differ by bf16 rounding, which FastAP's soft histograms and the backward carry
+into the gradient: 0.5 % of the whole and 5.7 % of the worst tensor measured on CPU under autocast (ResNet-18:
+0.44 % and 6.4 %), 0.7 % and 6.7 % under DeepSpeed ZeRO-1/2 bf16 (buffers in bf16: on CPU, frozen BatchNorm with
+DeepSpeed's float32 buffers and bf16 weights does not run); 5 % and 30 %. A step that keeps only the last of 4
+chunks is off by the order of the update itself (1.76 of the whole measured, 16 on the head's bias): far outside
+both."""
+
+
+def grads_verdicts(rows: list[dict[str, Any]], expected: list[tuple[str, str, int, str]], gpus: int) -> list[Verdict]:
+    """``rows``: ``benchmarks/grad_check.py --json`` rows; ``expected``: the runs asked for, (engine, precision,
+    processes, fault). A real run (fault ``none``) PASSes within ``GRAD_RTOL``; a broken build (a fault) is the
+    check's own control: it PASSes when the check FAILs that build. DDP over NCCL with 2+ processes needs 2+ GPUs:
+    with fewer it is NOT MEASURED, never passed."""
+    by_key = {(r["engine"], r["precision"], r["processes"], r.get("fault", "none")): r for r in rows}
+    verdicts = []
+    for key in expected:
+        engine, precision, processes, fault = key
+        row = by_key.get(key)
+        where = f"{engine}, {precision}, {processes} process{'es' if processes > 1 else ''}"
+        if fault == "none":
+            target = f"chunked step's update == direct step's: {where}"
+            if row is None:
+                verdicts.append(Verdict(target, NOT_MEASURED, "no result (stopped at its time limit?)"))
+            elif "error" in row:
+                verdicts.append(Verdict(target, FAIL, f"crashed: {row['error']}"))
+            else:
+                within, detail = _update_within(row)
+                verdicts.append(Verdict(target, PASS if within else FAIL, detail))
+            continue
+        target = f"the check FAILs a broken build ({fault}): {where}"
+        if row is None or "error" in row:
+            why = "no result (stopped at its time limit?)" if row is None else f"the broken build crashed: {row['error']}"
+            verdicts.append(Verdict(target, NOT_MEASURED, why))
+            continue
+        within, detail = _update_within(row)
+        if within:
+            verdicts.append(Verdict(target, FAIL, "the check PASSED it, so it cannot catch lost chunks: " + detail))
+        else:
+            verdicts.append(Verdict(target, PASS, "caught: " + detail))
+    if gpus < 2:
+        verdicts.append(Verdict("chunked step's update == direct step's: DDP over NCCL, 2+ processes", NOT_MEASURED,
+                                f"{gpus} GPU visible: it needs one per process, 2 or more"))  # fmt: skip
+    return verdicts
+
+
+def _update_within(row: dict[str, Any]) -> tuple[bool, str]:
+    """Whether ``row``'s chunked update is within ``GRAD_RTOL`` of its direct one, and the figures."""
+    whole_tol, worst_tol = GRAD_RTOL[row["precision"]]
+    norm, whole, worst = row["direct_norm"], row["update_rel"], row["worst_rel"]
+    if not (math.isfinite(norm) and norm > 0):
+        return False, f"the direct step's update has norm {norm}: nothing to compare"
+    detail = (
+        f"update off by {whole:.2e} (<= {whole_tol:g}), worst tensor {row['worst_tensor']} by {worst:.2e} "
+        f"(<= {worst_tol:g}); {row['chunks']} chunks of {row['chunk']}"
+    )
+    if "peak_mb_direct" in row:
+        detail += f"; peak {row['peak_mb_direct']:.0f} MB direct, {row['peak_mb_chunked']:.0f} MB chunked"
+    return whole <= whole_tol and worst <= worst_tol, detail
+
+
+# ----------------------------------------------------------------------------------------- feed
+FEED_OVERLAP_FACTOR = 1.25
+"""The fed step (``benchmarks/feed_check.py``: ``next(feed)`` and the step) at most this many times the longer of
+the on-device step and the loader alone: the feed hides the shorter behind the longer. A feed without overlap
+takes their sum, so it fails wherever the shorter is at least a quarter of the longer; where it is less, no
+feed could be told from another (INFO). The same bound holds the step without ``data_time`` to the on-device
+step: ``data_time`` must hold the whole wait for data, or the ``train`` part would blame the step for it."""
+FEED_STEP_FACTOR = 1.10
+"""With workers the fed step at most this many times the on-device step: the data path costs the GPU at most a
+tenth of its time (with ``num_workers=0`` the reader thread decodes alone, which a GPU step outruns: INFO)."""
+
+
+def feed_verdicts(rows: list[dict[str, Any]], workers: list[int]) -> list[Verdict]:
+    """``rows``: ``benchmarks/feed_check.py --json`` rows (workers, feed, device_s, loader_s, fed_s, wait_s);
+    ``workers``: the ``num_workers`` values asked for (a missing one is NOT MEASURED)."""
+    verdicts = []
+    by_workers = {r["workers"]: r for r in rows}
+    for w in workers:
+        row = by_workers.get(w)
+        what = f"feed, num_workers={w}"
+        if row is None:
+            verdicts.append(Verdict(f"{what}: measured", NOT_MEASURED, "no result (stopped at its time limit?)"))
+            continue
+        device, loader, fed, wait = row["device_s"], row["loader_s"], row["fed_s"], row["wait_s"]
+        figures = (
+            f"fed step {1000 * fed:.1f} ms = {fed / device:.2f}x the on-device step ({1000 * device:.1f} ms); "
+            f"loader alone {1000 * loader:.1f} ms ({loader / device:.2f}x)"
+        )
+        longer, shorter = max(device, loader), min(device, loader)
+        target = f"{what}: reading overlaps the step (fed <= {FEED_OVERLAP_FACTOR:g}x the longer of the two)"
+        if fed > FEED_OVERLAP_FACTOR * longer:
+            why = f"; without overlap it would be {(device + loader) / longer:.2f}x the longer"
+            verdicts.append(Verdict(target, FAIL, figures + why))
+        elif shorter < (FEED_OVERLAP_FACTOR - 1) * longer:
+            verdicts.append(Verdict(target, INFO, figures + ": the shorter is too short to tell overlap from none"))
+        else:
+            verdicts.append(Verdict(target, PASS, figures))
+        step_alone = fed - wait
+        target = f"{what}: data_time is the whole wait (fed step - data_time <= {FEED_OVERLAP_FACTOR:g}x on-device)"
+        status = PASS if step_alone <= FEED_OVERLAP_FACTOR * device else FAIL
+        detail = f"data_time {1000 * wait:.1f} ms; the step without it {step_alone / device:.2f}x the on-device step"
+        verdicts.append(Verdict(target, status, detail))
+        target = f"{what}: fed step within {FEED_STEP_FACTOR:g}x of the on-device step"
+        within = fed <= FEED_STEP_FACTOR * device
+        advice = "" if within or loader <= device else ": the loader alone is slower than the step (more workers)"
+        status = INFO if w == 0 else PASS if within else FAIL
+        verdicts.append(Verdict(target, status, figures + advice))
+    return verdicts
+
+
 # ----------------------------------------------------------------------------------------- demo
 def demo_verdicts(demo_exit: int | None, identical: bool | None, detail: str = "") -> list[Verdict]:
     verdicts = []
@@ -292,6 +412,84 @@ def demo_verdicts(demo_exit: int | None, identical: bool | None, detail: str = "
     else:
         verdicts.append(Verdict(target, PASS if identical else FAIL, detail))
     return verdicts
+
+
+# ----------------------------------------------------------------------------------------- chunk
+CHUNK_SHARE = 0.5
+"""``distributed.chunk_size=auto``'s chunk at least this share of the largest chunk that fits (found by bisection):
+the memory budget keeps ``memory_fraction`` (0.8) of the free memory and counts the fixed costs from above, so a
+chunk near the largest is not expected; below half of it the probe over-counts."""
+
+
+def chunk_verdicts(
+    record: dict[str, Any] | None, clean: dict[str, Any] | None, control: dict[str, Any] | None
+) -> list[Verdict]:
+    """``record``: ``benchmarks/chunk_check.py``'s (None: it left none); ``clean`` / ``control``: its sanitizer
+    runs (``--sanitizer clean`` / ``control``)."""
+    return [*_chunk_fits(record), *_sanitizer(clean, control)]
+
+
+def _chunk_fits(record: dict[str, Any] | None) -> list[Verdict]:
+    setup = (record or {}).get("setup", "the real setup")
+    starts = f"chunk_size=auto on {setup}: starts and trains without out-of-memory"
+    share = f"chunk_size=auto's chunk >= {CHUNK_SHARE:g} of the largest chunk that fits (bisection), never above it"
+    if not record:
+        return [Verdict(starts, NOT_MEASURED, "the check left no record"), Verdict(share, NOT_MEASURED, "")]
+    if "error" in record:
+        return [
+            Verdict(starts, FAIL, f"the trainer did not start: {record['error']}"),
+            Verdict(share, NOT_MEASURED, ""),
+        ]
+    chosen, local = record.get("chosen"), record.get("local_batch")
+    how = "backed off in the trial step" if record.get("backed_off") else "confirmed by the trial step"
+    if record.get("oom_at_chosen") is None:
+        verdicts = [Verdict(starts, NOT_MEASURED, "no step ran at the chosen chunk")]
+    elif record["oom_at_chosen"]:
+        verdicts = [
+            Verdict(starts, FAIL, f"out of memory in a training step at the chosen chunk of {chosen} ({how})")
+        ]
+    else:
+        verdicts = [
+            Verdict(starts, PASS, f"chunk {chosen} of the local batch of {local}, {how}; training steps ran")
+        ]
+    largest = record.get("largest_fitting")
+    if largest is None or chosen is None:
+        verdicts.append(Verdict(share, NOT_MEASURED, "the bisection did not finish"))
+    elif largest >= local and chosen >= local:
+        verdicts.append(
+            Verdict(share, NOT_MEASURED, f"the local batch of {local} fits whole: no chunk to judge")
+        )
+    elif chosen > largest:
+        verdicts.append(
+            Verdict(share, FAIL, f"chosen {chosen} > largest that fits {largest}: the probe under-counts")
+        )
+    else:
+        ratio = chosen / max(largest, 1)
+        status = PASS if ratio >= CHUNK_SHARE else FAIL
+        why = "" if status == PASS else ": the probe over-counts"
+        verdicts.append(Verdict(share, status, f"{chosen} of {largest}, {ratio:.2f}{why}"))
+    if record.get("peak_reserved_mb") is not None:
+        verdicts.append(Verdict("peak reserved memory at the chosen chunk", INFO,
+                                f"{record['peak_reserved_mb'] / 1024:.1f} GiB reserved, "
+                                f"{record.get('peak_allocated_mb', 0) / 1024:.1f} GiB allocated, of "
+                                f"{record.get('device_mb', 0) / 1024:.1f} GiB"))  # fmt: skip
+    return verdicts
+
+
+def _sanitizer(clean: dict[str, Any] | None, control: dict[str, Any] | None) -> list[Verdict]:
+    target = "the device feed's side-stream copies under TORCH_CUDA_SANITIZER=1: no report"
+    if not clean or not clean.get("sanitizer_enabled"):
+        why = (clean or {}).get("error", "the sanitizer run left no record")
+        return [Verdict(target, NOT_MEASURED, why)]
+    if clean.get("reports"):
+        return [Verdict(target, FAIL, f"{clean['reports']} report(s): {clean.get('first_report', '')[:300]}")]
+    if "error" in clean:
+        return [Verdict(target, FAIL, f"the run failed under the sanitizer: {clean['error']}")]
+    if not control or not control.get("reports"):
+        return [Verdict(target, NOT_MEASURED, "the control run (the feed's wait_stream removed) was not reported: "
+                        "the sanitizer did not see the copies, so the clean run proves nothing")]  # fmt: skip
+    return [Verdict(target, PASS, f"{clean.get('steps', 0)} steps, no report; the control run without the feed's "
+                    f"wait_stream was reported ({control['reports']} report(s))")]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------- the report

@@ -38,7 +38,20 @@ batch_common=()
 for arg in "${common[@]}"; do [[ $arg == data.global_batch_size=* ]] || batch_common+=("$arg"); done
 $PY -m ddp_rank.cli sweep "${batch_common[@]}" "train.output_dir=$OUT/batch" --equal images \
     data.sampler=random "data.global_batch_size=$BATCHES"
-# 2. Sampler, at the demo's batch of 128.
+# 2. Sampler, at the demo's batch of 128. Its random point is the batch axis's point at $BATCH (the same config
+#    and seeds, and CPU runs are deterministic: the single-run study of 2026-11-25 trained it twice and got the
+#    same figures to the last digit), so those runs are linked rather than trained again.
+#    That holds when the batch axis's point at $BATCH trains the same steps, i.e. when $BATCH is the config's own
+#    batch (--equal images scales the steps from it).
+read -r seed0 batch0 < <($PY -c "from ddp_rank.config import load_config as load
+c = load('${CONFIG:-configs/demo.yaml}'); print(c.train.seed, c.data.global_batch_size)")
+if [[ ",$BATCHES," == *",$BATCH,"* && $batch0 == "$BATCH" ]]; then
+  mkdir -p "$OUT/sampler"
+  for (( r = 0; r < REPLICATES; r++ )); do
+    seed=$(( seed0 + r ))
+    ln -sfn "../batch/data.global_batch_size=$BATCH,train.seed=$seed" "$OUT/sampler/data.sampler=random,train.seed=$seed"
+  done
+fi
 $PY -m ddp_rank.cli sweep "${common[@]}" "train.output_dir=$OUT/sampler" data.sampler=hard,random
 # 3. Loss, at 128 with the hard sampler (FastAP is the sampler sweep's hard runs). PNP-Dq as in the PNP paper:
 #    alpha 4, tau 0.01 (Smooth-AP takes tau and ignores alpha).

@@ -570,15 +570,17 @@ class DistributedConfig(_Section):
         "auto",
         "Images per chunk of the chunked (gradient-cache) step, used whenever the per-rank batch exceeds it; "
         "0 = never chunk; 'auto' = the largest chunk whose activations fit the memory budget, measured at start-up "
-        "by a forward + backward of the real model at the real image size (a batch that fits is not chunked; the "
+        "by forwards + backwards of the real model at the real image size, then confirmed by one real step on "
+        "every rank, which backs off together on an out-of-memory error (a batch that fits is not chunked; the "
         "log and `ddp-rank plan` say what was chosen and why).",
     )
     memory_fraction: float = _field(
         0.8,
-        "chunk_size=auto: the share of the memory budget the step may fill: of the GPU's free memory (after the "
-        "model is on it; activations, weights' gradients, optimizer state and the loss's work space), on CPU of "
-        "memory_budget_mb or of the node's available memory. The rest is the margin for what the probe misses (on "
-        "CPU a step's resident memory grows 8-11% more per image than the bytes it counts).",
+        "chunk_size=auto: the share of the memory budget the step may fill: of the GPU's free memory, less what "
+        "the step holds besides activations (weights, gradients, DDP's buckets, NCCL's buffers, optimizer state, "
+        "the loss's work space, the input batches, workspaces), on CPU of memory_budget_mb or of the node's "
+        "available memory. The rest is the margin for what the probe misses (on CPU a step's resident memory "
+        "grows 8-11% more per image than the bytes it counts).",
         above=0,
         maximum=1,
     )

@@ -23,9 +23,10 @@ from ddp_rank.distributed.process_group import ProcessGroup, is_distributed, wor
 def average_tensors(tensors: Sequence[Tensor], group: ProcessGroup | None = None) -> None:
     """Replace every tensor by its mean over the ranks of ``group``, in place (a no-op in one process).
 
-    Floating tensors are averaged; integer tensors (BatchNorm's ``num_batches_tracked``) take the maximum, which
-    equals every rank's value when the ranks stepped together. Tensors are flattened into one buffer per dtype and
-    device, so a ResNet-50's 106 BatchNorm buffers cost two all-reduces.
+        Floating tensors are averaged; integer tensors (BatchNorm's ``num_batches_tracked``) take the maximum, which
+        equals every rank's value when the ranks stepped together. Tensors are flattened into one buffer per dtype and
+        device, so a ResNet-50's 106 BatchNorm buffers cost two all-reduces; bf16 / fp16 ones (a DeepSpeed bf16 run's) are
+    summed in float32.
     """
     if not is_distributed(group) or not tensors:
         return
@@ -35,6 +36,8 @@ def average_tensors(tensors: Sequence[Tensor], group: ProcessGroup | None = None
         buckets.setdefault((t.dtype, t.device), []).append(t)
     for (dtype, _), members in buckets.items():
         flat = torch.cat([t.reshape(-1) for t in members])
+        if dtype in (torch.float16, torch.bfloat16):
+            flat = flat.float()  # the sum of W reduced-precision values would round at every addition
         if dtype.is_floating_point:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             flat.div_(w)

@@ -2,7 +2,9 @@
 
 An override with several values (``data.global_batch_size=128,512,2048``) is an axis; one with a single value
 applies to every point. A key whose value is itself a list (``eval.ks``) separates its alternatives with ``;``
-(``eval.ks=1,10;1,2,4``). Every point's config is loaded before anything runs, so a typo in the fifth value
+(``eval.ks=1,10;1,2,4``). Commas inside parentheses belong to one value, so the pytorch-metric-learning losses
+with their arguments sweep as written (``loss.name=pml:ContrastiveLoss(pos_margin=0.0, neg_margin=1.0),fastap``).
+Every point's config is loaded before anything runs, so a typo in the fifth value
 fails at once, naming the key.
 
 ``--equal images`` holds the images seen equal across batch sizes instead of the steps: a point with global
@@ -71,8 +73,12 @@ def split_axes(items: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]
         if "=" not in item:
             raise ConfigError(f"sweep value '{item}' is not of the form section.key=value[,value...]")
         key, raw = (part.strip() for part in item.split("=", 1))
-        values = [v.strip() for v in raw.split(";" if key in list_keys else ",")]
+        values = [v.strip() for v in _split_top_level(raw, ";" if key in list_keys else ",")]
         # A lone empty value is a setting's "none" (data.test_split=): a fixed override, as train takes it.
+        if any(v.count("(") != v.count(")") for v in values):
+            raise ConfigError(
+                f"'{item}' has an unbalanced '(' or ')'; write e.g. {key}=pml:Loss(a=1, b=2),pml:Other()"
+            )
         if len(values) > 1 and not all(values):
             raise ConfigError(
                 f"'{item}' has an empty value; write {key}=a,b,c"
@@ -87,6 +93,22 @@ def split_axes(items: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]
         else:
             axes.append((key, values))
     return fixed, axes
+
+
+def _split_top_level(raw: str, separator: str) -> list[str]:
+    """``raw`` cut at each ``separator`` outside parentheses: the commas of a call's arguments
+    (``pml:ContrastiveLoss(pos_margin=0.0, neg_margin=1.0)``) stay inside its value."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(raw):
+        if char == "(":
+            depth += 1
+        elif char == ")":
+            depth = max(depth - 1, 0)
+        elif char == separator and depth == 0:
+            parts.append(raw[start:i])
+            start = i + 1
+    parts.append(raw[start:])
+    return parts
 
 
 def expand_grid(

@@ -33,6 +33,7 @@ __all__ = [
     "CrossRankBatchNorm",
     "batchnorm_buffers",
     "convert_to_cross_rank",
+    "match_batchnorm_buffers_to_weights",
     "sync_batchnorm_buffers",
     "take_over_batchnorm",
 ]
@@ -133,6 +134,27 @@ def convert_to_cross_rank(
     for name, child in module.named_children():
         module.add_module(name, convert_to_cross_rank(child, group, cuda=cuda))
     return module
+
+
+def match_batchnorm_buffers_to_weights(module: nn.Module) -> int:
+    """Give every BatchNorm layer's running mean and variance its weight's dtype; returns how many layers changed.
+
+    Why: DeepSpeed's bf16 / fp16 mode (0.19 on) casts the parameters and keeps the buffers in their loaded dtype,
+    and torch's batch_norm (CPU and CUDA, train and eval mode) refuses a bf16 weight beside float32 running
+    statistics: "expected scalar type BFloat16 but found Float" at the first forward. Earlier DeepSpeed releases
+    cast the whole module, buffers included; this restores that for the BatchNorm layers alone. The batch counter
+    stays an integer. Called after ``deepspeed.initialize`` (ZeRO-1/2 own the parameters, not the buffers).
+    """
+    changed = 0
+    for m in module.modules():
+        weight = getattr(m, "weight", None)
+        if not isinstance(m, _BatchNorm) or weight is None or not m.track_running_stats:
+            continue
+        stats = [b for b in (m.running_mean, m.running_var) if b is not None and b.dtype != weight.dtype]
+        for buffer in stats:
+            buffer.data = buffer.data.to(weight.dtype)
+        changed += bool(stats)
+    return changed
 
 
 def batchnorm_buffers(module: nn.Module) -> list[Tensor]:

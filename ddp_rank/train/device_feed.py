@@ -80,14 +80,16 @@ class DeviceFeed:
             self._done = True  # a failed loader is not read again
             raise item
         assert isinstance(item, StreamBatch)
-        self._may_read.release()  # the reader starts on the next batch while the caller works on this one
         if self._copy_stream is not None:
+            # Before the reader may start the next batch: the side stream then holds this batch's copy and no
+            # later one, so the step waits for its own batch only, not for the copy of the next.
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self._copy_stream)
             for value in item.tensors():
                 if value.device.type == "cuda":
                     # The allocator must not reuse this memory for the side stream while the step still reads it.
                     value.record_stream(current)
+        self._may_read.release()  # the reader starts on the next batch while the caller works on this one
         if self._consumed is not None:
             self._consumed(item)
         return item

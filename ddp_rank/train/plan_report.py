@@ -19,6 +19,7 @@ from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.plan import Catalog, GlobalPlan, PlanError
 from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
 from ddp_rank.model import build_model
+from ddp_rank.model.feature_head import example_input
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.shards import check_model_input, model_input_dim
@@ -26,6 +27,7 @@ from ddp_rank.train.chunk_choice import auto_chunk, measure_activation_bytes
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.pml_loss import GENERIC_MATRICES, PML_PREFIX, generic_work_space
 from ddp_rank.train.setup import build_loss
+from ddp_rank.train.step_memory import fixed_costs
 
 __all__ = ["describe_plan", "format_bytes"]
 
@@ -159,23 +161,33 @@ def _auto_chunk(
         cfg.data.image_size,
         model_input_dim(cfg, manifest),
     )
+    confirm = "; one real step confirms it at start-up, backing off on an out-of-memory error"
     if where.type == "cuda" and not torch.cuda.is_available():
-        per_image, how = measure_activation_bytes(model, cfg.data.image_size, torch.device("cpu"), dtype)
+        probe = measure_activation_bytes(model, cfg.data.image_size, torch.device("cpu"), dtype)
+        database = 2 * layout.global_batch * cfg.model.embedding_dim * 4
+        inputs = example_input(model, layout.local_batch, cfg.data.image_size, torch.device("meta"))
+        fixed = fixed_costs(
+            model, cfg.optim.name, cfg.optim.momentum, world_size, where, database + work_bytes,
+            input_batch_bytes=inputs.numel() * inputs.element_size(),
+        )  # fmt: skip
         return None, (
-            f"{format_bytes(per_image)} of activations per image ({how}, on this CPU); the chunk is chosen at "
-            f"start-up from the GPU's free memory (distributed.memory_fraction={cfg.distributed.memory_fraction:g})"
+            f"{format_bytes(probe.per_image)} of activations per image ({probe.how}, on this CPU); fixed "
+            f"{format_bytes(fixed.total)} per GPU: {fixed.describe()}, plus the workspaces measured there; the "
+            f"chunk is chosen at start-up from the GPU's free memory (distributed.memory_fraction="
+            f"{cfg.distributed.memory_fraction:g}){confirm}"
         )
     # On CPU, planned as one node: its processes share the node's memory.
     choice = auto_chunk(
-        model.to(where), cfg, layout.local_batch, layout.global_batch, where, dtype, work_bytes, world_size
-    )
+        model.to(where), cfg, layout.local_batch, layout.global_batch, where, dtype, work_bytes, world_size,
+        world_size=world_size,
+    )  # fmt: skip
     chosen = BatchLayout.from_config(cfg, world_size, chunk_size=choice.chunk or 0)  # whole BatchNorm groups
     rounded = (
         f"; {chosen.chunk_size:,} to hold whole BatchNorm groups of {chosen.batchnorm.group}"
         if chosen.chunk_size is not None and chosen.chunk_size != choice.chunk
         else ""
     )
-    return chosen, choice.describe() + rounded
+    return chosen, choice.describe() + rounded + confirm
 
 
 def _work_space(cfg: Config, layout: BatchLayout, max_positives: int, where: torch.device) -> tuple[str, int]:

@@ -122,7 +122,7 @@ def resume(trainer: Trainer) -> Path | None:
             else ""
         )
         raise CheckpointError(
-            f"checkpoint {path} was trained with another model or optimizer setting ({describe_changes(changes)})"
+            f"checkpoint {path} was trained with another model, loss or optimizer setting ({describe_changes(changes)})"
             f"{shapes}; resuming would ignore or break on them. Restore those values, start a new run from its "
             f"weights with model.init_from={path} and a new train.output_dir, or set train.force_resume=true to "
             "continue with the new values"

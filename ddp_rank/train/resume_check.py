@@ -6,7 +6,8 @@ was silently ignored; a changed model or optimizer failed deep inside ``load_sta
 ``train.force_resume=true``, and when forced makes the new values apply.
 
 Compared: every ``model`` key except those that only choose the initial values (``weights``, ``init_from``: the
-checkpoint replaces them anyway), every ``optim`` key, and the length of the run when the learning-rate
+checkpoint replaces them anyway), every ``optim`` key, every ``loss`` key except those that only choose how it is
+computed (a run resumed with another loss would silently train another objective from the same step), and the length of the run when the learning-rate
 schedule depends on it (cosine and linear decay end at the last step). A change is *structural* when the saved
 state cannot be loaded as it is (other parameters, other optimizer state); a forced resume then loads the
 weights that fit and starts the optimizer afresh.
@@ -28,6 +29,9 @@ from ddp_rank.config import Config, to_dict
 __all__ = ["ConfigChange", "describe_changes", "resume_changes", "saved_shapes", "tensor_changes"]
 
 INIT_ONLY_KEYS = ("weights", "init_from")
+HOW_COMPUTED_LOSS_KEYS = ("kernel", "matmul_precision", "memory_budget_mb")
+"""``loss`` keys that choose how the same loss is computed (the kernel, the matmuls' precision, the work space),
+not what is trained: a resume may change them freely."""
 STRUCTURAL = {("model", "backbone"), ("model", "embedding_dim"), ("model", "pooling"), ("optim", "name")}
 TENSOR_PREFIX = "tensor "
 """Key prefix of a :class:`ConfigChange` that is a saved tensor of another shape (``tensor head.weight``)."""
@@ -50,6 +54,13 @@ class ConfigChange:
         return self.key.startswith(TENSOR_PREFIX)
 
 
+def _loss_state_changes(section: str, key: str, old: Any, new: Any) -> bool:
+    """Whether another ``loss.name`` changes the saved state: a pytorch-metric-learning loss may hold parameters
+    (ProxyAnchor's proxies) that the checkpoint and the optimizer carry; the listwise losses hold none."""
+    names = (str(old), str(new))
+    return (section, key) == ("loss", "name") and any(n.startswith("pml:") for n in names)
+
+
 def resume_changes(meta: dict[str, Any], cfg: Config, total_steps: int | None = None) -> list[ConfigChange]:
     """The model / optimizer differences between a checkpoint's ``meta.json`` and ``cfg``.
 
@@ -61,16 +72,19 @@ def resume_changes(meta: dict[str, Any], cfg: Config, total_steps: int | None = 
         return []
     defaults, current = to_dict(Config()), to_dict(cfg)
     changes = []
-    for section in ("model", "optim"):
+    for section in ("model", "optim", "loss"):
         saved = {**defaults[section], **(saved_all.get(section) or {})}
         for key, new in current[section].items():
-            if section == "model" and key in INIT_ONLY_KEYS:
+            if (section == "model" and key in INIT_ONLY_KEYS) or (
+                section == "loss" and key in HOW_COMPUTED_LOSS_KEYS
+            ):
                 continue
             old = saved.get(key)
             if isinstance(new, list) and isinstance(old, (list, tuple)):
                 old = list(old)
             if old != new:
-                changes.append(ConfigChange(f"{section}.{key}", old, new, (section, key) in STRUCTURAL))
+                structural = (section, key) in STRUCTURAL or _loss_state_changes(section, key, old, new)
+                changes.append(ConfigChange(f"{section}.{key}", old, new, structural))
     if total_steps is not None and cfg.optim.schedule in ("cosine", "linear"):
         saved_total = meta.get("total_steps")
         if saved_total is not None and int(saved_total) != total_steps:

@@ -31,24 +31,22 @@ import torch.distributed as dist
 from ddp_rank.config import Config, ConfigError
 from ddp_rank.data.batch import StreamBatch
 from ddp_rank.distributed import GlobalBatchLoss, average_gradients
-from ddp_rank.distributed.agreement import RankFailure, min_over_ranks, raise_if_any_failed
+from ddp_rank.distributed.agreement import RankFailure
 from ddp_rank.eval.runner import evaluate_model
 from ddp_rank.logs import configure_run_logging
-from ddp_rank.losses import ListwiseLoss
 from ddp_rank.model import EmbeddingNet, freeze_batchnorm
 from ddp_rank.runtime import AGREED_ERRORS, TrainError, autocast_dtype, make_accelerator
 from ddp_rank.runtime.determinism import set_deterministic
 from ddp_rank.runtime.failure import end_process_after_failure, end_process_now, launch_rank
 from ddp_rank.train import resume as resume_
+from ddp_rank.train.auto_chunk import choose_chunk_for_run, confirm_chunk_for_run
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batches import TrainBatches
-from ddp_rank.train.batchnorm import sync_batchnorm_buffers
+from ddp_rank.train.batchnorm import match_batchnorm_buffers_to_weights, sync_batchnorm_buffers
 from ddp_rank.train.checkpoint import CheckpointManager
-from ddp_rank.train.chunk_choice import auto_chunk
 from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.optim import build_optimizer, build_scheduler
-from ddp_rank.train.pml_loss import generic_work_space
 from ddp_rank.train.preemption import (
     EXIT_REQUEUE,
     RunStopped,
@@ -123,8 +121,27 @@ class Trainer:
         # After the network: a proxy loss's random proxies leave the model's initial weights as with any loss.
         training_loss = build_training_loss(cfg, self.manifest)
         self.loss_parameters = self._loss_parameters(training_loss)
-        if cfg.distributed.fixed_chunk is None:
-            self.layout = self._auto_chunk(model, training_loss.loss)
+        choice = None
+        if cfg.distributed.fixed_chunk is None:  # measured with the model still on the CPU
+            largest_class = max(self.manifest.split(cfg.data.train_split).class_counts.values(), default=1)
+            self.layout, choice = choose_chunk_for_run(
+                cfg, self.layout, model, training_loss.loss, self.device, autocast_dtype(acc), largest_class,
+                self.loss_parameters, uses_deepspeed(acc), self.is_main,
+            )  # fmt: skip
+        optimizer = build_optimizer(self.parameter_groups(model), cfg.optim)
+        self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
+        self.deepspeed = configure_deepspeed(acc, self.layout, cfg.optim.grad_clip)
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        if self.deepspeed:
+            match_batchnorm_buffers_to_weights(self.model)
+        acc.register_for_checkpointing(self.scheduler)
+        if self.loss_parameters:  # saved and resumed with the run (custom_checkpoint_1 in each checkpoint)
+            acc.register_for_checkpointing(training_loss.loss)
+        self.backend = backend_for_accelerator(acc, self.model)
+        if choice is not None:  # the model is on its device now: one real step confirms the chunk
+            self.layout = confirm_chunk_for_run(
+                cfg, self.layout, choice, self.backend, self.device, self.deepspeed, self.is_main
+            )
         self.report = RunReport(cfg, self.layout, self.device, self.is_main)
         if self.is_main:
             log.info(f"BatchNorm: {self.layout.batchnorm.describe(self.layout.local_batch)}")
@@ -132,14 +149,6 @@ class Trainer:
             self.report.note(note)
         if training_loss.description and self.is_main:
             log.info(f"loss: {training_loss.description}")
-        optimizer = build_optimizer(self.parameter_groups(model), cfg.optim)
-        self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
-        self.deepspeed = configure_deepspeed(acc, self.layout, cfg.optim.grad_clip)
-        self.model, self.optimizer = acc.prepare(model, optimizer)
-        acc.register_for_checkpointing(self.scheduler)
-        if self.loss_parameters:  # saved and resumed with the run (custom_checkpoint_1 in each checkpoint)
-            acc.register_for_checkpointing(training_loss.loss)
-        self.backend = backend_for_accelerator(acc, self.model)
         self.loss_fn = GlobalBatchLoss(
             training_loss.loss,
             grad_reduction="sum" if cfg.distributed.grad_reduction == "sum" else "mean",
@@ -174,42 +183,6 @@ class Trainer:
             lr = o.lr * self.cfg.loss.params_lr_mult
             groups.append({"params": self.loss_parameters, "lr": lr, "weight_decay": 0.0, "name": "loss"})
         return groups
-
-    def _auto_chunk(self, model: EmbeddingNet, loss: torch.nn.Module) -> BatchLayout:
-        """``distributed.chunk_size=auto``: measure, choose, agree on the smallest chunk over the ranks."""
-        layout, cfg = self.layout, self.cfg
-        largest_class = max(self.manifest.split(cfg.data.train_split).class_counts.values(), default=1)
-        positives = (
-            cfg.data.images_per_class if cfg.data.sampler == "pk" else min(largest_class, layout.global_batch)
-        )
-        if isinstance(loss, ListwiseLoss):
-            work, _ = loss.work_space(layout.local_batch, layout.global_batch, positives, self.device)
-        else:
-            work = generic_work_space(layout.global_batch)
-        dtype = autocast_dtype(self.accelerator)
-        error: str | None = None
-        try:
-            choice = auto_chunk(model, cfg, layout.local_batch, layout.global_batch, self.device, dtype, work)
-        except ValueError as exc:  # not even one image fits
-            error = str(exc)
-        except RuntimeError as exc:  # the probe itself ran out of memory, say: every rank must hear of it
-            error = f"the probe of the model failed: {type(exc).__name__}: {exc}"
-        try:
-            raise_if_any_failed(error)
-        except RankFailure as exc:
-            raise TrainError(f"distributed.chunk_size=auto: {exc}") from None
-        chunk = min_over_ranks(choice.chunk or layout.local_batch)
-        agreed = BatchLayout.from_config(cfg, self.world_size, chunk_size=chunk)  # whole BatchNorm groups
-        if self.is_main:
-            ranks = (
-                f"; the smallest over the ranks: {chunk:,}"
-                if chunk != (choice.chunk or layout.local_batch)
-                else ""
-            )
-            if agreed.chunk_size is not None and agreed.chunk_size != chunk:
-                ranks += f"; {agreed.chunk_size:,} to hold whole BatchNorm groups of {agreed.batchnorm.group}"
-            log.info(choice.describe() + ranks)
-        return agreed
 
     @property
     def unwrapped(self) -> EmbeddingNet:

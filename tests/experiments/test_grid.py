@@ -32,6 +32,21 @@ def test_several_values_make_an_axis_one_value_applies_to_every_point() -> None:
     assert split_axes(["eval.ks=1,10"]) == (["eval.ks=1,10"], [])  # a list-valued key: one value, commas kept
 
 
+def test_commas_inside_a_calls_arguments_stay_in_its_value(config: Path) -> None:
+    contrastive = "pml:ContrastiveLoss(pos_margin=0.0, neg_margin=1.0)"
+    fixed, axes = split_axes(
+        [
+            f"loss.name={contrastive},fastap",
+            "loss.miner=pml:BatchEasyHardMiner(pos_strategy=easy, neg_strategy=hard)",
+        ]
+    )
+    assert axes == [("loss.name", [contrastive, "fastap"])]
+    assert fixed == ["loss.miner=pml:BatchEasyHardMiner(pos_strategy=easy, neg_strategy=hard)"]
+    _, points = expand_grid(config, [f"loss.name={contrastive},pml:TripletMarginLoss(margin=0.2)"])
+    assert [p.config.loss.name for p in points] == [contrastive, "pml:TripletMarginLoss(margin=0.2)"]
+    assert len({p.name for p in points}) == 2
+
+
 def test_a_lone_empty_value_is_a_fixed_override_as_train_takes_it(config: Path) -> None:
     fixed, axes = split_axes(["data.test_split=", "model.init_from=", "loss.name=fastap,pnp"])
     assert fixed == ["data.test_split=", "model.init_from="] and axes == [("loss.name", ["fastap", "pnp"])]
@@ -47,6 +62,7 @@ def test_a_lone_empty_value_is_a_fixed_override_as_train_takes_it(config: Path) 
         (["loss.name=pnp,pnp"], "names a value twice"),
         (["loss.name=pnp,fastap", "loss.name=smoothap"], "loss.name is given twice"),
         (["steps"], "not of the form section.key=value"),
+        (["loss.name=pml:ContrastiveLoss(pos_margin=0.0,fastap"], r"unbalanced '\(' or '\)'"),
     ],
 )
 def test_malformed_sweep_values_are_refused(items: list[str], message: str) -> None:

@@ -5,7 +5,9 @@ a cgroup's memory limit; a global batch of 4,096 on one process starts without t
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from hypothesis import strategies as st
 from ddp_rank.config import ModelConfig, load_config
 from ddp_rank.model import build_model
 from ddp_rank.train import chunk_choice
-from ddp_rank.train.chunk_choice import choose_chunk, measure_activation_bytes, memory_budget
+from ddp_rank.train.chunk_choice import choose_chunk, measure_activation_bytes, memory_budget, probe_sizes
 from ddp_rank.train.host_memory import available_memory
 from tests.helpers.training import TINY_OVERRIDES
 
@@ -48,10 +50,11 @@ def test_the_probe_measures_activations_and_leaves_the_model_alone() -> None:
     model = build_model(ModelConfig(backbone="tiny_cnn", embedding_dim=16), 32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    small, _ = measure_activation_bytes(model, 16, torch.device("cpu"))
-    large, how = measure_activation_bytes(model, 32, torch.device("cpu"))
-    assert "saved for backward" in how
-    assert 3.0 < large / small < 5.0, "activations grow with the image area"
+    small = measure_activation_bytes(model, 16, torch.device("cpu"))
+    large = measure_activation_bytes(model, 32, torch.device("cpu"))
+    assert "saved for backward" in large.how and large.settled
+    assert large.sizes == (1, 2, 4), "saved bytes grow linearly: settled at the CPU's smallest settled size"
+    assert 3.0 < large.per_image / small.per_image < 5.0, "activations grow with the image area"
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
@@ -59,7 +62,9 @@ def test_the_probe_measures_activations_and_leaves_the_model_alone() -> None:
 
 def test_the_probe_warms_up_before_it_measures(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake memory model: the first step of a fresh copy also sets up a one-time workspace (cuBLAS / cuDNN),
-    which must not count in the small probe (it would make the growth per image look negative here)."""
+    which must not count in the small probe (it would make the growth per image look negative here). Since the
+    probe grows until the growth per image settles, it runs 1 (warm-up), 1, 2, 4 on CPU (changed on purpose: it
+    ran 2, 2, 4 when two probe sizes were all it measured)."""
     per_image, fixed, workspace = 1_000, 50_000, 10_000
     calls: list[int] = []
 
@@ -69,8 +74,42 @@ def test_the_probe_warms_up_before_it_measures(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(chunk_choice, "_step_bytes", fake_step_bytes)
     model = build_model(ModelConfig(backbone="tiny_cnn", embedding_dim=8), 16)
-    measured, _ = measure_activation_bytes(model, 16, torch.device("cpu"))
-    assert measured == per_image and calls == [2, 2, 4]
+    measured = measure_activation_bytes(model, 16, torch.device("cpu"))
+    assert measured.per_image == per_image and measured.intercept == fixed and calls == [1, 1, 2, 4]
+
+
+def _probe(
+    step_bytes: Callable[[int], int], device: str, budget: int | None, largest: int | None
+) -> list[int]:
+    """The sizes the probe runs against a fake memory model (``probe_sizes`` drives it as the probe does)."""
+    measured: dict[int, int] = {}
+    n, _ = probe_sizes(measured, device, budget, largest)
+    while n is not None:
+        measured[n] = step_bytes(n)
+        n, _ = probe_sizes(measured, device, budget, largest)
+    return list(measured)
+
+
+def test_the_probe_grows_until_the_growth_per_image_settles_where_real_chunks_run() -> None:
+    """A cuDNN-like fake: the workspace changes with the shape below 32 images (another algorithm per shape), so
+    the growth between small probes is wrong; on a GPU the probe doubles until the growth settles at 32 or more,
+    on CPU from 4 (from 1 image). It stops at the local batch, at 256 images, and where the next size would pass
+    the budget."""
+    per_image = 3 * 2**20
+    workspace = {2: 900 * 2**20, 4: 100 * 2**20, 8: 400 * 2**20, 16: 50 * 2**20}
+
+    def gpu_step(n: int) -> int:
+        return 200 * 2**20 + per_image * n + workspace.get(n, 64 * 2**20)
+
+    sizes = _probe(gpu_step, "cuda", budget=None, largest=None)
+    assert sizes == [2, 4, 8, 16, 32, 64, 128]
+    growths = [(gpu_step(b) - gpu_step(a)) // (b - a) for a, b in itertools.pairwise(sizes)]
+    assert growths[-2:] == [per_image, per_image] and growths[0] < 0, "only the large probes see the truth"
+    assert _probe(lambda n: per_image * n, "cpu", None, None) == [1, 2, 4]
+    assert _probe(gpu_step, "cuda", None, largest=20) == [2, 4, 8, 16], "no probe past the local batch"
+    assert _probe(gpu_step, "cuda", None, largest=1) == [2, 4], "two sizes at least"
+    assert _probe(lambda n: 2**20 * n * n, "cpu", None, None)[-1] == 256, "never settles: 256 at most"
+    assert _probe(lambda n: per_image * n, "cuda", 20 * per_image, None) == [2, 4, 8, 16], "32 would pass it"
 
 
 def test_the_gpu_budget_counts_the_probes_cached_blocks_as_free(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,3 +253,26 @@ def test_a_global_batch_of_4096_on_one_process_starts_with_nothing_chosen(
         assert torch.isfinite(torch.tensor(result.loss))
     finally:
         trainer.close()
+
+
+def test_a_probe_that_runs_out_of_memory_keeps_what_it_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake device that holds 8 images: the probe stops at 16 with the growth of 1, 2, 4, 8; one that cannot
+    hold the first two sizes has nothing to keep and raises (the trainer tells every rank)."""
+    per_image, most = 1_000, [8]
+    calls: list[int] = []
+
+    def fake_step_bytes(model: torch.nn.Module, images: torch.Tensor, dtype: torch.dtype | None) -> int:
+        calls.append(len(images))
+        if len(images) > most[0]:
+            raise torch.OutOfMemoryError(f"{len(images)} images do not fit (simulated)")
+        return 5_000 + per_image * len(images)
+
+    monkeypatch.setattr(chunk_choice, "SETTLED_SIZE", {"cpu": 64})  # so that only the error stops it
+    monkeypatch.setattr(chunk_choice, "_step_bytes", fake_step_bytes)
+    model = build_model(ModelConfig(backbone="tiny_cnn", embedding_dim=8), 16)
+    probe = measure_activation_bytes(model, 16, torch.device("cpu"))
+    assert probe.sizes == (1, 2, 4, 8) and probe.per_image == per_image and calls[-1] == 16
+    assert probe.stopped == "out of memory at 16 images" and "out of memory at 16" in probe.how
+    most[0] = 1
+    with pytest.raises(torch.OutOfMemoryError):
+        measure_activation_bytes(model, 16, torch.device("cpu"))

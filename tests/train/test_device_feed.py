@@ -6,6 +6,7 @@ embeddings, bit for bit), and plain iteration for the feed (same batches, same o
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -170,3 +171,33 @@ def test_the_feed_copies_to_cuda_on_a_side_stream() -> None:
         assert batch.images.device.type == "cuda" and batch.step == k
         # Work on the default stream right after the hand-over sees the copied values.
         assert int(batch.images.float().sum()) == k * 2 * 3 * 4 * 4
+
+
+def test_the_step_waits_for_its_own_batchs_copy_not_the_next_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the step's stream waits for the side stream's copies when a batch is handed over; the reader may
+    start the next batch (and queue its copy on that side stream) only after that wait, or every step would also
+    wait for the next batch's copy. Fake streams on the CPU record how many batches had been fetched at each
+    wait; the wait leaves a reader released too early the time to fetch one more."""
+    fetched: list[int] = []
+    at_wait: list[int] = []
+
+    class FakeStream:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def wait_stream(self, other: object) -> None:
+            time.sleep(0.2)
+            at_wait.append(len(fetched))
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(StreamBatch, "to", lambda self, device, non_blocking=False: self)
+
+    def source() -> Iterator[StreamBatch]:
+        for batch in batches(3):
+            fetched.append(batch.step)
+            yield batch
+
+    assert [b.step for b in DeviceFeed(source(), torch.device("cuda"))] == [0, 1, 2]
+    assert at_wait == [1, 2, 3]

@@ -58,9 +58,7 @@ def test_init_from_a_run_with_a_changed_head_size(
             "kept freshly initialised (shape differs):" in note
             and "head.weight [16, 128] -> [8, 128]" in note
         )
-        assert (
-            "head.bias [16] -> [8]" in note and " model.init_from=" in capsys.readouterr().err
-        )
+        assert "head.bias [16] -> [8]" in note and " model.init_from=" in capsys.readouterr().err
     finally:
         trainer.close()
 
@@ -111,6 +109,8 @@ def run(shards: Path, tmp_path: Path) -> Path:
         ("optim.name=sgd", "optim.name: 'adam' -> 'sgd'"),
         ("model.embedding_dim=8", "model.embedding_dim: 16 -> 8"),
         ("model.pooling=gem", "model.pooling: 'default' -> 'gem'"),
+        ("loss.name=smoothap", "loss.name: 'fastap' -> 'smoothap'"),
+        ("loss.num_bins=20", "loss.num_bins: 10 -> 20"),
     ],
 )
 def test_changed_resume_is_refused_and_leaves_the_run_intact(
@@ -179,7 +179,9 @@ def test_unchanged_or_init_only_changes_resume_silently(
     shards: Path, run: Path, capsys: pytest.CaptureFixture
 ) -> None:
     capsys.readouterr()
-    summary = run_training(cfg_for(shards, run, "train.steps=3", "model.init_from="))
+    # How the loss is computed (its kernel, the matmuls' precision, its work space) is not what is trained.
+    summary = run_training(cfg_for(shards, run, "train.steps=3", "model.init_from=", "loss.memory_budget_mb=1",
+                                   "loss.matmul_precision=bf16"))  # fmt: skip
     assert summary["resumed_from"].endswith("step-00000002") and summary["steps_this_run"] == 1
     assert "force" not in capsys.readouterr().err
 
@@ -268,3 +270,21 @@ def test_config_of_a_run_without_history_is_kept(shards: Path, run: Path) -> Non
     names = sorted(p.name for p in (run / "config-history").iterdir())
     assert names == ["start-000-earlier.yaml", "start-001-step-00000002.yaml"]
     assert (run / "config-history" / "start-000-earlier.yaml").read_text() == before
+
+
+def test_another_pml_loss_is_a_structural_change_a_listwise_one_is_not() -> None:
+    from ddp_rank.config import Config, to_dict
+    from ddp_rank.train.resume_check import resume_changes
+
+    def meta_of(name: str) -> dict:
+        return {"config": {**to_dict(Config()), "loss": {**to_dict(Config())["loss"], "name": name}}}
+
+    def changes(saved: str, new: str) -> dict:
+        cfg = Config()
+        cfg.loss.name = new
+        return {c.key: c.structural for c in resume_changes(meta_of(saved), cfg)}
+
+    assert changes("fastap", "pnp") == {"loss.name": False}
+    assert changes("fastap", "pml:ProxyAnchorLoss(margin=0.1)") == {"loss.name": True}
+    assert changes("pml:ContrastiveLoss()", "fastap") == {"loss.name": True}
+    assert changes("fastap", "fastap") == {}

@@ -93,3 +93,64 @@ def test_under_zero_the_model_computes_with_the_weights_the_optimizer_steps(stag
     after = outcome["after"]
     assert isinstance(after, dict) and not after["in_buffer"] and after["channels_last"], after
     assert after.get("moved") is False or "view size is not compatible" in str(after.get("step")), after
+
+
+def _bf16_worker(rank: int, world: int) -> dict[str, object]:
+    """A BatchNorm network under DeepSpeed's bf16 mode, as DeepSpeed leaves it and as the trainer prepares it."""
+    import deepspeed
+
+    from ddp_rank.model.net import freeze_batchnorm
+    from ddp_rank.train.batchnorm import match_batchnorm_buffers_to_weights
+
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "bf16": {"enabled": True},
+    }
+    images = torch.rand(4, 3, 16, 16).bfloat16()
+    outcome: dict[str, object] = {}
+    for prepared in (False, True):
+        model = _tiny_cnn()
+        stats = {n: b.clone() for n, b in model.named_buffers() if "running" in n}
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=config
+        )
+        seen: dict[str, object] = {"buffer_dtypes": sorted({str(b.dtype) for n, b in engine.module.named_buffers()
+                                                            if "running" in n})}  # fmt: skip
+        if prepared:
+            seen["layers"] = match_batchnorm_buffers_to_weights(engine.module)
+            seen["stats_kept"] = all(
+                torch.allclose(dict(engine.module.named_buffers())[n].float(), v, rtol=1e-2, atol=1e-3)
+                for n, v in stats.items()
+            )
+        for mode in ("frozen", "train"):
+            engine.module.train()
+            if mode == "frozen":
+                freeze_batchnorm(engine.module)
+            try:
+                engine.backward(engine.module(images).float().square().sum())
+                engine.step()
+                seen[mode] = "ok"
+            except RuntimeError as exc:
+                seen[mode] = str(exc)
+        outcome["prepared" if prepared else "as_deepspeed_leaves_it"] = seen
+    return outcome
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_batchnorm_trains_under_deepspeed_bf16_once_its_statistics_match_its_weights() -> None:
+    pytest.importorskip("deepspeed", reason="DeepSpeed is the optional [deepspeed] extra")
+    (outcome,) = run_distributed(_bf16_worker, 1, timeout=600)
+    # DeepSpeed casts the weights to bf16 and keeps the running statistics in float32: torch's batch_norm refuses
+    # the mix in train and eval mode alike (the chunked step's frozen BatchNorm is eval mode).
+    raw = outcome["as_deepspeed_leaves_it"]
+    assert isinstance(raw, dict) and raw["buffer_dtypes"] == ["torch.float32"], raw
+    assert "expected scalar type" in str(raw["frozen"]) and "expected scalar type" in str(raw["train"]), raw
+    # The trainer's preparation: the four layers' statistics in bf16, their values kept, both modes train.
+    assert outcome["prepared"] == {
+        "buffer_dtypes": ["torch.float32"], "layers": 4, "stats_kept": True, "frozen": "ok", "train": "ok"
+    }  # fmt: skip
