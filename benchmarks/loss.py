@@ -13,6 +13,16 @@ three N x N x d matmuls any exact method needs (S = E E^T, G E, G^T E), done in 
                                                     # ours with the fused Triton kernels (and, up to
                                                     # N = 16,384, their loss and gradient against torch's)
 
+The loss against its floor on CPU, one command (``--floor-ratios``): for each N and thread count, each loss
+runs in a fresh process that alternates one floor step and one loss step ``--repeats`` times, so both meet
+the same load on a shared machine, and reports the median of the paired ratios; the table gives the median
+over ``--rounds`` such processes, the peak memory of the loss step (taken before any floor step) and its
+growth with N. ``--baseline DIR`` runs the same measurement on the ``ddp_rank`` of another checkout
+(``git worktree add /tmp/before main``) interleaved with this one, for before / after figures:
+
+    python benchmarks/loss.py --floor-ratios                  # N = 8192,16384; 1 thread and all cores
+    python benchmarks/loss.py --floor-ratios --baseline /tmp/before --rounds 3
+
 On CUDA, times are taken between ``torch.cuda.synchronize()`` calls and memory is the peak allocated by the
 caching allocator above the inputs. Note on the peer's Smooth-AP: pytorch-metric-learning's ``SmoothAPLoss``
 assumes every class holds batch / classes images and computes a different function otherwise (at N = 32 with
@@ -24,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -38,6 +50,7 @@ from common import markdown_table, write_json, write_result
 
 SAMPLES_PER_CLASS = 4
 LOSSES = ("fastap", "pnp_dq", "smooth_ap")
+SIZES = "256,512,1024,2048,4096,8192,16384"
 EXACT_MAX_N = 16_384
 """``kernel=triton`` runs also compare their loss and gradient with the torch path's up to this N (a second
 forward and backward on the same inputs, after the timing)."""
@@ -133,6 +146,104 @@ def worker(kind: str, name: str, n: int, args: argparse.Namespace) -> dict:
     return result
 
 
+def paired_worker(name: str, n: int, args: argparse.Namespace) -> dict:
+    """``--floor-ratios``: the loss step's peak memory, then floor and loss steps alternated ``args.repeats``
+    times in this process; the median of the paired time ratios and each step's median time."""
+    x, labels = _inputs(n, args.dim, "cpu", args.dtype)
+    loss_fn = _ours(name)
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    def loss_step() -> None:
+        e = x.clone().requires_grad_(True)
+        loss_fn(e, labels).backward()
+
+    loss_step()  # first, so that the peak is the loss's and not the floor's 2048-row blocks
+    peak_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024
+    _floor_step(x)
+    floors, losses = [], []
+    for _ in range(args.repeats):
+        for step, times in ((_floor_step, floors), (loss_step, losses)):
+            start = time.perf_counter()
+            step(x) if step is _floor_step else step()
+            times.append(time.perf_counter() - start)
+    return {
+        "ratio": statistics.median(o / f for o, f in zip(losses, floors)),
+        "loss_s": statistics.median(losses),
+        "floor_s": statistics.median(floors),
+        "peak_mb": peak_mb,
+    }
+
+
+def floor_ratios(args: argparse.Namespace) -> None:
+    """The ``--floor-ratios`` table: ours / floor per loss, N and thread count (and the baseline's)."""
+    here = str(Path(__file__).resolve().parents[1])
+    codes = {"ours": here} | ({"baseline": str(Path(args.baseline).resolve())} if args.baseline else {})
+    sizes = [int(s) for s in args.sizes.split(",")]
+    threads = [int(t) for t in args.thread_counts.split(",")]
+    names = args.losses.split(",")
+    load_before = os.getloadavg()
+    runs: dict[tuple, list[dict]] = {}
+    for _ in range(args.rounds):  # rounds outermost: each cell's processes spread over the whole run
+        for t in threads:
+            for n in sizes:
+                for name in names:
+                    for code, root in codes.items():
+                        runs.setdefault((name, n, t, code), []).append(_paired(root, name, n, t, args))
+    load_after = os.getloadavg()
+
+    def med(cell: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in cell)
+
+    header = ["loss", "N", "threads", "ours / floor", "ours s", "floor s", "ours peak MB", "MB per 1k rows"]
+    if args.baseline:
+        header[4:4] = ["baseline / floor"]
+    rows = []
+    for t in threads:
+        for name in names:
+            for n in sizes:
+                cell = runs[(name, n, t, "ours")]
+                row = [name, str(n), str(t), f"{med(cell, 'ratio'):.2f}", f"{med(cell, 'loss_s'):.3f}",
+                       f"{med(cell, 'floor_s'):.3f}", f"{med(cell, 'peak_mb'):.0f}",
+                       f"{med(cell, 'peak_mb') / n * 1000:.1f}"]  # fmt: skip
+                if args.baseline:
+                    row[4:4] = [f"{med(runs[(name, n, t, 'baseline')], 'ratio'):.2f}"]
+                rows.append(row)
+    table = markdown_table(header, rows)
+    load = (
+        ", ".join(f"{a:.1f}" for a in load_before) + " before; " + ", ".join(f"{a:.1f}" for a in load_after)
+    )
+    body = (
+        f"Forward + backward of one batch on CPU against the floor (the three N x N x d matmuls in 2048-row "
+        f"chunks), d = {args.dim}, {args.dtype}, {SAMPLES_PER_CLASS} images per class, ours with the defaults "
+        f"(kernel=torch). Each cell: the median over {args.rounds} processes of the median of "
+        f"{args.repeats} paired (floor step, loss step) time ratios in one process; times are the medians of "
+        f"the steps. Peak = resident memory of the loss step above the inputs (ru_maxrss). "
+        + (
+            f"Baseline = ddp_rank from {codes['baseline']}, run interleaved with ours. "
+            if args.baseline
+            else ""
+        )
+        + f"Load average (1, 5, 15 min): {load} after.\n\n"
+        + table
+    )
+    print(table)
+    print(f"written to {write_result('loss-floor', 'The losses against the matmul floor on CPU', body)}")
+
+
+def _paired(root: str, name: str, n: int, threads: int, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--paired-worker", name, str(n), "--dim", str(args.dim),
+           "--threads", str(threads), "--repeats", str(args.repeats), "--dtype", args.dtype]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": root}  # the ddp_rank measured is that checkout's
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=args.time_limit_s, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} at N = {n} ({root}): {_failure(done.returncode, done.stderr)}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"{Path(root).name} {name} N={n} threads={threads}: {result}", flush=True)
+    return result
+
+
 def exactness(name: str, x: torch.Tensor, labels: torch.Tensor, precision: str) -> dict[str, float]:
     """``kernel=triton`` against the torch path on the same inputs: the losses' relative difference
     (``loss_rel``) and the gradients' largest difference over the largest entry of torch's (``grad_rel``)."""
@@ -207,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sizes", default="256,512,1024,2048,4096,8192,16384")
+    parser.add_argument("--sizes", default=SIZES)
     parser.add_argument("--losses", default=",".join(LOSSES))
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
@@ -234,9 +345,26 @@ def main(argv: list[str] | None = None) -> None:
                         help="skip the matmul floors (gpu_check measures them in its first run only)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH",
                         help="also write the measurements as JSON, after each row (gpu_check reads it)")  # fmt: skip
+    parser.add_argument("--floor-ratios", action="store_true",
+                        help="the ours / floor table on CPU (sizes default to 8192,16384)")  # fmt: skip
+    parser.add_argument("--thread-counts", default=f"1,{os.cpu_count()}",
+                        help="--floor-ratios: the thread counts (default: 1 and all cores)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3, help="--floor-ratios: processes per cell")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="--floor-ratios: also measure the ddp_rank of this checkout, interleaved")  # fmt: skip
     parser.add_argument("--worker", nargs=3, metavar=("KIND", "LOSS", "N"), help=argparse.SUPPRESS)
+    parser.add_argument("--paired-worker", nargs=2, metavar=("LOSS", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.paired_worker:
+        name, n = args.paired_worker
+        print(json.dumps(paired_worker(name, int(n), args)))
+        return
+    if args.floor_ratios:
+        if args.sizes == SIZES:
+            args.sizes = "8192,16384"
+        floor_ratios(args)
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
 

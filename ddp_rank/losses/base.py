@@ -32,7 +32,16 @@ from ddp_rank.losses.checks import (
     check_rows_inputs,
     check_unit_rows,
 )
-from ddp_rank.losses.rows import ChunkInputs, LabelIndex, RowsOutput, Workspace, compute_dtype, plan_chunks
+from ddp_rank.losses.rows import (
+    CPU_PASS_BYTES,
+    DEFAULT_BUDGET_BYTES,
+    ChunkInputs,
+    LabelIndex,
+    RowsOutput,
+    Workspace,
+    compute_dtype,
+    plan_chunks,
+)
 from ddp_rank.losses.triton_kernels import fused_kernels_run, jit_kernels
 
 
@@ -174,17 +183,12 @@ class ListwiseLoss(nn.Module, abc.ABC):
 
         # One choice of path for every chunk, so that the plan sizes chunks for the path they take.
         fused = self.kernel == "triton" and fused_kernels_run(queries.device, dtype)
+        row_bytes, chunk_budget, pass_bytes = self._plan(n_database, dtype, queries.device, fused)
         # Queries sorted by class size, chunked at each chunk's own widest class (one device sync per call).
         sizes = labels.class_sizes_of(query_labels)
         order = torch.argsort(sizes, stable=True)
         sorted_sizes = sizes[order].tolist()
-        chunks = plan_chunks(
-            sorted_sizes,
-            self._row_bytes(n_database, dtype, fused),
-            self.memory_budget,
-            queries.device,
-            self.chunk_rows,
-        )
+        chunks = plan_chunks(sorted_sizes, row_bytes, chunk_budget, queries.device, self.chunk_rows)
         scale, shift = self._similarity_affine()
         low_precision = self.matmul_precision == "bf16"
         # bf16 operands carry only the scaled similarity; the shift is added after, in the compute dtype.
@@ -193,7 +197,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
         )
         if low_precision:
             scaled_queries, block_database = scaled_queries.bfloat16(), block_database.bfloat16()
-        workspace = Workspace(queries.device)
+        workspace = Workspace(queries.device, pass_bytes)
         for start, stop, width in chunks:
             idx = order[start:stop]
             q_c = queries[idx]
@@ -211,13 +215,45 @@ class ListwiseLoss(nn.Module, abc.ABC):
                 grad_database.addmm_(g_cn.T, q_c, alpha=scale)
         return RowsOutput(losses, valid, grad_queries, grad_database)
 
-    def _row_bytes(self, n_database: int, dtype: torch.dtype, fused: bool) -> Callable[[int], int]:
-        """Work space of one query row at a chunk's widest class (the chunk plan's measure)."""
+    def _plan(
+        self, n_database: int, dtype: torch.dtype, device: torch.device, fused: bool
+    ) -> tuple[Callable[[int], int], int, int | None]:
+        """``(row_bytes, chunk_budget, pass_bytes)``: the work space one query row of a chunk holds at the
+        chunk's widest class, the budget its chunks share, and the size of the sub-blocks the torch path's
+        passes walk (None: whole chunks).
+
+        On CPU the torch path's per-block passes (``_pass_bytes_per_query_row``) walk sub-blocks of
+        ``rows.CPU_PASS_BYTES`` per thread (at most half the budget) that stay in cache, so a chunk's rows
+        hold only the rest, and the similarity and gradient matmuls get chunks of many rows, as they run
+        best. On CUDA (or fused) a chunk's passes take it whole."""
+        budget = self.memory_budget or DEFAULT_BUDGET_BYTES["cuda" if device.type == "cuda" else "cpu"]
         # bf16 similarity operands: their float32 product exists beside the block until it is copied in.
         product_bytes = n_database * 4 if self.matmul_precision == "bf16" else 0
-        return lambda width: (
-            product_bytes + self._bytes_per_query_row(n_database, width, dtype.itemsize, fused=fused)
+        itemsize = dtype.itemsize
+        if device.type == "cuda" or fused:
+            return (
+                lambda width: (
+                    product_bytes + self._bytes_per_query_row(n_database, width, itemsize, fused=fused)
+                ),
+                budget,
+                None,
+            )
+        # Each thread takes its share of a pass, in its own core's cache.
+        pass_bytes = min(CPU_PASS_BYTES * torch.get_num_threads(), budget // 2)
+        return (
+            lambda width: (
+                product_bytes
+                + self._bytes_per_query_row(n_database, width, itemsize, fused=False)
+                - self._pass_bytes_per_query_row(n_database, width, itemsize)
+            ),
+            budget - pass_bytes,
+            pass_bytes,
         )
+
+    def _pass_bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
+        """The part of ``_bytes_per_query_row`` (torch path) that only the per-block passes hold, which they
+        may take a sub-block of rows at a time (``rows.pass_row_blocks``). 0 unless a family says otherwise."""
+        return 0
 
     def work_space(
         self,
@@ -234,12 +270,14 @@ class ListwiseLoss(nn.Module, abc.ABC):
         device = torch.device(device)
         cdtype = compute_dtype(dtype)
         fused = self.kernel == "triton" and fused_kernels_run(device, cdtype)
-        row_bytes = self._row_bytes(n_database, cdtype, fused)
-        chunks = plan_chunks(
-            [max_positives] * n_queries, row_bytes, self.memory_budget, device, self.chunk_rows
-        )
+        row_bytes, chunk_budget, pass_bytes = self._plan(n_database, cdtype, device, fused)
+        chunks = plan_chunks([max_positives] * n_queries, row_bytes, chunk_budget, device, self.chunk_rows)
         rows = max((stop - start for start, stop, _ in chunks), default=0)
-        return rows * row_bytes(max_positives), rows
+        work = rows * row_bytes(max_positives)
+        if pass_bytes is not None:  # one sub-block of the passes: whole rows, at least one
+            pass_row = self._pass_bytes_per_query_row(n_database, max_positives, cdtype.itemsize)
+            work += min(rows, max(1, pass_bytes // max(1, pass_row))) * pass_row
+        return work, rows
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         """Mean per-query loss over the queries that have a positive (0 with a zero gradient if none)."""

@@ -11,10 +11,11 @@ num_bins``, and the triangular kernel ``K_l(d) = max(0, 1 - |d - z_l| / delta)``
 
 Computation, with no scatter and no ``[c, N, L]`` tensor: the weights an item puts on bins ``0..l`` sum to
 ``C_l(t) = clamp(l + 1 - t, 0, 1)`` (``t = d / delta``), so the cumulative histogram of all items is
-``H_l = sum_j C_l(t_j)``: a pass per bin over ``[c, N]``, or one fused pass with Triton on CUDA
-(``kernel="triton"``); ``H+`` comes from the ``[c, P]`` same-class columns alone, and ``h+`` is its
-difference. Scatter-adds into a handful of bins per row (the obvious way) serialise on their atomics on a GPU
-and turn into a sort under deterministic algorithms.
+``H_l = sum_j C_l(t_j)``: a pass per bin over a few rows at a time (``[rows, L, N]``, in cache on CPU), or
+one fused pass with Triton on CUDA (``kernel="triton"``); ``H+`` comes from the ``[c, P]`` same-class columns
+alone, and ``h+`` is its difference. Scatter-adds into the two bins each item touches (the obvious way)
+serialise on their atomics on a GPU, turn into a sort under deterministic algorithms, and on CPU cost about
+10 ns an item, more than the whole ``[rows, L, N]`` pass.
 
 Gradient (the supplement's eqs. 37-46, written per bin). With ``a_l = h+_l / H_l`` and
 ``b_l = h+_l H+_l / H_l^2``, and ``rc`` the reverse cumulative sum:
@@ -34,7 +35,12 @@ import torch
 from torch import Tensor
 
 from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss
-from ddp_rank.losses.histogram import bin_gradient, cumulative_histograms, cumulative_weights
+from ddp_rank.losses.histogram import (
+    bin_gradient,
+    cumulative_histograms,
+    cumulative_weights,
+    histogram_pass_bytes,
+)
 from ddp_rank.losses.rows import ChunkInputs
 
 
@@ -77,12 +83,20 @@ class FastAPLoss(ListwiseLoss):
     def _bytes_per_query_row(
         self, n_database: int, max_positives: int, itemsize: int, fused: bool = False
     ) -> int:
-        # The block (bin positions), one scratch row (kernel sums, then the gradient), on the torch path the
-        # int64 lower bins and three bool masks (positions outside [0, num_bins]), and the same-class columns'
-        # cumulative kernel weights [P, L] (twice: the weights and their masking).
-        per_column = 2 * itemsize + (0 if fused else 8 + 3)
+        # The block (bin positions, then the gradient over them), on the fused path a gradient row of its own,
+        # and the same-class columns' cumulative kernel weights [P, L] (twice: the weights and their
+        # masking); the torch path's levels and int64 bins are ``_pass_bytes_per_query_row``.
+        per_column = (2 if fused else 1) * itemsize
         p = max(1, max_positives)
-        return n_database * per_column + 2 * p * (self.num_bins + 1) * itemsize + p * SAME_CLASS_BYTES
+        return (
+            n_database * per_column
+            + 2 * p * (self.num_bins + 1) * itemsize
+            + p * SAME_CLASS_BYTES
+            + (0 if fused else self._pass_bytes_per_query_row(n_database, max_positives, itemsize))
+        )
+
+    def _pass_bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
+        return histogram_pass_bytes(n_database, self.num_bins, itemsize)
 
     def _similarity_affine(self) -> tuple[float, float]:
         # Position on the bin axis, in bins: t = d / delta = (2 - 2 s) * num_bins / 4.
@@ -103,8 +117,7 @@ class FastAPLoss(ListwiseLoss):
         # Cumulative histograms directly, with no scatter: the kernel weights an item puts on bins 0..l sum to
         # C_l(t) = clamp(l + 1 - t, 0, 1), so H_l = sum_j C_l(t_j). Scatter-adds into a handful of bins per row
         # serialise on their atomics on a GPU and fall back to a sorting kernel under deterministic algorithms.
-        scratch = chunk.workspace.take("scratch", t_cn.shape, t_cn.dtype)
-        H_all = cumulative_histograms(t_cn, n_bins, scratch, chunk.fused)
+        H_all = cumulative_histograms(t_cn, n_bins, chunk.workspace, chunk.fused)
         # The same sums over the chunk's same-class columns ([c, P], P small): the positives, and the query's
         # own entry, which is neither positive nor negative. Padding repeats the query's column, masked out.
         same_index, same_mask = chunk.same_class()
@@ -137,7 +150,10 @@ class FastAPLoss(ListwiseLoss):
         # over their columns. Every write to the query's column (its own entry and the padding) is 0.
         slope_neg = dloss_dh_neg[:, 1:] - dloss_dh_neg[:, :-1]
         slope_pos = dloss_dh_pos[:, 1:] - dloss_dh_pos[:, :-1]
-        grad = bin_gradient(t_cn, slope_neg, scratch, chunk.workspace, chunk.fused)
+        # The torch path writes it over the positions (each row read before it is written), the fused one
+        # into a buffer of its own.
+        out = chunk.workspace.take("scratch", t_cn.shape, t_cn.dtype) if chunk.fused else t_cn
+        grad = bin_gradient(t_cn, slope_neg, out, chunk.workspace, chunk.fused)
         # The same read for the same-class columns, from the positives' table (its int64 bins reuse the block's).
         slopes_same = bin_gradient(t_same, slope_pos, torch.empty_like(t_same), chunk.workspace, chunk.fused)
         grad_same = torch.where(positive, slopes_same, torch.zeros_like(slopes_same))

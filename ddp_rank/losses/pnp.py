@@ -101,11 +101,18 @@ class PNPLoss(ListwiseLoss):
     def _bytes_per_query_row(
         self, n_database: int, max_positives: int, itemsize: int, fused: bool = False
     ) -> int:
-        # The block (scores) and G; on the torch path the [P, N] sigmoids (G reuses the block, plus the
-        # batched matmul's [N] result).
+        # The block (scores, then G over them), and G's own buffer on the fused path; the torch path's [P, N]
+        # sigmoids are ``_pass_bytes_per_query_row``.
         p = max(1, max_positives)
-        per_column = 2 if fused else p + 2
-        return per_column * n_database * itemsize + p * SAME_CLASS_BYTES
+        per_column = 2 if fused else 1
+        return (
+            per_column * n_database * itemsize
+            + p * SAME_CLASS_BYTES
+            + (0 if fused else self._pass_bytes_per_query_row(n_database, max_positives, itemsize))
+        )
+
+    def _pass_bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
+        return max(1, max_positives) * n_database * itemsize
 
     def _similarity_affine(self) -> tuple[float, float]:
         return 1.0 / self.tau, 0.0
@@ -119,14 +126,16 @@ class PNPLoss(ListwiseLoss):
         weights = pos_mask.to(block.dtype)
         weights *= valid[:, None] / weights.sum(1, keepdim=True).clamp(min=1)  # [c, P]
 
-        ranks = NegativeRanks(block, same_index, chunk.workspace, chunk.fused)
-        f, f_prime = self._penalty(ranks.values)
-        losses = (f * weights).sum(1)
+        def dloss_dranks(ranks: Tensor, rows: slice) -> Tensor:
+            return self._penalty(ranks)[1] * weights[rows]
+
+        ranks = NegativeRanks(
+            block, same_index, chunk.workspace, chunk.fused, dloss_dranks if need_grad else None
+        )
+        losses = (self._penalty(ranks.values)[0] * weights).sum(1)
         if self.variant == "Dq":  # 1 - mean (1 + R)^-alpha, with f = -(1 + R)^-alpha
             losses += valid
-        if not need_grad:
-            return losses, valid, None
-        return losses, valid, ranks.gradient(f_prime * weights)
+        return losses, valid, ranks.gradient
 
     def _penalty(self, ranks: Tensor) -> tuple[Tensor, Tensor]:
         """``(f(R), df/dR)`` of the variant ("Dq": ``f = -(1 + R)^-alpha``, its loss adds 1 to valid queries)."""

@@ -24,6 +24,12 @@ from torch import Tensor
 # Work space a chunk may use when the caller gives no budget. On CPU small chunks stay in cache and lose
 # nothing; on a GPU large chunks amortise the kernel launches of the per-chunk maths.
 DEFAULT_BUDGET_BYTES = {"cpu": 32 * 2**20, "cuda": 1 * 2**30}
+# On CPU, the work space the torch path's passes over a block take at a time: they walk its rows in sub-blocks
+# this size, which stay in cache from one pass to the next (a core's L2 of 0.5-2 MiB, or its share of L3)
+# instead of going to memory for each: each pass is a few instructions per element. Smaller sub-blocks pay
+# more eager-op overheads (several microseconds each); 1 and 4 MiB measured alike here, and 4 MiB makes a
+# quarter of the ops (benchmarks/results/loss-floor-*.md). On CUDA a pass takes a whole chunk.
+CPU_PASS_BYTES = 4 * 2**20
 
 
 @dataclass
@@ -63,8 +69,9 @@ class Workspace:
     until the call returns.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, pass_bytes: int | None = None) -> None:
         self.device = device
+        self.pass_bytes = pass_bytes  # the passes' sub-blocks (``pass_row_blocks``); None: whole blocks
         self._buffers: dict[str, Tensor] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -75,6 +82,15 @@ class Workspace:
             buffer = torch.empty(numel, dtype=dtype, device=self.device)
             self._buffers[name] = buffer
         return buffer[:numel].view(shape)
+
+
+def pass_row_blocks(n_rows: int, bytes_per_row: int, workspace: Workspace) -> list[slice]:
+    """The row slices a pass over ``n_rows`` rows walks: as many rows as ``workspace.pass_bytes`` holds at
+    ``bytes_per_row`` (at least one), or all of them when it is None."""
+    if workspace.pass_bytes is None or n_rows == 0:
+        return [slice(0, n_rows)]
+    step = max(1, workspace.pass_bytes // max(1, bytes_per_row))
+    return [slice(start, min(n_rows, start + step)) for start in range(0, n_rows, step)]
 
 
 @dataclass

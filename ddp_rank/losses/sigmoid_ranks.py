@@ -9,10 +9,13 @@ to the scores:
 
     G[a, j in N_a] = sum_i w_ai sigma'_aij             G[a, index[a, i]] -= w_ai sum_j sigma'_aij
 
-Two implementations of one function:
+Both losses' ``w`` of a row depends on that row's ranks alone, so the caller passes it as a function of
+them, and the ranks and the gradient come out of one sweep over the block. Two implementations:
 
-- ``torch``: the sigmoids as a ``[c, P, N]`` tensor, read and written about eight times (subtraction,
-  sigmoid, sum, derivative, one batched matmul, sum). Runs anywhere.
+- ``torch``: the sigmoids of a few rows as a ``[rows, P, N]`` tensor (subtraction, sigmoid, sum, derivative,
+  one batched matmul, sum), written over the rows' scores. On CPU the rows go in sub-blocks whose sigmoids stay
+  in cache (``rows.pass_row_blocks``), so that the six passes over them read cache, not memory, and no
+  sigmoid is computed twice. Runs anywhere.
 - ``triton``: two fused passes over ``[c, N]`` (``triton_kernels.py``): one for ``R`` and the slope sums
   ``sum_j sigma'``, one for ``G``; the ``[c, P, N]`` tensor never exists. Where they cannot run, the torch
   path does.
@@ -21,51 +24,67 @@ Two implementations of one function:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from ddp_rank.losses.rows import Workspace
+from ddp_rank.losses.rows import Workspace, pass_row_blocks
 from ddp_rank.losses.triton_kernels import fused_sigmoid_rank_gradient, fused_sigmoid_rank_sums
 
-__all__ = ["NegativeRanks", "add_rank_gradient"]
+__all__ = ["NegativeRanks", "RankWeights", "add_rank_gradient"]
+
+RankWeights = Callable[[Tensor, slice], Tensor]
+"""``(R [rows, P], rows) -> d(loss)/dR [rows, P]`` for the block's rows ``rows``."""
 
 
 class NegativeRanks:
-    """``R [c, P]`` of one block, and what its gradient needs.
+    """``R [c, P]`` of one block and, given ``dloss_dranks``, the gradient ``G [c, N] = d(loss)/d scores``.
 
     Consumes ``scores``: their same-class columns are set to -inf, so that the sigmoid and its derivative are
-    exactly 0 there and no mask pass is needed; ``gradient`` then reuses the block's memory (torch path) or
-    a workspace buffer (``fused``: the Triton passes, where ``fused_kernels_run``).
+    exactly 0 there and no mask pass is needed; the torch path then writes ``G`` over them, the fused path
+    into a workspace buffer (``fused``: the Triton passes, where ``fused_kernels_run``).
 
     Attributes:
         values: ``R [c, P]``.
         same_scores: ``[c, P]``, the scores of the same-class columns (taken before they were masked).
+        gradient: ``G [c, N]``, or None without ``dloss_dranks``.
     """
 
-    def __init__(self, scores: Tensor, index: Tensor, workspace: Workspace, fused: bool = False) -> None:
+    def __init__(
+        self,
+        scores: Tensor,
+        index: Tensor,
+        workspace: Workspace,
+        fused: bool = False,
+        dloss_dranks: RankWeights | None = None,
+    ) -> None:
         self.same_scores = scores.gather(1, index)
         scores.scatter_(1, index, -math.inf)
-        self._scores, self._index, self._workspace = scores, index, workspace
-        self._sigma: Tensor | None = None
+        self.gradient: Tensor | None = None
         if fused:
-            self.values, self._slope_sums = fused_sigmoid_rank_sums(scores, self.same_scores)
+            self.values, slope_sums = fused_sigmoid_rank_sums(scores, self.same_scores)
+            if dloss_dranks is not None:
+                w = dloss_dranks(self.values, slice(None))
+                out = workspace.take("rank_gradient", tuple(scores.shape), torch.float32)
+                grad = fused_sigmoid_rank_gradient(scores, self.same_scores, w, out)
+                self.gradient = grad.scatter_add_(1, index, -w * slope_sums)
             return
         c, p = index.shape
-        sigma = workspace.take("sigma", (c, p, scores.shape[1]), scores.dtype)
-        torch.sub(scores[:, None, :], self.same_scores[:, :, None], out=sigma).sigmoid_()
-        self._sigma, self.values = sigma, sigma.sum(2)
-
-    def gradient(self, dloss_dranks: Tensor) -> Tensor:
-        """``G [c, N] = d(loss)/d scores`` from ``d(loss)/dR [c, P]``; call once."""
-        if self._sigma is None:
-            out = self._workspace.take("rank_gradient", tuple(self._scores.shape), torch.float32)
-            grad = fused_sigmoid_rank_gradient(self._scores, self.same_scores, dloss_dranks, out)
-            grad.scatter_add_(1, self._index, -dloss_dranks * self._slope_sums)
-            return grad
-        grad = self._scores.zero_()  # the scores are spent: reuse their memory
-        add_rank_gradient(grad, self._sigma, self._index, dloss_dranks)
-        return grad
+        n_cols = scores.shape[1]
+        self.values = scores.new_empty(c, p)
+        for rows in pass_row_blocks(c, p * n_cols * scores.element_size(), workspace):
+            s_rows = scores[rows]
+            sigma = workspace.take("sigma", (s_rows.shape[0], p, n_cols), scores.dtype)
+            torch.sub(s_rows[:, None, :], self.same_scores[rows, :, None], out=sigma).sigmoid_()
+            ranks = self.values[rows] = sigma.sum(2)
+            if dloss_dranks is not None:  # the rows' scores are spent: their gradient goes over them
+                w = dloss_dranks(ranks, rows)
+                dsigma = sigma.addcmul_(sigma, sigma, value=-1.0)  # sigma (1 - sigma)
+                torch.bmm(w[:, None, :], dsigma, out=s_rows[:, None, :])
+                s_rows.scatter_add_(1, index[rows], -w * dsigma.sum(2))
+        if dloss_dranks is not None:
+            self.gradient = scores
 
 
 def add_rank_gradient(g_cn: Tensor, sigma_cpn: Tensor, index: Tensor, dloss_dranks: Tensor) -> None:

@@ -69,10 +69,19 @@ class SmoothAPLoss(ListwiseLoss):
     def _bytes_per_query_row(
         self, n_database: int, max_positives: int, itemsize: int, fused: bool = False
     ) -> int:
-        # The block and G, the [P, N] sigmoids on the torch path, and the [P, P] sigmoids among the positives.
+        # The block (scores, then G over them), G's own buffer on the fused path, and the [P, P] sigmoids
+        # among the positives; the torch path's [P, N] sigmoids are ``_pass_bytes_per_query_row``.
         p = max(1, max_positives)
-        per_column = 2 if fused else p + 2
-        return per_column * n_database * itemsize + 2 * p * p * itemsize + p * SAME_CLASS_BYTES
+        per_column = 2 if fused else 1
+        return (
+            per_column * n_database * itemsize
+            + 2 * p * p * itemsize
+            + p * SAME_CLASS_BYTES
+            + (0 if fused else self._pass_bytes_per_query_row(n_database, max_positives, itemsize))
+        )
+
+    def _pass_bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
+        return max(1, max_positives) * n_database * itemsize
 
     def _similarity_affine(self) -> tuple[float, float]:
         return 1.0 / self.tau, 0.0
@@ -86,23 +95,29 @@ class SmoothAPLoss(ListwiseLoss):
         valid = n_pos > 0
         weights = pos_mask.to(block.dtype) / n_pos.clamp(min=1)[:, None]  # [c, P]; 0 if invalid
 
-        negatives = NegativeRanks(block, same_index, chunk.workspace, chunk.fused)
-        ranks_neg, s_pos = negatives.values, negatives.same_scores
-        # Ranks among the positives: the same sigmoids on the [c, P, P] block of positive scores.
+        # Ranks among the positives first (their gradient needs them): the same sigmoids on the [c, P, P]
+        # block of positive scores.
+        s_pos = block.gather(1, same_index)
         others = pos_mask[:, None, :] & ~torch.eye(same_index.shape[1], dtype=torch.bool, device=block.device)
         sigma_cpp = torch.sub(s_pos[:, None, :], s_pos[:, :, None]).sigmoid_().mul_(others)
         ranks_pos = 1 + sigma_cpp.sum(2)
-        ranks_all = ranks_pos + ranks_neg
-
-        precision = ranks_pos / ranks_all
-        losses = valid.to(precision.dtype) - (precision * weights).sum(1)  # 1 - mean precision; 0 if invalid
-        if not need_grad:
-            return losses, valid, None
 
         # loss = 1 - sum_i w_i Rp_i / Ra_i with Ra = Rp + Rn.
+        def dloss_dranks_neg(ranks_neg: Tensor, rows: slice) -> Tensor:
+            return weights[rows] * ranks_pos[rows] / (ranks_pos[rows] + ranks_neg) ** 2
+
+        negatives = NegativeRanks(
+            block, same_index, chunk.workspace, chunk.fused, dloss_dranks_neg if need_grad else None
+        )
+        ranks_neg = negatives.values
+        ranks_all = ranks_pos + ranks_neg
+        precision = ranks_pos / ranks_all
+        losses = valid.to(precision.dtype) - (precision * weights).sum(1)  # 1 - mean precision; 0 if invalid
+        if negatives.gradient is None:
+            return losses, valid, None
+
         dloss_dranks_pos = -weights * ranks_neg / ranks_all**2
-        dloss_dranks_neg = weights * ranks_pos / ranks_all**2
-        g_cn = negatives.gradient(dloss_dranks_neg)
+        g_cn = negatives.gradient
         g_cp = block.new_zeros(s_pos.shape)
         within = torch.arange(same_index.shape[1], device=block.device).expand_as(same_index)
         add_rank_gradient(g_cp, sigma_cpp, within, dloss_dranks_pos)

@@ -38,7 +38,7 @@ def test_the_torch_histograms_are_the_definition(num_bins: int) -> None:
     t = torch.rand(7, 333, generator=g, dtype=torch.float64) * num_bins
     t[:, :4] = torch.tensor([0.0, 1.0, float(num_bins), num_bins / 2.0], dtype=torch.float64)  # on centres
     t[:, 4:6] = torch.tensor([-1e-3, num_bins + 1e-3], dtype=torch.float64)  # a hair outside: clamped
-    got = cumulative_histograms(t, num_bins, torch.empty_like(t))
+    got = cumulative_histograms(t, num_bins, Workspace(t.device))
     expected = histogram_definition(t.clamp(0, num_bins), num_bins)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
@@ -68,9 +68,11 @@ def test_the_torch_sigmoid_ranks_are_the_definition() -> None:
     ranks = sigma.sum(2)
     (ranks.square() * weights).sum().backward()
 
-    got = NegativeRanks(scores.clone(), index, Workspace(scores.device))
+    got = NegativeRanks(
+        scores.clone(), index, Workspace(scores.device), dloss_dranks=lambda r, rows: 2 * r * weights[rows]
+    )
     torch.testing.assert_close(got.values, ranks.detach(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(got.gradient(2 * ranks.detach() * weights), leaf.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.gradient, leaf.grad, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("loss", LOSSES)
@@ -98,7 +100,9 @@ def test_the_fused_path_plans_larger_chunks(make: type) -> None:
     loss = make()
     for width in (1, 4, 64):
         fused = loss._bytes_per_query_row(65_536, width, 4, True)
-        assert fused < loss._bytes_per_query_row(65_536, width, 4, False)
+        plain = loss._bytes_per_query_row(65_536, width, 4, False)
+        # One same-class column: the torch path's [1, N] sigmoids take the room of the fused path's G buffer.
+        assert fused < plain or (width == 1 and make is not FastAPLoss and fused == plain)
         assert fused <= 2 * 65_536 * 4 + width * (2 * 11 * 4 + 2 * width * 4 + SAME_CLASS_BYTES)
 
 
@@ -140,8 +144,8 @@ CHILD = textwrap.dedent(
         t = torch.rand(5, cols, generator=g) * (bins + 0.2) - 0.1  # some a hair outside [0, bins]
         t[:, 0], t[:, 1] = 0.0, float(bins)
         assert fused_kernels_run(t.device, t.dtype)
-        fused = cumulative_histograms(t, bins, torch.empty_like(t), fused=True)
-        plain = cumulative_histograms(t, bins, torch.empty_like(t), fused=False)
+        fused = cumulative_histograms(t, bins, Workspace(t.device), fused=True)
+        plain = cumulative_histograms(t, bins, Workspace(t.device), fused=False)
         out[f"hist-{bins}-{cols}"] = relative(fused, plain)
         slopes = torch.randn(5, bins, generator=g)
         fused = bin_gradient(t, slopes, torch.empty_like(t), Workspace(t.device), fused=True)
@@ -155,8 +159,10 @@ CHILD = textwrap.dedent(
         weights = torch.randn(6, width, generator=g)
         results = []
         for fused in (False, True):
-            ranks = NegativeRanks(scores.clone(), index, Workspace(scores.device), fused)
-            results.append((ranks.values, ranks.gradient(weights)))
+            ranks = NegativeRanks(
+                scores.clone(), index, Workspace(scores.device), fused, lambda r, rows: weights[rows]
+            )
+            results.append((ranks.values, ranks.gradient))
         out[f"ranks-{width}-{cols}"] = relative(results[1][0], results[0][0])
         out[f"grad-{width}-{cols}"] = relative(results[1][1], results[0][1])
 
