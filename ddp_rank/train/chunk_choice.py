@@ -60,12 +60,17 @@ from ddp_rank.train.step_memory import FixedCosts, fixed_costs
 __all__ = [
     "ActivationProbe",
     "ChunkChoice",
+    "OutOfMemoryError",
     "auto_chunk",
     "choose_chunk",
     "measure_activation_bytes",
     "memory_budget",
     "probe_sizes",
 ]
+
+OutOfMemoryError: type[Exception] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+"""The allocator's out-of-memory error: ``torch.OutOfMemoryError`` in recent releases, ``torch.cuda.OutOfMemoryError``
+(the same class there) in the older ones pyproject.toml accepts."""
 
 PROBE_START = {"cuda": 2, "cpu": 1}
 """The first probe batch (run twice: the first run only warms up). One image on CPU, where the saved bytes grow
@@ -269,7 +274,7 @@ def measure_activation_bytes(
                 if device.type == "cuda" and n > start:
                     _step_bytes(probe, images, autocast_dtype)
                 measured[n] = _step_bytes(probe, images, autocast_dtype)
-            except torch.OutOfMemoryError:
+            except OutOfMemoryError:
                 if len(measured) < 2:
                     raise
                 stopped = f"out of memory at {n} images"
@@ -351,7 +356,7 @@ def count_saved(limit: int | None = None) -> Iterator[list[int]]:
             seen.add(storage.data_ptr())
             total[0] += storage.nbytes()
             if limit is not None and total[0] > limit:
-                raise torch.OutOfMemoryError(
+                raise OutOfMemoryError(
                     f"the step's saved tensors reached {_mib(total[0])}, past the limit of {_mib(limit)}"
                 )
         return t
