@@ -23,6 +23,7 @@ import torch
 
 from ddp_rank.data.features import FEATURE_EXTENSION, decode_vector, feature_dim
 from ddp_rank.data.manifest import Manifest
+from ddp_rank.eval.retrieval import drop_self, knn_search
 
 
 @dataclass(frozen=True)
@@ -37,15 +38,11 @@ class Confusion:
 
 
 def nearest_other(vectors: torch.Tensor, block: int = 2048) -> torch.Tensor:
-    """Index of each row's most cosine-similar other row (blocks of ``block`` queries: bounded memory)."""
+    """Index of each row's most cosine-similar other row: the evaluation's own exact search (top 2, the row itself
+    dropped), in blocks of ``block`` queries."""
     x = torch.nn.functional.normalize(vectors.float(), dim=1)
-    out = torch.empty(len(x), dtype=torch.long)
-    for start in range(0, len(x), block):
-        sim = x[start : start + block] @ x.T
-        rows = torch.arange(sim.shape[0])
-        sim[rows, rows + start] = -torch.inf
-        out[start : start + block] = sim.argmax(dim=1)
-    return out
+    _, top = knn_search(x, x, 2, backend="torch", block=block, device="cpu")
+    return drop_self(top, torch.arange(len(x)))[:, 0]
 
 
 def confusion(vectors: torch.Tensor, labels: torch.Tensor, categories: torch.Tensor) -> Confusion:

@@ -28,7 +28,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ExactSearch", "QueryScores", "faiss_available", "knn_search", "query_scores", "retrieval_metrics"]
+__all__ = [
+    "ExactSearch",
+    "QueryScores",
+    "drop_self",
+    "faiss_available",
+    "knn_search",
+    "query_scores",
+    "retrieval_metrics",
+]
 
 
 def faiss_available() -> bool:
@@ -119,7 +127,7 @@ def knn_search(
     return ExactSearch(database, backend, device).search(queries, k, block)
 
 
-def _drop_self(indices: Tensor, self_index: Tensor) -> Tensor:
+def drop_self(indices: Tensor, self_index: Tensor) -> Tensor:
     """Remove each row's own index (or its last entry when absent): [Q, k+1] -> [Q, k]."""
     is_self = indices == self_index.unsqueeze(1)
     missing = ~is_self.any(dim=1)
@@ -220,7 +228,7 @@ def query_scores(
         rows = q_idx[start : start + block]
         _, idx = searcher.search(queries[rows], k_max + int(exclude_self), block=block)
         if exclude_self:
-            idx = _drop_self(idx, rows)
+            idx = drop_self(idx, rows)
         rel = dl[idx] == ql[rows].unsqueeze(1)  # [b, k_max]
         first_hits.append(torch.where(rel.any(1), rel.float().argmax(1), torch.full_like(rows, k_max + 1)))
         if map_at_r:
