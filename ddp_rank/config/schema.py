@@ -164,8 +164,17 @@ class ModelConfig(_Section):
         "default",
         "How the backbone's feature map (or ViT tokens) becomes one vector: 'default' (the backbone's own: "
         "average for CNNs, the class token for ViTs), 'avg', 'max_avg' (global max + global average), 'gem' "
-        "(generalised mean, learnable p initialised at 3).",
-        choices=("default", "avg", "max_avg", "gem"),
+        "(generalised mean, learnable p initialised at 3), 'grid' (no global pooling: the map flattened, C x H x W "
+        "values that keep where each feature lies, for images whose layout carries identity, such as words; its "
+        "width grows with data.image_size).",
+        choices=("default", "avg", "max_avg", "gem", "grid"),
+    )
+    output_stride: int = _field(
+        32,
+        "Where the backbone ends: 32 (the whole network) or 16 (cut after its last stage of output stride 16: "
+        "finer, earlier features, often better for frozen feature shards of small images; efficientnet_lite0 "
+        "and the torchvision ResNets).",
+        choices=(32, 16),
     )
     embedding_dim: int = _field(
         512, "Output dimension of the linear embedding head (papers: 512).", minimum=1

@@ -54,6 +54,8 @@ class FeatureRecord:
     """The torch seed the backbone was built under (``train.seed``): what random weights are drawn from."""
     source: str
     """The image shard set the vectors were made from."""
+    output_stride: int = 32
+    """``model.output_stride`` of that config (manifests written before it existed hold none: 32)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,7 +85,12 @@ class FeatureRecord:
             raise FeatureRecordError(
                 f"{where}: build.{BUILD_KEY}.transform must hold {', '.join(keys)}, got {transform!r}"
             )
-        unknown = sorted(set(raw) - {*text_fields, "dim", "transform", "init_seed"})
+        stride = raw.get("output_stride", 32)
+        if stride not in (16, 32) or isinstance(stride, bool):
+            raise FeatureRecordError(
+                f"{where}: build.{BUILD_KEY}.output_stride must be 16 or 32, got {stride!r}"
+            )
+        unknown = sorted(set(raw) - {*text_fields, "dim", "transform", "init_seed", "output_stride"})
         if unknown:
             raise FeatureRecordError(f"{where}: build.{BUILD_KEY} has unknown field(s) {', '.join(unknown)}")
         return cls(
@@ -96,6 +103,7 @@ class FeatureRecord:
             mixed_precision=raw["mixed_precision"],
             init_seed=seed,
             source=raw["source"],
+            output_stride=stride,
         )
 
 

@@ -77,6 +77,7 @@ def feature_record_for(
         mixed_precision=mixed_precision,
         init_seed=cfg.train.seed,
         source=source,
+        output_stride=cfg.model.output_stride,
     )
 
 

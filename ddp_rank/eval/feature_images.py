@@ -26,7 +26,12 @@ def image_model(cfg: Config, head: FeatureHeadNet) -> ImageFeatureNet:
     if record is None:  # open_shards refuses this for model.backbone=features; a guard for other callers
         raise ConfigError(f"{cfg.data.shards}/manifest.json has no build.features record")
     try:
-        backbone_cfg = ModelConfig(backbone=record.backbone, weights=record.weights, pooling=record.pooling)
+        backbone_cfg = ModelConfig(
+            backbone=record.backbone,
+            weights=record.weights,
+            pooling=record.pooling,
+            output_stride=record.output_stride,
+        )
     except ConfigError as exc:  # e.g. the synthetic vectors of ddp_rank.data.synthetic_features
         raise ConfigError(
             f"{cfg.data.shards}/manifest.json records the backbone {record.backbone!r}, which cannot embed an "

@@ -75,20 +75,57 @@ class TinyCNN(nn.Module):
 
 
 class _EfficientNetLiteFeatures(nn.Module):
-    """EfficientNet-Lite0 without its classifier: convolutional features, global average pool, flatten."""
+    """EfficientNet-Lite0 without its classifier: convolutional features, global average pool, flatten.
 
-    def __init__(self, net: nn.Module) -> None:
+    ``output_stride=16`` ends the network after its last block of output stride 16 (112 channels); the later
+    blocks and the head convolution are removed, so that they hold no weights that get no gradient (DDP) and the
+    weights' digest of feature shards covers only what made the vectors.
+    """
+
+    def __init__(self, net: nn.Module, output_stride: int = 32) -> None:
         super().__init__()
         self.net = net
         # The classifier and its dropout are unused: drop them so DDP sees no parameter without a gradient.
         self.net._fc = nn.Identity()
         self.net._dropout = nn.Identity()
         self.pool: nn.Module = nn.AdaptiveAvgPool2d(1)
+        self.output_stride = output_stride
         self.out_features = 1280
+        if output_stride != 32:
+            blocks = list(self.net._blocks)  # type: ignore[arg-type]
+            self.num_blocks = len(blocks)  # drop-connect rates are scaled by the full network's depth
+            keep = _blocks_within_stride(blocks, output_stride)
+            self.net._blocks = nn.ModuleList(blocks[:keep])
+            self.net._conv_head = nn.Identity()
+            self.net._bn1 = nn.Identity()
+            self.out_features = int(blocks[keep - 1]._block_args.output_filters)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        features: torch.Tensor = self.net.extract_features(x)  # type: ignore[operator]
+        if self.output_stride == 32:
+            features: torch.Tensor = self.net.extract_features(x)  # type: ignore[operator]
+        else:
+            features = self._truncated(x)
         return self.pool(features).flatten(1)
+
+    def _truncated(self, x: torch.Tensor) -> torch.Tensor:
+        """``extract_features`` up to the kept blocks, with the same drop-connect rate per block."""
+        net: Any = self.net
+        x = net._swish(net._bn0(net._conv_stem(x)))
+        rate = net._global_params.drop_connect_rate
+        for idx, block in enumerate(net._blocks):
+            x = block(x, drop_connect_rate=rate * idx / self.num_blocks if rate else rate)
+        return x
+
+
+def _blocks_within_stride(blocks: list[nn.Module], output_stride: int) -> int:
+    """How many leading EfficientNet blocks keep the output stride at most ``output_stride`` (the stem: 2)."""
+    stride = 2
+    for i, block in enumerate(blocks):
+        step = block._block_args.stride  # type: ignore[union-attr]
+        stride *= int(step[0] if isinstance(step, (list, tuple)) else step)
+        if stride > output_stride:
+            return i
+    return len(blocks)
 
 
 class EmbeddingNet(nn.Module):
@@ -263,7 +300,7 @@ def _torchvision_backbone(name: str, weights: str) -> tuple[nn.Module, int]:
     return net, dim
 
 
-def _efficientnet_lite0(weights: str, image_size: int) -> nn.Module:
+def _efficientnet_lite0(weights: str, image_size: int, output_stride: int = 32) -> nn.Module:
     try:
         from efficientnet_lite_pytorch import EfficientNet
     except ImportError as exc:
@@ -295,7 +332,7 @@ def _efficientnet_lite0(weights: str, image_size: int) -> nn.Module:
         raise ModelError(
             f"model.weights='{weights}' for efficientnet_lite0: valid are none, default or a file path"
         )
-    return _EfficientNetLiteFeatures(net)
+    return _EfficientNetLiteFeatures(net, output_stride)
 
 
 def build_model(cfg: ModelConfig, image_size: int = 224, feature_dim: int | None = None) -> EmbeddingNet:
@@ -318,6 +355,11 @@ def build_model(cfg: ModelConfig, image_size: int = 224, feature_dim: int | None
             )
         return FeatureHeadNet(feature_dim, cfg.embedding_dim, cfg.head_hidden, cfg.normalize)
     mean, std = IMAGENET_MEAN, IMAGENET_STD
+    if cfg.output_stride != 32 and name != "efficientnet_lite0" and not name.startswith("resnet"):
+        raise ModelError(
+            f"model.output_stride={cfg.output_stride} is available for efficientnet_lite0 and the torchvision "
+            f"ResNets, not model.backbone={name}: set model.output_stride=32"
+        )
     if name.startswith(TIMM_PREFIX):
         try:
             timm_net, mean, std = build_timm_backbone(
@@ -337,15 +379,31 @@ def build_model(cfg: ModelConfig, image_size: int = 224, feature_dim: int | None
         backbone: nn.Module = tiny
         dim = tiny.out_features
     elif name == "efficientnet_lite0":
-        backbone = _efficientnet_lite0(weights, image_size)
-        dim = 1280
+        lite = _efficientnet_lite0(weights, image_size, cfg.output_stride)
+        backbone, dim = lite, lite.out_features
         mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)  # the Lite models take inputs in [-1, 1]
     elif name in BACKBONES:
         backbone, dim = _torchvision_backbone(name, weights)
+        if cfg.output_stride == 16:  # ResNets: layer4 is the one stage of stride 32
+            backbone.layer4 = nn.Identity()  # type: ignore[assignment]
     else:
         raise ModelError(f"model.backbone='{name}' is unknown; valid: {', '.join(BACKBONES)}")
     replace_pooling(backbone, cfg.pooling)
+    if cfg.pooling == "grid" or cfg.output_stride != 32:
+        dim = _output_width(backbone, image_size)
     return EmbeddingNet(backbone, int(dim), cfg.embedding_dim, cfg.normalize, mean, std)
+
+
+def _output_width(backbone: nn.Module, image_size: int) -> int:
+    """The length of ``backbone``'s output vector for ``image_size`` images, from one forward pass in eval mode
+    (widths that depend on the cut and on the image size: ``grid`` pooling, ``output_stride``)."""
+    was_training = backbone.training
+    backbone.eval()
+    try:
+        with torch.no_grad():
+            return int(backbone(torch.zeros(1, 3, image_size, image_size)).shape[-1])
+    finally:
+        backbone.train(was_training)
 
 
 def is_convolutional(model: nn.Module) -> bool:

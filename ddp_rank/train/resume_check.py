@@ -32,7 +32,13 @@ INIT_ONLY_KEYS = ("weights", "init_from")
 HOW_COMPUTED_LOSS_KEYS = ("kernel", "matmul_precision", "memory_budget_mb")
 """``loss`` keys that choose how the same loss is computed (the kernel, the matmuls' precision, the work space),
 not what is trained: a resume may change them freely."""
-STRUCTURAL = {("model", "backbone"), ("model", "embedding_dim"), ("model", "pooling"), ("optim", "name")}
+STRUCTURAL = {
+    ("model", "backbone"),
+    ("model", "embedding_dim"),
+    ("model", "pooling"),
+    ("model", "output_stride"),
+    ("optim", "name"),
+}
 TENSOR_PREFIX = "tensor "
 """Key prefix of a :class:`ConfigChange` that is a saved tensor of another shape (``tensor head.weight``)."""
 SHOWN_TENSORS = 8
