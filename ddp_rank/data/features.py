@@ -86,7 +86,7 @@ class FeatureRecord:
                 f"{where}: build.{BUILD_KEY}.transform must hold {', '.join(keys)}, got {transform!r}"
             )
         stride = raw.get("output_stride", 32)
-        if stride not in (16, 32) or isinstance(stride, bool):
+        if not isinstance(stride, int) or isinstance(stride, bool) or stride not in (16, 32):  # 16.0 too, as for dim
             raise FeatureRecordError(
                 f"{where}: build.{BUILD_KEY}.output_stride must be 16 or 32, got {stride!r}"
             )

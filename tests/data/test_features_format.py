@@ -85,3 +85,20 @@ def test_verify_names_a_vector_of_the_wrong_length(tmp_path: Path) -> None:
     (shards / "manifest.json").write_text(json.dumps(raw))
     problems = [str(p) for p in verify_shards(shards)]
     assert problems and all("bytes where a vector of 9 float16 values takes 18" in p for p in problems)
+
+
+def test_record_output_stride_round_trips_and_defaults_to_the_whole_network() -> None:
+    record = FeatureRecord.from_json({**RECORD, "output_stride": 16}, "m")
+    assert record.output_stride == 16
+    assert json.loads(json.dumps(record.to_json()))["output_stride"] == 16
+    assert FeatureRecord.from_json(json.loads(json.dumps(record.to_json())), "m") == record
+    assert "output_stride" not in RECORD, "the helper's record is one written before output_stride existed"
+    assert FeatureRecord.from_json(RECORD, "m").output_stride == 32
+
+
+@pytest.mark.parametrize("stride", [8, "16", True, 16.0, None])
+def test_record_output_stride_must_be_16_or_32(stride: object) -> None:
+    with pytest.raises(
+        FeatureRecordError, match=rf"m: build.features.output_stride must be 16 or 32, got {stride!r}"
+    ):
+        FeatureRecord.from_json({**RECORD, "output_stride": stride}, "m")
