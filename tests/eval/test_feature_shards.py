@@ -18,12 +18,12 @@ import torch
 from PIL import Image
 
 from ddp_rank.cli import main
-from ddp_rank.config import load_config
+from ddp_rank.config import ModelConfig, load_config
 from ddp_rank.data.features import feature_record
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.stream import ShardStream
 from ddp_rank.model import build_model
-from ddp_rank.model.feature_head import FeatureHeadNet, weights_digest
+from ddp_rank.model.feature_head import FeatureHeadNet, image_features, weights_digest
 from ddp_rank.runtime.data_setup import schedule_config
 from ddp_rank.train.setup import build_loss
 from ddp_rank.train.trainer import run_training
@@ -86,6 +86,79 @@ def test_build_mirrors_the_source_and_stores_the_backbone_output(built: dict[str
         expected = captured.pop().numpy()[0].astype(np.float16).astype(np.float32)
         np.testing.assert_allclose(vector, expected, rtol=2e-3, atol=2e-3)
     assert main(["shards", "verify", str(built["feat"])]) == 0
+
+
+GRID = [
+    "model.backbone=efficientnet_lite0",
+    "model.weights=none",
+    "model.output_stride=16",
+    "model.pooling=grid",
+    "data.image_size=32",  # the 16 px images resized: a 2 x 2 map at stride 16
+    "data.resize_size=32",
+]
+"""A build whose record differs from the default in every new field: Lite0 cut at stride 16, its map flattened."""
+
+
+@pytest.fixture(scope="module")
+def built_grid(built: dict[str, Path]) -> Path:
+    pytest.importorskip("efficientnet_lite_pytorch")
+    dst = built["root"] / "feat-grid"
+    assert main(features_cmd(built["images"], dst, *GRID)) == 0
+    return dst
+
+
+def source_batch(samples: dict[str, tuple[np.ndarray, dict[str, Any]]], data: Any) -> torch.Tensor:
+    """Every sample's source image through the evaluation transform of ``data`` (pixels in [0, 1])."""
+    from ddp_rank.data.transforms import transform_from_config
+    from ddp_rank.eval.sources import pil_batch
+
+    images = [Image.open(meta["source"]) for _, meta in samples.values()]
+    return pil_batch(images, transform_from_config(data))
+
+
+def test_a_stride_16_grid_build_stores_the_full_networks_block_10_map(built_grid: Path) -> None:
+    record = feature_record(Manifest.load(built_grid))
+    assert record is not None
+    assert (record.backbone, record.pooling, record.output_stride) == ("efficientnet_lite0", "grid", 16)
+    assert record.dim == 112 * 2 * 2 and record.transform["image_size"] == 32
+    raw = json.loads((built_grid / "manifest.json").read_text())["build"]["features"]
+    assert raw["output_stride"] == 16 and raw["pooling"] == "grid"
+    # By hand: the WHOLE Lite0 under train.seed, the output of its last stride-16 block (10) taken by a hook.
+    cfg = load_config(None, [*TINY_OVERRIDES, *GRID])
+    torch.manual_seed(cfg.train.seed)
+    full = build_model(ModelConfig(backbone="efficientnet_lite0", weights="none"), 32).eval()
+    captured: list[torch.Tensor] = []
+    full.backbone.net._blocks[10].register_forward_hook(lambda _m, _args, out: captured.append(out))
+    samples = stored(built_grid)
+    assert len(samples) == 72
+    with torch.no_grad():
+        full.backbone(source_batch(samples, cfg.data) * 2 - 1)  # Lite0 takes inputs in [-1, 1]
+    (block10,) = captured
+    assert block10.shape == (72, 112, 2, 2)
+    expected = block10.permute(0, 2, 3, 1).reshape(72, -1).numpy().astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(np.stack([v for v, _ in samples.values()]), expected, rtol=2e-3, atol=2e-3)
+    assert main(["shards", "verify", str(built_grid)]) == 0
+
+
+@pytest.mark.parametrize("which", ["default", "stride_16_grid"])
+def test_an_image_is_embedded_by_the_recorded_backbone_as_the_build_did(
+    built: dict[str, Path], which: str, request: pytest.FixtureRequest
+) -> None:
+    """``image_model`` (search queries, ``export --images``) rebuilds the backbone from the record alone: the
+    head's config names none of it (tiny_cnn at 16 px here), yet each source image gives its stored vector."""
+    from ddp_rank.eval.feature_images import image_config, image_model
+
+    shards = built["feat"] if which == "default" else request.getfixturevalue("built_grid")
+    record = feature_record(Manifest.load(shards))
+    assert record is not None
+    cfg = load_config(None, [*HEAD, f"data.shards={shards}"])
+    net = image_model(cfg, FeatureHeadNet(record.dim, 16))
+    assert net.backbone.head.in_features == record.dim
+    samples = stored(shards)
+    with torch.no_grad():
+        vectors = image_features(net.backbone, source_batch(samples, image_config(cfg).data))
+    rounded = vectors.to(torch.float16).float().numpy()  # as ImageFeatureNet hands them to the head
+    np.testing.assert_allclose(rounded, np.stack([v for v, _ in samples.values()]), rtol=2e-3, atol=2e-3)
 
 
 KILL_AFTER_ONE_SHARD = """
