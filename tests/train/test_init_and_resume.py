@@ -288,3 +288,30 @@ def test_another_pml_loss_is_a_structural_change_a_listwise_one_is_not() -> None
     assert changes("fastap", "pml:ProxyAnchorLoss(margin=0.1)") == {"loss.name": True}
     assert changes("pml:ContrastiveLoss()", "fastap") == {"loss.name": True}
     assert changes("fastap", "fastap") == {}
+
+
+def test_a_changed_output_stride_is_refused_as_a_structural_change(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """resnet18 cut at stride 16 has no layer4 and a 256-wide head input: the checkpoint cannot load as it is."""
+    from ddp_rank.config import Config, to_dict
+    from ddp_rank.train.resume_check import resume_changes
+
+    run = tmp_path / "run"
+    resnet = ("model.backbone=resnet18", "model.weights=none", "distributed.chunk_size=0")  # 0: no chunk trial
+    run_training(cfg_for(shards, run, "train.steps=1", *resnet))
+    config_before = (run / "config.yaml").read_text()
+    capsys.readouterr()
+    assert main(["train", *TINY_OVERRIDES, f"data.shards={shards}", f"train.output_dir={run}", "train.steps=2",
+                 *resnet, "model.output_stride=16"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "model.output_stride: 32 -> 16" in err and "train.force_resume=true" in err
+    assert "tensor backbone.layer4.0.bn1.weight: [512] -> 'absent'" in err, "the cut drops layer4's weights"
+    assert (run / "config.yaml").read_text() == config_before
+    # Structural (a forced resume starts the optimizer afresh); a checkpoint older than the key used 32.
+    older = {"config": {**to_dict(Config()), "model": {"backbone": "resnet18"}}}
+    cfg = Config()
+    cfg.model.backbone = "resnet18"
+    assert resume_changes(older, cfg) == []
+    cfg.model.output_stride = 16
+    assert [(c.key, c.structural) for c in resume_changes(older, cfg)] == [("model.output_stride", True)]
