@@ -86,7 +86,8 @@ class FeatureRecord:
                 f"{where}: build.{BUILD_KEY}.transform must hold {', '.join(keys)}, got {transform!r}"
             )
         stride = raw.get("output_stride", 32)
-        if not isinstance(stride, int) or isinstance(stride, bool) or stride not in (16, 32):  # 16.0 too, as for dim
+        # An integer, as dim and init_seed are: 16.0 == 16, but would travel on as a float.
+        if not isinstance(stride, int) or isinstance(stride, bool) or stride not in (16, 32):
             raise FeatureRecordError(
                 f"{where}: build.{BUILD_KEY}.output_stride must be 16 or 32, got {stride!r}"
             )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +173,8 @@ def _start(dst: Path, record: FeatureRecord, overwrite: bool) -> None:
         )
     started = progress / "build.json"
     if started.is_file():
-        previous = json.loads(started.read_text(encoding="utf-8"))
+        # A build started before a field existed holds none: it ran with the field's default (output_stride 32).
+        previous = {**_record_defaults(), **json.loads(started.read_text(encoding="utf-8"))}
         if previous != wanted:
             changed = sorted(k for k in wanted if previous.get(k) != wanted[k])
             raise FeatureBuildError(
@@ -183,6 +184,11 @@ def _start(dst: Path, record: FeatureRecord, overwrite: bool) -> None:
         return
     progress.mkdir(parents=True, exist_ok=True)
     atomic_write_text(started, json.dumps(wanted, indent=1) + "\n")
+
+
+def _record_defaults() -> dict[str, Any]:
+    """The :class:`FeatureRecord` fields that have a default, with it."""
+    return {f.name: f.default for f in fields(FeatureRecord) if f.default is not MISSING}
 
 
 def _all_shards(src: Manifest) -> Iterator[tuple[str, ShardInfo]]:

@@ -194,6 +194,22 @@ def test_a_killed_build_resumes_and_keeps_what_it_wrote(built: dict[str, Path], 
     assert main(features_cmd(built["images"], dst)) == 2  # finished: not built twice without --overwrite
 
 
+def test_an_unfinished_build_from_before_output_stride_resumes(
+    built: dict[str, Path], tmp_path: Path
+) -> None:
+    """Its build.json holds no output_stride: the whole network (32), as this config's, so the build goes on."""
+    from ddp_rank.eval.feature_build import PROGRESS_DIR
+
+    older = json.loads((built["feat"] / "manifest.json").read_text())["build"]["features"]
+    del older["output_stride"]
+    dst = tmp_path / "feat"
+    (dst / PROGRESS_DIR).mkdir(parents=True)
+    (dst / PROGRESS_DIR / "build.json").write_text(json.dumps(older))
+    assert main(features_cmd(built["images"], dst)) == 0
+    assert feature_record(Manifest.load(dst)) == feature_record(Manifest.load(built["feat"]))
+    assert Manifest.load(dst).splits == Manifest.load(built["feat"]).splits
+
+
 @pytest.mark.slow
 def test_two_ranks_share_the_build_and_write_the_same_shards(built: dict[str, Path], tmp_path: Path) -> None:
     dst = tmp_path / "feat2"
