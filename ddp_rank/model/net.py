@@ -121,7 +121,8 @@ def _blocks_within_stride(blocks: list[nn.Module], output_stride: int) -> int:
     """How many leading EfficientNet blocks keep the output stride at most ``output_stride`` (the stem: 2)."""
     stride = 2
     for i, block in enumerate(blocks):
-        step = block._block_args.stride  # type: ignore[union-attr]
+        args: Any = block._block_args
+        step = args.stride
         stride *= int(step[0] if isinstance(step, (list, tuple)) else step)
         if stride > output_stride:
             return i
@@ -300,7 +301,7 @@ def _torchvision_backbone(name: str, weights: str) -> tuple[nn.Module, int]:
     return net, dim
 
 
-def _efficientnet_lite0(weights: str, image_size: int, output_stride: int = 32) -> nn.Module:
+def _efficientnet_lite0(weights: str, image_size: int, output_stride: int = 32) -> _EfficientNetLiteFeatures:
     try:
         from efficientnet_lite_pytorch import EfficientNet
     except ImportError as exc:
@@ -385,7 +386,7 @@ def build_model(cfg: ModelConfig, image_size: int = 224, feature_dim: int | None
     elif name in BACKBONES:
         backbone, dim = _torchvision_backbone(name, weights)
         if cfg.output_stride == 16:  # ResNets: layer4 is the one stage of stride 32
-            backbone.layer4 = nn.Identity()  # type: ignore[assignment]
+            backbone.layer4 = nn.Identity()
     else:
         raise ModelError(f"model.backbone='{name}' is unknown; valid: {', '.join(BACKBONES)}")
     replace_pooling(backbone, cfg.pooling)
