@@ -1,4 +1,5 @@
-"""The embedding network: backbones by name, weights none / packaged / file, head, L2 norm, BatchNorm freezing."""
+"""The embedding network: backbones by name, weights none / packaged / file, head, L2 norm, BatchNorm freezing,
+and model.output_stride=16 (checked against the whole network's stride-16 output, taken by a forward hook)."""
 
 from __future__ import annotations
 
