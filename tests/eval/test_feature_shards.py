@@ -1,7 +1,8 @@
 """`ddp-rank shards features` end to end on tiny image shards: the build (against the backbone run by hand; also
 EfficientNet-Lite0 cut at output stride 16 with its map kept whole, against the whole network's block 10), images
-embedded through the backbone rebuilt from the record, resume after a kill, the same shards from two ranks, training a head (against one autograd step by hand),
-evaluation (against brute force), search of an image file, and the refusal of shards without a backbone record."""
+embedded through the backbone rebuilt from the record, resume after a kill, the same shards from two ranks,
+training a head (against one autograd step by hand), evaluation (against brute force), search of an image file,
+and the refusal of shards without a backbone record."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ and model.output_stride=16 (checked against the whole network's stride-16 output
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -140,8 +141,8 @@ def _seeded(cfg: ModelConfig, image_size: int) -> EmbeddingNet:
 BN_KEYS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 
 
-def _lite0(weights: str, **kwargs: object) -> ModelConfig:
-    return ModelConfig(backbone="efficientnet_lite0", weights=weights, embedding_dim=8, **kwargs)  # type: ignore[arg-type]
+def _lite0(weights: str, **kwargs: Any) -> ModelConfig:
+    return ModelConfig(backbone="efficientnet_lite0", weights=weights, embedding_dim=8, **kwargs)
 
 
 @pytest.mark.parametrize("weights", ["none", "default"])
