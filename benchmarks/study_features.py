@@ -8,16 +8,20 @@ one process per run, and evaluated on the held-out words (each image queries all
 1. **Batch axis.** FastAP, random sampler, global batches ``--batches`` (256 ... 8,192).
    The learning rate of each batch is chosen by a small sweep: the square-root-scaled rate
    ``--lr0 * sqrt(B / 1024)`` and ``--lr-factor`` times below and above it, each trained ``--sweep-epochs``
-   epochs; the rate with the best R@1 at the end of that short run wins (ties: the lower rate).
+   epochs (a winner at an end of the grid: one more rate beyond it, twice at most); the rate with the best
+   R@1 at the end of that short run wins (ties: the lower rate).
 2. **Until flat.** The winner of each batch goes on (the same run, resumed) and is extended while its R@1 still
    grows over the last quarter of its steps: flat means R@1 at the last evaluation is less than ``--flat``
    points above R@1 at three quarters of the run (at most ``--max-epochs`` epochs; a run that reaches the cap
    unflattened is marked so in the table).
 3. **Sampler and loss at the best batch** (the batch of the highest final R@1): the hard sampler (the fewest
-   categories of the set's first-letter-and-length groups that can fill a batch), and PNP-Dq and Smooth-AP
+   categories per batch, 2 at least, that leave at most a tenth of the images out), and PNP-Dq and Smooth-AP
    with FastAP's rate, each trained for the steps the FastAP run needed and then extended the same way.
-4. **Replicates.** ``--replicates K`` trains the batch axis's chosen points K-1 more times with other seeds
-   (same rate and length) so that each point has a spread and the differences an interval.
+4. **Replicates.** ``--replicates K`` trains every point K-1 more times with other seeds (same rate and length,
+   evaluated at the end) so that each point has a spread and the differences an interval.
+
+Runs go ``--jobs`` at a time (default 2, one torch thread each on 2 cores: about 3x the throughput of one run on
+both, the stream being Python), the waiting first-seed runs before the waiting replicates.
 
 Outputs in ``--out``: one folder per run, ``study.json`` (every figure the tables hold) and ``study.md``;
 ``--results`` copies the table and the plots into ``benchmarks/results/`` with the date.
