@@ -38,6 +38,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -278,12 +279,12 @@ def _categories_to_fill(manifest: Manifest, split: str, batch: int, coverage: fl
     return len(sizes)
 
 
-def _point_figures(point: Point) -> dict[str, Any]:
+def _point_figures(point: Point, n_train: int) -> dict[str, Any]:
     runs = [read_run(r) for r in point.runs]
     figures: dict[str, Any] = {
         "axis": point.axis, "name": point.name, "batch": point.batch, "lr": point.lr, "steps": point.steps,
         "flat": point.flat, "sweep_recall@1": point.sweep, "seeds": len(runs),
-        "epochs": None, "seconds": [r.seconds for r in runs],
+        "epochs": round(point.steps * point.batch / n_train, 2), "seconds": [r.seconds for r in runs],
         "curve": [(int(e["step"]), float(e["recall@1"])) for e in runs[0].evals if "recall@1" in e],
     }  # fmt: skip
     for metric in METRICS:
@@ -293,9 +294,7 @@ def _point_figures(point: Point) -> dict[str, Any]:
 
 def _report(args: argparse.Namespace, manifest: Manifest, n_train: int, batch_points: list[Point], best: Point,
             other_points: list[Point], hard_categories: int, wall: float) -> dict[str, Any]:  # fmt: skip
-    points = [_point_figures(p) for p in batch_points + other_points]
-    for figures in points:
-        figures["epochs"] = round(figures["steps"] * figures["batch"] / n_train, 2)
+    points = [_point_figures(p, n_train) for p in batch_points + other_points]
     return {
         "date": date.today().isoformat(),
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or platform.machine()})",
@@ -317,16 +316,11 @@ def _report(args: argparse.Namespace, manifest: Manifest, n_train: int, batch_po
     }
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def _cell(values: list[float]) -> str:
     pct = [100 * v for v in values]
     if len(pct) == 1:
         return f"{pct[0]:.2f}"
-    spread = math.sqrt(sum((v - _mean(pct)) ** 2 for v in pct) / (len(pct) - 1))
-    return f"{_mean(pct):.2f} ± {spread:.2f}"
+    return f"{statistics.fmean(pct):.2f} ± {statistics.stdev(pct):.2f}"
 
 
 def _difference(a: dict[str, Any], b: dict[str, Any], metric: str) -> str:
@@ -335,7 +329,7 @@ def _difference(a: dict[str, Any], b: dict[str, Any], metric: str) -> str:
     diffs = [100 * (x - y) for x, y in pairs]
     interval = paired_t_interval(diffs)
     if interval is None:
-        return f"{_mean(diffs):+.2f}"
+        return f"{statistics.fmean(diffs):+.2f}"
     return f"{interval.mean:+.2f} [{interval.low:+.2f}, {interval.high:+.2f}]"
 
 
@@ -392,7 +386,7 @@ def _plots(report: dict[str, Any], out: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     xs = [p["batch"] for p in batch]
     for metric, marker in (("recall@1", "o-"), ("map@r", "s--")):
-        means = [100 * _mean(p[metric]) for p in batch]
+        means = [100 * statistics.fmean(p[metric]) for p in batch]
         left.plot(xs, means, marker, label=metric)
         for x, p in zip(xs, batch, strict=True):
             left.scatter([x] * len(p[metric]), [100 * v for v in p[metric]], s=10, color="gray", zorder=3)
