@@ -207,7 +207,10 @@ def part_tests(part: Part) -> tuple[str, list[targets.Verdict]]:
                         share)  # fmt: skip
         counts = targets.junit_results(xml)
         results[name] = None if counts is None else {**counts, "exit": code}
-    return "", targets.tests_verdicts(results)
+    failures = [(name, text) for counts in results.values() if counts for name, text in counts["failure_texts"].items()]
+    body = "\n\n".join(f"<details><summary>{name} failed</summary>\n\n```\n{text}\n```\n</details>"
+                         for name, text in failures)  # fmt: skip
+    return body, targets.tests_verdicts(results)
 
 
 def part_loss(part: Part) -> tuple[str, list[targets.Verdict]]:
@@ -311,17 +314,18 @@ def part_grads(part: Part) -> tuple[str, list[targets.Verdict]]:
 
 
 def _grads_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| engine | precision | processes | build | chunks | update off by | worst tensor | peak MB direct, chunked |",
-             "|" + "---|" * 8]  # fmt: skip
+    lines = ["| engine | precision | processes | build | chunks | update off by | worst tensor | two direct steps apart by "
+             "(whole, worst) | peak MB direct, chunked |", "|" + "---|" * 9]  # fmt: skip
     for r in rows:
         build = "real" if r.get("fault", "none") == "none" else f"broken: {r['fault']}"
         head = f"| {r['engine']} | {r['precision']} | {r['processes']} | {build} "
         if "error" in r:
-            lines.append(head + f"| crashed: {r['error']} | | | |")
+            lines.append(head + f"| crashed: {r['error']} | | | | |")
             continue
         peak = f"{r['peak_mb_direct']:.0f}, {r['peak_mb_chunked']:.0f}" if "peak_mb_direct" in r else "-"
+        floor = f"{r['floor_rel']:.2e}, {r['floor_worst_rel']:.2e}" if "floor_rel" in r else "-"
         lines.append(head + f"| {r['chunks']} x {r['chunk']} | {r['update_rel']:.2e} "
-                     f"| {r['worst_tensor']}: {r['worst_rel']:.2e} | {peak} |")  # fmt: skip
+                     f"| {r['worst_tensor']}: {r['worst_rel']:.2e} | {floor} | {peak} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -56,9 +56,14 @@ def failed(verdicts: list[Verdict]) -> bool:
 
 
 # ----------------------------------------------------------------------------------------- tests
+FAILURE_TEXT_CHARS = 2_000
+"""How much of a failed test's report (its end: the assertion and what the test printed) the GPU report keeps."""
+
+
 def junit_results(path: Path) -> dict[str, Any] | None:
     """A pytest ``--junitxml`` file's counts (tests, failures, errors, skipped, xfailed) and the tests behind them
-    (``failed``: names; ``skips``: ``name (reason)``, xfails left out); None when it is missing or broken."""
+    (``failed``: names; ``skips``: ``name (reason)``, xfails left out; ``failure_texts``: name -> the end of its
+    failure's report, what a reader of the GPU report needs to see why); None when it is missing or broken."""
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
@@ -68,11 +73,15 @@ def junit_results(path: Path) -> dict[str, Any] | None:
     for suite in suites:
         for key in ("tests", "failures", "errors", "skipped"):
             results[key] += int(suite.get(key, 0))
-    results["failed"], results["skips"] = [], []
+    results["failed"], results["skips"], results["failure_texts"] = [], [], {}
     for case in root.iter("testcase"):
         name = f"{case.get('classname', '').rpartition('.')[2]}::{case.get('name', '?')}"
-        if case.find("failure") is not None or case.find("error") is not None:
+        problem = case.find("failure")
+        problem = case.find("error") if problem is None else problem
+        if problem is not None:
             results["failed"].append(name)
+            text = (problem.text or "").strip() or problem.get("message", "") or "no report"
+            results["failure_texts"][name] = text[-FAILURE_TEXT_CHARS:]
         skipped = case.find("skipped")
         if skipped is not None and skipped.get("type") == "pytest.xfail":
             results["xfailed"] += 1
@@ -293,7 +302,17 @@ into the gradient: 0.5 % of the whole and 5.7 % of the worst tensor measured on 
 0.44 % and 6.4 %), 0.7 % and 6.7 % under DeepSpeed ZeRO-1/2 bf16 (buffers in bf16: on CPU, frozen BatchNorm with
 DeepSpeed's float32 buffers and bf16 weights does not run); 5 % and 30 %. A step that keeps only the last of 4
 chunks is off by the order of the update itself (1.76 of the whole measured, 16 on the head's bias): far outside
-both."""
+both.
+
+A row that measured its noise floor (``floor_rel``, ``floor_worst_rel``: two correct direct steps, the convolutions
+in two memory layouts) may be off by up to ``GRAD_FLOOR_FACTOR`` times it, never more than ``GRAD_FLOOR_CAP``:
+ResNet-50 freshly initialised amplifies float32 rounding into a 1-2 % difference between two correct steps (2.1 %
+between layouts on CPU, 1.5 % for the chunked step on an H200, 2026-11-26), which no fixed 1e-4 can tell from a
+fault. A lost chunk (75 % of a 4-chunk update) stays far outside the cap."""
+GRAD_FLOOR_FACTOR = 2.0
+"""How many times its own noise floor a chunked step may be off."""
+GRAD_FLOOR_CAP = 0.1
+"""The most the noise floor may widen a tolerance to: a step 10 % off fails whatever the floor."""
 
 
 def grads_verdicts(rows: list[dict[str, Any]], expected: list[tuple[str, str, int, str]], gpus: int) -> list[Verdict]:
@@ -334,18 +353,33 @@ def grads_verdicts(rows: list[dict[str, Any]], expected: list[tuple[str, str, in
 
 
 def _update_within(row: dict[str, Any]) -> tuple[bool, str]:
-    """Whether ``row``'s chunked update is within ``GRAD_RTOL`` of its direct one, and the figures."""
+    """Whether ``row``'s chunked update is within ``GRAD_RTOL`` of its direct one, or within the row's noise floor
+    (``GRAD_FLOOR_FACTOR``, ``GRAD_FLOOR_CAP``), and the figures."""
     whole_tol, worst_tol = GRAD_RTOL[row["precision"]]
+    floor = ""
+    if "floor_rel" in row:
+        floor_whole, floor_worst = row["floor_rel"], row["floor_worst_rel"]
+        whole_tol = _widened(whole_tol, floor_whole)
+        worst_tol = _widened(worst_tol, floor_worst)
+        floor = f"; two direct steps (two layouts) {floor_whole:.2e} apart, worst tensor {floor_worst:.2e}"
     norm, whole, worst = row["direct_norm"], row["update_rel"], row["worst_rel"]
     if not (math.isfinite(norm) and norm > 0):
         return False, f"the direct step's update has norm {norm}: nothing to compare"
     detail = (
-        f"update off by {whole:.2e} (<= {whole_tol:g}), worst tensor {row['worst_tensor']} by {worst:.2e} "
-        f"(<= {worst_tol:g}); {row['chunks']} chunks of {row['chunk']}"
+        f"update off by {whole:.2e} (<= {whole_tol:.3g}), worst tensor {row['worst_tensor']} by {worst:.2e} "
+        f"(<= {worst_tol:.3g}){floor}; {row['chunks']} chunks of {row['chunk']}"
     )
     if "peak_mb_direct" in row:
         detail += f"; peak {row['peak_mb_direct']:.0f} MB direct, {row['peak_mb_chunked']:.0f} MB chunked"
     return whole <= whole_tol and worst <= worst_tol, detail
+
+
+def _widened(tolerance: float, floor: float) -> float:
+    """``tolerance``, or ``GRAD_FLOOR_FACTOR`` times the noise ``floor`` where that is larger, up to the cap (a
+    floor that is not a finite number widens nothing)."""
+    if not math.isfinite(floor):
+        return tolerance
+    return max(tolerance, min(GRAD_FLOOR_FACTOR * floor, GRAD_FLOOR_CAP))
 
 
 # ----------------------------------------------------------------------------------------- feed

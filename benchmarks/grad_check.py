@@ -28,8 +28,12 @@ Each ``--runs`` entry is ``ENGINE:PRECISION[:FAULT]``:
 ``--processes`` ranks are started here (spawn), one per GPU on CUDA (NCCL) or as gloo CPU processes; a rank's
 part of the global batch is ``--batch`` rows. Every run is a row of ``--json`` (rewritten after each run, so a
 run stopped part way keeps the rows it finished): the relative error of the whole update vector, the worst
-tensor's, the direct update's norm, and on CUDA the peak memory of each step. ``benchmarks/gpu_targets.py``
-(``grads_verdicts``) judges them.
+tensor's, the direct update's norm, on CUDA the peak memory of each step, and the comparison's noise floor
+(``floor_rel``, ``floor_worst_rel``): how far a second direct step, the convolutions in the other memory layout,
+lands from the first. Two correct float32 steps of a freshly initialised ResNet-50 are that far apart: 2.1 % of
+the whole update between contiguous and channels-last on CPU (2026-11-26), where the chunked step was 3e-6 from
+the direct one; on an H200 the chunked step was 1.5 % off (cuDNN picks other kernels for a chunk's shape).
+``benchmarks/gpu_targets.py`` (``grads_verdicts``) judges them.
 """
 
 from __future__ import annotations
@@ -151,21 +155,57 @@ class _NoCoalescing:
 
 # ----------------------------------------------------------------------------------------- one step
 def global_batch(setup: Setup, world: int) -> tuple[Tensor, Tensor]:
-    """The global batch on the CPU, the same in every rank and run: uint8 images, classes of 4 rows."""
-    n = setup.batch * world
+    """The global batch on the CPU, the same in every rank and run: uint8 images, classes of 4 rows.
+
+    Each image is a smooth colour field, its class's (4 x 4 colours) plus a fainter one of its own (8 x 8),
+    scaled up: unlike white noise, which a network's pooling averages into the same vector for every image,
+    such images give embeddings that differ (see ``calibrate_batchnorm`` for why that matters)."""
+    n, size = setup.batch * world, setup.image_size
     g = torch.Generator().manual_seed(1234)
-    images = torch.randint(0, 256, (n, 3, setup.image_size, setup.image_size), dtype=torch.uint8, generator=g)
+    per_class = torch.rand(n // 4 + 1, 3, 4, 4, generator=g).repeat_interleave(4, dim=0)[:n]
+    own = torch.rand(n, 3, 8, 8, generator=g)
+    field = sum(w * nn.functional.interpolate(f, size=size, mode="bilinear", align_corners=False)
+                for w, f in ((0.7, per_class), (0.3, own)))  # fmt: skip
+    images = (cast(Tensor, field) * 255).round().clamp(0, 255).to(torch.uint8)
     return images, torch.arange(n) // 4
 
 
-def one_step(run: Run, setup: Setup, rank: int, world: int, chunk_size: int | None) -> tuple[dict[str, Tensor], float]:
+def calibrate_batchnorm(model: nn.Module, images: Tensor, chunk: int) -> None:
+    """Set every BatchNorm's running statistics to those of ``images`` (chunk by chunk, averaged), then freeze.
+
+    Why: a freshly initialised network has running statistics 0 and 1, so its frozen BatchNorm normalises
+    nothing; through ResNet-50's residual sums one direction then dominates every image's features, the
+    embeddings of all images nearly coincide (pairwise distances about 1e-3) and a parameter's gradient is the
+    small remainder of large per-image terms that cancel. float32 rounding, which differs between a batch of 128
+    and one of 32 (another summation order, on CUDA another cuDNN algorithm), is then amplified into a 1e-4
+    (CPU) to 1e-2 (H200) relative difference between two correct steps, measured 2026-11-26. Statistics of the
+    data, as a trained network has, keep the comparison at float32's own precision."""
+    from ddp_rank.model.net import freeze_batchnorm
+
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average over the chunks
+        m.train()
+    with torch.no_grad():
+        for start in range(0, len(images), chunk):
+            model(images[start : start + chunk])
+    for m in norms:
+        m.momentum = 0.1
+    freeze_batchnorm(model)
+
+
+def one_step(
+    run: Run, setup: Setup, rank: int, world: int, chunk_size: int | None, other_layout: bool = False
+) -> tuple[dict[str, Tensor], float]:
     """One SGD step (lr 1) of ``run``'s engine on this rank's part of the global batch, from the seed-0 weights:
-    the change of every float32 (master) weight, on the CPU, and the step's peak device memory in MB (0 on CPU)."""
+    the change of every float32 (master) weight, on the CPU, and the step's peak device memory in MB (0 on CPU).
+    ``other_layout``: the convolutions in the memory layout the trainer would not pick (channels-last against
+    contiguous), the same maths through other kernels: the noise floor of the comparison."""
     from ddp_rank.config import ModelConfig
     from ddp_rank.distributed import GlobalBatchLoss
     from ddp_rank.losses import FastAPLoss
     from ddp_rank.model import build_model
-    from ddp_rank.model.net import freeze_batchnorm
     from ddp_rank.train import DDPBackend, DeepSpeedBackend, PlainBackend, StepBackend, forward_backward
     from ddp_rank.train.setup import wants_channels_last
 
@@ -174,10 +214,11 @@ def one_step(run: Run, setup: Setup, rank: int, world: int, chunk_size: int | No
     model = build_model(ModelConfig(backbone=setup.backbone, weights="none", embedding_dim=setup.embedding_dim),
                         setup.image_size).to(device)  # fmt: skip
     deepspeed = run.engine.startswith("zero")
-    if wants_channels_last(model, device, deepspeed):
-        model.use_channels_last()  # the trainer's layout
+    if wants_channels_last(model, device, deepspeed) != other_layout:
+        model.use_channels_last()  # the trainer's layout, unless asked for the other
     model.train()
-    freeze_batchnorm(model)
+    images, labels = global_batch(setup, world)
+    calibrate_batchnorm(model, images.to(device), setup.chunk)
     bf16 = run.precision == "bf16"
     weights: Callable[[], dict[str, Tensor]]
     if deepspeed:
@@ -199,7 +240,6 @@ def one_step(run: Run, setup: Setup, rank: int, world: int, chunk_size: int | No
         backend = cast(StepBackend, _DropEarlierChunks(backend, backend.bare_module))
     elif run.fault == "no-coalescing":
         backend = cast(StepBackend, _NoCoalescing(backend))
-    images, labels = global_batch(setup, world)
     rows = slice(rank * setup.batch, (rank + 1) * setup.batch)
     inputs, local_labels = images[rows].to(device), labels[rows].to(device)
     before = weights()
@@ -215,6 +255,24 @@ def one_step(run: Run, setup: Setup, rank: int, world: int, chunk_size: int | No
         peak_mb = torch.cuda.max_memory_allocated(device) / 2**20 - start_mb
     after = weights()
     return {name: (after[name] - before[name]).cpu() for name in before}, peak_mb
+
+
+_FLOORS: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def noise_floor(run: Run, setup: Setup, rank: int, world: int) -> dict[str, Any]:
+    """Two direct steps of ``run``'s engine and precision, the convolutions in each memory layout, compared: how
+    far apart two correct steps land (measured once per engine and precision). DeepSpeed cannot hold a
+    channels-last model (its broadcast views every weight as bytes, which needs a contiguous tensor), so its rows
+    take the plain engine's floor, the same maths in the same precision."""
+    engine = "plain" if run.engine.startswith("zero") else run.engine
+    key = (engine, run.precision)
+    if key not in _FLOORS:
+        base = Run(engine, run.precision)
+        direct, _ = one_step(base, setup, rank, world, chunk_size=None)
+        other, _ = one_step(base, setup, rank, world, chunk_size=None, other_layout=True)
+        _FLOORS[key] = compare_updates(other, direct)
+    return _FLOORS[key]
 
 
 def _device(kind: str, rank: int) -> torch.device:
@@ -260,9 +318,10 @@ def compare(run: Run, setup: Setup, rank: int, world: int) -> dict[str, Any]:
         torch.backends.cudnn.allow_tf32 = not fp32  # torch's default is True
     direct, direct_mb = one_step(run, setup, rank, world, chunk_size=None)
     chunked, chunked_mb = one_step(run, setup, rank, world, chunk_size=setup.chunk)
+    floor = noise_floor(run, setup, rank, world)
     row = {"engine": run.engine, "precision": run.precision, "fault": run.fault, "processes": world,
            "local_batch": setup.batch, "chunk": setup.chunk, "chunks": math.ceil(setup.batch / setup.chunk),
-           **compare_updates(chunked, direct)}  # fmt: skip
+           **compare_updates(chunked, direct), "floor_rel": floor["update_rel"], "floor_worst_rel": floor["worst_rel"]}  # fmt: skip
     if setup.device == "cuda":
         row.update(peak_mb_direct=direct_mb, peak_mb_chunked=chunked_mb, device=torch.cuda.get_device_name(rank))
     return row

@@ -163,6 +163,24 @@ def test_test_suites_are_judged_from_their_junit_reports(tmp_path: Path) -> None
     assert verdicts[1].detail == "5 ran, 2 failed, 0 skipped: failed test_cuda::test_step"
 
 
+def test_a_failed_tests_report_keeps_the_end_of_its_traceback(tmp_path: Path) -> None:
+    """The GPU report must say why a test failed (the machine is gone when it is read): the end of the failure's
+    text, or its message when pytest wrote no text."""
+    long = "x" * 5_000 + "\nAssertionError: the reason"
+    path = tmp_path / "f.xml"
+    path.write_text('<testsuite tests="2" failures="1" errors="1" skipped="0">'
+                    f'<testcase classname="tests.a" name="test_long"><failure message="m">{long}</failure></testcase>'
+                    '<testcase classname="tests.b" name="test_setup"><error message="fixture broke"/></testcase>'
+                    "</testsuite>")  # fmt: skip
+    results = targets.junit_results(path)
+    assert results is not None
+    texts = results["failure_texts"]
+    assert list(texts) == ["a::test_long", "b::test_setup"]
+    assert texts["a::test_long"].endswith("AssertionError: the reason")
+    assert len(texts["a::test_long"]) == targets.FAILURE_TEXT_CHARS
+    assert texts["b::test_setup"] == "fixture broke"
+
+
 def test_a_skipped_cuda_test_or_a_stopped_run_is_not_measured(tmp_path: Path) -> None:
     """On the GPU machine every CUDA test must run: a skip (Triton missing, say) names the test and its reason;
     a run stopped at its time limit (killed: exit None; interrupted by its session timeout: 2) never reached

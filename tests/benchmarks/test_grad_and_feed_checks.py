@@ -76,6 +76,29 @@ def test_grads_verdicts_pass_within_tolerance_and_fail_outside() -> None:
     assert not [v for v in targets.grads_verdicts([], [], gpus=2) if "NCCL" in v.target]
 
 
+def test_a_noisy_comparison_widens_the_tolerance_to_its_floor_up_to_the_cap() -> None:
+    """Two correct float32 steps of a fresh ResNet-50 differ by 1-2 % (kernels of another layout or shape): a
+    chunked step within twice that floor passes, one beyond it fails, and no floor lets 10 % through."""
+    def row(whole: float, worst: float, floor: float, floor_worst: float, fault: str = "none") -> dict[str, Any]:
+        return {**_grad_row("plain", "fp32", fault, whole=whole, worst=worst), "floor_rel": floor,
+                "floor_worst_rel": floor_worst}  # fmt: skip
+
+    def status(r: dict[str, Any]) -> str:
+        (verdict,) = targets.grads_verdicts([r], [(r["engine"], r["precision"], 1, r["fault"])], gpus=2)
+        return str(verdict.status)
+
+    assert targets.GRAD_FLOOR_FACTOR == 2.0 and targets.GRAD_FLOOR_CAP == 0.1
+    assert status(row(1.5e-2, 2.1e-2, floor=2.1e-2, floor_worst=3.3e-2)) == PASS  # the H200's figures
+    assert "two direct steps (two layouts) 2.10e-02 apart" in targets.grads_verdicts(
+        [row(1.5e-2, 2.1e-2, 2.1e-2, 3.3e-2)], [("plain", "fp32", 1, "none")], gpus=2)[0].detail  # fmt: skip
+    assert status(row(1.5e-2, 1e-4, floor=1e-3, floor_worst=1e-2)) == FAIL  # over twice the floor
+    assert status(row(1e-5, 5e-2, floor=1e-6, floor_worst=2e-2)) == FAIL  # one tensor over twice its floor
+    assert status(row(0.15, 0.15, floor=0.2, floor_worst=0.2)) == FAIL  # the cap: 10 % fails whatever the floor
+    assert status(row(5e-5, 5e-4, floor=0.0, floor_worst=math.nan)) == PASS  # no floor: the fixed tolerance
+    # A lost chunk stays caught under the loudest floor.
+    assert status(row(0.92, 1.24, floor=0.5, floor_worst=0.5, fault="drop-chunks")) == PASS
+
+
 def test_a_broken_build_is_the_checks_control() -> None:
     caught = _grad_row("zero2", "bf16", "no-coalescing", whole=1.76, worst=16.0)
     missed = _grad_row("plain", "fp32", "drop-chunks")  # the check let a broken build through
@@ -206,6 +229,7 @@ def test_grads_check_passes_the_real_step_and_fails_lost_chunks_on_one_process(t
     runs = ["plain:fp32", "zero1:fp32", "zero2:fp32", "plain:fp32:drop-chunks", "zero1:fp32:no-coalescing",
             "zero2:fp32:no-coalescing", "zero2:fp32:drop-chunks"]  # fmt: skip
     rows = _grad_rows(tmp_path, 1, runs)
+    assert all(0 <= r["floor_rel"] < 1e-3 and math.isfinite(r["floor_worst_rel"]) for r in rows)  # tiny_cnn: rounding
     assert _judged_as_real(rows) == {
         "plain:fp32:none": PASS, "zero1:fp32:none": PASS, "zero2:fp32:none": PASS,
         "plain:fp32:drop-chunks": FAIL, "zero1:fp32:no-coalescing": FAIL, "zero2:fp32:no-coalescing": FAIL,
