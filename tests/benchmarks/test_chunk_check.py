@@ -143,6 +143,7 @@ def _device_limit() -> int:
     return saved[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("miscount", "verdict"), [(1.0, "PASS"), (4.0, "FAIL"), (0.25, "FAIL")])
 def test_on_cpu_a_miscounting_probe_makes_the_verdict_fail(
     shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, miscount: float, verdict: str

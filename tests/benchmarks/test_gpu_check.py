@@ -201,6 +201,7 @@ def test_a_skipped_cuda_test_or_a_stopped_run_is_not_measured(tmp_path: Path) ->
     assert "stopped at its time limit" in verdicts[1].detail and "stopped" in verdicts[2].detail
 
 
+@pytest.mark.slow
 def test_without_cuda_it_says_so_and_exits_2_writing_nothing(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--part", "loss", "--results", str(tmp_path)],
@@ -293,6 +294,7 @@ def test_missing_packages_without_wheels_name_the_fix(
 
 
 # ----------------------------------------------------------------------------------------- on the GPU machine
+@pytest.mark.slow
 def test_the_check_imports_ddp_rank_from_its_own_tree_without_the_install(tmp_path: Path) -> None:
     """The GPU machine runs the check from a plain copy of the tree, ddp_rank not pip-installed; the deepspeed
     part builds its shards in the check's own process. Here the editable install is hidden: ``-I -S`` (no .pth
@@ -346,6 +348,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_command_past_its_time_is_interrupted_then_its_whole_group_killed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -262,6 +262,7 @@ def _consistent(manifest: dict[str, Any], rel: str, data: bytes) -> dict[str, An
     return doc
 
 
+@pytest.mark.slow
 def test_tar_mutations_end_in_one_line_or_a_counted_replacement(
     workspace: Path, opened: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

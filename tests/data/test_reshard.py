@@ -108,6 +108,7 @@ def test_memory_is_bounded_by_the_setting(resharded_and_reads: tuple[Path, list[
     assert max(held) > SMALL.memory_bytes // 2  # windows are filled, not one span each
 
 
+@pytest.mark.slow
 def test_a_killed_reshard_resumes_to_identical_output(source: Path, resharded: Path, tmp_path: Path) -> None:
     dst = tmp_path / "killed"
     cmd = [sys.executable, "-m", "ddp_rank.cli", "shards", "reshard", str(source), str(dst), "--max-samples", "40",
@@ -132,6 +133,7 @@ def test_a_killed_reshard_resumes_to_identical_output(source: Path, resharded: P
     assert _files(dst) == expected
 
 
+@pytest.mark.slow
 def test_a_source_behind_a_url_gives_the_same_shards(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -217,6 +219,7 @@ def test_bad_destinations_settings_and_sources_are_refused_by_name(
             assert not name.split("/")[-1].startswith(".") and got == expected[name]
 
 
+@pytest.mark.slow
 def test_a_span_larger_than_the_memory_setting_is_streamed(resharded: Path, tmp_path: Path) -> None:
     """The contiguous copy as a source: every class is one span of several KiB. With 1 KiB of memory each is
     streamed member by member; the output equals that of reads held whole, and a corrupt span is refused."""

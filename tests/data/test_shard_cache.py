@@ -149,6 +149,7 @@ def _hold(directory: str, key: str, held: Any, release: Any) -> None:
     shard.close()
 
 
+@pytest.mark.slow
 def test_a_shard_another_process_holds_open_is_never_evicted(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     held, release = ctx.Event(), ctx.Event()
@@ -172,6 +173,7 @@ def test_a_shard_another_process_holds_open_is_never_evicted(tmp_path: Path) -> 
     assert _cached(tmp_path) == {"ee", "ff"}
 
 
+@pytest.mark.slow
 def test_a_reader_of_a_shard_another_process_holds_open_does_not_wait_for_it(tmp_path: Path) -> None:
     """The holder downloaded ``aa`` and keeps it open: a second reader of ``aa`` opens it at once."""
     import threading
@@ -233,6 +235,7 @@ def _read_everything(url: str, local: str, cache_dir: str, cap: int, seed: int) 
     return store.take_counts()
 
 
+@pytest.mark.slow
 def test_several_processes_filling_one_cache_stay_under_the_cap_and_read_the_right_bytes(
     shards: Path, served: str, tmp_path: Path
 ) -> None:

@@ -38,6 +38,7 @@ def _first_class(manifest: Manifest) -> tuple[ShardInfo, int, int]:
     return shard, shard.classes[0].offset, shard.classes[0].length
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cached", [False, True], ids=["ranged", "whole-shard download"])
 def test_a_server_restart_costs_retries_not_data(shards: Path, tmp_path: Path, cached: bool) -> None:
     with serve_directory(shards) as url:

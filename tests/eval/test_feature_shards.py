@@ -175,6 +175,7 @@ build_feature_shards(cfg, sys.argv[1], sys.argv[2], acc, FeatureBuildOptions(pro
 """
 
 
+@pytest.mark.slow
 def test_a_killed_build_resumes_and_keeps_what_it_wrote(built: dict[str, Path], tmp_path: Path) -> None:
     dst = tmp_path / "feat"
     cmd = [sys.executable, "-c", KILL_AFTER_ONE_SHARD, str(built["images"]), str(dst), *TINY_OVERRIDES]

@@ -66,6 +66,7 @@ def _sbatch(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.
                           cwd=REPO)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_launch_line_gives_cpus_a_job_port_and_the_overrides_intact(tmp_path: Path) -> None:
     # accelerate is a fake that writes, per node, the arguments it got and whether SIGUSR1 is ignored.
     recorder = (
@@ -99,6 +100,7 @@ def test_the_launch_line_gives_cpus_a_job_port_and_the_overrides_intact(tmp_path
                                              *overrides]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_job_sets_its_port_and_precision_from_the_environment(tmp_path: Path) -> None:
     env = {**_job(tmp_path, accelerate="exit 0\n"), "MAIN_PORT": "31337", "MIXED_PRECISION": "no"}
     assert _sbatch(env, "configs/demo.yaml").returncode == 0
@@ -106,6 +108,7 @@ def test_a_job_sets_its_port_and_precision_from_the_environment(tmp_path: Path) 
     assert srun["env"]["MAIN_PORT"] == "31337" and srun["env"]["MIXED_PRECISION"] == "no"
 
 
+@pytest.mark.slow
 def test_a_job_without_cpus_per_task_or_with_an_old_launcher_starts_nothing(tmp_path: Path) -> None:
     env = _job(tmp_path, accelerate="exit 0\n")
     proc = _sbatch({k: v for k, v in env.items() if k != "SLURM_CPUS_PER_TASK"}, "configs/demo.yaml")

@@ -199,6 +199,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_fused_triton_kernels_match_the_torch_paths() -> None:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}

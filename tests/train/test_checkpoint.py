@@ -82,6 +82,7 @@ def test_existing_step_is_not_rewritten(tmp_path: Path) -> None:
     assert (m.path_for(3) / "state.txt").read_text() == "3"
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_keeps_last_good(tmp_path: Path) -> None:
     """A real SIGKILL while a (slow) checkpoint is being written: the previous one stays complete."""
     script = textwrap.dedent(

@@ -203,6 +203,7 @@ def eval_outcome(latest: Path) -> str:
     return "loaded"
 
 
+@pytest.mark.slow
 def test_hundreds_of_damaged_checkpoint_folders(
     pristine: Path, tmp_path: Path, fresh_accelerator_state: None
 ) -> None:

@@ -48,6 +48,7 @@ def test_a_chunk_that_fits_is_confirmed_as_it_is() -> None:
     assert direct.chunk is None and direct.tried == (256,), "the direct step is tried with the whole batch"
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_error_backs_off_until_the_step_fits() -> None:
     tried: list[int] = []
     outcome = confirm_chunk(_fits_up_to(30, tried), local_batch=256, chunk=64)
@@ -61,6 +62,7 @@ def test_an_out_of_memory_error_backs_off_until_the_step_fits() -> None:
     )
 
 
+@pytest.mark.slow
 def test_backing_off_keeps_batchnorm_groups_whole_and_says_when_nothing_fits() -> None:
     tried: list[int] = []
     outcome = confirm_chunk(_fits_up_to(40, tried), 256, 64, round_chunk=lambda rows: rows - rows % 8)
@@ -198,6 +200,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_shards(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("under_count", [1, 4])
 def test_the_trainer_confirms_its_chunk_and_backs_off_from_a_probe_that_under_counts(
     shards: Path,

@@ -186,6 +186,7 @@ def test_unchanged_or_init_only_changes_resume_silently(
     assert "force" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_rewind_moves_the_abandoned_checkpoints_aside(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -220,6 +221,7 @@ def test_rewind_moves_the_abandoned_checkpoints_aside(
         trainer.close()
 
 
+@pytest.mark.slow
 def test_resume_with_other_weight_shapes_is_refused_or_forced(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

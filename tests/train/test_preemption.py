@@ -240,6 +240,7 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_resume_loses_nothin
         assert torch.equal(mine[name], reference[name]), name
 
 
+@pytest.mark.slow
 def test_a_single_process_run_exits_with_the_requeue_status(shards: Path, tmp_path: Path) -> None:
     """Without a launcher in between, the process's own exit status is 75 (EX_TEMPFAIL)."""
     cmd = [sys.executable, str(REPO / "tests" / "helpers" / "signal_one_rank.py"), "step", "2", "SIGTERM",

@@ -71,6 +71,7 @@ def test_step_line_and_durations() -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_run_without_a_terminal_reports_what_it_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """No TTY (as in a SLURM log): a timestamped line per log_every steps, the evaluation's table, the
     checkpoints, the best model, and on a second start the resume."""

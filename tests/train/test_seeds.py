@@ -55,6 +55,7 @@ def test_without_data_seed_train_seed_varies_both(shards: Path, tmp_path: Path) 
     assert not torch.equal(default[1], start(shards, tmp_path / "c", "train.seed=0")[1])
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_data_seed_is_refused(shards: Path, tmp_path: Path) -> None:
     """The checkpoint records the data's seed: a resume under another one would not see the interrupted run's
     batches. train.seed with data.seed fixed leaves the batches alone, so it is no such change."""

@@ -110,6 +110,7 @@ def test_chunked_step_is_used_when_the_batch_exceeds_the_chunk(shards: Path, tmp
         trainer.close()
 
 
+@pytest.mark.slow
 def test_resume_continues_like_an_uninterrupted_run(shards: Path, tmp_path: Path) -> None:
     full = run_training(cfg_for(shards, tmp_path / "full", "train.steps=5"))
     assert full["steps"] == 5
