@@ -30,8 +30,8 @@ PARALLEL = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile 
 test: $(STAMP)
 	$(PYTEST) $(PARALLEL) -m "not long"
 
-# Everything but the tests that start several processes (gloo ranks, accelerate launch, DeepSpeed) and the slow
-# end-to-end runs.
+# Everything but the tests that start several processes (gloo ranks, accelerate launch, DeepSpeed) and the tests of
+# seconds (marker slow: subprocess runs, fuzzing, Triton on CPU); make test runs them all.
 test-fast: $(STAMP)
 	$(PYTEST) $(PARALLEL) -m "not slow and not distributed and not long"
 
