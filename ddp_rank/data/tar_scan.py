@@ -10,18 +10,22 @@ dropped, so one bad shard costs its own samples and nothing else. Shards made by
 and ``.json`` bytes are ever interpreted (and the raw float16 ``.f16`` vector of a feature sample, which takes
 an image's place: ``data.features``): there is no pickle decoder anywhere in the read path.
 
-Both walk the 512-byte headers with one decoder, ``decode_header`` (stdlib ``tarfile.TarInfo.frombuf``, which
-checks the checksum and reads every numeric field, base-256 sizes included), seeking over member data. Unlike a
-tarfile walk, which stops quietly at a corrupt header or a file cut between members, this walk names the byte
-and the fault. A header only tarfile can resolve (pax or GNU extended headers: long names, big sizes; links)
-sends the whole walk through tarfile instead, so every dialect reads alike. (A header costs what it costs
-tarfile, small next to decoding the sample's image.)
+Both walk the 512-byte headers with one decoder, ``decode_header``, seeking over member data. It accepts what
+stdlib ``tarfile.TarInfo.frombuf`` accepts, with the same name, size and type: the common header (a file or a
+directory, every numeric field plain octal, the unsigned checksum) is read by a short path of its own, three
+times faster than ``frombuf``, and every other header goes through ``frombuf`` (base-256 sizes, signed
+checksums, odd spacing, and the faults it names). The speed matters for feature shards, whose samples are a few
+KB each: there a class's headers cost more than its data, and every training step reads a hundred classes or
+more. Unlike a tarfile walk, which stops quietly at a corrupt header or a file cut between members, this walk
+names the byte and the fault. A header only tarfile can resolve (pax or GNU extended headers: long names, big
+sizes; links) sends the whole walk through tarfile instead, so every dialect reads alike.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,25 +49,78 @@ class _NeedsTarfile(Exception):
     """A header only tarfile's full walk resolves (pax / GNU extended headers, links)."""
 
 
-def decode_header(block: bytes, pos: int) -> tarfile.TarInfo | None:
+class Header(NamedTuple):
+    """What the walks need of a member's header: its full name (ustar prefix joined), data size and type."""
+
+    name: str
+    size: int
+    type: bytes
+
+    def isdir(self) -> bool:
+        return self.type == tarfile.DIRTYPE
+
+
+_OCTAL_FIELD = re.compile(rb" *[0-7]* *(?:\0[\s\S]*)?")
+"""A numeric field in its common form: spaces, octal digits, spaces, then a NUL and anything. tarfile reads more
+forms (base-256, other whitespace, a sign); those go through it."""
+_NUMERIC_FIELDS = (
+    (100, 108),
+    (108, 116),
+    (116, 124),
+    (124, 136),
+    (136, 148),
+    (148, 156),
+    (329, 337),
+    (337, 345),
+)
+"""mode, uid, gid, size, mtime, checksum, devmajor, devminor: the fields ``frombuf`` reads as numbers."""
+
+
+def decode_header(block: bytes, pos: int) -> Header | None:
     """The member whose 512-byte header is ``block`` (read at byte ``pos``), or None for the end-of-archive
     marker (a zero block). Raises ``CorruptHeader`` for a short block, a checksum mismatch or an unreadable
-    field, and ``_NeedsTarfile`` for a member type of another dialect."""
-    # (frombuf raises subclasses of HeaderError for these two as well, but typeshed does not name them)
+    field, and ``_NeedsTarfile`` for a member type of another dialect. The same answers as
+    ``_decode_with_tarfile``, faster for the common header (see the module's docstring)."""
     if len(block) < _BLOCK:
         raise CorruptHeader(f"cut short inside the header at byte {pos}")
     if block == _ZERO_BLOCK:
         return None
+    kind = block[156:157]
+    common = kind in _PLAIN_TYPES and all(_OCTAL_FIELD.fullmatch(block, a, b) for a, b in _NUMERIC_FIELDS)
+    # The unsigned checksum: every byte, the checksum field's own counted as 8 spaces.
+    if not common or _octal(block, 148, 156) != sum(block) - sum(block[148:156]) + 8 * ord(" "):
+        return _decode_with_tarfile(block, pos)
+    name = _text(block, 0, 100)
+    if kind == tarfile.AREGTYPE and name.endswith("/"):  # a v7 directory
+        kind = tarfile.DIRTYPE
+    if kind == tarfile.DIRTYPE:
+        name = name.rstrip("/")
+    prefix = _text(block, 345, 500)
+    return Header(f"{prefix}/{name}" if prefix else name, _octal(block, 124, 136), kind)
+
+
+def _decode_with_tarfile(block: bytes, pos: int) -> Header:
+    """``decode_header`` by stdlib ``tarfile.TarInfo.frombuf`` (which checks the checksum, signed too, and reads
+    every numeric field, base-256 included), for a block that is neither short nor zero."""
+    # (frombuf raises subclasses of HeaderError for these, but typeshed does not name them)
     try:
         info = tarfile.TarInfo.frombuf(block, "utf-8", "replace")
     except tarfile.HeaderError as exc:  # "bad checksum", "invalid header" (a field that is not a number)
         raise CorruptHeader(f"corrupt tar header at byte {pos} ({exc})") from exc
     if info.type not in _PLAIN_TYPES:
         raise _NeedsTarfile
-    return info
+    return Header(info.name, info.size, info.type)
 
 
-def _walk(read_header: Callable[[int], bytes], end: int) -> Iterator[tuple[int, tarfile.TarInfo | None]]:
+def _octal(block: bytes, start: int, end: int) -> int:
+    return int(block[start:end].split(b"\0", 1)[0].strip() or b"0", 8)
+
+
+def _text(block: bytes, start: int, end: int) -> str:
+    return block[start:end].split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def _walk(read_header: Callable[[int], bytes], end: int) -> Iterator[tuple[int, Header | None]]:
     """``(header position, member)`` of each header from byte 0 while one starts before ``end``, seeking over
     member data; the member is None at the end-of-archive marker, which ends the walk. Raises as
     ``decode_header``."""

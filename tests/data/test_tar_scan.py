@@ -6,9 +6,13 @@ from __future__ import annotations
 import io
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from ddp_rank.data import tar_scan
 from ddp_rank.data.manifest import span_digest
 from ddp_rank.data.tar_scan import CorruptHeader, SpanError, decode_header, parse_span, scan_shard
 from ddp_rank.data.tar_writer import shard_writer
@@ -107,3 +111,90 @@ def test_scan_of_our_shard_and_its_damage(tmp_path: Path) -> None:
     assert scan_shard(path).error == "truncated inside member k1.png"
     path.write_bytes(data[:header])
     assert scan_shard(path).error == "truncated: no end-of-archive marker after 3 member(s)"
+
+
+# ----------------------------------------------------------------------------------------- the header's short path
+def _header(name: str, prefix: str, size: int, kind: bytes, mode: int, mtime: int, fmt: int) -> bytes:
+    """One member's header as tarfile writes it in ``fmt`` (its first block: pax and GNU long names come first
+    as an extended header of another type)."""
+    info = tarfile.TarInfo(f"{prefix}/{name}" if prefix else name)
+    info.size, info.type, info.mode, info.mtime = size, kind, mode, mtime
+    return info.tobuf(fmt, "utf-8", "surrogateescape")[: tarfile.BLOCKSIZE]
+
+
+def _with_checksum(block: bytearray) -> bytes:
+    """``block`` with its checksum field rewritten to match (unsigned), as a writer of damaged data would."""
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block)
+
+
+def _outcome(decode: Any, block: bytes) -> object:
+    try:
+        return decode(block, 0)
+    except (CorruptHeader, tar_scan._NeedsTarfile) as exc:
+        return type(exc)
+
+
+_DAMAGED_BYTE = st.one_of(st.integers(0, 511), st.integers(100, 156), st.integers(329, 345))
+"""Anywhere, and often in the numeric fields and the type, where the short path must defer to tarfile."""
+_DAMAGE = st.one_of(st.integers(0, 255), st.sampled_from([*b"0789 \0\t+-_/5", 0x80, 0xFF]))
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.text(st.characters(codec="utf-8", exclude_characters="\0"), min_size=1, max_size=40),
+    prefix=st.sampled_from(["", "a", "dir/sub", "p" * 120]),  # a name over 100 bytes: ustar's prefix field
+    slash=st.booleans(),  # a v7 directory: a file whose name ends in a slash
+    size=st.one_of(st.integers(0, 4096), st.integers(8**11 - 2, 8**12 + 5)),
+    kind=st.sampled_from([tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, b"x"]),
+    mode=st.integers(0, 0o7777),
+    mtime=st.integers(0, 2**33),
+    fmt=st.sampled_from([tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT]),
+    damage=st.lists(st.tuples(_DAMAGED_BYTE, _DAMAGE), max_size=4),
+    fix_checksum=st.booleans(),
+)
+def test_the_short_path_answers_as_tarfile_does(
+    name: str, prefix: str, slash: bool, size: int, kind: bytes, mode: int, mtime: int, fmt: int,
+    damage: list[tuple[int, int]], fix_checksum: bool,
+) -> None:  # fmt: skip
+    """Whatever the header (names of any script, big sizes in base-256, other member types, bytes changed with or
+    without a checksum that matches), ``decode_header`` gives what ``frombuf`` gives: the same name, size and
+    type, or the same refusal."""
+    try:
+        block = bytearray(_header(name + "/" * slash, prefix, size, kind, mode, mtime, fmt))
+    except (ValueError, UnicodeError):
+        return  # a header tarfile cannot write in this format
+    for pos, value in damage:
+        block[pos] = value
+    data = _with_checksum(block) if fix_checksum else bytes(block)
+    if data == bytes(tarfile.BLOCKSIZE):
+        return
+    assert _outcome(decode_header, data) == _outcome(tar_scan._decode_with_tarfile, data)
+
+
+def test_the_short_path_takes_the_common_header_and_leaves_the_rest_to_tarfile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fast path is taken for our own headers (else it would save nothing), and tarfile decides a header
+    in another form: a base-256 size, a signed checksum, a tab in a numeric field."""
+    calls: list[bytes] = []
+    slow = tar_scan._decode_with_tarfile
+    monkeypatch.setattr(
+        tar_scan, "_decode_with_tarfile", lambda block, pos: calls.append(block) or slow(block, pos)
+    )
+    ours = _header("s000001.f16", "", 3584, tarfile.REGTYPE, 0o644, 1_700_000_000, tarfile.USTAR_FORMAT)
+    assert decode_header(ours, 0) == tar_scan.Header("s000001.f16", 3584, tarfile.REGTYPE)
+    assert calls == []
+    big = _header("big.bin", "", 8**11 + 1, tarfile.REGTYPE, 0o644, 0, tarfile.GNU_FORMAT)  # base-256 size
+    assert decode_header(big, 0) == tar_scan.Header("big.bin", 8**11 + 1, tarfile.REGTYPE)
+    tabbed = bytearray(ours)
+    tabbed[100:108] = b"\t000644\0"
+    assert decode_header(_with_checksum(tabbed), 0) == tar_scan.Header("s000001.f16", 3584, tarfile.REGTYPE)
+    high = bytearray(ours)
+    high[300] = 0xE9  # a byte with the high bit set in the group name: the signed checksum differs
+    high[148:156] = b" " * 8
+    signed = sum(b - 256 if b > 127 else b for b in high)
+    high[148:156] = b"%06o\0 " % signed
+    assert decode_header(bytes(high), 0) == tar_scan.Header("s000001.f16", 3584, tarfile.REGTYPE)
+    assert len(calls) == 3
