@@ -12,6 +12,8 @@ Layout under ``<output_dir>/checkpoints/``::
     .tmp-trash-step-*/      a checkpoint being deleted (ignored, removed at the next start)
     best.json               {"step": 120, "metric": "recall@1", "value": 0.41}
     abandoned-<time>/       checkpoints of a later timeline, moved aside when a run was rewound (never read)
+    incomplete-<time>/      step-* folders without meta.json, which this writer never leaves (a copy cut short,
+                            another tool's files), moved aside at the next start, never deleted (never read)
 
 Why directory rename: every rank writes into the temporary directory, all ranks meet at a barrier, then rank 0
 fsyncs the files, writes ``meta.json``, and renames the directory into place with ``os.replace`` (atomic on
@@ -38,7 +40,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ddp_rank.atomic_io import atomic_write_text, follow_umask, fsync_dir, fsync_tree
 from ddp_rank.file_checks import digest_files
@@ -80,6 +82,25 @@ def check_world_size(meta: dict[str, Any], world_size: int, force: bool, where: 
         )
 
 
+class Cleanup(NamedTuple):
+    """What :meth:`CheckpointManager.cleanup_partial` did: the leftovers of killed saves it deleted, and the
+    folders without ``meta.json`` it moved aside (their new paths)."""
+
+    removed: list[Path]
+    set_aside: list[Path]
+
+
+def _new_folder(root: Path, kind: str) -> Path:
+    """A new, empty ``<kind>-<time>`` folder under ``root`` (``-2``, ``-3`` ... when that name is taken)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder, n = root / f"{kind}-{stamp}", 1
+    while folder.exists():
+        n += 1
+        folder = root / f"{kind}-{stamp}-{n}"
+    folder.mkdir()
+    return folder
+
+
 class CheckpointManager:
     """Save, list, rotate and find checkpoints under ``root``; rank-0 does the file-system work.
 
@@ -119,16 +140,30 @@ class CheckpointManager:
         return read_best(self.root)
 
     # -- writes --------------------------------------------------------------------------------------------
-    def cleanup_partial(self) -> list[Path]:
-        """Remove checkpoints left half-written by a killed run (main rank only); returns what was removed."""
-        removed: list[Path] = []
+    def cleanup_partial(self) -> Cleanup:
+        """Remove what a killed save left (its ``.tmp-`` folders) and move a ``step-*`` folder without
+        ``meta.json`` into ``incomplete-<time>/`` (main rank only; all ranks call it); returns both lists.
+
+        Why not delete the latter: the atomic save never leaves one, so such a folder is not ours to throw
+        away (a copy of a run that was cut short, files put there by hand). It cannot be resumed from either:
+        it goes where :meth:`latest` does not look, and the caller says where."""
+        result = Cleanup([], [])
         if self.is_main and self.root.is_dir():
+            incomplete = sorted(
+                p for p in self.root.iterdir() if STEP_RE.match(p.name) and not (p / META_NAME).is_file()
+            )
             for p in self.root.iterdir():
-                if p.name.startswith(".tmp-") or (STEP_RE.match(p.name) and not (p / META_NAME).is_file()):
+                if p.name.startswith(".tmp-"):
                     shutil.rmtree(p, ignore_errors=True)
-                    removed.append(p)
+                    result.removed.append(p)
+            if incomplete:
+                folder = _new_folder(self.root, "incomplete")
+                for p in incomplete:
+                    os.replace(p, folder / p.name)
+                    result.set_aside.append(folder / p.name)
+                fsync_dir(self.root)
         self.barrier()
-        return removed
+        return result
 
     @property
     def last_saved_step(self) -> int | None:
@@ -228,13 +263,7 @@ class CheckpointManager:
             recorded = self.best()
             stale_best = recorded is not None and int(recorded["step"]) > step
             if later or stale_best:
-                stamp = time.strftime("%Y%m%d-%H%M%S")
-                folder = self.root / f"abandoned-{stamp}"
-                n = 1
-                while folder.exists():
-                    n += 1
-                    folder = self.root / f"abandoned-{stamp}-{n}"
-                folder.mkdir()
+                folder = _new_folder(self.root, "abandoned")
                 for p in later:
                     os.replace(p, folder / p.name)
                     moved.append(p.name)

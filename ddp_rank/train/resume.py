@@ -95,7 +95,13 @@ def load_state_dict(trainer: Trainer, meta: dict[str, Any]) -> None:
 def resume(trainer: Trainer) -> Path | None:
     """Apply ``train.resume``; returns the checkpoint continued from, or None for a fresh start."""
     mode = trainer.cfg.train.resume
-    trainer.checkpoints.cleanup_partial()
+    set_aside = trainer.checkpoints.cleanup_partial().set_aside
+    if set_aside:
+        trainer.report.note(
+            f"{len(set_aside)} checkpoint folder(s) without meta.json (not written by ddp-rank's atomic save: a "
+            f"copy cut short?) moved to {set_aside[0].parent}, kept and never resumed from: "
+            + ", ".join(p.name for p in set_aside)
+        )
     if mode == "never":
         if trainer.checkpoints.latest() is not None:
             raise CheckpointError(

@@ -70,9 +70,31 @@ def test_failed_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
         m.save(6, {}, crash)
     assert m.latest() == m.path_for(5)  # the half-written one does not count
     assert (tmp_path / ".tmp-step-00000006").exists()
-    removed = m.cleanup_partial()
-    assert [p.name for p in removed] == [".tmp-step-00000006"]
+    removed, set_aside = m.cleanup_partial()
+    assert [p.name for p in removed] == [".tmp-step-00000006"] and set_aside == []
     assert m.save(6, {}, writer(6)) == m.path_for(6)
+
+
+def test_a_step_folder_without_meta_is_moved_aside_never_deleted(tmp_path: Path) -> None:
+    """The atomic save never leaves a step-* without meta.json: one that has none (a copy cut short) is not the
+    writer's to delete. It goes to incomplete-*/ with every file, out of latest()'s sight; another rank only
+    meets the barrier."""
+    m = CheckpointManager(tmp_path, keep_last=5)
+    m.save(5, {}, writer(5))
+    copied = tmp_path / "step-00000009"
+    copied.mkdir()
+    (copied / "model.safetensors").write_bytes(b"weights somebody copied")
+    calls: list[str] = []
+    other = CheckpointManager(tmp_path, is_main=False, barrier=lambda: calls.append("barrier"))
+    assert other.cleanup_partial() == ([], []) and calls == ["barrier"] and copied.is_dir()
+    removed, set_aside = m.cleanup_partial()
+    assert removed == [] and [p.name for p in set_aside] == ["step-00000009"]
+    (moved,) = set_aside
+    assert moved.parent.parent == tmp_path and moved.parent.name.startswith("incomplete-")
+    assert (moved / "model.safetensors").read_bytes() == b"weights somebody copied"
+    assert not copied.exists() and m.latest() == m.path_for(5)
+    m.save(9, {}, writer(9))  # the step can be written again; the copy stays where it was put
+    assert m.latest() == m.path_for(9) and moved.is_dir()
 
 
 def test_existing_step_is_not_rewritten(tmp_path: Path) -> None:
@@ -186,7 +208,7 @@ def test_replacing_a_step_survives_a_kill_while_the_old_one_is_deleted(
         CheckpointManager(tmp_path).save(7, {"tag": "new"}, files("new"))
     monkeypatch.setattr(ck.shutil, "rmtree", real)
     m = CheckpointManager(tmp_path)
-    assert [p.name for p in m.cleanup_partial()] == [".tmp-trash-step-00000007"]
+    assert [p.name for p in m.cleanup_partial().removed] == [".tmp-trash-step-00000007"]
     assert read_meta(m.latest())["tag"] == "new"
     assert sorted(os.listdir(m.latest())) == ["meta.json", "model.safetensors", "optimizer.bin"]
     assert sorted(os.listdir(tmp_path)) == ["step-00000007"]
@@ -213,4 +235,4 @@ def test_abandon_after_moves_the_later_checkpoints_aside(tmp_path: Path) -> None
     assert [s for s, _ in m.complete()] == [5, 6] and m.latest() == m.path_for(6)
     assert m.best() == {"step": 5, "metric": "recall@1", "value": 0.3, "path": "step-00000005"}
     assert m.abandon_after(6) == (None, [])  # nothing later any more
-    assert m.cleanup_partial() == [] and folder.is_dir()
+    assert m.cleanup_partial() == ([], []) and folder.is_dir()

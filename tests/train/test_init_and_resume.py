@@ -317,3 +317,29 @@ def test_a_changed_output_stride_is_refused_as_a_structural_change(
     assert resume_changes(older, cfg) == []
     cfg.model.output_stride = 16
     assert [(c.key, c.structural) for c in resume_changes(older, cfg)] == [("model.output_stride", True)]
+
+
+@pytest.mark.slow
+def test_a_resume_sets_a_checkpoint_folder_without_meta_aside_and_says_so(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A step-* folder without meta.json (a copy of a later checkpoint cut short) is not resumed from and not
+    deleted: it moves to incomplete-*/ with its files, the resume continues from the last complete checkpoint,
+    and the log names the folder."""
+    run = tmp_path / "run"
+    common = ["train.steps=2", "train.checkpoint_every=1", "data.test_split="]
+    run_training(cfg_for(shards, run, *common))
+    root = run / "checkpoints"
+    copy = root / "step-00000007"
+    copy.mkdir()
+    (copy / "model.safetensors").write_bytes(b"half a copy")
+    trainer = Trainer(cfg_for(shards, run, "train.steps=3", "train.checkpoint_every=1", "data.test_split="))
+    try:
+        assert trainer.resume() == root / "step-00000002" and trainer.step == 2
+    finally:
+        trainer.close()
+    (folder,) = root.glob("incomplete-*")
+    assert (folder / "step-00000007" / "model.safetensors").read_bytes() == b"half a copy"
+    assert not copy.exists()
+    err = capsys.readouterr().err
+    assert "without meta.json" in err and str(folder) in err and "step-00000007" in err
