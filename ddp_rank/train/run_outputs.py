@@ -158,8 +158,9 @@ def write_plots(records: Sequence[Mapping[str, Any]], out_dir: str | os.PathLike
         retrieval = {k.replace("recall@", "R@"): points("eval", k, 100.0) for k in recall_keys}
         retrieval["MAP@R"] = points("eval", "map@r", 100.0)
         plot("recall.png", retrieval, "percent", "retrieval on held-out classes", marker="o")
-    rates = {"backbone": points("train", "lr_backbone"), "head": points("train", "lr_head")}
-    if not any(rates.values()):
+    rates = {group: points("train", f"lr_{group}") for group in ("backbone", "head")}
+    rates = {group: series for group, series in rates.items() if series}  # a feature head has no backbone
+    if not rates:
         rates = {"lr": points("train", "lr")}
     plot("lr.png", rates, "learning rate", "learning rate", lw=1.5)
     plot("throughput.png", {"images/s": points("train", "images_per_s")}, "images / s", "throughput", lw=1.5)

@@ -134,7 +134,7 @@ class RunReport:
         total_steps: int,
         epoch: float,
         window: list[StepResult],
-        lrs: list[float],
+        lrs: dict[str, float],
         data: dict[str, Any],
     ) -> None:
         """One ``train`` record of the steps in ``window`` (and a timestamped line without a terminal)."""
@@ -149,8 +149,8 @@ class RunReport:
             "data_time": sum(r.data_time for r in window) / len(window),
             "chunks": window[-1].chunks,
             "epoch": epoch,
-            "lr_backbone": lrs[0],
-            "lr_head": lrs[-1],
+            # One per optimizer group of the model: lr_backbone and lr_head, or lr_head alone for a feature head.
+            **{f"lr_{group}": lr for group, lr in lrs.items()},
         }
         if window[-1].grad_norm is not None:
             values["grad_norm"] = window[-1].grad_norm
@@ -166,7 +166,7 @@ class RunReport:
                 loss=values["loss"],
                 images_per_s=values["images_per_s"],
                 data_time=values["data_time"],
-                lrs=[lrs[0], lrs[-1]] if len(lrs) > 1 else lrs,
+                lrs=list(lrs.values()),
                 memory=peak_memory(self.device),
                 eta_s=per_step * (total_steps - step),
             )

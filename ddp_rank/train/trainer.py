@@ -354,7 +354,11 @@ class Trainer:
             if s % cfg.train.log_every == 0 or s == self.total_steps:
                 data = self.batches.counts()  # a collective: every rank, every log step
                 # The model's groups (backbone, head); a proxy loss's group is not the head's.
-                lrs = [float(g["lr"]) for g in self.optimizer.param_groups if g.get("name") != "loss"]
+                lrs = {
+                    g["name"] or f"group{i}": float(g["lr"])
+                    for i, g in enumerate(self.optimizer.param_groups)
+                    if g["name"] != "loss"
+                }
                 self.report.log_train(s, self.total_steps, s / self.steps_per_epoch, window, lrs, data)
                 window = []
             if has_eval and (s % eval_every == 0 or s == self.total_steps):

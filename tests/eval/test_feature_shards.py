@@ -226,9 +226,12 @@ def test_one_training_step_of_the_head_matches_autograd_by_hand(
 ) -> None:
     overrides = [*HEAD, f"data.shards={built['feat']}", f"train.output_dir={tmp_path / 'run'}", "train.steps=1",
                  "model.head_hidden=8", "optim.name=sgd", "optim.momentum=0", "optim.lr=0.5",
-                 "optim.head_lr_mult=1", "optim.grad_clip=0", "optim.warmup_steps=0"]  # fmt: skip
+                 "optim.head_lr_mult=1", "optim.grad_clip=0", "optim.warmup_steps=0", "train.log_every=1"]  # fmt: skip
     cfg = load_config(None, overrides)
     run_training(cfg)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (logged,) = [r for r in records if r["kind"] == "train"]
+    assert logged["lr_head"] == 0.5 and "lr_backbone" not in logged  # a head alone: no backbone's rate to log
     torch.manual_seed(cfg.train.seed)
     net = FeatureHeadNet(128, 16, hidden=8)
     before = {k: v.clone() for k, v in net.state_dict().items()}
