@@ -122,11 +122,11 @@ def resume(trainer: Trainer) -> Path | None:
     # data.image_size), and load_state would fail on them with a bare size-mismatch traceback.
     changes = resume_changes(meta, trainer.cfg, trainer.total_steps) + tensor_changes(path, trainer.unwrapped)
     if changes and not force:
-        shapes = (
-            " (its weights have other shapes: a timm ViT's position embeddings follow data.image_size)"
-            if any(c.is_tensor for c in changes)
-            else ""
-        )
+        reshaped = [c.key for c in changes if c.is_tensor]
+        shapes = " (its weights have other shapes" if reshaped else ""
+        if any("pos_embed" in key for key in reshaped):
+            shapes += ": a timm ViT's position embeddings follow data.image_size"
+        shapes += ")" if reshaped else ""
         raise CheckpointError(
             f"checkpoint {path} was trained with another model, loss or optimizer setting ({describe_changes(changes)})"
             f"{shapes}; resuming would ignore or break on them. Restore those values, start a new run from its "

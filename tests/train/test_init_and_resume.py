@@ -309,6 +309,7 @@ def test_a_changed_output_stride_is_refused_as_a_structural_change(
     err = capsys.readouterr().err
     assert "model.output_stride: 32 -> 16" in err and "train.force_resume=true" in err
     assert "tensor backbone.layer4.0.bn1.weight: [512] -> 'absent'" in err, "the cut drops layer4's weights"
+    assert "(its weights have other shapes)" in err and "ViT" not in err  # no hint about another model's keys
     assert (run / "config.yaml").read_text() == config_before
     # Structural (a forced resume starts the optimizer afresh); a checkpoint older than the key used 32.
     older = {"config": {**to_dict(Config()), "model": {"backbone": "resnet18"}}}
