@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ddp_rank.atomic_io import atomic_write_text
+
 __all__ = ["bootstrap_note", "deployment_lines", "format_table", "metric_columns", "write_json"]
 
 _HIDDEN = (
@@ -125,10 +127,7 @@ def bootstrap_note(metrics: Mapping[str, Any]) -> str:
 
 
 def write_json(results: Mapping[str, object], path: str | os.PathLike[str]) -> Path:
-    """Write ``results`` as indented JSON (atomically: temporary file, then rename)."""
+    """Write ``results`` as indented JSON, atomically (``atomic_write_text``)."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(tmp, p)
+    atomic_write_text(p, json.dumps(results, indent=2) + "\n")
     return p
