@@ -13,6 +13,9 @@ from ddp_rank.data.manifest import Manifest
 from ddp_rank.train.plan_report import describe_plan
 from tests.helpers.dataset_shapes import write
 
+# Tests of seconds (every config's plan on its dataset's full shape): in make test, out of make test-fast.
+pytestmark = pytest.mark.slow
+
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 # The world sizes each config is meant for (its header comment): one GPU and the launchers' node sizes.
 WORLDS = {"demo": (1, 2), "inat_fastap_resnet50_global65536": (8, 64)}

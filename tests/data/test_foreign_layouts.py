@@ -204,6 +204,7 @@ class _CountingHandler(RangeRequestHandler):
         return super().send_head()
 
 
+@pytest.mark.slow
 def test_a_class_of_several_spans_is_read_from_a_url_with_concurrent_requests(tmp_path: Path) -> None:
     root = tmp_path / "wds"
     write_with_shardwriter(root, ordered(SAMPLES, "interleaved"), "cls", maxcount=25)

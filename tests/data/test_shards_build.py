@@ -318,6 +318,7 @@ def test_csv_listing_with_a_byte_order_mark(tmp_path: Path) -> None:
     assert [r.cls for r in read_csv_listing(listing)] == ["a", "a"]
 
 
+@pytest.mark.slow
 def test_ids_of_names_that_tie_as_numbers_do_not_depend_on_the_hash_seed() -> None:
     """Names "7", "07" and "007" are equal as numbers; their ids (and the held-out classes) must not follow the
     iteration order of a set, which changes with PYTHONHASHSEED."""

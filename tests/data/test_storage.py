@@ -22,6 +22,9 @@ from ddp_rank.data.stream import DataError, ShardStream
 from ddp_rank.data.synthetic import write_image_folder
 from ddp_rank.data.transforms import TransformConfig
 
+# Tests of seconds (a local HTTP server and DataLoader workers): in make test, out of make test-fast.
+pytestmark = pytest.mark.slow
+
 TINY = TransformConfig(resize=8, crop=6)
 SCHEDULE = ScheduleConfig(batches_per_pair=4, seed=3)
 

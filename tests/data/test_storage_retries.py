@@ -24,6 +24,9 @@ from ddp_rank.data.serve import RangeRequestHandler, serve_directory
 from ddp_rank.data.storage import ShardStore
 from ddp_rank.data.synthetic import write_image_folder
 
+# Tests of seconds (a local HTTP server that restarts and drops connections): in make test, out of make test-fast.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:

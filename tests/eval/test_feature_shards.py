@@ -221,6 +221,7 @@ def test_two_ranks_share_the_build_and_write_the_same_shards(built: dict[str, Pa
     assert Manifest.load(dst).splits == Manifest.load(built["feat"]).splits  # byte for byte (sha256, spans)
 
 
+@pytest.mark.slow
 def test_one_training_step_of_the_head_matches_autograd_by_hand(
     built: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -263,6 +264,7 @@ def test_raw_feature_recall_matches_brute_force(built: dict[str, Path], tmp_path
     assert metrics["recall@1"] == pytest.approx(float(np.mean(labels[s.argmax(1)] == labels)))
 
 
+@pytest.mark.slow
 def test_search_of_an_image_file_runs_the_recorded_backbone_then_the_head(
     built: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

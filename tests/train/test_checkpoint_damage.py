@@ -25,6 +25,9 @@ from ddp_rank.model.checkpoints import (
 from ddp_rank.train.trainer import run_training
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
+# Tests of seconds (training runs, damaged and resumed): in make test, out of make test-fast.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -40,6 +40,7 @@ def _fits_up_to(most: int, tried: list[int] | None = None):  # type: ignore[no-u
     return step
 
 
+@pytest.mark.slow
 def test_a_chunk_that_fits_is_confirmed_as_it_is() -> None:
     outcome = confirm_chunk(_fits_up_to(64), local_batch=256, chunk=64)
     assert outcome == Confirmation(64, (64,), True) and not outcome.backed_off
@@ -107,6 +108,7 @@ def test_the_trial_step_leaves_the_model_its_gradients_and_the_random_streams_al
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+@pytest.mark.slow
 def test_on_cpu_the_trial_step_holds_its_saved_tensors_to_the_budget() -> None:
     """The CPU stand-in of a device's memory limit: a chunk whose saved tensors pass the limit raises
     torch.OutOfMemoryError, and the confirmation backs off to a chunk under it."""

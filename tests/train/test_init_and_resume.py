@@ -113,6 +113,7 @@ def run(shards: Path, tmp_path: Path) -> Path:
         ("loss.num_bins=20", "loss.num_bins: 10 -> 20"),
     ],
 )
+@pytest.mark.slow
 def test_changed_resume_is_refused_and_leaves_the_run_intact(
     shards: Path, run: Path, change: str, listed: str, capsys: pytest.CaptureFixture
 ) -> None:
@@ -292,6 +293,7 @@ def test_another_pml_loss_is_a_structural_change_a_listwise_one_is_not() -> None
     assert changes("fastap", "fastap") == {}
 
 
+@pytest.mark.slow
 def test_a_changed_output_stride_is_refused_as_a_structural_change(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

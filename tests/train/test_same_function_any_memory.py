@@ -65,6 +65,7 @@ def _train(shards: Path, out: Path, budget_mb: int, extra: tuple[str, ...]) -> d
     ],
     ids=["ghost-groups-of-4", "default-frozen"],
 )
+@pytest.mark.slow
 def test_a_batch_that_fits_and_the_same_batch_chunked_train_the_same_model(
     shards: Path, tmp_path: Path, ddp_rank_log: pytest.LogCaptureFixture, extra: tuple[str, ...], mode: str
 ) -> None:

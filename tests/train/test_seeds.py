@@ -34,6 +34,7 @@ def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_data_seed_varies_the_data_alone_and_train_seed_the_weights_alone(
     shards: Path, tmp_path: Path
 ) -> None:
@@ -48,6 +49,7 @@ def test_data_seed_varies_the_data_alone_and_train_seed_the_weights_alone(
     assert torch.equal(base[1], other_init[1]) and torch.equal(base[2], other_init[2])
 
 
+@pytest.mark.slow
 def test_without_data_seed_train_seed_varies_both(shards: Path, tmp_path: Path) -> None:
     default = start(shards, tmp_path / "a", "train.seed=1")
     explicit = start(shards, tmp_path / "b", "train.seed=1", "data.seed=1")

@@ -142,6 +142,7 @@ def test_resume_continues_like_an_uninterrupted_run(shards: Path, tmp_path: Path
     assert steps == sorted(set(steps)) and steps[-1] == 5  # no step logged twice
 
 
+@pytest.mark.slow
 def test_eval_cli_baselines_and_checkpoint(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -220,6 +221,7 @@ def test_one_source_of_truth_for_the_precision(
         AcceleratorState._reset_state(True)
 
 
+@pytest.mark.slow
 def test_deterministic_mode_trains_and_is_switched_on(
     shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
