@@ -31,7 +31,7 @@ test: $(STAMP)
 	$(PYTEST) $(PARALLEL) -m "not long"
 
 # Everything but the tests that start several processes (gloo ranks, accelerate launch, DeepSpeed) and the tests of
-# seconds (marker slow: subprocess runs, fuzzing, Triton on CPU); make test runs them all.
+# seconds (marker slow: training runs, subprocesses, HTTP servers, fuzzing, Triton on CPU); make test runs them all.
 test-fast: $(STAMP)
 	$(PYTEST) $(PARALLEL) -m "not slow and not distributed and not long"
 

@@ -142,7 +142,8 @@ class Part:
         output = self.scratch / f"command-{len(self.log)}.log"
         with output.open("w") as out:
             proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_default_sigint)  # fmt: skip
             try:
                 code = _wait_or_interrupt(proc, limit)
             finally:  # what it left behind (a launcher's ranks, a test's jobs), or all of it on OutOfTime
@@ -153,6 +154,14 @@ class Part:
         )
         self.log.append(status + "".join(f"\n  | {line}" for line in tail))
         return code
+
+
+def _default_sigint() -> None:
+    """In the command's process before it starts: SIGINT at its default. A check started in the background
+    (``nohup``, ``&`` in a script: the shell then ignores SIGINT for it) would otherwise pass the ignoring on, and
+    a command past its time would never see the SIGINT that makes pytest write its report (measured: a whole-suite
+    run started with ``&`` failed the interrupt test, one started in the foreground passed)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_or_interrupt(proc: subprocess.Popen[bytes], limit: float) -> int | None:
