@@ -182,7 +182,7 @@ def calibrate_batchnorm(model: nn.Module, images: Tensor, chunk: int) -> None:
     ``noise_floor``), but no longer a batch of 32 against one of 128 on the same kernels."""
     from ddp_rank.model.net import freeze_batchnorm
 
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    norms = {m: m.momentum for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
     for m in norms:
         m.reset_running_stats()
         m.momentum = None  # a cumulative average over the chunks
@@ -190,8 +190,8 @@ def calibrate_batchnorm(model: nn.Module, images: Tensor, chunk: int) -> None:
     with torch.no_grad():
         for start in range(0, len(images), chunk):
             model(images[start : start + chunk])
-    for m in norms:
-        m.momentum = 0.1
+    for m, momentum in norms.items():
+        m.momentum = momentum
     freeze_batchnorm(model)
 
 

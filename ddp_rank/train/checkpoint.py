@@ -149,10 +149,9 @@ class CheckpointManager:
         it goes where :meth:`latest` does not look, and the caller says where."""
         result = Cleanup([], [])
         if self.is_main and self.root.is_dir():
-            incomplete = sorted(
-                p for p in self.root.iterdir() if STEP_RE.match(p.name) and not (p / META_NAME).is_file()
-            )
-            for p in self.root.iterdir():
+            entries = sorted(self.root.iterdir())
+            incomplete = [p for p in entries if STEP_RE.match(p.name) and not (p / META_NAME).is_file()]
+            for p in entries:
                 if p.name.startswith(".tmp-"):
                     shutil.rmtree(p, ignore_errors=True)
                     result.removed.append(p)

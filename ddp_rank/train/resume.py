@@ -123,10 +123,9 @@ def resume(trainer: Trainer) -> Path | None:
     changes = resume_changes(meta, trainer.cfg, trainer.total_steps) + tensor_changes(path, trainer.unwrapped)
     if changes and not force:
         reshaped = [c.key for c in changes if c.is_tensor]
-        shapes = " (its weights have other shapes" if reshaped else ""
-        if any("pos_embed" in key for key in reshaped):
-            shapes += ": a timm ViT's position embeddings follow data.image_size"
-        shapes += ")" if reshaped else ""
+        vit = any("pos_embed" in key for key in reshaped)
+        hint = ": a timm ViT's position embeddings follow data.image_size" if vit else ""
+        shapes = f" (its weights have other shapes{hint})" if reshaped else ""
         raise CheckpointError(
             f"checkpoint {path} was trained with another model, loss or optimizer setting ({describe_changes(changes)})"
             f"{shapes}; resuming would ignore or break on them. Restore those values, start a new run from its "
