@@ -20,6 +20,7 @@ import contextlib
 import functools
 import warnings
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,32 @@ from ddp_rank.losses.rows import (
     plan_chunks,
 )
 from ddp_rank.losses.triton_kernels import fused_kernels_run, jit_kernels
+
+_T = TypeVar("_T")
+
+
+def outside_autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """A block where autocast is off for ``device``'s type (nothing to turn off where it has none)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def without_autocast(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run a loss method with autocast off on its first tensor's device.
+
+    A user's loop often computes the loss inside the ``torch.autocast`` block of the model's forward. Autocast
+    would then run the loss's matmuls in half precision behind its back, and their results would not fit the
+    float32 buffers the gradients are written into. The loss has its own precision instead: the compute dtype
+    of its inputs and ``matmul_precision``, so its value and gradient are those of the same embeddings outside
+    autocast."""
+
+    @functools.wraps(method)
+    def outside(self: object, first: Tensor, *args: object, **kwargs: object) -> _T:
+        with outside_autocast(first.device):
+            return method(self, first, *args, **kwargs)
+
+    return outside
 
 
 class ListwiseLoss(nn.Module, abc.ABC):
@@ -125,6 +152,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
         """
 
     # ------------------------------------------------------------------------------------------ public API
+    @without_autocast
     def prepare(self, embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """Check the inputs and bring the embeddings to unit rows in the compute dtype.
 
@@ -142,6 +170,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
         check_unit_rows(x, embeddings.dtype)
         return x, labels
 
+    @without_autocast
     def unit_rows(self, embeddings: Tensor) -> Tensor:
         """The rows the loss works on: the compute dtype, L2-normalised when ``normalize``. ``prepare`` applies
         it under autograd; the global loss applies it again, without autograd, to the rows gathered from the
@@ -150,6 +179,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
         return F.normalize(x, dim=1) if self.normalize else x
 
     @torch.no_grad()
+    @without_autocast
     def rows(
         self,
         queries: Tensor,
@@ -279,6 +309,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
             work += min(rows, max(1, pass_bytes // max(1, pass_row))) * pass_row
         return work, rows
 
+    @without_autocast
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
         """Mean per-query loss over the queries that have a positive (0 with a zero gradient if none)."""
         x, labels = self.prepare(embeddings, labels)

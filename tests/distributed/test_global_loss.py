@@ -56,6 +56,13 @@ def _exactness_worker(rank: int, world: int, sizes: tuple[int, ...]) -> dict[str
             value = GlobalBatchLoss(make_loss(name), grad_reduction=reduction)(e, labels[rows])
             value.backward()
             out[f"{name}/{reduction}"] = (value.detach(), e.grad)
+    for name in ("fastap", "pnp-Dq"):  # float32 rows, as a model gives them: autocast's eligible dtype
+        for under_autocast in (False, True):
+            e = embeddings[rows].float().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
+                value = GlobalBatchLoss(make_loss(name))(e, labels[rows])
+            value.backward()
+            out[f"{name}/autocast={under_autocast}"] = (value.detach(), e.grad)
     return out
 
 
@@ -94,6 +101,17 @@ def test_global_loss_matches_single_process(distributed_results, name: str, redu
             atol=1e-12,
             msg=f"gradient on rank {rank}",
         )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["fastap", "pnp-Dq"])
+def test_the_global_loss_inside_autocast_is_the_loss_of_its_inputs(distributed_results, name: str) -> None:
+    """A user's loop under ``torch.autocast``: the global loss keeps its own precision, as the plain one does
+    (``tests/losses/test_precision.py``), so the value and gradients are those outside autocast."""
+    _, results = distributed_results
+    for result in results:
+        plain, autocast = result[f"{name}/autocast=False"], result[f"{name}/autocast=True"]
+        assert torch.equal(autocast[0], plain[0]) and torch.equal(autocast[1], plain[1])
 
 
 def test_single_process_is_the_plain_loss() -> None:

@@ -68,3 +68,26 @@ def test_a_torch_without_mm_out_dtype_multiplies_in_float32(monkeypatch: pytest.
         base._mm_takes_out_dtype.cache_clear()
     monkeypatch.undo()
     assert base._mm_takes_out_dtype()  # the torch the suite runs on has the keyword
+
+
+@pytest.mark.parametrize("name", sorted(MAKE))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_loss_under_autocast_is_the_loss_of_its_inputs(name: str, dtype: torch.dtype) -> None:
+    """A user's loop computes the loss inside ``torch.autocast`` (the model's forward and the loss in one block).
+    Autocast would run the loss's matmuls in half precision, whose results the float32 gradient buffers refuse
+    (an ``index_put`` dtype error at the first step); the loss takes its own precision (``matmul_precision``)
+    instead: the same value and gradient as on the same embeddings outside autocast, the gradient in the
+    embeddings' dtype."""
+    x, y = batch()
+    x = x.to(dtype)
+    results = []
+    for under_autocast in (False, True):
+        e = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype, enabled=under_autocast):
+            value = MAKE[name]("highest")(e, y)
+        value.backward()
+        assert e.grad is not None and e.grad.dtype == dtype
+        results.append((value.detach(), e.grad))
+    (plain_value, plain_grad), (value, grad) = results
+    assert value.dtype == plain_value.dtype == torch.float32
+    assert torch.equal(value, plain_value) and torch.equal(grad, plain_grad)
