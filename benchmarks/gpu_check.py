@@ -262,6 +262,21 @@ def _train_line(r: dict[str, Any]) -> str:
     )
 
 
+def deepspeed_train_overrides(shards: Path, out: Path, chunked: bool, steps: int = 20) -> list[str]:
+    """The ``train`` overrides of each run of the deepspeed part: a small ResNet-18 on the part's synthetic shards,
+    which have no test split (so no evaluation), chunks of 16 or none. BatchNorm normalises groups of 16 images in
+    every run, so the direct and the chunked step compute one function (the default would freeze it where the step
+    is chunked and not in the direct step: two functions, whose losses differ by half). ``tests/benchmarks/
+    test_gpu_check.py`` runs them on CPU, so a refused override shows there, not as failed runs on a lent GPU."""
+    return [
+        f"data.shards={shards}", "data.test_split=", f"train.output_dir={out}", "model.backbone=resnet18",
+        "model.weights=none", "data.image_size=64", "data.resize_size=64", "data.global_batch_size=64",
+        "data.sampler=random", f"train.steps={steps}", "train.log_every=1", "train.eval_every=0",
+        "train.progress=false", "train.seed=0", "model.bn_group_size=16",
+        f"distributed.chunk_size={16 if chunked else 0}",
+    ]  # fmt: skip
+
+
 def part_deepspeed(part: Part) -> tuple[str, list[targets.Verdict]]:
     shards = _synthetic_shards(part.scratch, image_size=64)
     runs = [("ddp", "bf16", "direct"), ("ddp", "fp16", "direct")]
@@ -272,11 +287,7 @@ def part_deepspeed(part: Part) -> tuple[str, list[targets.Verdict]]:
         launcher = "accelerate_1gpu.yaml" if engine == "ddp" else f"accelerate_deepspeed_{engine}.yaml"
         code = part.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                          str(REPO / "launch" / launcher), "--num_processes", "1", "--mixed_precision", precision,
-                         "-m", "ddp_rank.cli", "train", f"data.shards={shards}", f"train.output_dir={out}",
-                         "model.backbone=resnet18", "model.weights=none", "data.image_size=64", "data.resize_size=64",
-                         "data.global_batch_size=64", "data.sampler=random", "train.steps=20", "train.log_every=1",
-                         "train.eval_every=0", "train.progress=false", "train.seed=0",
-                         f"distributed.chunk_size={16 if mode == 'chunked' else 0}"],
+                         "-m", "ddp_rank.cli", "train", *deepspeed_train_overrides(shards, out, mode == "chunked")],
                         1 / (len(runs) - i))  # fmt: skip
         records = _metrics(out)  # a run stopped at its time limit: not measured ([]), not failed (None)
         losses[f"{engine} {precision} {mode}"] = (

@@ -137,6 +137,21 @@ def test_deepspeed_runs_must_train_finitely_near_the_ddp_run() -> None:
     assert "4.00% (<= 5%)" in half[0].detail and "time limit" in half[1].detail
 
 
+@pytest.mark.slow
+def test_the_deepspeed_parts_runs_train_one_function_direct_and_chunked_on_cpu(tmp_path: Path) -> None:
+    """The part's own overrides, run here: on its first GPU run every command was refused (its shards have no test
+    split), then every chunked run trained another function (BatchNorm frozen where chunked, live where direct)."""
+    shards = gpu_check._synthetic_shards(tmp_path, image_size=64)
+    losses = []
+    for chunked in (False, True):
+        out = tmp_path / f"chunked-{chunked}"
+        overrides = gpu_check.deepspeed_train_overrides(shards, out, chunked, steps=2)
+        subprocess.run([sys.executable, "-m", "ddp_rank.cli", "train", *overrides], cwd=REPO, check=True,
+                       capture_output=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+        losses.append([r["loss"] for r in gpu_check._metrics(out)])
+    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
 def _junit(path: Path, cases: str, tests: int, failures: int = 0, skipped: int = 0) -> Path:
     path.write_text(f'<testsuites><testsuite tests="{tests}" failures="{failures}" errors="0" skipped="{skipped}">'
                     f"{cases}</testsuite></testsuites>")  # fmt: skip
