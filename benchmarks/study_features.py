@@ -300,6 +300,7 @@ def _report(args: argparse.Namespace, manifest: Manifest, n_train: int, batch_po
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or platform.machine()})",
         "wall_seconds": round(wall),
         "shards": args.shards,
+        "whitened": _whitened(manifest),
         "train_images": n_train,
         "train_classes": len(manifest.splits[args.train_split].class_counts),
         "test_classes": len(manifest.splits[args.test_split].class_counts),
@@ -314,6 +315,14 @@ def _report(args: argparse.Namespace, manifest: Manifest, n_train: int, batch_po
         "hard_categories": hard_categories,
         "points": points,
     }
+
+
+def _whitened(manifest: Manifest) -> bool:
+    """Whether the vectors were whitened after the backbone (``ddp-rank shards whiten``)."""
+    from ddp_rank.data.features import feature_record
+
+    record = feature_record(manifest)
+    return record is not None and record.whitening is not None
 
 
 def _cell(values: list[float]) -> str:
@@ -336,7 +345,8 @@ def _difference(a: dict[str, Any], b: dict[str, Any], metric: str) -> str:
 def _markdown(report: dict[str, Any]) -> str:
     rule = report["rule"]
     lines = [
-        f"# The word study: a linear head on frozen features, {report['date']}",
+        f"# The word study: a linear head on frozen features{' (PCA-whitened)' if report.get('whitened') else ''}, "
+        f"{report['date']}",
         "",
         f"{report['machine']}; {report['wall_seconds'] // 60} min {report['wall_seconds'] % 60} s for the whole "
         f"study. {report['train_classes']:,} training words ({report['train_images']:,} images), "
@@ -411,7 +421,7 @@ def _plots(report: dict[str, Any], out: Path) -> None:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shards", default="runs/words/features")
+    p.add_argument("--shards", default="runs/words/whitened")
     p.add_argument("--config", default="configs/words_features.yaml")
     p.add_argument("--out", default="runs/study-features")
     p.add_argument("--python", default=sys.executable)

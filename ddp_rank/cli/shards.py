@@ -13,6 +13,7 @@ Examples::
     ddp-rank shards index data/laion-subset --split train='train-*.tar' --class-field label
     ddp-rank shards reshard data/laion-subset data/laion-contiguous --max-samples 2000 --memory-mb 512
     ddp-rank shards features data/emoji-shards data/emoji-features --config configs/demo.yaml
+    ddp-rank shards whiten data/emoji-features data/emoji-whitened
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def register(subparsers: Any) -> None:
     _add_index(sub)
     _add_reshard(sub)
     _add_features(sub)
+    _add_whiten(sub)
     _add_listing(sub)
     serve = sub.add_parser("serve", help="serve a shard directory over HTTP with Range requests")
     serve.add_argument("directory")
@@ -150,6 +152,27 @@ def _add_features(sub: Any) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the feature shards in OUT")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_features)
+
+
+def _add_whiten(sub: Any) -> None:
+    p = sub.add_parser(
+        "whiten",
+        help="PCA-whiten the vectors of feature shards (fitted on the training split): a head trains on them "
+        "in a few epochs",
+    )
+    p.add_argument("source", help="feature shard directory or URL (made by `shards features`)")
+    p.add_argument("out", help="directory to write the whitened shards to (new, or an unfinished build)")
+    p.add_argument("--dim", type=int, default=None, help="axes kept, largest variance first (default: all)")
+    p.add_argument(
+        "--shrinkage",
+        type=float,
+        default=1e-4,
+        help="added to each eigenvalue, times their mean, before dividing by its root (default 1e-4)",
+    )
+    p.add_argument("--split", default="train", help="the split the map is fitted on (default: train)")
+    p.add_argument("--overwrite", action="store_true", help="replace the whitened shards in OUT")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_whiten)
 
 
 def _add_build(sub: Any) -> None:
@@ -279,6 +302,23 @@ def _features(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
     if manifest is not None:
         print(format_info(args.out))
+    return 0
+
+
+def _whiten(args: argparse.Namespace) -> int:
+    from ddp_rank.eval.feature_build import FeatureBuildError
+    from ddp_rank.eval.feature_whiten import WhitenOptions, whiten_feature_shards
+
+    try:
+        options = WhitenOptions(args.dim, args.shrinkage, args.split, args.overwrite, not args.no_progress)
+        manifest, eigenvalues = whiten_feature_shards(args.source, args.out, options)
+    except (FeatureBuildError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    kept = manifest.build["features"]["dim"]
+    share = float(eigenvalues[:kept].sum() / eigenvalues.sum())
+    print(f"whitened: {kept} of {len(eigenvalues)} axes, {share:.1%} of the {args.split} vectors' variance")
+    print(format_info(args.out))
     return 0
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.whitening import WhiteningRecord
 
 FEATURE_EXTENSION = "f16"
 """The member of a feature sample: the vector as raw little-endian float16 bytes."""
@@ -56,9 +57,16 @@ class FeatureRecord:
     """The image shard set the vectors were made from."""
     output_stride: int = 32
     """``model.output_stride`` of that config (manifests written before it existed hold none: 32)."""
+    whitening: WhiteningRecord | None = None
+    """The map the vectors were whitened with after the backbone (``ddp-rank shards whiten``), None for the
+    backbone's own vectors; ``dim`` is then the whitened length."""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The record as the manifest holds it (no ``whitening`` key for the backbone's own vectors)."""
+        raw = asdict(self)
+        if self.whitening is None:
+            del raw["whitening"]
+        return raw
 
     @classmethod
     def from_json(cls, raw: Any, where: str) -> FeatureRecord:
@@ -91,7 +99,14 @@ class FeatureRecord:
             raise FeatureRecordError(
                 f"{where}: build.{BUILD_KEY}.output_stride must be 16 or 32, got {stride!r}"
             )
-        unknown = sorted(set(raw) - {*text_fields, "dim", "transform", "init_seed", "output_stride"})
+        whitening = None
+        if raw.get("whitening") is not None:
+            try:
+                whitening = WhiteningRecord.from_json(raw["whitening"], f"build.{BUILD_KEY}.whitening")
+            except ValueError as exc:
+                raise FeatureRecordError(f"{where}: {exc}") from exc
+        known = {*text_fields, "dim", "transform", "init_seed", "output_stride", "whitening"}
+        unknown = sorted(set(raw) - known)
         if unknown:
             raise FeatureRecordError(f"{where}: build.{BUILD_KEY} has unknown field(s) {', '.join(unknown)}")
         return cls(
@@ -105,6 +120,7 @@ class FeatureRecord:
             init_seed=seed,
             source=raw["source"],
             output_stride=stride,
+            whitening=whitening,
         )
 
 

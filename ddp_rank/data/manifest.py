@@ -203,13 +203,7 @@ class Manifest:
         root = os.fspath(location).rstrip("/") or "/"
         path = join_location(root, MANIFEST_NAME)
         try:
-            if is_url(root):
-                import fsspec  # imported here: the shard tools that never see a URL need not pay for it
-
-                with fsspec.open(path, "rb") as f:
-                    raw = f.read()
-            else:
-                raw = Path(path).read_bytes()
+            raw = read_location(path)
         except FileNotFoundError as exc:
             raise FileNotFoundError(
                 f"{path} not found: is {root} a shard directory made by `ddp-rank shards build` (or indexed "
@@ -259,6 +253,17 @@ def is_url(location: str | os.PathLike[str]) -> bool:
     """True for ``scheme://...`` locations (fsspec protocols); plain paths and ``file://`` are local."""
     text = os.fspath(location)
     return "://" in text and not text.startswith("file://")
+
+
+def read_location(path: str) -> bytes:
+    """The bytes of a local file or of a URL (fsspec); ``OSError`` (``FileNotFoundError`` when absent) else."""
+    if is_url(path):
+        import fsspec  # imported here: the shard tools that never see a URL need not pay for it
+
+        with fsspec.open(path, "rb") as f:
+            data: bytes = f.read()
+        return data
+    return Path(path).read_bytes()
 
 
 def join_location(root: str | os.PathLike[str], relative: str) -> str:

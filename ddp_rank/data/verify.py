@@ -22,9 +22,10 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from ddp_rank.data.features import decode_vector, feature_dim
+from ddp_rank.data.features import decode_vector, feature_dim, feature_record
 from ddp_rank.data.manifest import Manifest, ShardInfo, is_url, sha256_file, span_digest
 from ddp_rank.data.tar_scan import SpanError, SpanSample, parse_span, scan_shard
+from ddp_rank.data.whitening import WhiteningError, load_whitening
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ def verify_shards(directory: str | os.PathLike[str], decode: bool = True, worker
     else:
         results = [check(p, s) for p, s in zip(paths, shards)]
     problems = [p for r in results for p in r]
+    problems += _whitening_problems(manifest, os.fspath(directory))
     for split in manifest.splits.values():
         listed = sum(s.samples for s in split.shards)
         counted = sum(split.class_counts.values())
@@ -126,3 +128,19 @@ def verify_shards(directory: str | os.PathLike[str], decode: bool = True, worker
                 Problem(split.name, f"shards hold {listed} samples but the class counts add to {counted}")
             )
     return problems
+
+
+def _whitening_problems(manifest: Manifest, root: str) -> list[Problem]:
+    """Whitened feature shards: their map must be there, with the sha256 and shape the record names."""
+    record = feature_record(manifest)
+    if record is None or record.whitening is None:
+        return []
+    try:
+        whitening = load_whitening(root, record.whitening)
+    except WhiteningError as exc:
+        return [Problem(record.whitening.file, str(exc))]
+    if whitening.dim != record.dim:
+        return [
+            Problem(record.whitening.file, f"maps to {whitening.dim} values, the vectors hold {record.dim}")
+        ]
+    return []

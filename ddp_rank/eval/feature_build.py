@@ -7,6 +7,9 @@ layout and plan) and categories; each sample's image becomes ``<key>.f16``, the 
 manifest records all of that under ``build.features`` with the digest of the weights, so that an image searched
 later is embedded the same way.
 
+The resumable writing (``prepare_destination``, ``claim_build``, ``write_shard``, ``finish_build``) is shared
+with ``ddp-rank shards whiten`` (``feature_whiten``), which maps stored vectors instead of embedding images.
+
 Work sharing and resume: the shards still to write are dealt round-robin to the ranks of the launch; each
 shard is written whole under a temporary name and renamed (``tar_writer``), then a small record of it (its
 manifest entry) is written beside, in ``DST/.features-build/``. A build killed at any point starts again where
@@ -18,11 +21,12 @@ directory holding an unfinished one is refused (``--overwrite`` starts it afresh
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
@@ -40,7 +44,21 @@ from ddp_rank.model import EmbeddingNet, build_model
 from ddp_rank.model.feature_head import build_seeded, image_features, weights_digest
 from ddp_rank.runtime import autocast_dtype
 
-__all__ = ["FeatureBuildError", "FeatureBuildOptions", "build_feature_shards", "feature_record_for"]
+__all__ = [
+    "FeatureBuildError",
+    "FeatureBuildOptions",
+    "VectorMaker",
+    "all_shards",
+    "build_feature_shards",
+    "claim_build",
+    "done_path",
+    "feature_record_for",
+    "finish_build",
+    "open_build_source",
+    "prepare_destination",
+    "shard_json",
+    "write_shard",
+]
 
 PROGRESS_DIR = ".features-build"
 """Inside DST while a build runs: ``build.json`` (what is being built) and one record per finished shard."""
@@ -101,7 +119,7 @@ def build_feature_shards(
     if accelerator.is_main_process:
         _start(dst, record, options.overwrite)
     accelerator.wait_for_everyone()
-    todo = [(split, shard) for split, shard in _all_shards(src) if not _done_path(progress, shard).is_file()]
+    todo = [(split, shard) for split, shard in all_shards(src) if not done_path(progress, shard).is_file()]
     mine = todo[accelerator.process_index :: accelerator.num_processes]
     embed = _Embedder(model, cfg, device, accelerator, options.batch_size)
     total = sum(shard.samples for _, shard in mine)
@@ -113,8 +131,8 @@ def build_feature_shards(
     )
     try:
         for split, shard in mine:
-            info = _write_shard(src, split, shard, dst, embed, bar)
-            atomic_write_text(_done_path(progress, shard), json.dumps(_shard_json(info)) + "\n")
+            info = write_shard(src, split, shard, dst, embed, bar)
+            atomic_write_text(done_path(progress, shard), json.dumps(shard_json(info)) + "\n")
             if on_shard is not None:
                 on_shard(info)
     finally:
@@ -122,24 +140,30 @@ def build_feature_shards(
     accelerator.wait_for_everyone()
     manifest = None
     if accelerator.is_main_process:
-        manifest = _finish(src, dst, record)
+        manifest = finish_build(src, dst, record)
     accelerator.wait_for_everyone()
     return manifest
 
 
 def _open_source(source: str, out: str) -> Manifest:
-    if is_url(out):
-        raise FeatureBuildError(f"DST={out} is a URL: feature shards are written to a local directory")
-    try:
-        src = Manifest.load(source)
-    except (FileNotFoundError, ValueError) as exc:
-        raise FeatureBuildError(f"SRC={source}: {exc}") from exc
+    src = open_build_source(source, out)
     if feature_record(src) is not None:
         raise FeatureBuildError(
             f"SRC={source} holds feature vectors already, not images: pass the image shards they were made from"
         )
+    return src
+
+
+def open_build_source(source: str, out: str) -> Manifest:
+    """The manifest of SRC, for a build into the local directory ``out``, which must be another one."""
+    if is_url(out):
+        raise FeatureBuildError(f"DST={out} is a URL: shards are written to a local directory")
+    try:
+        src = Manifest.load(source)
+    except (FileNotFoundError, ValueError) as exc:
+        raise FeatureBuildError(f"SRC={source}: {exc}") from exc
     if Path(out).resolve() == Path(source).resolve():
-        raise FeatureBuildError(f"DST={out} is SRC: write the feature shards to another directory")
+        raise FeatureBuildError(f"DST={out} is SRC: write the new shards to another directory")
     return src
 
 
@@ -158,8 +182,14 @@ def _backbone(cfg: Config) -> EmbeddingNet:
 
 def _start(dst: Path, record: FeatureRecord, overwrite: bool) -> None:
     """Create DST, or check that what it holds is this build's to resume; ``overwrite`` clears an earlier one."""
+    prepare_destination(dst, overwrite)
+    claim_build(dst, record)
+
+
+def prepare_destination(dst: Path, overwrite: bool) -> None:
+    """Refuse a DST that holds a finished set or other files; ``overwrite`` clears an earlier build first.
+    Leaves DST with its progress directory, empty or holding the unfinished build to resume."""
     progress = dst / PROGRESS_DIR
-    wanted = record.to_json()
     if overwrite:
         shutil.rmtree(progress, ignore_errors=True)
         (dst / MANIFEST_NAME).unlink(missing_ok=True)
@@ -171,9 +201,15 @@ def _start(dst: Path, record: FeatureRecord, overwrite: bool) -> None:
         raise FeatureBuildError(
             f"DST={dst} is not empty and holds no unfinished feature build: use a new directory"
         )
-    started = progress / "build.json"
+    progress.mkdir(parents=True, exist_ok=True)
+
+
+def claim_build(dst: Path, record: FeatureRecord) -> None:
+    """Record what this build makes, or check that the unfinished build in DST made the same."""
+    started = dst / PROGRESS_DIR / "build.json"
+    # A build started before a field existed holds none: it ran with the field's default (output_stride 32).
+    wanted = {**_record_defaults(), **record.to_json()}
     if started.is_file():
-        # A build started before a field existed holds none: it ran with the field's default (output_stride 32).
         previous = {**_record_defaults(), **json.loads(started.read_text(encoding="utf-8"))}
         if previous != wanted:
             changed = sorted(k for k in wanted if previous.get(k) != wanted[k])
@@ -182,8 +218,7 @@ def _start(dst: Path, record: FeatureRecord, overwrite: bool) -> None:
                 "the same config to finish it, or pass --overwrite to start afresh"
             )
         return
-    progress.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(started, json.dumps(wanted, indent=1) + "\n")
+    atomic_write_text(started, json.dumps(record.to_json(), indent=1) + "\n")
 
 
 def _record_defaults() -> dict[str, Any]:
@@ -191,13 +226,13 @@ def _record_defaults() -> dict[str, Any]:
     return {f.name: f.default for f in fields(FeatureRecord) if f.default is not MISSING}
 
 
-def _all_shards(src: Manifest) -> Iterator[tuple[str, ShardInfo]]:
+def all_shards(src: Manifest) -> Iterator[tuple[str, ShardInfo]]:
     for name in sorted(src.splits):
         for shard in src.splits[name].shards:
             yield name, shard
 
 
-def _done_path(progress: Path, shard: ShardInfo) -> Path:
+def done_path(progress: Path, shard: ShardInfo) -> Path:
     return progress / (shard.path.replace("/", "__") + ".json")
 
 
@@ -227,8 +262,20 @@ class _Embedder:
         return out
 
 
-def _write_shard(
-    src: Manifest, split: str, shard: ShardInfo, dst: Path, embed: _Embedder, bar: tqdm
+class VectorMaker(Protocol):
+    """What turns a source shard's samples into the output's vectors: the backbone on images (``_Embedder``),
+    or a map on vectors (``ddp_rank.eval.feature_whiten``)."""
+
+    batch: int
+    """Samples per call."""
+
+    def __call__(self, samples: list[bytes], /) -> list[bytes]:
+        """The ``.f16`` bytes of each sample's vector, in order."""
+        ...
+
+
+def write_shard(
+    src: Manifest, split: str, shard: ShardInfo, dst: Path, embed: VectorMaker, bar: tqdm
 ) -> ShardInfo:
     """Embed one source shard's classes and write its feature shard (same path, classes, keys, json)."""
     reader = ClassReader(src, split)
@@ -262,7 +309,7 @@ def _read(reader: ClassReader, span: ClassSpan, shard: ShardInfo, src: Manifest)
         ) from exc
 
 
-def _shard_json(info: ShardInfo) -> dict[str, Any]:
+def shard_json(info: ShardInfo) -> dict[str, Any]:
     return {**asdict(info), "classes": [[c.id, c.count, c.offset, c.length, c.digest] for c in info.classes]}
 
 
@@ -273,14 +320,17 @@ def _shard_from_json(raw: dict[str, Any]) -> ShardInfo:
     )
 
 
-def _finish(src: Manifest, dst: Path, record: FeatureRecord) -> Manifest:
-    """The manifest of the finished set (the source's splits, classes and categories; the feature shards)."""
+def finish_build(src: Manifest, dst: Path, record: FeatureRecord, files: tuple[str, ...] = ()) -> Manifest:
+    """The manifest of the finished set (the source's splits, classes and categories; the feature shards).
+    ``files`` are moved from the progress directory into DST first: the manifest that names them comes last."""
     progress = dst / PROGRESS_DIR
+    for name in files:
+        os.replace(progress / name, dst / name)
     splits = {}
     for name, split in src.splits.items():
         shards = []
         for shard in split.shards:
-            done = _done_path(progress, shard)
+            done = done_path(progress, shard)
             if not done.is_file():
                 raise FeatureBuildError(
                     f"shard {shard.path} was not written by any rank; run the build again"

@@ -3,15 +3,19 @@
 A head trained on feature shards (``model.backbone=features``) takes vectors; to embed an image (a ``search``
 query, an ``export --images`` folder) the image must first go through the backbone that made the shards'
 vectors, with the same weights, transform and precision. The manifest's ``build.features`` record says which;
-the weights rebuilt here must have the digest it records, or the query would land in another space.
+the weights rebuilt here must have the digest it records, or the query would land in another space. Whitened
+shards add their map (``whitening.safetensors``, checked against the sha256 the record holds) after the backbone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ddp_rank.config import FEATURES_BACKBONE, Config, ConfigError, ModelConfig
 from ddp_rank.data.features import feature_record
+from ddp_rank.data.whitening import WhiteningError, load_whitening
 from ddp_rank.model import build_model
 from ddp_rank.model.feature_head import FeatureHeadNet, ImageFeatureNet, build_seeded, weights_digest
 from ddp_rank.runtime import open_shards, precision_dtype
@@ -46,7 +50,14 @@ def image_model(cfg: Config, head: FeatureHeadNet) -> ImageFeatureNet:
             f"{record.weights} of digest {record.weights_digest[:12]}..., but those weights now have digest "
             f"{digest[:12]}...: restore the weights the shards were made with, or rebuild the feature shards"
         )
-    return ImageFeatureNet(backbone, head, precision_dtype(record.mixed_precision))
+    whitening = None
+    if record.whitening is not None:
+        try:
+            found = load_whitening(str(cfg.data.shards), record.whitening)
+        except WhiteningError as exc:
+            raise ConfigError(str(exc)) from exc
+        whitening = (torch.from_numpy(found.mean), torch.from_numpy(found.projection))
+    return ImageFeatureNet(backbone, head, precision_dtype(record.mixed_precision), whitening)
 
 
 def image_config(cfg: Config) -> Config:

@@ -72,15 +72,28 @@ class FeatureHeadNet(EmbeddingNet):
 class ImageFeatureNet(nn.Module):
     """A frozen image backbone followed by a feature head: images in, the head's embeddings out. The backbone
     runs under autocast to ``backbone_dtype`` (the precision the shards' vectors were made in) and its output is
-    rounded to float16 as the shards store it; the head runs as the caller sets it up."""
+    rounded to float16 as the shards store it; whitened shards (``ddp-rank shards whiten``) pass it through
+    their map (``whitening``: ``mean [D]`` and ``projection [D, K]``), rounded to float16 again, as stored. The
+    head runs as the caller sets it up."""
+
+    whitening_mean: torch.Tensor
+    whitening_projection: torch.Tensor
 
     def __init__(
-        self, backbone: EmbeddingNet, head: FeatureHeadNet, backbone_dtype: torch.dtype | None = None
+        self,
+        backbone: EmbeddingNet,
+        head: FeatureHeadNet,
+        backbone_dtype: torch.dtype | None = None,
+        whitening: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.backbone = backbone.eval()
         self.head = head
         self.backbone_dtype = backbone_dtype
+        self.whitened = whitening is not None
+        mean, projection = whitening if whitening is not None else (torch.zeros(0), torch.zeros(0, 0))
+        self.register_buffer("whitening_mean", mean.float(), persistent=False)
+        self.register_buffer("whitening_projection", projection.float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cast = (
@@ -90,7 +103,11 @@ class ImageFeatureNet(nn.Module):
         )
         with cast:
             features = image_features(self.backbone, x)
-        return self.head(features.to(torch.float16).float())
+        stored = features.to(torch.float16).float()
+        if self.whitened:
+            whitened = (stored - self.whitening_mean) @ self.whitening_projection
+            stored = whitened.to(torch.float16).float()
+        return self.head(stored)
 
     def train(self, mode: bool = True) -> ImageFeatureNet:
         """The backbone stays in eval mode: it is frozen."""
