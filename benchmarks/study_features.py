@@ -15,8 +15,9 @@ one process per run, and evaluated on the held-out words (each image queries all
    points above R@1 at three quarters of the run (at most ``--max-epochs`` epochs; a run that reaches the cap
    unflattened is marked so in the table).
 3. **Sampler and loss at the best batch** (the batch of the highest final R@1): the hard sampler (the fewest
-   categories per batch, 2 at least, that leave at most a tenth of the images out), and PNP-Dq and Smooth-AP
-   with FastAP's rate, each trained for the steps the FastAP run needed and then extended the same way.
+   categories per batch, 2 at least, that leave at most a tenth of the images out), and PNP-Dq and Smooth-AP.
+   Each has a rate sweep of its own by the same rule, centred on the best batch's rate (a loss of another scale,
+   or batches of other classes, want another rate), and its winner is extended until flat the same way.
 4. **Replicates.** ``--replicates K`` trains every point K-1 more times with other seeds (same rate and length,
    evaluated at the end) so that each point has a spread and the differences an interval.
 
@@ -97,27 +98,34 @@ def main(argv: list[str] | None = None) -> int:
             )
             point.runs.append(run)
 
+    def sweep(label: str, batch: int, extra: list[str], centre: float) -> tuple[float, dict[str, float]]:
+        """The rate of one point: ``centre`` and ``--lr-factor`` times below and above it, each trained
+        ``--sweep-epochs`` (a winner at an end of the grid: one more rate beyond it, twice at most); the best R@1
+        at the end wins (ties: the lower rate). Returns the rate and every rate's R@1; the winner's run is
+        ``out/lr/<label>,lr=<rate>``."""
+        steps = epochs_to_steps(args.sweep_epochs, batch)
+        rates = [float(f"{r:.3g}") for r in (centre / args.lr_factor, centre, centre * args.lr_factor)]
+        finals: dict[float, float] = {}
+        for _ in range(3):  # the grid, then at most two rates beyond a winner at its end
+            for lr in rates:
+                if lr not in finals:
+                    run = out / "lr" / f"{label},lr={lr:.3g}"
+                    trainer.train(run, [*_overrides(batch, lr), *extra], steps, steps)
+                    finals[lr] = _last(read_run(run), "recall@1")
+            rates = sorted(finals)
+            lr = min(finals, key=lambda r: (-finals[r], r))
+            if lr not in (rates[0], rates[-1]):
+                break
+            rates = [float(f"{(lr / args.lr_factor if lr == rates[0] else lr * args.lr_factor):.3g}")]
+        return lr, {f"{r:.3g}": finals[r] for r in sorted(finals)}
+
     def batch_chain(batch: int, settled: Future[Point]) -> None:
         """1 and 2 for one batch: the rate sweep, the winner until flat (then ``settled``), its replicates."""
         try:
-            steps = epochs_to_steps(args.sweep_epochs, batch)
-            rate = args.lr0 * math.sqrt(batch / 1024)
-            rates = [float(f"{r:.3g}") for r in (rate / args.lr_factor, rate, rate * args.lr_factor)]
-            finals: dict[float, float] = {}
-            for _ in range(3):  # the grid, then at most two rates beyond a winner at its end
-                for lr in rates:
-                    if lr not in finals:
-                        run = out / "lr" / f"batch={batch},lr={lr:.3g}"
-                        trainer.train(run, _overrides(batch, lr), steps, steps)
-                        finals[lr] = _last(read_run(run), "recall@1")
-                rates = sorted(finals)
-                lr = min(finals, key=lambda r: (-finals[r], r))
-                if lr not in (rates[0], rates[-1]):
-                    break
-                rates = [float(f"{(lr / args.lr_factor if lr == rates[0] else lr * args.lr_factor):.3g}")]
-            point = Point("batch", f"batch={batch}", batch, lr, _overrides(batch, lr),
-                          sweep={f"{r:.3g}": finals[r] for r in sorted(finals)})  # fmt: skip
-            point.runs.append(out / "lr" / f"batch={batch},lr={lr:.3g}")
+            label = f"batch={batch}"
+            lr, finals = sweep(label, batch, [], args.lr0 * math.sqrt(batch / 1024))
+            point = Point("batch", label, batch, lr, _overrides(batch, lr), sweep=finals)
+            point.runs.append(out / "lr" / f"{label},lr={lr:.3g}")
             point.steps, point.flat = trainer.until_flat(point.runs[0], point.overrides,
                                                          epochs_to_steps(args.max_epochs, batch))  # fmt: skip
         except BaseException as exc:
@@ -126,9 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         settled.set_result(point)
         replicate(point)
 
-    def variant_chain(point: Point, steps: int) -> None:
-        """3 for one sampler or loss: as long as the best batch's FastAP run, then until flat, replicates."""
-        trainer.train(point.runs[0], point.overrides, steps, max(1, steps // 4))
+    def variant_chain(point: Point, extra: list[str], centre: float) -> None:
+        """3 for one sampler or loss at the best batch: its own rate sweep around the best batch's rate (a loss
+        of another scale wants another rate), the winner until flat, its replicates."""
+        label = f"{point.axis}={point.name}"
+        point.lr, point.sweep = sweep(label, point.batch, extra, centre)
+        point.overrides = [*_overrides(point.batch, point.lr), *extra]
+        point.runs.append(out / "lr" / f"{label},lr={point.lr:.3g}")
         point.steps, point.flat = trainer.until_flat(point.runs[0], point.overrides,
                                                      epochs_to_steps(args.max_epochs, point.batch))  # fmt: skip
         replicate(point)
@@ -149,10 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
         other_points = []
         for axis, name, extra in variants:
-            point = Point(axis, name, best.batch, best.lr, [*best.overrides, *extra])
-            point.runs.append(out / axis / name)
+            point = Point(axis, name, best.batch, best.lr, [])
             other_points.append(point)
-            chains.append(threads.submit(variant_chain, point, best.steps))
+            chains.append(threads.submit(variant_chain, point, extra, best.lr))
         for chain in chains:
             chain.result()
 
@@ -358,15 +369,16 @@ def _markdown(report: dict[str, Any]) -> str:
         "most); the best R@1 wins; that run is extended (its steps doubled) "
         f"until R@1 gains less than {rule['flat_points']:g} points over the last quarter of its steps (cap: "
         f"{rule['max_epochs']:g} epochs). The sampler and loss points run at the best batch "
-        f"({report['best_batch']:,}) with its rate and length; `hard` draws {report['hard_categories']} categories "
-        "(first letter and length) per batch, and leaves out the categories too small for their share.",
+        f"({report['best_batch']:,}), each with a sweep of its own centred on that batch's rate, then extended "
+        f"the same way; `hard` draws {report['hard_categories']} categories (first letter and length) per batch, "
+        "and leaves out the categories too small for their share.",
         "",
         "| axis | point | batch | lr | lr sweep (R@1 at the sweep's end) | steps | epochs | flat | R@1 | R@10 | "
         "MAP@R | seeds |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in report["points"]:
-        sweep = ", ".join(f"{lr}: {100 * v:.1f}" for lr, v in p["sweep_recall@1"].items()) or "(FastAP's)"
+        sweep = ", ".join(f"{lr}: {100 * v:.1f}" for lr, v in p["sweep_recall@1"].items()) or "-"
         lines.append(
             f"| {p['axis']} | {p['name']} | {p['batch']:,} | {p['lr']:.3g} | {sweep} | {p['steps']:,} | "
             f"{p['epochs']:g} | {'yes' if p['flat'] else 'no (cap)'} | {_cell(p['recall@1'])} | "

@@ -122,3 +122,15 @@ def test_every_field_is_documented() -> None:
 def test_parse_overrides_and_to_dict() -> None:
     assert parse_overrides(["a.b=c=d"]) == {"a": {"b": "c=d"}}
     assert set(to_dict(Config())) == {"data", "model", "loss", "optim", "train", "eval", "distributed"}
+
+
+def test_a_section_built_in_python_refuses_a_float_for_an_integer() -> None:
+    """The loader refuses ``model.output_stride=16.0`` from a file or an override; a section built in Python
+    must too: 16.0 == 16 passes the choices, then travels on as a float (a feature record keeps it)."""
+    from ddp_rank.config import DataConfig, ModelConfig
+
+    with pytest.raises(ConfigError, match=r"model.output_stride=16.0 must be an integer"):
+        ModelConfig(output_stride=16.0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"data.global_batch_size=64.0 must be an integer"):
+        DataConfig(global_batch_size=64.0)  # type: ignore[arg-type]
+    assert ModelConfig(output_stride=16).output_stride == 16

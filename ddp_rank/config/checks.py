@@ -78,6 +78,9 @@ class _Section:
             value = getattr(self, f.name)
             choices = f.metadata.get("choices")
             where = f"{_section_key(type(self))}.{f.name}"
+            # 16.0 == 16 passes every choice and bound, then travels on as a float (into a record, a file name).
+            if f.type in ("int", int) and isinstance(value, float):
+                raise ConfigError(f"{where}={value!r} must be an integer")
             if choices is not None:
                 values = value if isinstance(value, list) else [value]
                 for v in values:

@@ -89,3 +89,74 @@ def test_a_waiting_first_seed_run_goes_before_a_waiting_replicate() -> None:
     urgent.join(5)
     replicate.join(5)
     assert order == ["first seed", "replicate"]
+
+
+class _SimulatedTraining:
+    """``Trainer.train`` without training: a run's R@1 follows ``ceiling(lr, loss) * (1 - exp(-step / 20))``,
+    evaluated every ``eval_every`` steps and at its last, continued where the run stopped, as ``ddp-rank train``
+    would."""
+
+    def __init__(self) -> None:
+        self.best_rate = {"fastap": 1e-3, "pnp": 9e-3, "smoothap": 1e-3}
+        self.launches: list[tuple[str, int]] = []
+
+    def __call__(self, run: Path, overrides: list[str], steps: int, eval_every: int, replicate: bool = False) -> None:
+        import json
+        import math
+
+        settings = dict(o.split("=", 1) for o in overrides)
+        lr, loss = float(settings["optim.lr"]), settings.get("loss.name", "fastap")
+        ceiling = 0.8 - 0.1 * abs(math.log(lr / self.best_rate[loss], 3)) - 0.1 * ("data.sampler" in settings)
+        metrics = run / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        done = max((json.loads(line)["step"] for line in lines), default=0)
+        run.mkdir(parents=True, exist_ok=True)
+        evaluated = list(range(done + eval_every, steps + 1, eval_every))
+        for step in [*evaluated, *([steps] if steps not in evaluated and steps > done else [])]:  # the last too
+            record = {"kind": "eval", "step": step, "recall@1": ceiling * (1 - math.exp(-step / 20)),
+                      "recall@10": 0.9, "map@r": ceiling / 2}  # fmt: skip
+            lines.append(json.dumps(record))
+        metrics.write_text("\n".join(lines) + "\n")
+        self.launches.append((run.name, steps))
+
+
+def test_the_study_sweeps_every_point_extends_it_until_flat_and_replicates_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole study on a simulated trainer: each batch and each sampler or loss point gets its own rate (the
+    simulated PNP is best at 9x FastAP's rate: its sweep must walk up to it), runs until flat or the cap, and
+    has its replicate as long as its first run."""
+    import json
+
+    import benchmarks.study_features as study
+    from ddp_rank.data.synthetic_features import write_feature_shards
+
+    shards = write_feature_shards(tmp_path / "shards", [20, 20, 20], images=8, dim=4)
+    simulated = _SimulatedTraining()
+    monkeypatch.setattr(study.Trainer, "train", lambda trainer, *args, **kwargs: simulated(*args, **kwargs))
+    monkeypatch.setattr(study, "_plots", lambda report, out: None)
+    out = tmp_path / "study"
+    args = ["--shards", str(shards), "--out", str(out), "--batches", "32,64", "--max-epochs", "60"]
+    assert study.main(args) == 0
+    report = json.loads((out / "study.json").read_text())
+    points = {p["name"]: p for p in report["points"]}
+    assert set(points) == {"batch=32", "batch=64", "hard", "pnp-dq", "smooth-ap"}
+    assert all(p["flat"] for p in points.values()), {n: p["flat"] for n, p in points.items()}
+    # Batch 64: the sqrt rule centres on 2.5e-4; of 8.33e-5, 2.5e-4 and 7.5e-4 the top wins, 2.25e-3 beyond it
+    # loses, so 7.5e-4 (the grid's rate nearest the simulated best, 1e-3). It ends higher than batch 32.
+    assert points["batch=64"]["lr"] == pytest.approx(7.5e-4) and report["best_batch"] == 64
+    assert list(points["batch=64"]["sweep_recall@1"]) == ["8.33e-05", "0.00025", "0.00075", "0.00225"]
+    # PNP from 7.5e-4 towards its 9e-3: 2.25e-3 wins the grid, then 6.75e-3, then 2.03e-2 beyond loses.
+    assert points["pnp-dq"]["lr"] == pytest.approx(6.75e-3)
+    assert len(points["pnp-dq"]["sweep_recall@1"]) == 5
+    assert points["smooth-ap"]["lr"] == pytest.approx(7.5e-4) and points["hard"]["lr"] == pytest.approx(7.5e-4)
+    best = report["best_batch"]
+    assert all(points[n]["batch"] == best for n in ("hard", "pnp-dq", "smooth-ap"))
+    # Every point: a replicate trained as long as its first run, which the extensions made longer than a sweep.
+    lengths = dict(simulated.launches)
+    for name, point in points.items():
+        assert point["seeds"] == 2
+        first = "lr/" + (f"{name}" if name.startswith("batch") else f"{point['axis']}={name}")
+        assert lengths[f"{first.split('/')[1]},lr={point['lr']:.3g}"] == point["steps"]
+        replicate = f"{point['axis']}-{name},seed=1"
+        assert lengths[replicate] == point["steps"] > study.math.ceil(report["train_images"] / point["batch"])
