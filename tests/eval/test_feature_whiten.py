@@ -135,6 +135,7 @@ whiten_feature_shards(sys.argv[1], sys.argv[2], WhitenOptions(dim=int(sys.argv[3
 """
 
 
+@pytest.mark.slow
 def test_a_killed_whitening_resumes_with_its_map_and_keeps_its_shards(
     built: dict[str, Path], tmp_path: Path
 ) -> None:
