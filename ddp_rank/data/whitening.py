@@ -82,7 +82,7 @@ class WhiteningRecord:
         for name in ("file", "sha256", "fitted_on", "source"):
             if not isinstance(raw.get(name), str) or not raw[name]:
                 raise ValueError(f"{where}.{name} is missing or not a non-empty text")
-        if "/" in raw["file"] or raw["file"] in (".", ".."):
+        if "/" in raw["file"] or "\\" in raw["file"] or raw["file"] in (".", ".."):
             raise ValueError(f"{where}.file={raw['file']!r} must be a file name in the shard set's root")
         dim = raw.get("input_dim")
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:

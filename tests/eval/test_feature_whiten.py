@@ -230,3 +230,16 @@ def test_a_head_trains_on_whitened_shards_and_a_malformed_record_is_refused(
     assert main(["plan", *HEAD, f"data.shards={broken}"]) != 0
     captured = capsys.readouterr()
     assert "build.features.whitening.input_dim must be a positive integer" in captured.err + captured.out
+
+
+def test_a_record_naming_a_file_outside_the_shard_root_is_refused() -> None:
+    from ddp_rank.data.whitening import WhiteningRecord
+
+    good = {"file": "whitening.safetensors", "sha256": "ab", "input_dim": 4, "fitted_on": "train",
+            "shrinkage": 0.0, "source": "feat"}  # fmt: skip
+    assert WhiteningRecord.from_json(good, "w").file == "whitening.safetensors"
+    for name in ("../whitening.safetensors", "sub/w.safetensors", "..\\w.safetensors", ".."):
+        with pytest.raises(ValueError, match="must be a file name in the shard set's root"):
+            WhiteningRecord.from_json({**good, "file": name}, "w")
+    with pytest.raises(ValueError, match="unknown field"):
+        WhiteningRecord.from_json({**good, "extra": 1}, "w")
