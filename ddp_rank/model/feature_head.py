@@ -104,8 +104,10 @@ class ImageFeatureNet(nn.Module):
         with cast:
             features = image_features(self.backbone, x)
         stored = features.to(torch.float16).float()
-        if self.whitened:
-            whitened = (stored - self.whitening_mean) @ self.whitening_projection
+        if self.whitened:  # in float32 as the build computed it, whatever autocast the caller runs under
+            off = torch.amp.is_autocast_available(x.device.type)
+            with torch.autocast(x.device.type, enabled=False) if off else contextlib.nullcontext():
+                whitened = (stored - self.whitening_mean) @ self.whitening_projection
             stored = whitened.to(torch.float16).float()
         return self.head(stored)
 

@@ -243,3 +243,26 @@ def test_a_record_naming_a_file_outside_the_shard_root_is_refused() -> None:
             WhiteningRecord.from_json({**good, "file": name}, "w")
     with pytest.raises(ValueError, match="unknown field"):
         WhiteningRecord.from_json({**good, "extra": 1}, "w")
+
+
+def test_the_map_runs_in_float32_under_the_callers_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``search`` may embed under the run's autocast: the backbone follows it, the map does not (the build
+    computed it in float32), so the head sees the vectors the shards hold."""
+    import ddp_rank.model.feature_head as feature_head
+    from ddp_rank.model.feature_head import ImageFeatureNet
+
+    whitening, _ = fit_whitening([correlated(400, 12)], dim=6)
+    monkeypatch.setattr(feature_head, "image_features", lambda backbone, x: x)  # vectors in, as the backbone's
+    head = FeatureHeadNet(6, 4)
+    seen: list[torch.Tensor] = []
+    head.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    maps = (torch.from_numpy(whitening.mean), torch.from_numpy(whitening.projection))
+    net = ImageFeatureNet(FeatureHeadNet(12, 4), head, None, maps)
+    x = torch.from_numpy(correlated(8, 12, seed=1)).to(torch.float16).float()
+    with torch.no_grad():
+        net(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            net(x)
+    expected = whitening.apply(x.numpy()).astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(seen[0].numpy(), expected)
+    np.testing.assert_array_equal(seen[1].numpy(), expected)
