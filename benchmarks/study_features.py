@@ -98,34 +98,35 @@ def main(argv: list[str] | None = None) -> int:
             )
             point.runs.append(run)
 
-    def sweep(label: str, batch: int, extra: list[str], centre: float) -> tuple[float, dict[str, float]]:
+    def sweep(label: str, batch: int, extra: list[str], centre: float) -> tuple[float, dict[str, float], Path]:
         """The rate of one point: ``centre`` and ``--lr-factor`` times below and above it, each trained
         ``--sweep-epochs`` (a winner at an end of the grid: one more rate beyond it, twice at most); the best R@1
-        at the end wins (ties: the lower rate). Returns the rate and every rate's R@1; the winner's run is
-        ``out/lr/<label>,lr=<rate>``."""
+        at the end wins (ties: the lower rate). Returns the rate, every rate's R@1 and the winner's run."""
         steps = epochs_to_steps(args.sweep_epochs, batch)
+
+        def run_of(lr: float) -> Path:
+            return out / "lr" / f"{label},lr={lr:.3g}"
+
         rates = [float(f"{r:.3g}") for r in (centre / args.lr_factor, centre, centre * args.lr_factor)]
         finals: dict[float, float] = {}
         for _ in range(3):  # the grid, then at most two rates beyond a winner at its end
             for lr in rates:
                 if lr not in finals:
-                    run = out / "lr" / f"{label},lr={lr:.3g}"
-                    trainer.train(run, [*_overrides(batch, lr), *extra], steps, steps)
-                    finals[lr] = _last(read_run(run), "recall@1")
+                    trainer.train(run_of(lr), [*_overrides(batch, lr), *extra], steps, steps)
+                    finals[lr] = _last(read_run(run_of(lr)), "recall@1")
             rates = sorted(finals)
             lr = min(finals, key=lambda r: (-finals[r], r))
             if lr not in (rates[0], rates[-1]):
                 break
             rates = [float(f"{(lr / args.lr_factor if lr == rates[0] else lr * args.lr_factor):.3g}")]
-        return lr, {f"{r:.3g}": finals[r] for r in sorted(finals)}
+        return lr, {f"{r:.3g}": finals[r] for r in sorted(finals)}, run_of(lr)
 
     def batch_chain(batch: int, settled: Future[Point]) -> None:
         """1 and 2 for one batch: the rate sweep, the winner until flat (then ``settled``), its replicates."""
         try:
             label = f"batch={batch}"
-            lr, finals = sweep(label, batch, [], args.lr0 * math.sqrt(batch / 1024))
-            point = Point("batch", label, batch, lr, _overrides(batch, lr), sweep=finals)
-            point.runs.append(out / "lr" / f"{label},lr={lr:.3g}")
+            lr, finals, run = sweep(label, batch, [], args.lr0 * math.sqrt(batch / 1024))
+            point = Point("batch", label, batch, lr, _overrides(batch, lr), runs=[run], sweep=finals)
             point.steps, point.flat = trainer.until_flat(point.runs[0], point.overrides,
                                                          epochs_to_steps(args.max_epochs, batch))  # fmt: skip
         except BaseException as exc:
@@ -137,10 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     def variant_chain(point: Point, extra: list[str], centre: float) -> None:
         """3 for one sampler or loss at the best batch: its own rate sweep around the best batch's rate (a loss
         of another scale wants another rate), the winner until flat, its replicates."""
-        label = f"{point.axis}={point.name}"
-        point.lr, point.sweep = sweep(label, point.batch, extra, centre)
+        point.lr, point.sweep, run = sweep(f"{point.axis}={point.name}", point.batch, extra, centre)
         point.overrides = [*_overrides(point.batch, point.lr), *extra]
-        point.runs.append(out / "lr" / f"{label},lr={point.lr:.3g}")
+        point.runs.append(run)
         point.steps, point.flat = trainer.until_flat(point.runs[0], point.overrides,
                                                      epochs_to_steps(args.max_epochs, point.batch))  # fmt: skip
         replicate(point)

@@ -40,6 +40,7 @@ __all__ = [
     "WhiteningRecord",
     "fit_whitening",
     "load_whitening",
+    "parse_whitening",
 ]
 
 WHITENING_FILE = "whitening.safetensors"
@@ -187,9 +188,6 @@ def fit_whitening(
 def load_whitening(root: str, record: WhiteningRecord) -> Whitening:
     """The map a shard set's record names, read from ``root`` (a directory or a URL) and checked against the
     record's sha256 and input dimension; ``WhiteningError`` naming the file and the fix otherwise."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load
-
     path = join_location(root, record.file)
     try:
         data = read_location(path)
@@ -204,13 +202,22 @@ def load_whitening(root: str, record: WhiteningRecord) -> Whitening:
             f"{path}: sha256 {digest[:12]}... is not the {record.sha256[:12]}... the manifest records: the file "
             "was changed or damaged; restore it, or whiten the feature shards again"
         )
+    return parse_whitening(data, record.input_dim, path)
+
+
+def parse_whitening(data: bytes, input_dim: int, where: str) -> Whitening:
+    """The map in ``data`` (a ``whitening.safetensors`` file's bytes, from ``where``), which must take vectors of
+    ``input_dim`` values; ``WhiteningError`` else."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
     try:
         tensors = load(data)
         mean, projection = tensors["mean"], tensors["projection"]
     except (SafetensorError, KeyError) as exc:  # only a file written by another tool can get here
-        raise WhiteningError(f"{path}: not a whitening map ({exc})") from exc
-    if mean.shape != (record.input_dim,) or projection.ndim != 2 or projection.shape[0] != record.input_dim:
+        raise WhiteningError(f"{where}: not a whitening map ({exc})") from exc
+    if mean.shape != (input_dim,) or projection.ndim != 2 or projection.shape[0] != input_dim:
         raise WhiteningError(
-            f"{path}: shapes {mean.shape} and {projection.shape} do not take vectors of {record.input_dim} values"
+            f"{where}: shapes {mean.shape} and {projection.shape} do not take vectors of {input_dim} values"
         )
     return Whitening(mean.astype(np.float32), projection.astype(np.float32))

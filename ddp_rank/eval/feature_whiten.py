@@ -33,7 +33,7 @@ from ddp_rank.data.whitening import (
     WhiteningError,
     WhiteningRecord,
     fit_whitening,
-    load_whitening,
+    parse_whitening,
 )
 from ddp_rank.eval.feature_build import (
     PROGRESS_DIR,
@@ -127,16 +127,18 @@ def _fit_or_resume(
     path = dst / PROGRESS_DIR / WHITENING_FILE
     eigenvalues_path = dst / PROGRESS_DIR / "eigenvalues.npy"
     if path.is_file() and eigenvalues_path.is_file():
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        resumed = WhiteningRecord(WHITENING_FILE, digest, record.dim, options.split, options.shrinkage, "")
-        whitening = load_whitening(str(path.parent), resumed)
+        data = path.read_bytes()
+        try:
+            whitening = parse_whitening(data, record.dim, str(path))
+        except WhiteningError as exc:
+            raise FeatureBuildError(f"{exc}: pass --overwrite to start afresh") from exc
         wanted = record.dim if options.dim is None else options.dim
         if whitening.dim != wanted:
             raise FeatureBuildError(
                 f"DST={dst} holds an unfinished whitening to {whitening.dim} axes, not {wanted}: rerun it "
                 "with the same --dim to finish it, or pass --overwrite to start afresh"
             )
-        return whitening, np.load(eigenvalues_path), digest
+        return whitening, np.load(eigenvalues_path), hashlib.sha256(data).hexdigest()
     try:
         whitening, eigenvalues = fit_whitening(
             _vectors(src, options.split, record.dim), options.dim, options.shrinkage

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ddp_rank.autocast_off import outside_autocast
 from ddp_rank.losses.checks import (
     check_embeddings,
     check_labels,
@@ -46,13 +47,6 @@ from ddp_rank.losses.rows import (
 from ddp_rank.losses.triton_kernels import fused_kernels_run, jit_kernels
 
 _T = TypeVar("_T")
-
-
-def outside_autocast(device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """A block where autocast is off for ``device``'s type (nothing to turn off where it has none)."""
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def without_autocast(method: Callable[..., _T]) -> Callable[..., _T]:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddp_rank.autocast_off import outside_autocast
 from ddp_rank.data.transforms import uint8_to_unit
 from ddp_rank.model.net import EmbeddingNet
 
@@ -105,8 +106,7 @@ class ImageFeatureNet(nn.Module):
             features = image_features(self.backbone, x)
         stored = features.to(torch.float16).float()
         if self.whitened:  # in float32 as the build computed it, whatever autocast the caller runs under
-            off = torch.amp.is_autocast_available(x.device.type)
-            with torch.autocast(x.device.type, enabled=False) if off else contextlib.nullcontext():
+            with outside_autocast(x.device):
                 whitened = (stored - self.whitening_mean) @ self.whitening_projection
             stored = whitened.to(torch.float16).float()
         return self.head(stored)

@@ -355,9 +355,9 @@ class Trainer:
                 data = self.batches.counts()  # a collective: every rank, every log step
                 # The model's groups (backbone, head); a proxy loss's group is not the head's.
                 lrs = {
-                    g["name"] or f"group{i}": float(g["lr"])
+                    g.get("name") or f"group{i}": float(g["lr"])
                     for i, g in enumerate(self.optimizer.param_groups)
-                    if g["name"] != "loss"
+                    if g.get("name") != "loss"
                 }
                 self.report.log_train(s, self.total_steps, s / self.steps_per_epoch, window, lrs, data)
                 window = []
