@@ -217,6 +217,7 @@ def test_a_brace_pattern_at_a_url_and_reshard_of_a_pattern(
 ) -> None:
     src = tmp_path / "wds"
     write_with_shardwriter(src, SAMPLES, "cls", maxcount=10)
+    write_with_shardwriter(src, SAMPLES, "cls", maxcount=10, name="part-%05d.tar.gz")
     with serve_directory(src) as url:
         pattern = f"{url}/part-{{00000..00003}}.tar"
         out = tmp_path / "manifest"
@@ -231,7 +232,9 @@ def test_a_brace_pattern_at_a_url_and_reshard_of_a_pattern(
         assert f"{url}/part-00004.tar: no such shard at the URL" in _one_error_line(capsys)
         # reshard takes the same pattern (with the index options), at a URL or on disk, compressed or not.
         reshard(pattern, tmp_path / "from-url", SMALL, index=IndexOptions(category_field="family"))
-    assert _tars(tmp_path / "from-url") == _tars(plain_resharded)
+        gz = f"{url}/part-{{00000..00003}}.tar.gz"
+        reshard(gz, tmp_path / "from-url-gz", SMALL, index=IndexOptions(category_field="family"))
+    assert _tars(tmp_path / "from-url") == _tars(plain_resharded) == _tars(tmp_path / "from-url-gz")
     code = main(
         [
             "shards", "reshard", f"{src}/part-{{00000..00003}}.tar", str(tmp_path / "from-disk"),
