@@ -35,7 +35,7 @@ from ddp_rank.data.compressed import (
 )
 from ddp_rank.data.manifest import MANIFEST_NAME, Manifest, is_url, join_location
 from ddp_rank.data.shard_index import IndexOptions, index_shards
-from ddp_rank.data.shard_sources import source_splits, split_source
+from ddp_rank.data.shard_sources import ShardIndexError, source_splits, split_source
 
 WORK = "source"
 """Sub-folder of the reshard's state folder holding the source's manifest (and its decompressed copy)."""
@@ -56,7 +56,12 @@ def source_settings(
     source: str | os.PathLike[str], splits: list[str] | tuple[str, ...], index: IndexOptions
 ) -> tuple[str, dict[str, list[str]], dict[str, Any]]:
     """(root, split -> shards, what a resumed reshard must find unchanged) of a source without a manifest."""
-    root, found = source_splits(source, list(splits), compressed=True)
+    try:
+        root, found = source_splits(source, list(splits), compressed=True)
+    except ShardIndexError as exc:
+        if splits or split_source(source)[1] is not None:
+            raise
+        raise ShardIndexError(f"{source} holds no {MANIFEST_NAME}, and {exc}") from exc
     sizes: dict[str, dict[str, int | None]] = {
         name: {rel: None if is_url(root) else os.path.getsize(join_location(root, rel)) for rel in rels}
         for name, rels in found.items()

@@ -246,6 +246,12 @@ def test_a_brace_pattern_at_a_url_and_reshard_of_a_pattern(
     capsys.readouterr()
     assert main(["shards", "reshard", str(plain_resharded), str(tmp_path / "y"), "--class-field", "txt"]) == 2
     assert "holds manifest.json, whose classes the reshard keeps" in _one_error_line(capsys)
+    (tmp_path / "empty").mkdir()
+    assert main(["shards", "reshard", str(tmp_path / "empty"), str(tmp_path / "z"), "--no-progress"]) == 2
+    assert "empty holds no manifest.json, and no .tar (or compressed tar) shard found" in _one_error_line(
+        capsys
+    )
+    assert not (tmp_path / "z").exists()
 
 
 def test_the_class_in_a_txt_member(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
