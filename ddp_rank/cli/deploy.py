@@ -167,9 +167,10 @@ def _run_search(args: argparse.Namespace) -> int:
     if args.grid:
         from ddp_rank.eval.retrieval_search_grid import draw_search_grid
 
+        problems: tuple[type[Exception], ...] = (OSError, ValueError, *_errors())
         try:
             source = searcher.index.info.get("export", {}).get("source", {})
             print(f"grid: {draw_search_grid(paths, results, source, args.grid)}")
-        except (*_errors(), OSError, ValueError) as exc:
+        except problems as exc:
             return _fail("search", exc)
     return 0

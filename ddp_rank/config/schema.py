@@ -462,7 +462,8 @@ class TrainConfig(_Section):
             "(rank 0): 'tensorboard' (event files under OUTPUT_DIR/tensorboard/), 'mlflow' (MLFLOW_TRACKING_URI, "
             "else a file store in OUTPUT_DIR/mlruns), 'wandb' (WANDB_MODE=offline works), 'aim', 'comet_ml', "
             "'clearml', 'dvclive', 'swanlab', 'trackio'; each needs its package (pip install 'ddp_rank[mlflow]' ...). "
-            "metrics.jsonl and the PNG plots are written whatever this holds. Replaces train.tensorboard=true.",
+            "metrics.jsonl and the PNG plots are written whatever this holds. An older config's tensorboard: true loads "
+            "as [tensorboard].",
             choices=(
                 "tensorboard",
                 "wandb",

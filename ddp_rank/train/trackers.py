@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ __all__ = [
     "start_trackers",
     "tracker_arguments",
     "tracker_config",
+    "tracker_key",
 ]
 
 _MODULES = {
@@ -41,6 +43,8 @@ _MODULES = {
     "trackio": ("trackio", "trackio"),
 }
 """Tracker -> (the module accelerate imports, the package that provides it)."""
+_EXTRAS = ("tensorboard", "mlflow", "wandb")
+"""Trackers with an extra of their own in pyproject.toml."""
 
 
 def check_trackers(names: list[str]) -> None:
@@ -48,9 +52,10 @@ def check_trackers(names: list[str]) -> None:
     for name in names:
         module, package = _MODULES[name]
         if importlib.util.find_spec(module) is None:
+            extra = f" (or pip install 'ddp_rank[{name}]')" if name in _EXTRAS else ""
             raise ConfigError(
-                f"train.log_with={name} needs the {package} package: pip install {package} (or pip install "
-                f"'ddp_rank[{name}]'), or leave {name} out of train.log_with"
+                f"train.log_with={name} needs the {package} package: pip install {package}{extra}, or leave "
+                f"{name} out of train.log_with"
             )
 
 
@@ -101,10 +106,18 @@ def start_trackers(accelerator: Any, cfg: Config) -> None:
     )
 
 
+def tracker_key(kind: str, name: str) -> str:
+    """The name a metric is logged under: ``kind/name`` with ``@`` spelled ``_at_`` and any other character
+    MLflow refuses (it takes letters, digits, ``_ - . : /`` and spaces) as ``_``: ``eval/recall_at_1``,
+    ``eval/tpr_at_fpr_1e-3``. One spelling for every tracker, so the runs of two trackers compare."""
+    spelled = f"{kind}/{name}".replace("@", "_at_")
+    return re.sub(r"[^A-Za-z0-9_\-.:/ ]", "_", spelled)
+
+
 def log_metrics(accelerator: Any, kind: str, step: int, values: Mapping[str, float]) -> None:
-    """One metrics record to every tracker, as ``kind/name`` scalars."""
+    """One metrics record to every tracker, each number under :func:`tracker_key`."""
     if values:
-        accelerator.log({f"{kind}/{k}": v for k, v in values.items()}, step=step)
+        accelerator.log({tracker_key(kind, k): v for k, v in values.items()}, step=step)
 
 
 def log_picture(

@@ -95,7 +95,8 @@ def test_query_sample_is_seeded_a_prefix_and_keeps_the_protocol_roles() -> None:
     c, _ = sample_query_rows(data, "sop", 6, seed=4)
     np.testing.assert_array_equal(a, b)
     assert a.tolist() != c.tolist()
-    assert sample_query_rows(data, "sop", 3, seed=3)[0].tolist() == a[:3].tolist()  # a prefix of the same draw
+    # A smaller sample is a prefix of the same draw.
+    assert sample_query_rows(data, "sop", 3, seed=3)[0].tolist() == a[:3].tolist()
     assert {4, 8} & set(a.tolist()) == set() and len(database) == len(labels)  # lone classes 2, 4 never drawn
     subsets = ["query", "gallery"] * 7 + ["query"]
     inshop = EmbeddedSet.from_lists(torch.randn(15, 4), labels.tolist(), subsets)
@@ -118,7 +119,7 @@ def evaluate(shards: Path, out: Path, *extra: str) -> Path:
 
 def test_eval_draws_its_own_neighbours_framed_by_their_true_class(shards: Path, tmp_path: Path) -> None:
     out = evaluate(shards, tmp_path / "a")
-    (name, record), = read_records(out / RECORD_FILE).items()
+    ((name, record),) = read_records(out / RECORD_FILE).items()
     assert name == "raw pixels" and record.split == "test" and len(record.queries) == 5
     # The neighbours are those of an exact search over the same embeddings (itself left out).
     cfg = load_config(None, [*TINY_OVERRIDES, f"data.shards={shards}"])
@@ -170,3 +171,25 @@ def test_no_picture_when_asked_for_none(shards: Path, tmp_path: Path) -> None:
     out = evaluate(shards, tmp_path / "a", "eval.grid_queries=0")
     assert not (out / GRID_FILE).exists() and not (out / RECORD_FILE).exists()
     assert "raw pixels" in json.loads((out / "eval.json").read_text())
+
+
+def test_feature_shards_draw_no_picture_and_say_so_once(
+    shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ddp_rank.eval.retrieval_record import RetrievalPicture
+
+    feat = tmp_path / "feat"
+    assert main(["shards", "features", str(shards), str(feat), *TINY_OVERRIDES, "--no-progress"]) == 0
+    head = [*TINY_OVERRIDES, "model.backbone=features", f"data.shards={feat}"]
+    out = tmp_path / "eval"
+    with caplog.at_level("INFO", logger="ddp_rank.eval.retrieval_record"):
+        assert main(["eval", *head, "--baseline", "raw-pixels", "--output", str(out / "eval.json")]) == 0
+        assert not (out / GRID_FILE).exists() and not (out / RECORD_FILE).exists()
+        # A run's evaluations share one RetrievalPicture: the second says nothing more.
+        picture = RetrievalPicture(load_config(None, head), is_main=True)
+        data = EmbeddedSet(torch.randn(4, 8), torch.tensor([0, 0, 1, 1]), torch.zeros(4, dtype=torch.long))
+        for _ in range(2):
+            picture.capture("test", data)
+            assert picture.write("step", tmp_path / "run") is None
+    said = [r.message for r in caplog.records if "no retrieval picture" in r.message]
+    assert said == ["no retrieval picture: the test shards hold feature vectors, not images"] * 2  # eval, run
