@@ -28,6 +28,13 @@ def frame_pixel(picture: Image.Image, row: int, block: int, column: int, k: int)
     return picture.getpixel((x + LAYOUT.frame // 2, y + LAYOUT.cell // 2))
 
 
+def thumbnail_of(picture: Image.Image, row: int, column: int, k: int) -> Image.Image:
+    """The thumbnail inside a cell's frame (result block 0)."""
+    x, y = LAYOUT.cell_origin(row, 0, column, k)
+    return picture.crop((x + LAYOUT.frame, y + LAYOUT.frame, x + LAYOUT.cell - LAYOUT.frame,
+                         y + LAYOUT.cell - LAYOUT.frame))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pictures")
@@ -101,9 +108,26 @@ def test_search_grid_frames_each_hit_by_the_class_of_the_top_1(
         for column, label in enumerate(hits[1:], start=2):
             assert frame_pixel(picture, row, 0, column, K) == (GREEN if label == hits[0] else RED)
             both.add(label == hits[0])
-        for column in range(1, K + 1):  # the hits' images were read back from the shards: no blank cell
-            x, y = LAYOUT.cell_origin(row, 0, column, K)
-            inner = picture.crop((x + LAYOUT.frame, y + LAYOUT.frame, x + LAYOUT.cell - LAYOUT.frame,
-                                  y + LAYOUT.cell - LAYOUT.frame))  # fmt: skip
-            assert inner.getcolors(1) is None  # more than one colour: not the placeholder fill
+        # The hits' images were read back from the shards: no one-colour placeholder.
+        for column in range(1, K + 1):
+            assert thumbnail_of(picture, row, column, K).getcolors(1) is None
     assert both == {True, False}
+
+
+def test_search_grid_of_an_image_folder_export_frames_every_hit_grey(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An image folder has no classes: nothing to compare, every hit grey, the images read from the folder."""
+    pytest.importorskip("faiss")
+    export, index = tmp_path / "export", tmp_path / "index"
+    assert main(["export", "--checkpoint", str(runs["a"]), "--images", str(runs["images"]), "--output", str(export)]) == 0  # fmt: skip
+    assert main(["index", str(export), "--output", str(index)]) == 0
+    query = sorted(runs["images"].rglob("*.png"))[0]
+    grid = tmp_path / "grid.png"
+    assert main(["search", str(index), str(query), "-k", "3", "--grid", str(grid)]) == 0
+    picture = Image.open(grid).convert("RGB")
+    for column in (1, 2, 3):
+        assert frame_pixel(picture, 0, 0, column, 3) == GREY
+        assert thumbnail_of(picture, 0, column, 3).getcolors(1) is None
+    # The top-1 of a query that is in the folder is the query itself: the query's own thumbnail.
+    assert thumbnail_of(picture, 0, 0, 3).tobytes() == thumbnail_of(picture, 0, 1, 3).tobytes()
