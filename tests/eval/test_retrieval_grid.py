@@ -193,3 +193,18 @@ def test_feature_shards_draw_no_picture_and_say_so_once(
             assert picture.write("step", tmp_path / "run") is None
     said = [r.message for r in caplog.records if "no retrieval picture" in r.message]
     assert said == ["no retrieval picture: the test shards hold feature vectors, not images"] * 2  # eval, run
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_processes_draw_the_same_picture_as_one(shards: Path, tmp_path: Path) -> None:
+    """The gathered rows are sorted by key, whatever the world size: the same queries, neighbours and bytes."""
+    from tests.helpers.training import launch
+
+    one = evaluate(shards, tmp_path / "one")
+    two = tmp_path / "two"
+    result = launch("eval", "--baseline", "raw-pixels", "--output", str(two / "eval.json"), *TINY_OVERRIDES,
+                    f"data.shards={shards}", "eval.grid_queries=5", f"eval.grid_k={K}")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (two / GRID_FILE).read_bytes() == (one / GRID_FILE).read_bytes()
+    assert read_records(two / RECORD_FILE) == read_records(one / RECORD_FILE)
