@@ -30,7 +30,7 @@ import torch
 from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.config import Config
 from ddp_rank.data.features import feature_dim
-from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.manifest import Manifest, is_url
 from ddp_rank.data.reader import ClassReader, ClassReadError
 from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.data.transforms import decode_image
@@ -340,7 +340,7 @@ class RetrievalPicture:
         images = ShardImages(manifest, split, open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb))
         try:
             record = record_from_embedded(
-                data, images, shards=cfg.data.shards, split=split, protocol=cfg.eval.protocol,
+                data, images, shards=_absolute(cfg.data.shards), split=split, protocol=cfg.eval.protocol,
                 count=cfg.eval.grid_queries, k=cfg.eval.grid_k, seed=cfg.eval.grid_seed, device=device,
             )  # fmt: skip
             if record is None:
@@ -351,3 +351,8 @@ class RetrievalPicture:
             return path
         finally:
             images.close()
+
+
+def _absolute(shards: str) -> str:
+    """A local shard directory as an absolute path (``compare --grid`` may run from another directory)."""
+    return shards if is_url(shards) else str(Path(shards).resolve())
