@@ -6,6 +6,7 @@ Examples::
     ddp-rank compare 'runs/bs*' runs/pnp --plot compare.png
     ddp-rank compare runs/* --csv > runs.csv       # or --json
     ddp-rank compare runs/a runs/b --curve roc     # both runs' ROC curves on one figure: compare-roc.png
+    ddp-rank compare runs/a runs/b --grid grid.png # their retrieval pictures side by side, same queries
     ddp-rank compare runs/sweep --csv --points     # replicates (runs differing only in seeds): one row per point
 
 Files and folders without a run among the arguments (``runs/sweep/*`` also names the sweep's ``compare.md``) are
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 __all__ = ["register", "run"]
@@ -58,6 +60,13 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--curve-output", metavar="PNG", help="where --curve draws (default compare-<curve>.png here)"
     )
+    p.add_argument(
+        "--grid",
+        metavar="PNG",
+        help="also draw the runs' retrieval pictures side by side into this file: the same sampled queries, "
+        "each run's top-k framed green (the query's class) or red, from each run's retrieval.json (written by "
+        "ddp-rank eval and by a run's evaluations); runs without one are named and left out",
+    )
     p.set_defaults(func=run)
 
 
@@ -97,9 +106,12 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"plot: {drawn}" if drawn else "plot: no finished run with an evaluation to draw", file=sys.stderr
         )
+    status = 0
     if args.curve:
-        return _draw_curve(runs, args.curve, args.curve_output or f"compare-{args.curve}.png")
-    return 0
+        status = _draw_curve(runs, args.curve, args.curve_output or f"compare-{args.curve}.png")
+    if args.grid and status == 0:
+        status = _draw_grid([run.path for run in runs], args.grid)
+    return status
 
 
 def _draw_curve(runs: list[Any], kind: str, path: str) -> int:
@@ -119,4 +131,26 @@ def _draw_curve(runs: list[Any], kind: str, path: str) -> int:
         )
         return EXIT_USAGE
     print(f"{kind} curve: {drawn}", file=sys.stderr)
+    return 0
+
+
+def _draw_grid(paths: list[Any], path: str) -> int:
+    from ddp_rank.eval.retrieval_record import RecordError
+    from ddp_rank.experiments.retrieval_pictures import draw_run_pictures
+
+    def note(line: str) -> None:
+        print(f"ddp-rank compare: {line}", file=sys.stderr)
+
+    try:
+        drawn = draw_run_pictures([Path(p) for p in paths], path, note)
+    except RecordError as exc:
+        note(f"error: --grid: {exc}")
+        return EXIT_USAGE
+    if drawn is None:
+        note(
+            "error: no run has a retrieval picture to draw (retrieval.json); evaluate the runs with ddp-rank eval"
+        )
+        return EXIT_USAGE
+    picture, runs, queries = drawn
+    note(f"retrieval grid: {picture} ({queries} queries; left to right: {', '.join(str(r) for r in runs)})")
     return 0

@@ -70,6 +70,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("-k", type=int, default=5, help="results per query")
     p.add_argument("--checkpoint", help="default: the checkpoint the export was made with")
     p.add_argument("--config", help="default: the config the export was made with")
+    p.add_argument(
+        "--grid",
+        metavar="PNG",
+        help="also draw the queries and their top-k into this PNG, the hits read back from the export's source; "
+        "a query file has no class, so each hit is framed green when it shares the class of the query's top-1 "
+        "(framed grey), red otherwise (all grey for an unlabelled image-folder export)",
+    )
     p.set_defaults(func=_run_search)
 
 
@@ -157,4 +164,13 @@ def _run_search(args: argparse.Namespace) -> int:
             label = f"  label {hit.label}" if hit.label >= 0 else ""
             category = f"  {hit.category}" if hit.category else ""
             print(f"  {rank:>2}  {hit.score:.4f}  {hit.key}{label}{category}")
+    if args.grid:
+        from ddp_rank.eval.retrieval_search_grid import draw_search_grid
+
+        problems: tuple[type[Exception], ...] = (OSError, ValueError, *_errors())
+        try:
+            source = searcher.index.info.get("export", {}).get("source", {})
+            print(f"grid: {draw_search_grid(paths, results, source, args.grid)}")
+        except problems as exc:
+            return _fail("search", exc)
     return 0

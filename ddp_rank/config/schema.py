@@ -455,7 +455,33 @@ class TrainConfig(_Section):
         "$SLURM_JOB_ID) so that it continues when it runs again; 'never' = only exit with status 75.",
         choices=("auto", "never"),
     )
-    tensorboard: bool = _field(False, "Also write TensorBoard event files (needs the tensorboard package).")
+    log_with: list[str] = field(
+        default_factory=list,
+        metadata=_meta(
+            "Experiment trackers that also receive the metrics and pictures, through accelerate's tracker API "
+            "(rank 0): 'tensorboard' (event files under OUTPUT_DIR/tensorboard/), 'mlflow' (MLFLOW_TRACKING_URI, "
+            "else a file store in OUTPUT_DIR/mlruns), 'wandb' (WANDB_MODE=offline works), 'aim', 'comet_ml', "
+            "'clearml', 'dvclive', 'swanlab', 'trackio'; each needs its package (pip install 'ddp_rank[mlflow]' ...). "
+            "metrics.jsonl and the PNG plots are written whatever this holds. An older config's tensorboard: true loads "
+            "as [tensorboard].",
+            choices=(
+                "tensorboard",
+                "wandb",
+                "mlflow",
+                "aim",
+                "comet_ml",
+                "clearml",
+                "dvclive",
+                "swanlab",
+                "trackio",
+            ),
+        ),
+    )
+    tracker_project: str = _field(
+        "ddp_rank",
+        "train.log_with: the project (W&B, TensorBoard's folder), experiment (MLflow, Aim) the run is logged "
+        "under; the run is named after OUTPUT_DIR's last folder.",
+    )
     progress: bool = _field(
         True,
         "On a terminal, show the rank-0 progress bar (loss, images/s, ETA); without a terminal (a SLURM log), or "
@@ -560,6 +586,19 @@ class EvalConfig(_Section):
             above=0.0,
             maximum=1.0,
         ),
+    )
+    grid_queries: int = _field(
+        8,
+        "The retrieval picture (retrieval.png beside the results, and at each evaluation of a run): this many "
+        "test queries, one row each, with their grid_k nearest neighbours framed green (the query's class) or "
+        "red (another); 0 = no picture. Feature shards hold no image: no picture.",
+        minimum=0,
+    )
+    grid_k: int = _field(5, "The retrieval picture: neighbours shown per query.", minimum=1)
+    grid_seed: int = _field(
+        0,
+        "The retrieval picture: seed of the query sample (not train.seed, so runs that differ in their seed show "
+        "the same queries and `ddp-rank compare --grid` can set them side by side).",
     )
 
     def __post_init__(self) -> None:

@@ -87,10 +87,15 @@ class EmbeddedSet:
     embeddings: Tensor
     labels: Tensor
     subset_bits: Tensor
+    index: Tensor | None = None
+    """``[N]`` int64 hash of each sample's key (``ddp_rank.eval.runner.key_index``), when read from shards: the
+    retrieval picture finds its samples' images by it."""
 
     def __post_init__(self) -> None:
         if not (len(self.embeddings) == len(self.labels) == len(self.subset_bits)):
             raise ValueError("embeddings, labels and subset_bits must have the same length")
+        if self.index is not None and len(self.index) != len(self.labels):
+            raise ValueError("index must have one entry per embedding")
 
     @classmethod
     def from_lists(

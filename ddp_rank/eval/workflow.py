@@ -24,6 +24,7 @@ from ddp_rank.eval.export import embed_batches_to_arrays, write_manifest, write_
 from ddp_rank.eval.feature_images import image_config, image_model
 from ddp_rank.eval.protocols import VEHICLEID_SIZES
 from ddp_rank.eval.report import bootstrap_note, deployment_lines, format_table, write_json
+from ddp_rank.eval.retrieval_record import RetrievalPicture
 from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
 from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
 from ddp_rank.model import RawPixels, build_model, load_model_weights, read_meta, resolve_checkpoint
@@ -131,6 +132,8 @@ class Evaluation:
     path: Path
     written: bool
     pictures: tuple[Path, ...] = ()
+    retrieval: Path | None = None
+    """``retrieval.png``: sampled queries and their top-k (None: not drawn, e.g. feature shards)."""
 
     def table(self) -> str:
         queries = int(self.metrics.get("num_queries", 0))
@@ -145,6 +148,8 @@ class Evaluation:
         lines += [f"{name}: {line}" for name, line in deployment_lines(self.metrics).items()]
         if self.pictures:
             lines.append("curves: " + ", ".join(str(p) for p in self.pictures))
+        if self.retrieval is not None:
+            lines.append(f"retrieval picture: {self.retrieval} (green: the query's class, red: another)")
         return "\n".join(lines)
 
 
@@ -172,6 +177,7 @@ def evaluate_and_record(
     try:
         model, default_name = build_eval_model(cfg, checkpoint, baseline)
         model.to(accelerator.device)
+        picture = RetrievalPicture(cfg, accelerator.is_main_process)
         metrics, curves = split_curves(
             evaluate_model(
                 model,
@@ -180,11 +186,13 @@ def evaluate_and_record(
                 device=accelerator.device,
                 autocast_dtype=autocast_dtype(accelerator),
                 bootstrap=bootstrap,
+                on_embedded=picture.capture,
             )
         )
         label = name or default_name
         out_path = Path(output) if output else Path(cfg.train.output_dir) / "eval.json"
         pictures: list[Path] = []
+        retrieval = None
         if accelerator.is_main_process:
             results: dict[str, Any] = json.loads(out_path.read_text()) if out_path.is_file() else {}
             results[label] = {
@@ -197,6 +205,7 @@ def evaluate_and_record(
             }
             write_json(results, out_path)
             pictures = draw_curve_pictures(results, out_path)
+            retrieval = picture.write(label, out_path.parent, accelerator.device)
         return Evaluation(
             metrics,
             label,
@@ -205,6 +214,7 @@ def evaluate_and_record(
             out_path,
             accelerator.is_main_process,
             tuple(pictures),
+            retrieval,
         )
     finally:
         accelerator.end_training()

@@ -22,7 +22,8 @@ IGNORED_KEYS = frozenset(
         "train.output_dir",
         "train.resume",
         "train.progress",
-        "train.tensorboard",
+        "train.log_with",
+        "train.tracker_project",
         "train.plots",
         "data.cache_dir",
     }

@@ -66,6 +66,7 @@ from ddp_rank.train.setup import (
     configure_deepspeed,
     uses_deepspeed,
 )
+from ddp_rank.train.trackers import tracker_arguments
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,9 @@ class Trainer:
         self.manifest = check_inputs(cfg)
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
         set_deterministic(cfg.train.deterministic, cfg.train.deterministic_fill)
-        self.accelerator = acc = accelerator if accelerator is not None else make_accelerator(cfg)
+        self.accelerator = acc = (
+            accelerator if accelerator is not None else make_accelerator(cfg, tracker_arguments(cfg))
+        )
         self.world_size = acc.num_processes
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
@@ -142,7 +145,7 @@ class Trainer:
             self.layout = confirm_chunk_for_run(
                 cfg, self.layout, choice, self.backend, self.device, self.deepspeed, self.is_main
             )
-        self.report = RunReport(cfg, self.layout, self.device, self.is_main)
+        self.report = RunReport(cfg, self.layout, self.device, self.is_main, acc, self.manifest)
         if self.is_main:
             log.info(f"BatchNorm: {self.layout.batchnorm.describe(self.layout.local_batch)}")
         for note in notes:
@@ -293,6 +296,7 @@ class Trainer:
                 autocast_dtype=autocast_dtype(self.accelerator),
                 num_workers=self.cfg.data.num_workers,
                 manifest=self.manifest,
+                on_embedded=self.report.picture.capture,
             )
 
     def _maybe_best(self, metrics: dict[str, Any]) -> None:
