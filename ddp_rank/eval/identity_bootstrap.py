@@ -11,8 +11,9 @@ resamples gives its standard error (``52.80 ± 0.90``) and a 95% percentile inte
   identities i and j count m_i * m_j times (two copies of one identity are not two identities: their pairs are
   left out). Every figure is recomputed exactly from those weighted counts
   (``ddp_rank.eval.verification.figures_from_counts``). So each resample scores again the pairs of the
-  identities it drew (about 40% of all pairs when each identity is drawn at most about 0.63 of the time): the
-  bootstrap costs about 0.4 x its resamples x one verification.
+  identities it drew (about 40% of the negative pairs): measured on 3,820 images of 955 identities, one
+  resample took 0.57 of one verification's CPU time (0.38 s against 0.68 s), so 200 resamples cost about
+  115 verifications.
 - Identification: the gallery stays as enrolled (a deployment's enrolment list is given, not drawn); the mated
   probes' identities are drawn among the enrolled and the non-mated probes' among the others (each resample
   keeps both numbers), and CMC@r and FNIR@FPIR (its threshold included) are recomputed from each probe's
