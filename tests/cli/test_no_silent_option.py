@@ -206,6 +206,7 @@ CASES: list[Case] = [
                   in _exported_keys(w))),
     Case("search", "images", ("index",), lambda w, t: [str(_query(w, 1))],
          Honoured("every query is answered", lambda o, w: str(_query(w, 1)) in o.out and str(_query(w, 0)) in o.out)),
+    Case("search", "-k", ("index",), given("-k", "0"), Refused("-k 0: give the number of results per query")),
     Case("search", "-k", ("index",), given("-k", "2"),
          Honoured("k hits per query", lambda o, w: len(o.out.splitlines()) == 3)),
     Case("search", "--checkpoint", ("index",),
