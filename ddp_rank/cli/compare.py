@@ -10,7 +10,9 @@ Examples::
     ddp-rank compare runs/sweep --csv --points     # replicates (runs differing only in seeds): one row per point
 
 Files and folders without a run among the arguments (``runs/sweep/*`` also names the sweep's ``compare.md``) are
-passed over with a note on stderr; no run at all is an error.
+passed over with a note on stderr; no run at all is an error. A run that ``--plot`` or ``--curve`` leaves out
+(unfinished, without the metric, without that curve) is named on stderr with why; counts (``gallery_size``) are
+printed as integers, rates in percent.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def register(subparsers: Any) -> None:
     form.add_argument("--csv", action="store_true", help="CSV instead of markdown")
     form.add_argument("--json", action="store_true", help="JSON instead of markdown")
     p.add_argument(
-        "--metric", default="recall@1", help="the metric whose best value is shown (default recall@1)"
+        "--metric",
+        help="the metric whose best value is shown (default: the runs' train.best_metric, else recall@1)",
     )
     p.add_argument(
         "--points",
@@ -73,17 +76,22 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ddp_rank.experiments.compare import compare_runs
     from ddp_rank.experiments.plot import plot_comparison
-    from ddp_rank.experiments.runs import expand_run_paths, read_run
+    from ddp_rank.experiments.runs import expand_run_paths, metric_keys, read_run
 
     def note(line: str) -> None:
         print(f"ddp-rank compare: {line}", file=sys.stderr)
 
+    lone = _option_without_its_partner(args)
+    if lone:
+        print(f"ddp-rank compare: error: {lone}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         paths = expand_run_paths(args.runs, note)
     except FileNotFoundError as exc:
         print(f"ddp-rank compare: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     runs = [read_run(path) for path in paths]
+    args.metric = args.metric or _default_metric(runs, metric_keys(runs))
     table = compare_runs(runs, args.metric)
     if args.metric not in table.metrics and any(run.evals for run in runs):
         print(
@@ -95,9 +103,21 @@ def run(args: argparse.Namespace) -> int:
         print("ddp-rank compare: error: --points goes with --csv (markdown and JSON hold the points already)",
               file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
+    axes = table.replicates.keys if table.replicates else table.keys  # replicates: pooled over their seeds
+    if args.x and args.x not in axes:
+        differ = ", ".join(axes) or "nothing"
+        print(f"ddp-rank compare: error: --x {args.x}: the {'points' if table.replicates else 'runs'} do not "
+              f"differ in it; they differ in: {differ}", file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    if args.points and table.replicates is None:
+        note("--points: no runs differ only in their seeds (train.seed, data.seed): one row per run")
     csv = table.points_csv() if args.points else table.csv()
     print(csv if args.csv else table.json() if args.json else table.markdown(), end="")
     if args.plot:
+        from ddp_rank.experiments.plot import plot_left_out
+
+        for line in plot_left_out(runs, args.metric):
+            note(f"left out of the plot: {line}")
         try:
             drawn = plot_comparison(runs, args.metric, args.plot, args.x)
         except ImportError as exc:
@@ -114,8 +134,27 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+def _default_metric(runs: list[Any], logged: list[str]) -> str:
+    """The ``train.best_metric`` the runs share (``roc_auc`` for verification runs) where they logged it, else
+    ``recall@1``, else the first metric they logged."""
+    chosen = {run.config.get("train.best_metric") for run in runs if run.config} - {None}
+    shared = list(chosen) if len(chosen) == 1 else []
+    return next((str(m) for m in [*shared, "recall@1", *logged] if m in logged), "recall@1")
+
+
+def _option_without_its_partner(args: argparse.Namespace) -> str:
+    """The line refusing an option given without the one it qualifies (it would change nothing), or ""."""
+    for option, needs, value, partner in (
+        ("--x", "--plot", args.x, args.plot),
+        ("--curve-output", "--curve", args.curve_output, args.curve),
+    ):
+        if value and not partner:
+            return f"{option} goes with {needs} (it says where or how {needs} draws): add {needs} or leave it out"
+    return ""
+
+
 def _draw_curve(runs: list[Any], kind: str, path: str) -> int:
-    from ddp_rank.experiments.curves import plot_run_curves
+    from ddp_rank.experiments.curves import curve_left_out, plot_run_curves
 
     try:
         drawn = plot_run_curves(runs, kind, path)
@@ -130,6 +169,8 @@ def _draw_curve(runs: list[Any], kind: str, path: str) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    for line in curve_left_out(runs, kind):
+        print(f"ddp-rank compare: left out of the {kind} curve: {line}", file=sys.stderr)
     print(f"{kind} curve: {drawn}", file=sys.stderr)
     return 0
 

@@ -148,6 +148,8 @@ def _run_search(args: argparse.Namespace) -> int:
     from ddp_rank.eval.search import Searcher
     from ddp_rank.eval.sources import list_images
 
+    if args.k < 1:
+        return _fail("search", ValueError(f"-k {args.k}: give the number of results per query, 1 or more"))
     try:
         paths = [
             p for item in args.images for p in (list_images(item) if Path(item).is_dir() else [Path(item)])

@@ -163,11 +163,11 @@ def evaluate_and_record(
     bootstrap: QueryBootstrap | None = None,
 ) -> Evaluation:
     """Evaluate on every rank; rank 0 adds the result to the JSON (``output``, default OUTPUT_DIR/eval.json).
-    ``bootstrap``: each metric's spread over the queries too. Tears down the process group."""
+    ``bootstrap``: each metric's spread over the queries or identities too. Tears down the process group."""
     if bootstrap is not None and cfg.eval.protocol == "vehicleid":
         raise ConfigError(
-            "--bootstrap resamples the queries of the sop and inshop protocols; VehicleID's figures average "
-            "random galleries (eval.vehicleid_repeats): leave out --bootstrap"
+            "--bootstrap resamples the queries (sop, inshop) or the identities (verification, identification); "
+            "VehicleID's figures average random galleries (eval.vehicleid_repeats): leave out --bootstrap"
         )
     check_split(cfg, None)
     split, described = _splits_to_evaluate(cfg, split)
