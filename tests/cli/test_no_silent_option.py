@@ -172,6 +172,9 @@ CASES: list[Case] = [
     Case("compare", "--curve-output", ("verification",),
          lambda w, t: ["--curve", "det", "--curve-output", str(t / "r.png")],
          Honoured("the curve goes to that file", lambda o, w: (o.tmp / "r.png").stat().st_size > 1000)),
+    # The walk's runs are fake (no evaluation drew a picture); the drawn grid is tested in test_retrieval_pictures_cli.
+    Case("compare", "--grid", EVERY, lambda w, t: ["--grid", str(t / "g.png")],
+         Refused("no run has a retrieval picture to draw")),
     # export: the base command exports the run's test split, or (images) the image folder with --images.
     Case("export", "--checkpoint", ("split", "images"), nothing,
          Honoured("export.json records the checkpoint",
@@ -215,6 +218,9 @@ CASES: list[Case] = [
     Case("search", "--config", ("index",), lambda w, t: ["--config", str(_config_with(w, t, image_size=12))],
          Honoured("the query is embedded as that config says (12 px): other scores",
                   lambda o, w: o.out != _default_search(w))),
+    Case("search", "--grid", ("index",), lambda w, t: ["--grid", str(t / "g.png")],
+         Honoured("the picture of the hits is drawn", lambda o, w: (o.tmp / "g.png").stat().st_size > 1000
+                  and f"grid: {o.tmp / 'g.png'}" in o.out)),
 ]  # fmt: skip
 
 
