@@ -108,7 +108,10 @@ def per_chunk(figures: dict[int, dict[str, float]], key: str) -> float:
 def _commit() -> str:
     try:
         return subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         command = f"python benchmarks/chunk_host.py --rows {args.rows} --image-size {args.image_size} --repeats {args.repeats}"
         body = (
-            f"Command: `{command}`{' --baseline ...' if args.baseline else ''}\n\n"
+            f"Command: `{command}{' --baseline OLD.json' if args.baseline else ''}`\n\n"
             f"The chunked step of a small convolutional EmbeddingNet (TinyCNN 8-16-32-64, head 32), {args.rows} uint8 "
             f"images of {args.image_size} px, channels-last, frozen BatchNorm, bfloat16 autocast, one CPU thread; "
             "operations: ATen operations dispatched (forward and backward); host reads: calls that bring a value "
