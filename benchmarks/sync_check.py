@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -44,7 +45,9 @@ from ddp_rank.model.net import build_model, freeze_batchnorm
 from ddp_rank.train import PlainBackend, forward_backward
 
 LOOP_FUNCTIONS = frozenset({"_forward_no_grad", "_forward_backward"})
-"""The chunk loops of ``ddp_rank.train.chunked``: a synchronisation with one of them on its stack is in the loop."""
+"""The chunk loops of ``ddp_rank.train.chunked``: a synchronisation while one of them runs is in the loop (also
+one that the autograd engine's device thread reports, whose Python stack does not show the loop)."""
+_IN_LOOP = [False]
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 """CUDA runtime calls in a trace that make the host wait (``cudaMemcpy``: the blocking copy, not the async one)."""
 
@@ -63,14 +66,35 @@ def _places(stack: traceback.StackSummary) -> list[str]:
     return keep
 
 
-def _event(kind: str, stack: traceback.StackSummary) -> dict[str, Any]:
+def _event(kind: str, stack: traceback.StackSummary, in_loop: bool) -> dict[str, Any]:
     places = _places(stack)
     return {
         "kind": kind,
-        "place": places[-1] if places else "<torch>",
-        "in_loop": bool(LOOP_FUNCTIONS & {frame.name for frame in stack}),
+        "place": places[-1] if places else "<torch> (autograd's device thread?)",
+        "in_loop": in_loop or bool(LOOP_FUNCTIONS & {frame.name for frame in stack}),
         "stack": places[-8:],
     }
+
+
+@contextlib.contextmanager
+def marking_the_loops() -> Iterator[None]:
+    """While a chunk loop of ``ddp_rank.train.chunked`` runs, ``_IN_LOOP[0]`` is True."""
+    from ddp_rank.train import chunked
+
+    def marked(function: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            _IN_LOOP[0] = True
+            try:
+                return function(*args, **kwargs)
+            finally:
+                _IN_LOOP[0] = False
+
+        return run
+
+    with contextlib.ExitStack() as stack:
+        for name in LOOP_FUNCTIONS:
+            stack.enter_context(mock.patch.object(chunked, name, marked(getattr(chunked, name))))
+        yield
 
 
 @contextlib.contextmanager
@@ -81,7 +105,7 @@ def cuda_syncs() -> Iterator[list[dict[str, Any]]]:
 
     def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
         if "synchroniz" in str(message):
-            events.append(_event(str(message).split("\n")[0][:120], traceback.extract_stack()[:-1]))
+            events.append(_event(str(message).split("\n")[0][:120], traceback.extract_stack()[:-1], _IN_LOOP[0]))
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -102,7 +126,7 @@ def host_reads() -> Iterator[list[dict[str, Any]]]:
     events: list[dict[str, Any]] = []
     with count_host_syncs() as syncs:
         yield events
-    events += [_event(f"{e.kind} ({e.name})", e.stack) for e in syncs.events]
+    events += [_event(f"{e.kind} ({e.name})", e.stack, False) for e in syncs.events]
 
 
 def build_step(args: argparse.Namespace) -> tuple[Callable[[], float], int]:
@@ -161,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     step, record["chunks"] = build_step(args)
     step()  # warm-up: cuDNN's algorithm search, Adam's state, lazy initialisations
-    with cuda_syncs() if cuda else host_reads() as events:
+    with marking_the_loops(), cuda_syncs() if cuda else host_reads() as events:
         step()
     record["syncs"] = events
     record["in_loop"] = sum(e["in_loop"] for e in events)
