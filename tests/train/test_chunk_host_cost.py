@@ -267,3 +267,21 @@ def test_float_inputs_and_a_model_without_preparation_still_work() -> None:
     forward_backward(PlainBackend(direct), inputs, labels, plain_loss, chunk_size=4)
     for a, b in zip(wrapped.parameters(), direct.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.cuda
+def test_the_chunked_step_on_cuda_never_waits_for_the_gpu() -> None:
+    """The judge on a GPU: a whole chunked step (bf16 autocast, dropout replayed, uint8 images, channels-last)
+    with a loss that reads nothing on the host, under ``set_sync_debug_mode("error")``, where any synchronising
+    call raises (``benchmarks/gpu_check.py --part syncs`` lists them for the trainer's real step)."""
+    cuda = torch.device("cuda")
+    net = tiny_net(dropout=0.2).to(cuda)
+    inputs, labels = (t.to(cuda) for t in images())
+    backend = PlainBackend(net, autocast_dtype=torch.bfloat16)
+    forward_backward(backend, inputs, labels, plain_loss, chunk_size=4)  # lazy initialisations, cuDNN's choice
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert forward_backward(backend, inputs, labels, plain_loss, chunk_size=4).chunks == ROWS // 4
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
