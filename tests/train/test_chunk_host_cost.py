@@ -96,6 +96,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_shards(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.mark.usefixtures("fresh_accelerator_state")  # bf16: accelerate's state is a per-process singleton
 def test_the_trainer_step_reads_on_the_host_as_often_for_any_number_of_chunks(
     shards: Path, tmp_path: Path
 ) -> None:
