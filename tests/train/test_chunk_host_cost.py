@@ -286,3 +286,38 @@ def test_the_chunked_step_on_cuda_never_waits_for_the_gpu() -> None:
         assert forward_backward(backend, inputs, labels, plain_loss, chunk_size=4).chunks == ROWS // 4
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _ddp_bf16_worker(rank: int, world: int) -> tuple[list[Tensor], list[Tensor]]:
+    """This rank's half of the batch: DDP's chunked bf16 step, and the plain per-chunk loop averaged by hand."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddp_rank.train import DDPBackend
+
+    inputs, labels = images()
+    mine = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+    ddp = DistributedDataParallel(tiny_net(dropout=0.3))
+    torch.manual_seed(5 + rank)
+    forward_backward(DDPBackend(ddp, autocast_dtype=torch.bfloat16), inputs[mine], labels[mine], plain_loss, 2)
+    reference = tiny_net(dropout=0.3)
+    torch.manual_seed(5 + rank)
+    _reference_chunked(reference, inputs[mine], labels[mine], 2)
+    averaged = []
+    for p in reference.parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        averaged.append(grad / world)
+    return [p.grad for p in ddp.module.parameters()], averaged
+
+
+@pytest.mark.distributed
+def test_ddp_with_one_autocast_region_per_pass_averages_the_plain_loops_gradients() -> None:
+    """2 gloo ranks, bf16 autocast, dropout: ``no_sync`` on all chunks but the last, the weights' casts kept
+    across the chunks of pass 2 and the backwards outside autocast give every rank the mean of the gradients
+    of the plain loop (one autocast region per chunk) on each rank's rows."""
+    from tests.helpers.distributed import run_distributed
+
+    for rank, (ddp, reference) in enumerate(run_distributed(_ddp_bf16_worker, 2)):
+        for a, b in zip(ddp, reference):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=lambda m, rank=rank: f"rank {rank}: {m}")
