@@ -526,6 +526,36 @@ def _sanitizer(clean: dict[str, Any] | None, control: dict[str, Any] | None) -> 
                     f"wait_stream was reported ({control['reports']} report(s))")]  # fmt: skip
 
 
+# ----------------------------------------------------------------------------------------- syncs
+def syncs_verdicts(record: dict[str, Any] | None) -> list[Verdict]:
+    """``record``: ``benchmarks/sync_check.py``'s (None: it left none). The target is no synchronisation inside
+    the chunk loop (each would make the host wait for the GPU once per chunk); those outside it, once a step, and
+    the trace are reported."""
+    setup = (record or {}).get("setup", "ResNet-50, 224 px, batch 256, chunk 64, bf16")
+    loop = f"one chunked step ({setup}): no synchronisation inside the chunk loop"
+    outside = "synchronisations of the step outside the chunk loop (once a step)"
+    trace = "a torch.profiler trace of two steps, kept beside the report"
+    if not record or "error" in record:
+        why = "the check left no record" if not record else f"the step failed: {record['error']}"
+        return [Verdict(loop, NOT_MEASURED, why), Verdict(trace, NOT_MEASURED, "")]
+    events = record.get("syncs", [])
+    in_loop = [e for e in events if e["in_loop"]]
+    places = sorted({e["place"] for e in in_loop})
+    verdicts = [
+        Verdict(loop, FAIL, f"{len(in_loop)} in the loop of {record.get('chunks')} chunks, at {_named('', places)}")
+        if in_loop
+        else Verdict(loop, PASS, f"none in the loop of {record.get('chunks')} chunks"),
+        Verdict(outside, INFO, f"{len(events) - len(in_loop)} (listed above)"),
+    ]
+    if record.get("trace"):
+        calls = record.get("trace_sync_calls") or {}
+        counted = ", ".join(f"{name} x {n}" for name, n in sorted(calls.items())) or "no synchronising runtime call"
+        verdicts.append(Verdict(trace, INFO, f"{Path(record['trace']).name}; in it: {counted}"))
+    else:
+        verdicts.append(Verdict(trace, NOT_MEASURED, "no trace was written"))
+    return verdicts
+
+
 # ----------------------------------------------------------------------------------------- the report
 def section(part: str, header: str, body: str, verdicts: list[Verdict]) -> str:
     """The markdown a part appends to the day's report."""

@@ -264,6 +264,9 @@ def collate_images(images: Sequence[torch.Tensor], config: TransformConfig) -> t
 
 def uint8_to_unit(images: torch.Tensor) -> torch.Tensor:
     """uint8 pixels to float32 in [0, 1], on the tensor's device, bit-identical to ``normalize_batch`` with mean 0
-    and std 1 (the same float32 multiply by 1/255: a division would round differently)."""
-    scale = torch.tensor(1.0 / 255.0, dtype=torch.float32, device=images.device)
-    return images.to(torch.float32).mul_(scale)
+    and std 1 (the same float32 multiply by 1/255: a division would round differently).
+
+    A Python scalar, not a tensor built for the device: ``torch.tensor(1 / 255, device="cuda")`` is a blocking
+    copy from host memory, which makes the host wait for the GPU at every call. The scalar is applied in float32
+    (the multiply's compute type), the same number as the float path's float32 scale."""
+    return images.to(torch.float32).mul_(1.0 / 255.0)
