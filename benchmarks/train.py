@@ -466,9 +466,9 @@ def build_plan(args: argparse.Namespace, processes: list[int]) -> list[tuple[str
 
 def _chunks(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
+    if not values or min(values) < 0:
         raise argparse.ArgumentTypeError(
-            f"--chunk {text!r}: positive chunk sizes, comma-separated (64,32,128)"
+            f"{text!r}: chunk sizes, comma-separated (64,32,128; 0: the direct step)"
         )
     return values
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.benchmarks.test_gpu_check import REPO, _status, targets, train_bench
+from tests.helpers.training import cpu_env
 
 
 def _args(**kw: Any) -> argparse.Namespace:
@@ -101,7 +102,8 @@ def test_the_benchmark_runs_on_the_cpu_in_small_form(tmp_path: Path) -> None:
     cmd = [sys.executable, "benchmarks/train.py", "--device", "cpu", "--backbone", "tiny_cnn", "--image-size", "16",
            "--batch", "16", "--chunk", "8", "--capture", "compile", "--compiler", "aot_eager", "--processes", "1",
            "--steps", "1", "--warmup", "1", "--repeats", "1", "--json", str(out), "--output", str(report)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    env = {**cpu_env(), "PYTHONPATH": str(REPO)}  # this checkout's ddp_rank in the script's jobs
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [r["mode"] for r in rows] == [

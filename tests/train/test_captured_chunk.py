@@ -3,7 +3,7 @@ chunked step's loss and gradients.
 
 Tolerances: in float64 and float32 with the ``aot_eager`` compiler (the same capture, autograd and RNG replay as
 inductor, the eager kernels) the results are equal to rounding (rtol 1e-6 in float32); inductor fuses and reorders
-sums, so float32 gradients agree to rtol 1e-4 / atol 1e-6 of the largest; bf16 autocast to 2e-2 of the largest
+sums, so float32 gradients agree to rtol 1e-4 / atol 1e-5 of the largest; bf16 autocast to 2e-2 of the largest
 (one bf16 rounding of a reordered sum). The multi-rank step (DDP) with a captured chunk is in
 tests/distributed/test_ranks_on_one_device.py.
 """
@@ -53,7 +53,7 @@ def assert_grads_close(got: list[torch.Tensor], want: list[torch.Tensor], rtol: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.long)])
 def test_dropout_masks_of_both_passes_are_replayed_through_the_compiled_chunk(compiler: str) -> None:
     """11 rows in chunks of 4: two compiled chunks and an eager last one of 3 rows. Same masks as the eager step
     (the gradients agree to rounding; inductor's own random numbers, without ``fallback_random``, differ from the
@@ -113,10 +113,11 @@ def test_bf16_autocast_gives_the_eager_gradients_within_bf16_rounding() -> None:
     assert_grads_close(grads(model), grads(eager), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_resnet18_through_inductor_on_the_cpu_gives_the_eager_gradients() -> None:
-    """The real compiler (inductor, C++ on the CPU; minutes on a cold cache) on the common backbone with frozen
-    BatchNorm; its fused kernels sum in another order than the eager ones."""
+    """The real compiler (inductor, C++ on the CPU: 10 minutes on a cold cache of a 2-core machine) on the common
+    backbone with frozen BatchNorm; its fused kernels sum in another order than the eager ones (measured: 1e-7 on
+    gradients whose largest entry is 0.02)."""
     g = torch.Generator().manual_seed(4)
     inputs = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=g)
     labels = torch.arange(8) // 2
@@ -126,7 +127,7 @@ def test_resnet18_through_inductor_on_the_cpu_gives_the_eager_gradients() -> Non
     want = step(eager, inputs, labels, FastAPLoss(), 4, None)
     assert captured.calls == 4 and not captured.graphs  # CUDA graphs only on a GPU
     assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
-    assert_grads_close(grads(model), grads(eager), rtol=1e-4, atol=1e-6)
+    assert_grads_close(grads(model), grads(eager), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.cuda
