@@ -6,7 +6,7 @@ chunks of 32 at a quarter of a bare loop's images/s). Compiled, a chunk is a few
 (``distributed.capture_chunk=graphs``, inductor's "reduce-overhead") one launch per graph.
 
 What runs compiled: every chunk of exactly ``rows`` images (the configured chunk), in both passes (pass 1 without
-a graph, pass 2 with one: two compiled graphs, one shape each, ``dynamic=False``). What runs eagerly, as without
+autograd, pass 2 with it: two compiled graphs, one shape each, ``dynamic=False``). What runs eagerly, as without
 the option: a shorter last chunk (one shape more would be one more compilation, and padding it would change what
 ghost BatchNorm groups normalise), and, under a wrapper that reduces gradients (DDP), the last chunk, which must
 go through the wrapper's forward so that its backward reduces the step's gradients once; the no_sync chunks
