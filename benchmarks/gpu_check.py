@@ -20,7 +20,8 @@ reports a pass it did not measure.
   ``kernel=torch`` and ``kernel=triton`` (its loss and gradient against torch's up to N = 16,384),
   pytorch-metric-learning beside them where it fits, the fp32 and TF32 floors;
 - ``train``: ``benchmarks/train.py --device cuda``: ResNet-50, 224 px, global batch 256, bf16, direct and
-  chunked (64), deterministic on and off, against the bare loop (the step time, without the wait for data);
+  chunked (64, 32, 128; 32 also with the captured chunk, CUDA graphs), against the bare loop and the bare
+  gradient-cache loop at the same chunk (the step time, without the wait for data); deterministic on and off;
 - ``deepspeed``: ZeRO-1 and ZeRO-2 in bf16 and fp16, direct and chunked, 20 steps each, against DDP;
 - ``grads``: ``benchmarks/grad_check.py``: one chunked and one direct SGD step (lr 1) from the same weights and
   batch, their weight changes compared tensor by tensor, without DDP, with DDP, under ZeRO-1 and ZeRO-2, fp32 and
@@ -255,8 +256,9 @@ def part_loss(part: Part) -> tuple[str, list[targets.Verdict]]:
 def part_train(part: Part) -> tuple[str, list[targets.Verdict]]:
     out = part.scratch / "train.json"
     part.run([sys.executable, "benchmarks/train.py", "--device", "cuda", "--backbone", "resnet50", "--image-size",
-              "224", "--batch", "256", "--chunk", "64", "--precision", "bf16", "--processes", "1",
-              "--deterministic", "--steps", "8", "--repeats", "1", "--json", str(out)])  # fmt: skip
+              "224", "--batch", "256", "--chunk", "64,32,128", "--capture", "graphs", "--capture-chunks",
+              str(targets.CAPTURED_CHUNK), "--precision", "bf16", "--processes", "1", "--deterministic", "--steps",
+              "8", "--repeats", "1", "--json", str(out)])  # fmt: skip
     rows = _json_rows(out)
     table = "\n".join(map(_train_line, rows))
     return table, targets.train_verdicts(rows)
@@ -267,9 +269,11 @@ def _train_line(r: dict[str, Any]) -> str:
     if "error" in r:
         return what + f"crashed: {r['error']}"
     batch = r["global_batch"]
+    compiled = " + ".join(f"{v:.1f}" for v in r.get("compile_s", {}).values())
+    compiled = f"; compile time {compiled} s (first calls)" if compiled else ""
     return what + (
         f"{batch / r['step_s']:.0f} images/s (the step alone: the trainer's wait for data excluded), "
-        f"{batch / r.get('total_s', r['step_s']):.0f} with the data wait"
+        f"{batch / r.get('total_s', r['step_s']):.0f} with the data wait{compiled}"
     )
 
 

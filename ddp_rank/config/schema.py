@@ -622,6 +622,15 @@ class DistributedConfig(_Section):
         "every rank, which backs off together on an out-of-memory error (a batch that fits is not chunked; the "
         "log and `ddp-rank plan` say what was chosen and why).",
     )
+    capture_chunk: str = _field(
+        "none",
+        "Run the chunked step's chunks through torch.compile, one fixed chunk shape (for small chunks, where "
+        "launching a chunk's eager operations costs more than running them): 'compile' = inductor's fused kernels; "
+        "'graphs' = also CUDA graphs on a GPU (inductor's reduce-overhead); 'none' = eager. A shorter last chunk and, "
+        "under DDP, the last chunk run eagerly; the first step includes the compile time (logged). Gradients equal "
+        "the eager step's up to the order of sums; DeepSpeed is refused.",
+        choices=("none", "compile", "graphs"),
+    )
     memory_fraction: float = _field(
         0.8,
         "chunk_size=auto: the share of the memory budget the step may fill: of the GPU's free memory, less what "

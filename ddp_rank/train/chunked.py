@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +52,9 @@ from ddp_rank.autocast_off import outside_autocast
 from ddp_rank.train.backends import StepBackend
 from ddp_rank.train.batchnorm import batchnorm_buffers
 from ddp_rank.train.ghost_batchnorm import GhostBatchNorm
+
+if TYPE_CHECKING:
+    from ddp_rank.train.captured_chunk import CapturedChunk
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -116,6 +119,7 @@ def forward_backward(
     loss_fn: LossFn,
     chunk_size: int | None = None,
     return_embeddings: bool = False,
+    captured: CapturedChunk | None = None,
 ) -> StepOutput:
     """One step's forward and backward; gradients end up where the engine's optimizer step expects them.
 
@@ -135,6 +139,7 @@ def forward_backward(
             that do not divide the chunk) is refused with a ValueError before any forward.
         return_embeddings: also return this rank's embeddings, detached (``StepOutput.embeddings``); the
             chunked path returns those of its no-grad pass, which the second pass reproduces.
+        captured: run the chunks of its shape compiled (``ddp_rank.train.captured_chunk``); None: all eager.
     """
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
@@ -146,7 +151,7 @@ def forward_backward(
             output = _direct(backend, inputs, labels, loss_fn)
         else:
             backend.check_chunked()
-            output = _chunked(backend, inputs, labels, loss_fn, chunk_size)
+            output = _chunked(backend, inputs, labels, loss_fn, chunk_size, captured)
     backend.finish()
     return output if return_embeddings else StepOutput(output.loss, output.chunks)
 
@@ -163,7 +168,12 @@ def _direct(backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossF
 
 
 def _chunked(
-    backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossFn, chunk_size: int
+    backend: StepBackend,
+    inputs: Tensor,
+    labels: Tensor,
+    loss_fn: LossFn,
+    chunk_size: int,
+    captured: CapturedChunk | None = None,
 ) -> StepOutput:
     check_batchnorm(backend.bare_module, chunk_size)
     # As in the direct step: every rank starts from the same running statistics (frozen layers normalise with
@@ -172,12 +182,12 @@ def _chunked(
     prepared, takes_prepared = _prepare_once(backend.bare_module, inputs)
     chunks = prepared.split(chunk_size)
     with takes_prepared:
-        embeddings, states = _forward_no_grad(backend, chunks)
+        embeddings, states = _forward_no_grad(backend, chunks, captured)
         loss, cache = _build_cache(embeddings, labels, loss_fn)
         # Pass 1 updated the running statistics of layers in train mode, group by group as a direct forward
         # would; pass 2 must neither update them again nor let DDP replace them with rank 0's.
         after_pass_1 = [b.clone() for b in _live_batchnorm_buffers(backend.bare_module)]
-        _forward_backward(backend, chunks, states, cache.split(chunk_size))
+        _forward_backward(backend, chunks, states, cache.split(chunk_size), captured)
     with torch.no_grad():
         for buffer, kept in zip(_live_batchnorm_buffers(backend.bare_module), after_pass_1):
             buffer.copy_(kept)
@@ -226,13 +236,18 @@ def _live_batchnorm_buffers(module: nn.Module) -> list[Tensor]:
     ]
 
 
-def _forward_no_grad(backend: StepBackend, chunks: tuple[Tensor, ...]) -> tuple[Tensor, list[RngState]]:
+def _forward_no_grad(
+    backend: StepBackend, chunks: tuple[Tensor, ...], captured: CapturedChunk | None = None
+) -> tuple[Tensor, list[RngState]]:
     """Pass 1: embeddings of every chunk without a graph, and the RNG state each chunk started from."""
     states, outputs = [], []
     with torch.no_grad(), backend.autocast():
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
             states.append(RngState.capture(chunk.device))
-            outputs.append(backend.bare_module(chunk))
+            embed: Callable[[Tensor], Tensor] = backend.bare_module
+            if captured is not None:
+                embed = captured.module_for(backend, chunk, last=i == len(chunks) - 1, grad=False)
+            outputs.append(embed(chunk))
     return torch.cat(outputs), states
 
 
@@ -249,7 +264,11 @@ def _build_cache(embeddings: Tensor, labels: Tensor, loss_fn: LossFn) -> tuple[T
 
 
 def _forward_backward(
-    backend: StepBackend, chunks: tuple[Tensor, ...], states: list[RngState], grads: tuple[Tensor, ...]
+    backend: StepBackend,
+    chunks: tuple[Tensor, ...],
+    states: list[RngState],
+    grads: tuple[Tensor, ...],
+    captured: CapturedChunk | None = None,
 ) -> None:
     """Pass 2: re-embed each chunk from its recorded RNG state and backpropagate its slice of G.
 
@@ -265,8 +284,11 @@ def _forward_backward(
     with backend.autocast():
         for i, (chunk, state, grad) in enumerate(zip(chunks, states, grads)):
             sync = backend.no_sync() if i < last else nullcontext()
+            embed: Callable[[Tensor], Tensor] = backend.model
+            if captured is not None:
+                embed = captured.module_for(backend, chunk, last=i == last, grad=True)
             with sync, state.replay():
-                embeddings = backend.model(chunk)
+                embeddings = embed(chunk)
                 with outside_autocast(chunk.device):
                     backend.backward((embeddings.to(grad.dtype) * grad).sum())
 

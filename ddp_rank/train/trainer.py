@@ -43,6 +43,7 @@ from ddp_rank.train.auto_chunk import choose_chunk_for_run, confirm_chunk_for_ru
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batches import TrainBatches
 from ddp_rank.train.batchnorm import match_batchnorm_buffers_to_weights, sync_batchnorm_buffers
+from ddp_rank.train.captured_chunk import captured_chunk_for
 from ddp_rank.train.checkpoint import CheckpointManager
 from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.layout import BatchLayout
@@ -145,6 +146,12 @@ class Trainer:
             self.layout = confirm_chunk_for_run(
                 cfg, self.layout, choice, self.backend, self.device, self.deepspeed, self.is_main
             )
+        try:  # after the chunk is final: the captured chunk compiles for its shape on the first step
+            self.captured = captured_chunk_for(
+                self.backend, self.layout.chunk_size, cfg.distributed.capture_chunk
+            )
+        except ValueError as exc:
+            raise TrainError(str(exc)) from None
         self.report = RunReport(cfg, self.layout, self.device, self.is_main, acc, self.manifest)
         if self.is_main:
             log.info(f"BatchNorm: {self.layout.batchnorm.describe(self.layout.local_batch)}")
@@ -219,8 +226,9 @@ class Trainer:
             freeze_batchnorm(self.model)
         try:
             out = forward_backward(
-                self.backend, batch.images, batch.labels, self.loss_fn, self.layout.chunk_size
-            )
+                self.backend, batch.images, batch.labels, self.loss_fn, self.layout.chunk_size,
+                captured=self.captured,
+            )  # fmt: skip
         except (ValueError, RankFailure) as exc:
             # Raised on every rank alike by the loss layer: NaN / Inf embeddings (the network diverged), or an
             # exception inside the loss on some rank (its message names the rank).

@@ -289,8 +289,8 @@ def test_the_parts_measure_what_the_issue_asks(tmp_path: Path, monkeypatch: pyte
     gpu_check.part_train(gpu_check.Part("train", tmp_path))
     (train,) = commands
     assert " ".join(train).endswith(
-        "--backbone resnet50 --image-size 224 --batch 256 --chunk 64 --precision bf16 --processes 1 "
-        f"--deterministic --steps 8 --repeats 1 --json {tmp_path / 'train.json'}"
+        "--backbone resnet50 --image-size 224 --batch 256 --chunk 64,32,128 --capture graphs --capture-chunks 32 "
+        f"--precision bf16 --processes 1 --deterministic --steps 8 --repeats 1 --json {tmp_path / 'train.json'}"
     )
     commands.clear()
     gpu_check.part_tests(gpu_check.Part("tests", tmp_path))
