@@ -15,6 +15,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -216,16 +217,32 @@ def test_every_file_planted_at_once(
     assert not (tmp_path / "export").exists() and not (tmp_path / "new" / "checkpoints").exists()
 
 
-def test_the_weights_only_loads_also_refuse_what_the_scan_lets_through(tmp_path: Path) -> None:
-    """A global the scan cannot see is still refused by the load (the scan switched off by hand here)."""
-    from ddp_rank.model.safe_pickles import weights_only_loads
+def test_weights_only_loads_override_an_explicit_weights_only_false_and_restore_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What accelerate's and DeepSpeed's own loads get inside the block: weights-only even when they ask for
+    ``weights_only=False`` (DeepSpeed 0.19 does), the allowed types, and the user's environment back after it."""
+    from ddp_rank.model.safe_pickles import RNG_STATE_TYPES, weights_only_loads
 
     marker = tmp_path / "ran"
     torch.save({"state": RunsCode(marker)}, tmp_path / "f.pkl")
-    with weights_only_loads(), pytest.raises(pickle.UnpicklingError, match=r"posix\.system"):
-        torch.load(tmp_path / "f.pkl", weights_only=False)  # what DeepSpeed 0.19 asks for
+    torch.save({"numpy": np.random.get_state()}, tmp_path / "rng.pkl")  # noqa: NPY002 (what accelerate saves)
+    # A user's own setting, which torch refuses to combine with the switch the block sets.
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    allowed_before = torch.serialization.get_safe_globals()  # what other libraries may have added for good
+    with weights_only_loads(RNG_STATE_TYPES):
+        with pytest.raises(pickle.UnpicklingError, match=r"posix\.system"):
+            torch.load(tmp_path / "f.pkl", weights_only=False)
+        assert torch.load(tmp_path / "rng.pkl", weights_only=False)["numpy"][0] == "MT19937"
     assert not marker.exists()
-    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ, "restored after the block"
+    assert (
+        "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+        and os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1"
+    )
+    assert torch.serialization.get_safe_globals() == allowed_before
+    # numpy's state is allowed only when asked for.
+    with pytest.raises(pickle.UnpicklingError), weights_only_loads():
+        torch.load(tmp_path / "rng.pkl", weights_only=False)
     with pytest.raises(CheckpointError, match="no checkpoint needs"):
         from ddp_rank.model.checkpoints import _read_weights_file
 
