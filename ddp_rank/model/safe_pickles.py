@@ -21,7 +21,8 @@ before anything else reads it. Then the loads themselves are weights-only: the p
 ``torch.load`` there is weights-only through torch's own switch ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` (read at each
 call, and it overrides an explicit ``weights_only=False``) rather than a replaced ``torch.load``. The switch and
 the allowed types are process-wide while the block runs and restored after it, also on error: a ``torch.load`` of
-another thread in that time is only made stricter, and a lock keeps two such blocks from interleaving.
+another thread in that time is made weights-only too (with these few data types allowed), never less strict, and a
+lock keeps two such blocks from interleaving.
 """
 
 from __future__ import annotations
