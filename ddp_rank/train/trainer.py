@@ -67,6 +67,7 @@ from ddp_rank.train.setup import (
     configure_deepspeed,
     uses_deepspeed,
 )
+from ddp_rank.train.state_files import save_state_files
 from ddp_rank.train.trackers import tracker_arguments
 
 log = logging.getLogger(__name__)
@@ -138,9 +139,9 @@ class Trainer:
         self.model, self.optimizer = acc.prepare(model, optimizer)
         if self.deepspeed:
             match_batchnorm_buffers_to_weights(self.model)
-        acc.register_for_checkpointing(self.scheduler)
-        if self.loss_parameters:  # saved and resumed with the run (custom_checkpoint_1 in each checkpoint)
-            acc.register_for_checkpointing(training_loss.loss)
+        # The scheduler and a loss's own parameters are saved by the trainer as JSON and safetensors
+        # (ddp_rank.train.state_files), not registered with accelerate, which unpickles those without restriction.
+        self.loss_state = training_loss.loss if self.loss_parameters else None
         self.backend = backend_for_accelerator(acc, self.model)
         if choice is not None:  # the model is on its device now: one real step confirms the chunk
             self.layout = confirm_chunk_for_run(
@@ -283,6 +284,8 @@ class Trainer:
 
     def _save_state(self, directory: Path) -> None:
         self.accelerator.save_state(str(directory))
+        if self.is_main:
+            save_state_files(directory, self.scheduler, self.loss_state)
         if self.deepspeed:
             # DeepSpeed keeps weights in its own layout; also write plain weights so `ddp-rank eval` can load them
             # (ZeRO-1/2 do not partition parameters, so every rank holds them all).
