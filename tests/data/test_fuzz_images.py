@@ -19,6 +19,7 @@ import pytest
 import webdataset as wds
 
 from ddp_rank.cli import main
+from ddp_rank.data.eval_reader import EvalShards
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.schedule import ScheduleConfig
 from ddp_rank.data.shard_index import IndexOptions, find_splits, index_shards
@@ -56,7 +57,9 @@ def _write_and_index(root: Path, cases: list[FuzzCase]) -> None:
             sink.write({"__key__": f"f{i:03d}_1", "png": _png(i), "json": '{"family": "k"}'})
         for j in range(GOOD_CLASSES):
             for n in range(2):
-                sink.write({"__key__": f"g{j:03d}_{n}", "png": _png(1000 + 2 * j + n), "json": '{"family": "k"}'})
+                sink.write(
+                    {"__key__": f"g{j:03d}_{n}", "png": _png(1000 + 2 * j + n), "json": '{"family": "k"}'}
+                )
     options = IndexOptions(class_from_key="_", category_field="family")
     index_shards(root, find_splits(root, []), options).manifest.save(root)
 
@@ -126,13 +129,30 @@ def test_stream_replaces_and_counts_every_image_that_does_not_decode(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     for message in warnings:
         _one_line(message)
-    print(f"\n{len(cases)} image cases: {len(fuzz & loaded)} decoded, {len(refused)} replaced ({replaced} times)")
+    print(
+        f"\n{len(cases)} image cases: {len(fuzz & loaded)} decoded, {len(refused)} replaced ({replaced} times)"
+    )
     assert fuzz <= loaded | refused, sorted(fuzz - loaded - refused)  # every case was drawn
     assert not loaded & refused  # an image that fails once fails every time: never in a batch
     assert _classes(cases, must_fail=True) <= refused, sorted(_classes(cases, must_fail=True) - refused)
     assert _classes(cases, names={c.name for c in legitimate_images()}) <= loaded  # CMYK, 16-bit, animated...
     assert replaced == decode_errors == len(warnings) > 0  # each failure replaced once and counted once
     assert slowest < CASE_LIMIT_S
+
+
+def test_the_evaluation_reader_leaves_out_each_image_that_does_not_decode(
+    fuzzed: tuple[Path, list[FuzzCase]], caplog: pytest.LogCaptureFixture
+) -> None:
+    root, cases = fuzzed
+    caplog.set_level(logging.WARNING, logger="ddp_rank.data.eval_reader")
+    reader = EvalShards(
+        root, "train", batch_size=16, transform=TransformConfig(resize=8, crop=8), rank=0, world_size=1
+    )
+    keys = [key for batch in reader for key in batch.keys]
+    left_out = {m.group(1) for r in caplog.records if (m := _NAMED.search(r.getMessage()))}
+    assert len(keys) + len(left_out) == reader.total == len(set(keys)) + len(left_out)  # each once, or named
+    assert _classes(cases, must_fail=True) <= left_out
+    assert {f"{c}_0" for c in _classes(cases, names={c.name for c in legitimate_images()})} <= set(keys)
 
 
 def test_shards_verify_names_every_image_that_does_not_decode(

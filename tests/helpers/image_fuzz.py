@@ -103,7 +103,7 @@ def _jpeg_huge(data: bytes) -> bytes:
     raise ValueError("no frame header")
 
 
-def _png_huge(data: bytes) -> bytes:
+def forge_png_size(data: bytes) -> bytes:
     """The PNG with 30,000 x 30,000 in IHDR, its CRC made right again (a forged header, not a damaged one)."""
     ihdr = bytearray(data[12:29])
     ihdr[4:12] = struct.pack(">II", 30000, 30000)
@@ -135,7 +135,7 @@ def _huge(case: FuzzCase) -> bytes:
     if case.data.startswith(b"\xff\xd8"):
         return _jpeg_huge(case.data)
     if case.data.startswith(b"\x89PNG"):
-        return _png_huge(case.data)
+        return forge_png_size(case.data)
     if case.data.startswith(b"GIF"):
         return _gif_huge(case.data)
     return _webp_huge(case.data)
@@ -148,17 +148,23 @@ def _flip(data: bytes, rng: random.Random) -> bytes:
     return bytes(out)
 
 
-def fixed_cases() -> list[FuzzCase]:
-    """The bombs and the files that are no image (or not one the decoder reads)."""
-    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 24 24\nnewpath 0 0 moveto 24 24 lineto stroke\n%%EOF\n"
-    cases = [
-        ("bomb-20000", "png", png_bomb(20000, 20000)),
-        ("bomb-12000", "png", png_bomb(12000, 12000)),  # between PIL's two thresholds: it only warns
-        ("empty", "jpg", b""),
-        ("text", "png", b"this is not an image\n" * 4),
-        ("eps", "jpg", eps),
-    ]
+def not_images() -> list[FuzzCase]:
+    """Files that are no image, or not one the decoder reads."""
+    eps = (
+        b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 24 24\nnewpath 0 0 moveto 24 24 lineto stroke\n%%EOF\n"
+    )
+    cases = [("empty", "jpg", b""), ("text", "png", b"this is not an image\n" * 4), ("eps", "jpg", eps)]
     return [FuzzCase(name, ext, data, must_fail=True) for name, ext, data in cases]
+
+
+def fixed_cases() -> list[FuzzCase]:
+    """The bombs (seconds to compress) and :func:`not_images`."""
+    bombs = [
+        FuzzCase("bomb-20000", "png", png_bomb(20000, 20000), must_fail=True),
+        # between PIL's two thresholds: PIL alone only warns, and decodes it
+        FuzzCase("bomb-12000", "png", png_bomb(12000, 12000), must_fail=True),
+    ]
+    return [*bombs, *not_images()]
 
 
 def fuzz_cases(mutations_per_image: int = 4, seed: int = 38) -> list[FuzzCase]:
@@ -169,7 +175,9 @@ def fuzz_cases(mutations_per_image: int = 4, seed: int = 38) -> list[FuzzCase]:
     cases = [*bases, *fixed_cases()]
     for base in bases:
         cases.append(FuzzCase(f"{base.name}-huge-header", base.ext, _huge(base), must_fail=True))
-        cases.append(FuzzCase(f"{base.name}-cut-in-header", base.ext, base.data[: rng.randrange(1, 12)], True))
+        cases.append(
+            FuzzCase(f"{base.name}-cut-in-header", base.ext, base.data[: rng.randrange(1, 12)], True)
+        )
         for n in range(mutations_per_image):
             if rng.random() < 0.5:
                 data = base.data[: rng.randrange(12, len(base.data))]
