@@ -121,9 +121,13 @@ def decode_or_skip(
         size = transform.resize if draft else None
         return decode_image(data, size, name=name, max_pixels=transform.max_pixels)
     except (ImageDecodeError, OSError) as exc:
-        why = exc.reason if isinstance(exc, ImageDecodeError) else f"cannot be read: {failure_reason(exc)}"
+        if isinstance(exc, ImageDecodeError):
+            why, message = exc.reason, str(exc)
+        else:  # the file itself: missing, a folder, no permission
+            why = f"cannot be read ({failure_reason(exc)})"
+            message = f"image {name} {why}"
         if skipped is None:
-            raise SourceError(f"image {name} does not decode: {why}; {SKIP_HINT}") from exc
+            raise SourceError(f"{message}; {SKIP_HINT}") from exc
         skipped.append(f"{name}: {why}")
         return None
 

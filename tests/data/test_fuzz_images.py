@@ -214,3 +214,22 @@ def test_bombs_cost_no_memory(fuzzed: tuple[Path, list[FuzzCase]], sound: Path) 
     code, grown_mb = (int(v) for v in result.stdout.split()[-2:])
     print(f"\npeak memory of verify over the fuzzed shards: +{grown_mb} MB")
     assert code == 1 and grown_mb < MEMORY_LIMIT_MB
+
+
+def test_training_over_the_fuzzed_shards_finishes_and_counts_the_replacements(
+    fuzzed: tuple[Path, list[FuzzCase]], tmp_path: Path
+) -> None:
+    """``ddp-rank train`` with a DataLoader worker: the bombs and the rest are replaced, counted in
+    metrics.jsonl, and the run finishes (it crashed on a DecompressionBombError before)."""
+    import json
+
+    from tests.helpers.training import TINY_OVERRIDES
+
+    run = tmp_path / "run"
+    overrides = [*TINY_OVERRIDES, f"data.shards={fuzzed[0]}", f"train.output_dir={run}", "data.sampler=pk",
+                 "data.images_per_class=2", "data.num_workers=1", "data.test_split=", "train.steps=12"]  # fmt: skip
+    assert main(["train", *overrides]) == 0
+    assert json.loads((run / "run.json").read_text())["status"] == "finished"
+    train = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    assert len(train) == 12
+    assert sum(r["data_replaced_classes"] for r in train) == sum(r["data_decode_errors"] for r in train) > 0
