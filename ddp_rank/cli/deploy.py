@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.cli.arguments import add_config_arguments
+from ddp_rank.cli.arguments import add_config_arguments, pixel_count
 from ddp_rank.config import ConfigError
 
 __all__ = ["register"]
@@ -42,8 +42,14 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--on-bad",
         choices=("error", "skip"),
-        default="error",
-        help="--images: stop at an unreadable file (default) or leave it out and list it in export.json",
+        default="skip",
+        help="an image that does not decode: leave it out with a line naming it (default; --images and "
+        "--shards-url also list it in export.json) or stop at it (--images, --shards-url)",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=pixel_count,
+        help="largest image decoded, width x height from its header (sets data.max_image_pixels)",
     )
     p.set_defaults(func=_run_export)
 
@@ -77,6 +83,18 @@ def register(subparsers: Any) -> None:
         "a query file has no class, so each hit is framed green when it shares the class of the query's top-1 "
         "(framed grey), red otherwise (all grey for an unlabelled image-folder export)",
     )
+    p.add_argument(
+        "--on-bad",
+        choices=("error", "skip"),
+        default="skip",
+        help="a query that does not decode: leave it out with a line naming it (default) or stop at it",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=pixel_count,
+        help="largest query image decoded, width x height from its header (default: the export's "
+        "data.max_image_pixels)",
+    )
     p.set_defaults(func=_run_search)
 
 
@@ -101,7 +119,8 @@ def _run_export(args: argparse.Namespace) -> int:
     from ddp_rank.eval.workflow import describe_export, export_embeddings, load_run_config
 
     try:
-        cfg = load_run_config(args.config, args.checkpoint, args.overrides)
+        pixels = [] if args.max_image_pixels is None else [f"data.max_image_pixels={args.max_image_pixels}"]
+        cfg = load_run_config(args.config, args.checkpoint, [*args.overrides, *pixels])
         manifest = export_embeddings(
             cfg, args.checkpoint, args.output, args.split, args.images, args.shards_url, args.on_bad
         )
@@ -146,7 +165,7 @@ def _relevant(kind: str, key: str) -> bool:
 
 def _run_search(args: argparse.Namespace) -> int:
     from ddp_rank.eval.search import Searcher
-    from ddp_rank.eval.sources import list_images
+    from ddp_rank.eval.sources import SourceError, list_images
 
     if args.k < 1:
         return _fail("search", ValueError(f"-k {args.k}: give the number of results per query, 1 or more"))
@@ -154,8 +173,16 @@ def _run_search(args: argparse.Namespace) -> int:
         paths = [
             p for item in args.images for p in (list_images(item) if Path(item).is_dir() else [Path(item)])
         ]
-        searcher = Searcher.from_index(args.index, args.checkpoint, args.config)
-        results = searcher.search_files(paths, args.k)
+        searcher = Searcher.from_index(
+            args.index, args.checkpoint, args.config, max_pixels=args.max_image_pixels
+        )
+        skipped: list[str] | None = [] if args.on_bad == "skip" else None
+        paths, images = searcher.open_files(paths, skipped)
+        for line in skipped or []:
+            print(f"ddp-rank search: skipped {line}", file=sys.stderr)
+        if not images:
+            raise SourceError(f"no query image decodes ({len(skipped or [])} skipped)")
+        results = searcher.search(images, args.k)
     except _errors() as exc:
         return _fail("search", exc)
     except ValueError as exc:

@@ -26,7 +26,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ddp_rank.cli.arguments import pixel_count
 from ddp_rank.data.build import BuildOptions, build_shards
+from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
 from ddp_rank.data.info import format_info
 from ddp_rank.data.listing import (
     ListingError,
@@ -48,6 +50,13 @@ def register(subparsers: Any) -> None:
     verify.add_argument("directory")
     verify.add_argument("--no-decode", action="store_true", help="skip decoding the images (faster)")
     verify.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    verify.add_argument(
+        "--max-image-pixels",
+        type=pixel_count,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help="an image larger than this (width x height, from its header) is a problem, as in training "
+        f"(data.max_image_pixels; default {DEFAULT_MAX_IMAGE_PIXELS:,})",
+    )
     verify.set_defaults(func=_verify)
     info = sub.add_parser("info", help="table of classes, images, shards and size per split and category")
     info.add_argument("directory")
@@ -392,7 +401,9 @@ def _whiten(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     try:
-        problems = verify_shards(args.directory, decode=not args.no_decode, workers=args.workers)
+        problems = verify_shards(
+            args.directory, not args.no_decode, args.workers, max_pixels=args.max_image_pixels
+        )
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

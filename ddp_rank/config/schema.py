@@ -115,6 +115,14 @@ class DataConfig(_Section):
         "aspect 3/4..4/3) and flip for training, centre crop for testing.",
         choices=("random_resized", "paper"),
     )
+    max_image_pixels: int = _field(
+        89_478_485,
+        "Largest image decoded, in pixels (width x height, read from the file's header before any pixel is "
+        "decoded): a larger one is a decompression bomb or a mistake and counts as undecodable (its class is "
+        "replaced in training; `shards verify`, `search` and `export` name it). Default: PIL's own warning "
+        "threshold, 9,459 x 9,459, about 270 MB decoded.",
+        minimum=1,
+    )
 
 
 TIMM_PREFIX = "timm:"

@@ -20,7 +20,7 @@ from ddp_rank.config import Config, ConfigError, config_from_dict, load_config, 
 from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.curves import draw_curves, split_curves
-from ddp_rank.eval.export import embed_batches_to_arrays, write_manifest, write_part
+from ddp_rank.eval.export import ExportError, embed_batches_to_arrays, write_manifest, write_part
 from ddp_rank.eval.feature_images import image_config, image_model
 from ddp_rank.eval.protocols import VEHICLEID_SIZES
 from ddp_rank.eval.report import bootstrap_note, deployment_lines, format_table, write_json
@@ -236,17 +236,20 @@ def export_embeddings(
     split: str | None = None,
     images: str | None = None,
     shards_url: str | None = None,
-    on_bad: str = "error",
+    on_bad: str = "skip",
 ) -> dict[str, Any]:
     """Embed the source on every rank, each writing its part; rank 0 writes ``export.json``. Tears down.
 
-    ``on_bad="skip"`` (``--images`` only) leaves unreadable image files out: each rank logs its own, and
-    ``export.json`` lists them all under ``skipped`` (``path: why``)."""
+    ``on_bad="skip"`` leaves images that do not decode out: each rank logs its own, one line per file, and
+    ``export.json`` lists those of ``--images`` and ``--shards-url`` under ``skipped`` (``name: why``; a split's
+    reader logs them, as evaluation does). ``on_bad="error"`` stops at the first, naming it (``--images`` and
+    ``--shards-url``). No embedding at all is an error: ``ExportError``, and no ``export.json`` is written."""
     if on_bad not in ("error", "skip"):
         raise ConfigError(f"--on-bad {on_bad}: valid are error, skip")
-    if on_bad == "skip" and images is None:
+    if on_bad == "error" and images is None and shards_url is None:
         raise ConfigError(
-            "--on-bad skip applies to --images (a folder of image files); shards replace unreadable samples"
+            "--on-bad error applies to --images and --shards-url: a split's images that do not decode are left "
+            "out and logged, as in evaluation; check the split first with `ddp-rank shards verify`"
         )
     if images is None and shards_url is None:
         split = split or cfg.data.test_split
@@ -279,13 +282,20 @@ def export_embeddings(
         elif source["kind"] == "images":
             batches = folder_batches(source["folder"], transform, bs, rank, world, skipped)
         else:
-            batches = url_shard_batches(source["url"], transform, bs, rank, world)
+            batches = url_shard_batches(source["url"], transform, bs, rank, world, skipped)
         dtype = autocast_dtype(accelerator)
         data = embed_batches_to_arrays(model, batches, cfg.model.embedding_dim, accelerator.device, dtype)
-        write_part(output, rank, world, data)
         for line in skipped or []:
-            log.warning(f"skipped an unreadable image: {line}")
+            log.warning(f"skipped an image that does not decode: {line}")
         every_skipped = gather_object(skipped) if skipped is not None and world > 1 else skipped
+        rows = sum(gather_object([len(data)])) if world > 1 else len(data)
+        if rows == 0:
+            left_out = f" ({len(every_skipped)} skipped: {every_skipped[0]}, ...)" if every_skipped else ""
+            raise ExportError(
+                f"exported 0 embeddings: no image could be embedded ({_describe(source)}){left_out}; "
+                "nothing written"
+            )
+        write_part(output, rank, world, data)
         accelerator.wait_for_everyone()
         manifest: dict[str, Any] = {}
         if accelerator.is_main_process:
