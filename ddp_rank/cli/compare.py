@@ -182,16 +182,23 @@ def _draw_grid(paths: list[Any], path: str) -> int:
     def note(line: str) -> None:
         print(f"ddp-rank compare: {line}", file=sys.stderr)
 
+    left_out: list[str] = []  # said once the outcome is known: a refusal is one line
     try:
-        drawn = draw_run_pictures([Path(p) for p in paths], path, note)
+        drawn = draw_run_pictures([Path(p) for p in paths], path, left_out.append)
     except RecordError as exc:
+        for line in left_out:
+            note(line)
         note(f"error: --grid: {exc}")
         return EXIT_USAGE
     if drawn is None:
+        first = f" ({left_out[0]}{', ...' if len(left_out) > 1 else ''})" if left_out else ""
         note(
-            "error: no run has a retrieval picture to draw (retrieval.json); evaluate the runs with ddp-rank eval"
+            f"error: no run has a retrieval picture to draw{first}; evaluate the runs with ddp-rank eval, which "
+            "writes retrieval.json"
         )
         return EXIT_USAGE
+    for line in left_out:
+        note(line)
     picture, runs, queries = drawn
     note(f"retrieval grid: {picture} ({queries} queries; left to right: {', '.join(str(r) for r in runs)})")
     return 0

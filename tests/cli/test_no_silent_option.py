@@ -199,7 +199,16 @@ CASES: list[Case] = [
          Refused("not allowed with argument --split")),
     Case("export", "--output", ("split", "images"), nothing,
          Honoured("the export is written there", lambda o, w: (o.tmp / "out" / "export.json").is_file())),
-    Case("export", "--on-bad", ("split",), given("--on-bad", "skip"), Refused("--on-bad skip applies to --images")),
+    Case("export", "--on-bad", ("split",), given("--on-bad", "error"),
+         Refused("--on-bad error applies to --images and --shards-url")),
+    Case("export", "--on-bad", ("images",), lambda w, t: ["--images", str(w.bad_images), "--on-bad", "error"],
+         Refused("broken.png does not decode")),
+    # The walk's images are 16 x 16: 256 pixels pass, and the limit is the export's (and its search's) own;
+    # 255 refuses every image, one line each, then the error (tests/eval/test_export_search.py).
+    Case("export", "--max-image-pixels", ("split", "images"), given("--max-image-pixels", "256"),
+         Honoured("every image within the limit is exported, the limit recorded in the export's config",
+                  lambda o, w: o.results("out/export.json")["config"]["data"]["max_image_pixels"] == 256
+                  and not o.results("out/export.json").get("skipped"))),
     Case("export", "--on-bad", ("images",), lambda w, t: ["--images", str(w.bad_images), "--on-bad", "skip"],
          Honoured("the unreadable file is left out and listed",
                   lambda o, w: len(o.results("out/export.json")["skipped"]) == 1)),
@@ -218,6 +227,10 @@ CASES: list[Case] = [
     Case("search", "--config", ("index",), lambda w, t: ["--config", str(_config_with(w, t, image_size=12))],
          Honoured("the query is embedded as that config says (12 px): other scores",
                   lambda o, w: o.out != _default_search(w))),
+    Case("search", "--on-bad", ("index",), given("--on-bad", "error", "--max-image-pixels", "1"),
+         Refused("pass --on-bad skip")),
+    Case("search", "--max-image-pixels", ("index",), given("--max-image-pixels", "1", "--on-bad", "error"),
+         Refused("is over the limit of 1")),
     Case("search", "--grid", ("index",), lambda w, t: ["--grid", str(t / "g.png")],
          Honoured("the picture of the hits is drawn", lambda o, w: (o.tmp / "g.png").stat().st_size > 1000
                   and f"grid: {o.tmp / 'g.png'}" in o.out)),
