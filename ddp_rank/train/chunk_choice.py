@@ -357,16 +357,25 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abs
 
 @contextlib.contextmanager
 def count_saved(limit: int | None = None) -> Iterator[list[int]]:
-    """Count the bytes of the tensors autograd saves for backward (each storage once); past ``limit`` bytes
-    raise ``torch.OutOfMemoryError``, as a GPU's allocator would (the CPU stand-in of a memory limit)."""
+    """Count the bytes of the tensors autograd saves for backward; past ``limit`` bytes raise
+    ``torch.OutOfMemoryError``, as a GPU's allocator would (the CPU stand-in of a memory limit).
+
+    A tensor saved twice counts once. A saved view counts its own bytes, never more than its storage's in all:
+    the chunked step's chunks are views of the batch prepared once before the loop (a fixed cost of its own),
+    and a chunk's forward costs its rows of it, not the whole batch."""
     total = [0]
-    seen: set[int] = set()
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    per_storage: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total[0] += storage.nbytes()
+        view = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if view not in seen:
+            seen.add(view)
+            before = per_storage.get(view[0], 0)
+            after = min(storage.nbytes(), before + t.numel() * t.element_size())
+            per_storage[view[0]] = after
+            total[0] += after - before
             if limit is not None and total[0] > limit:
                 raise OutOfMemoryError(
                     f"the step's saved tensors reached {_mib(total[0])}, past the limit of {_mib(limit)}"
