@@ -52,7 +52,7 @@ SAMPLES_PER_CLASS = 4
 LOSSES = ("fastap", "pnp_dq", "smooth_ap")
 SIZES = "256,512,1024,2048,4096,8192,16384"
 EXACT_MAX_N = 16_384
-"""``kernel=triton`` runs also compare their loss and gradient with the torch path's up to this N (a second
+"""``kernel=triton`` (and ``auto``) runs also compare their loss and gradient with the torch path's up to this N (a second
 forward and backward on the same inputs, after the timing)."""
 
 
@@ -141,8 +141,8 @@ def worker(kind: str, name: str, n: int, args: argparse.Namespace) -> dict:
         times.append(timed())
     # The first call pays one-off allocations; report the best of the others when there are some.
     result: dict = {"time_s": min(times[1:] or times), "peak_mb": peak_mb}
-    if kind == "ours" and args.kernel == "triton" and n <= EXACT_MAX_N:
-        result["exact"] = exactness(name, x, labels, args.matmul_precision)
+    if kind == "ours" and args.kernel != "torch" and n <= EXACT_MAX_N:
+        result["exact"] = exactness(name, x, labels, args.matmul_precision, args.kernel)
     return result
 
 
@@ -244,13 +244,15 @@ def _paired(root: str, name: str, n: int, threads: int, args: argparse.Namespace
     return result
 
 
-def exactness(name: str, x: torch.Tensor, labels: torch.Tensor, precision: str) -> dict[str, float]:
-    """``kernel=triton`` against the torch path on the same inputs: the losses' relative difference
+def exactness(
+    name: str, x: torch.Tensor, labels: torch.Tensor, precision: str, kernel: str = "triton"
+) -> dict[str, float]:
+    """``kernel=triton`` (or ``auto``) against the torch path on the same inputs: the losses' relative difference
     (``loss_rel``) and the gradients' largest difference over the largest entry of torch's (``grad_rel``)."""
     results = []
-    for kernel in ("triton", "torch"):
+    for path in (kernel, "torch"):
         e = x.clone().requires_grad_(True)
-        loss = _ours(name, precision, kernel)(e, labels)
+        loss = _ours(name, precision, path)(e, labels)
         loss.backward()
         assert e.grad is not None
         results.append((loss.item(), e.grad.float()))
@@ -337,9 +339,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--kernel",
-        default="torch",
-        choices=("torch", "triton"),
-        help="ours' per-block passes: plain torch ops, or the fused Triton kernels (CUDA float32)",
+        default="auto",
+        choices=("auto", "torch", "triton"),
+        help="ours' per-block passes: the losses' default (auto: Triton on CUDA float32, torch elsewhere), plain "
+        "torch ops, or the fused Triton kernels",
     )
     parser.add_argument("--no-floor", action="store_true",
                         help="skip the matmul floors (gpu_check measures them in its first run only)")  # fmt: skip

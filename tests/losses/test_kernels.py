@@ -77,7 +77,7 @@ def test_the_torch_sigmoid_ranks_are_the_definition() -> None:
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_bad_kernel_names_and_where_triton_runs(loss: type) -> None:
-    with pytest.raises(ValueError, match="kernel must be one of torch, triton, got 'cuda'"):
+    with pytest.raises(ValueError, match="kernel must be one of auto, torch, triton, got 'cuda'"):
         loss(kernel="cuda")
     cpu = torch.device("cpu")
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -341,6 +341,7 @@ def test_the_config_picks_the_kernel_and_the_ranks_need_not_agree_on_it(name: st
     fused = build_loss(load_config(None, [f"loss.name={name}", "loss.kernel=triton"]))
     assert fused.kernel == "triton"
     plain = build_loss(load_config(None, [f"loss.name={name}"]))
-    assert plain.kernel == "torch" and plain.signature() == fused.signature()
+    assert plain.kernel == "auto" and plain.signature() == fused.signature()
+    assert build_loss(load_config(None, [f"loss.name={name}", "loss.kernel=torch"])).kernel == "torch"
     with pytest.raises(ConfigError, match="kernel"):
         load_config(None, ["loss.kernel=cuda"])

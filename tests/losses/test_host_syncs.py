@@ -1,0 +1,78 @@
+"""A loss call reads values on the host a fixed number of times: its input checks, the chunk plan and the count
+of valid queries, once per call. Not once per chunk of query rows, nor per block pass (FastAP's torch path
+checked ``t.max() > num_bins`` twice a chunk), so that on a GPU the host queues every chunk's kernels without
+waiting for the previous ones. Counted on CPU with ``tests/helpers/loss_syncs.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss
+from tests.helpers.loss_syncs import HostSyncs
+
+LOSSES = (FastAPLoss, PNPLoss, SmoothAPLoss)
+# The checks that stay, once per call: finite embeddings, norms that fit, query indices in range, the label
+# index's classes, the chunk plan's class sizes, the number of valid queries.
+PER_CALL_SYNCS = 6
+
+
+def _count(make: type, n: int, chunks: int, seed: int = 0) -> HostSyncs:
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, n // 8, (n,), generator=g)
+    labels[: n // 8] = n  # one class of n / 8: wider than the others, and than one Triton tile past n = 256
+    e = torch.randn(n, 16, generator=g).requires_grad_()
+    with HostSyncs() as syncs:
+        loss = make(chunk_rows=n // chunks)(e, labels)
+        loss.backward()
+    assert e.grad is not None and torch.isfinite(e.grad).all()
+    return syncs
+
+
+@pytest.mark.parametrize("make", LOSSES)
+def test_a_loss_call_reads_the_host_as_often_at_8_chunks_as_at_2(make: type) -> None:
+    two, eight = _count(make, 256, 2), _count(make, 256, 8)
+    assert eight.places == two.places, f"syncs that grow with the chunks: {eight.places - two.places}"
+    assert two.count <= PER_CALL_SYNCS, two.places
+
+
+@pytest.mark.parametrize("make", LOSSES)
+def test_a_loss_call_reads_the_host_as_often_at_any_batch_size(make: type) -> None:
+    small, large = _count(make, 128, 4), _count(make, 1024, 4)
+    assert large.places == small.places, f"syncs that grow with N: {large.places - small.places}"
+
+
+def test_the_counter_sees_every_way_a_value_reaches_the_host() -> None:
+    """Each call below is one synchronisation on a GPU; the counter must see each once (or the tests above
+    could pass with syncs it misses)."""
+    x = torch.randn(4, 3)
+    mask = x > 0
+    ways = {
+        "item": lambda: x.sum().item(),
+        "bool": lambda: bool(x.sum() > 0),
+        "if": lambda: 1 if (x > 0).any() else 0,
+        "int": lambda: int(x[0, 0]),
+        "float": lambda: float(x[0, 0]),
+        "tolist": lambda: x.tolist(),
+        "cpu": lambda: x.cpu(),
+        "to cpu": lambda: x.to("cpu"),
+        "numpy": lambda: x.numpy(),
+        "nonzero": lambda: x.nonzero(),
+        "torch.nonzero": lambda: torch.nonzero(x),
+        "where": lambda: torch.where(mask),
+        "boolean indexing": lambda: x[mask],
+        "boolean assignment": lambda: x.clone().__setitem__(mask, 0.0),
+        "masked_select": lambda: x.masked_select(mask),
+        "unique": lambda: torch.unique(x),
+        "host tensor": lambda: torch.tensor([1.0, 2.0], device=x.device),
+        "repeat_interleave": lambda: torch.repeat_interleave(x[0], torch.tensor([1, 2, 1])),
+    }
+    for name, way in ways.items():
+        with HostSyncs() as syncs:
+            way()
+        assert syncs.count == 1, (name, syncs.places)
+    with HostSyncs() as syncs:  # device work alone: no read
+        y = (x @ x.T).relu_()
+        y[torch.arange(2)] = y[:2].flip(0)
+        torch.zeros(3, device=x.device).scatter_add_(0, torch.tensor([0, 1]), torch.ones(2))
+    assert syncs.count == 0, syncs.places
