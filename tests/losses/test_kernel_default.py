@@ -148,7 +148,7 @@ CHILD = textwrap.dedent(
     x = torch.randn(n, 16, generator=g)
 
     def run(make, kernel, dtype=torch.float32):
-        e = x.to(dtype).requires_grad_()
+        e = x.to(dtype, copy=True).requires_grad_()
         loss = make(kernel=kernel, chunk_rows=12)(e, labels)  # 8 chunks, the wide class across several
         loss.backward()
         return loss.item(), e.grad.double()
