@@ -62,21 +62,27 @@ def _status(verdicts: list[Any], fragment: str) -> str:
 
 def test_loss_targets_judge_the_floor_ratio_and_linear_memory() -> None:
     rows = [
-        _loss_row("fastap", 16_384, 0.2, 100.0), _loss_row("fastap", 65_536, 1.5, 420.0),  # 1.5x floor, x4.2
-        _loss_row("pnp_dq", 16_384, 0.5, 100.0), _loss_row("pnp_dq", 65_536, 2.6, 1600.0),  # 2.6x floor, x16
-        _loss_row("smooth_ap", 16_384, 0.5, 100.0),  # its N = 65,536 never ran
+        _loss_row("fastap", 16_384, 0.2, 100.0, kernel="triton"), _loss_row("fastap", 65_536, 1.25, 420.0, kernel="triton"),  # 1.25x floor, x4.2
+        _loss_row("pnp_dq", 16_384, 0.5, 100.0, kernel="auto"), _loss_row("pnp_dq", 65_536, 1.4, 1600.0, kernel="auto"),  # 1.4x floor, x16
+        _loss_row("smooth_ap", 16_384, 0.5, 100.0, kernel="triton"),  # its N = 65,536 never ran
+        _loss_row("fastap", 16_384, 0.2, 100.0), _loss_row("fastap", 65_536, 3.0, 420.0),  # the torch path: 3x
     ]  # fmt: skip
     verdicts = targets.loss_verdicts(rows)
-    assert _status(verdicts, "fastap, float32 inputs, kernel=torch: N = 65,536") == targets.PASS
-    assert _status(verdicts, "fastap, float32 inputs, kernel=torch: memory") == targets.PASS
-    assert _status(verdicts, "pnp_dq, float32 inputs, kernel=torch: N = 65,536") == targets.FAIL
-    assert _status(verdicts, "pnp_dq, float32 inputs, kernel=torch: memory") == targets.FAIL
-    assert _status(verdicts, "smooth_ap, float32 inputs, kernel=torch: N = 65,536") == targets.NOT_MEASURED
+    assert _status(verdicts, "fastap, float32 inputs, kernel=triton: N = 65,536 within 1.3x") == targets.PASS
+    assert _status(verdicts, "fastap, float32 inputs, kernel=triton: memory") == targets.PASS
+    assert _status(verdicts, "pnp_dq, float32 inputs, kernel=auto: N = 65,536") == targets.FAIL
+    assert _status(verdicts, "pnp_dq, float32 inputs, kernel=auto: memory") == targets.FAIL
+    assert _status(verdicts, "smooth_ap, float32 inputs, kernel=triton: N = 65,536") == targets.NOT_MEASURED
+    # The torch path is no more the CUDA default: its ratio informs.
+    assert _status(verdicts, "fastap, float32 inputs, kernel=torch: N = 65,536") == targets.INFO
     assert targets.failed(verdicts)
 
 
 def test_an_out_of_memory_size_is_not_measured_never_passed() -> None:
-    rows = [_loss_row("fastap", 16_384, 0.2, 100.0), _loss_row("fastap", 65_536, 1.0, 1.0)]
+    rows = [
+        _loss_row("fastap", 16_384, 0.2, 100.0, kernel="triton"),
+        _loss_row("fastap", 65_536, 1.0, 1.0, kernel="triton"),
+    ]
     rows[1]["ours"] = {"error": "out of memory"}
     verdicts = targets.loss_verdicts(rows)
     assert {v.status for v in verdicts} == {targets.NOT_MEASURED}
@@ -85,11 +91,30 @@ def test_an_out_of_memory_size_is_not_measured_never_passed() -> None:
 
 def test_triton_against_torch_informs_until_triton_is_a_default(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = [_loss_row("fastap", 65_536, 1.0, 1.0), _loss_row("fastap", 65_536, 1.25, 1.0, kernel="triton")]
+    (judged,) = [v for v in targets.loss_verdicts(rows) if "at least as fast" in v.target]
+    assert judged.status == targets.FAIL  # the CUDA default (kernel=auto) since the 2026-11-27 H100 report
+    monkeypatch.setitem(targets.TRITON_DEFAULT, "fastap", False)
     (info,) = [v for v in targets.loss_verdicts(rows) if "at least as fast" in v.target]
     assert info.status == targets.INFO and "0.80x" in info.detail and "torch stays the default" in info.detail
-    monkeypatch.setitem(targets.TRITON_DEFAULT, "fastap", True)
-    (judged,) = [v for v in targets.loss_verdicts(rows) if "at least as fast" in v.target]
-    assert judged.status == targets.FAIL
+
+
+def test_a_bf16_gradient_is_exact_within_one_bf16_rounding() -> None:
+    """The H100 report's bf16 FastAP gradient was 1.2e-3 of the largest entry off torch's: a bf16 rounding
+    (2^-8 of an entry), not a fault; float32 keeps 1e-3."""
+
+    def rows(dtype: str, grad_rel: float) -> list[dict[str, Any]]:
+        small = _loss_row("fastap", 16_384, 0.2, 1.0, kernel="triton", dtype=dtype)
+        small["ours"]["exact"] = {"loss_rel": 0.0, "grad_rel": grad_rel}
+        return [_loss_row("fastap", 65_536, 1.0, 1.0, dtype=dtype),
+                _loss_row("fastap", 65_536, 0.4, 1.0, kernel="triton", dtype=dtype), small]  # fmt: skip
+
+    def status(rows_: list[dict[str, Any]]) -> str:
+        (verdict,) = [v for v in targets.loss_verdicts(rows_) if "at least as fast" in v.target]
+        return verdict.status
+
+    assert status(rows("bfloat16", 1.2e-3)) == targets.PASS
+    assert status(rows("float32", 1.2e-3)) == targets.FAIL
+    assert status(rows("bfloat16", 1e-2)) == targets.FAIL
 
 
 def test_train_targets_compare_the_trainer_with_the_bare_loop() -> None:
@@ -237,20 +262,23 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_failing_target_prints_fail_and_exits_1(
     fake_gpu: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    recorded = [_loss_row("fastap", 16_384, 0.2, 100.0), _loss_row("fastap", 65_536, 3.0, 400.0)]
+    recorded = [
+        _loss_row("fastap", 16_384, 0.2, 100.0, kernel="auto"),
+        _loss_row("fastap", 65_536, 3.0, 400.0, kernel="auto"),
+    ]
     monkeypatch.setitem(
         gpu_check.PART_FUNCTIONS, "loss", lambda part: ("table", targets.loss_verdicts(recorded))
     )
     assert gpu_check.main(["--part", "loss", "--results", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert (
-        "- **FAIL** fastap, float32 inputs, kernel=torch: N = 65,536 within 2x of the fp32 floor: 3.00x"
+        "- **FAIL** fastap, float32 inputs, kernel=auto: N = 65,536 within 1.3x of the fp32 floor: 3.00x"
         in out
     )
     (report,) = tmp_path.glob("gpu-*.md")
     text = report.read_text()
     assert text.startswith("# GPU acceptance") and "### Part `loss`" in text and "a recorded H100" in text
-    recorded[1]["ours"]["time_s"] = 1.5
+    recorded[1]["ours"]["time_s"] = 1.25
     assert gpu_check.main(["--part", "loss", "--results", str(tmp_path)]) == 0  # appended, now passing
     assert report.read_text().count("### Part `loss`") == 2
 
@@ -458,7 +486,8 @@ def test_the_loss_part_measures_the_floors_once(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(gpu_check.Part, "run", run)
     table, verdicts = gpu_check.part_loss(gpu_check.Part("loss", tmp_path))
     assert ["--no-floor" in c for c in commands] == [False, True, True, True]
-    assert "not run" not in table and {v.status for v in verdicts if "floor" in v.target} == {targets.PASS}
+    judged = {v.status for v in verdicts if "within" in v.target and "floor" in v.target}
+    assert "not run" not in table and judged == {targets.PASS}
 
 
 # ----------------------------------------------------------------------------------------- the way back
@@ -584,6 +613,7 @@ def test_triton_is_advised_as_default_only_faster_and_exact(monkeypatch: pytest.
         (verdict,) = [v for v in targets.loss_verdicts(rows_) if "at least as fast" in v.target]
         return verdict
 
+    monkeypatch.setitem(targets.TRITON_DEFAULT, "fastap", False)  # the advice, as before the default
     exact = info(rows({"loss_rel": 2e-7, "grad_rel": 3e-5}))
     assert (
         exact.status == targets.INFO
