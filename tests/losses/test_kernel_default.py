@@ -202,20 +202,34 @@ def _big_batch(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("make", LOSSES)
-def test_auto_on_cuda_at_65536_rows_matches_float64(make: type) -> None:
+def test_auto_on_cuda_at_65536_rows_matches_the_torch_path_and_float64(make: type) -> None:
+    """The loss against float64; the gradient against the float32 torch path on the same inputs, and against
+    float64 for the smooth rank losses. FastAP's gradient is piecewise constant in the distances: float64
+    distances put a few thousand of the 4.3e9 positions in the neighbouring bin, which moves the gradient more
+    than rounding, on either path."""
     pytest.importorskip("triton")
     x, labels = _big_batch(65_536)
     auto = make(memory_budget=256 * 2**20)  # about 100 chunks
     assert auto.takes_fused_kernels(CUDA, torch.float32, log=False)
     results = []
-    for loss, dtype in ((auto, torch.float32), (make(kernel="torch"), torch.float64)):
+    for loss, dtype in (
+        (auto, torch.float32),
+        (make(kernel="torch"), torch.float32),
+        (make(), torch.float64),
+    ):
         e = x.cuda().to(dtype).requires_grad_()
         value = loss(e, labels.cuda())
         value.backward()
         results.append((value.item(), e.grad.double().cpu()))
-    (loss_f, grad_f), (loss_x, grad_x) = results
+    (loss_f, grad_f), (_, grad_t), (loss_x, grad_x) = results
+
+    def off(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max())
+
     assert abs(loss_f - loss_x) <= LOSS_RTOL * abs(loss_x)
-    assert float((grad_f - grad_x).abs().max()) <= GRAD_RTOL * float(grad_x.abs().max())
+    assert off(grad_f, grad_t) <= GRAD_RTOL
+    if make is not FastAPLoss:
+        assert off(grad_f, grad_x) <= GRAD_RTOL
 
 
 @pytest.mark.cuda
