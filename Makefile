@@ -103,7 +103,7 @@ bench: $(STAMP)
 study: $(STAMP)
 	PYTHON=$(BIN)/python bash benchmarks/study.sh
 
-# GPU acceptance (benchmarks/gpu_check.py; PART=tests|loss|train|deepspeed|grads|feed|demo|chunk, a list tests,loss or all, the
+# GPU acceptance (benchmarks/gpu_check.py; PART=tests|loss|train|deepspeed|grads|feed|demo|chunk|syncs, a list tests,loss or all, the
 # default). Run on the GPU machine, which has a python with torch and no network: missing packages come from
 # .gpu-wheels/ (below). The report goes to $(GPU_RESULTS)/gpu-<date>.md: on the device tool GPU_RESULTS=$$OUT,
 # then here `python benchmarks/gpu_check.py --merge` (README, GPU acceptance). The exit status to read is the

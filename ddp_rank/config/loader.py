@@ -113,6 +113,12 @@ def _merge(base: dict[str, dict[str, Any]], update: Mapping[str, Any], origin: s
             raise ConfigError(f"{origin}: section '{section}' must be a mapping of key: value")
         hints = typing.get_type_hints(_SECTIONS[section])
         for key, value in values.items():
+            if (section, key) == ("train", "tensorboard"):
+                # Replaced by train.log_with: a config.yaml of an earlier run still loads, and means the same.
+                trackers = list(base["train"].get("log_with") or [])
+                if _coerce(value, bool, "train.tensorboard") and "tensorboard" not in trackers:
+                    base["train"]["log_with"] = [*trackers, "tensorboard"]
+                continue
             if key not in hints:
                 valid = [f.name for f in dataclasses.fields(_SECTIONS[section])]
                 raise ConfigError(

@@ -115,6 +115,14 @@ class DataConfig(_Section):
         "aspect 3/4..4/3) and flip for training, centre crop for testing.",
         choices=("random_resized", "paper"),
     )
+    max_image_pixels: int = _field(
+        89_478_485,
+        "Largest image decoded, in pixels (width x height, read from the file's header before any pixel is "
+        "decoded): a larger one is a decompression bomb or a mistake and counts as undecodable (its class is "
+        "replaced in training; `shards verify`, `search` and `export` name it). Default: PIL's own warning "
+        "threshold, 9,459 x 9,459, about 270 MB decoded.",
+        minimum=1,
+    )
 
 
 TIMM_PREFIX = "timm:"
@@ -456,7 +464,33 @@ class TrainConfig(_Section):
         "$SLURM_JOB_ID) so that it continues when it runs again; 'never' = only exit with status 75.",
         choices=("auto", "never"),
     )
-    tensorboard: bool = _field(False, "Also write TensorBoard event files (needs the tensorboard package).")
+    log_with: list[str] = field(
+        default_factory=list,
+        metadata=_meta(
+            "Experiment trackers that also receive the metrics and pictures, through accelerate's tracker API "
+            "(rank 0): 'tensorboard' (event files under OUTPUT_DIR/tensorboard/), 'mlflow' (MLFLOW_TRACKING_URI, "
+            "else a file store in OUTPUT_DIR/mlruns), 'wandb' (WANDB_MODE=offline works), 'aim', 'comet_ml', "
+            "'clearml', 'dvclive', 'swanlab', 'trackio'; each needs its package (pip install 'ddp_rank[mlflow]' ...). "
+            "metrics.jsonl and the PNG plots are written whatever this holds. An older config's tensorboard: true loads "
+            "as [tensorboard].",
+            choices=(
+                "tensorboard",
+                "wandb",
+                "mlflow",
+                "aim",
+                "comet_ml",
+                "clearml",
+                "dvclive",
+                "swanlab",
+                "trackio",
+            ),
+        ),
+    )
+    tracker_project: str = _field(
+        "ddp_rank",
+        "train.log_with: the project (W&B, TensorBoard's folder), experiment (MLflow, Aim) the run is logged "
+        "under; the run is named after OUTPUT_DIR's last folder.",
+    )
     progress: bool = _field(
         True,
         "On a terminal, show the rank-0 progress bar (loss, images/s, ETA); without a terminal (a SLURM log), or "
@@ -562,6 +596,19 @@ class EvalConfig(_Section):
             maximum=1.0,
         ),
     )
+    grid_queries: int = _field(
+        8,
+        "The retrieval picture (retrieval.png beside the results, and at each evaluation of a run): this many "
+        "test queries, one row each, with their grid_k nearest neighbours framed green (the query's class) or "
+        "red (another); 0 = no picture. Feature shards hold no image: no picture.",
+        minimum=0,
+    )
+    grid_k: int = _field(5, "The retrieval picture: neighbours shown per query.", minimum=1)
+    grid_seed: int = _field(
+        0,
+        "The retrieval picture: seed of the query sample (not train.seed, so runs that differ in their seed show "
+        "the same queries and `ddp-rank compare --grid` can set them side by side).",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -583,6 +630,15 @@ class DistributedConfig(_Section):
         "by forwards + backwards of the real model at the real image size, then confirmed by one real step on "
         "every rank, which backs off together on an out-of-memory error (a batch that fits is not chunked; the "
         "log and `ddp-rank plan` say what was chosen and why).",
+    )
+    capture_chunk: str = _field(
+        "none",
+        "Run the chunked step's chunks through torch.compile, one fixed chunk shape (for small chunks, where "
+        "launching a chunk's eager operations costs more than running them): 'compile' = inductor's fused kernels; "
+        "'graphs' = also CUDA graphs on a GPU (inductor's reduce-overhead); 'none' = eager. A shorter last chunk and, "
+        "under DDP, the last chunk run eagerly; the first step includes the compile time (logged). Gradients equal "
+        "the eager step's up to the order of sums; DeepSpeed is refused.",
+        choices=("none", "compile", "graphs"),
     )
     memory_fraction: float = _field(
         0.8,

@@ -18,10 +18,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from tqdm import tqdm
 
 from ddp_rank.data.build_dir import check_out_dir, remove_stale
+from ddp_rank.data.decode import check_image_file, open_image_header
 from ddp_rank.data.image_modes import grey16_to_l, is_grey16
 from ddp_rank.data.listing import (
     ListingError,
@@ -111,13 +112,9 @@ def build_shards(
 
 
 def check_image(path: str) -> str | None:
-    """None if PIL can open and verify the file, else the reason (module level so worker processes can run it)."""
-    try:
-        with Image.open(path) as im:
-            im.verify()
-    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
-        return str(exc)
-    return None
+    """None if the file opens within the default pixel limit and its data verifies, else the reason (module
+    level so worker processes can run it; ``decode.check_image_file``)."""
+    return check_image_file(path)
 
 
 def _drop_unreadable(recs: list[Record], options: BuildOptions, report: Report) -> list[Record]:
@@ -216,7 +213,7 @@ def image_bytes(path: str, options: BuildOptions) -> tuple[bytes, str]:
     """The stored bytes and extension: the file itself, or a resized / re-encoded copy when asked."""
     with open(path, "rb") as f:
         raw = f.read()
-    with Image.open(io.BytesIO(raw)) as im:
+    with open_image_header(raw, path) as im:  # checked by check_image already; the same limit and formats
         source_ext = _PIL_TO_EXT.get(im.format or "")
         target_ext = options.image_format or source_ext
         needs_resize = options.resize is not None and min(im.size) > options.resize

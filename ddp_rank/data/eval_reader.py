@@ -6,7 +6,8 @@ near-equal image counts, each rank's run into one piece per worker; each class i
 span (``reader.ClassReader``), from a local directory or a URL. Batches carry the sample keys, so the embeddings
 gathered from all ranks can be matched up whatever order the workers finish in, and the ``subset`` of each
 sample from its json (In-Shop: ``query`` / ``gallery``; empty when the dataset has none). A class that cannot be
-read is left out with a warning (evaluation has no replacement to offer).
+read is left out with a warning (evaluation has no replacement to offer), and so is an image that does not
+decode (``decode.decode_image``: the pixel limit of the transform, every PIL failure), by its key.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ddp_rank.data.decode import ImageDecodeError, decode_image
 from ddp_rank.data.features import decode_vector, feature_dim
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.reader import ClassReader, ClassReadError
 from ddp_rank.data.shard_cache import ShardCache
 from ddp_rank.data.stream import resolve_rank_world
 from ddp_rank.data.tar_scan import SpanSample
-from ddp_rank.data.transforms import TransformConfig, collate_images, decode_image, test_transform
+from ddp_rank.data.transforms import TransformConfig, collate_images, test_transform
 
 log = logging.getLogger(__name__)
 
@@ -131,19 +133,32 @@ class EvalShards(IterableDataset):
                 for sample in samples:
                     pending.append((span.id, sample))
                     if len(pending) == self.batch_size:
-                        yield self._batch(pending, transform)
+                        batch = self._batch(pending, transform)
                         pending = []
-            if pending:
-                yield self._batch(pending, transform)
+                        if batch is not None:
+                            yield batch
+            batch = self._batch(pending, transform) if pending else None
+            if batch is not None:
+                yield batch
         finally:
             self.reader.close()
 
-    def _batch(self, items: list[tuple[int, SpanSample]], transform: Any) -> EvalSplitBatch:
+    def _batch(self, items: list[tuple[int, SpanSample]], transform: Any) -> EvalSplitBatch | None:
+        """The batch of ``items``, less the images that do not decode (None when none is left)."""
         if self.feature_dim is not None:
             dim = self.feature_dim
             batch = torch.from_numpy(np.stack([decode_vector(s.image, dim) for _, s in items]))
         else:
-            images = [transform(decode_image(s.image, self.transform_config.resize)) for _, s in items]
+            images, kept = [], []
+            for item in items:
+                try:
+                    images.append(transform(self._decode(item[1])))
+                    kept.append(item)
+                except ImageDecodeError as exc:
+                    log.warning(f"class {item[0]}: {exc}; left out of evaluation")
+            if not kept:
+                return None
+            items = kept
             batch = collate_images(images, self.transform_config)
         subsets = [
             str(json.loads(s.meta.decode("utf-8")).get("subset") or "") if s.meta else "" for _, s in items
@@ -155,4 +170,10 @@ class EvalShards(IterableDataset):
             categories=torch.from_numpy(self._class_category[labels.numpy()]),
             keys=[s.key for _, s in items],
             subsets=subsets,
+        )
+
+    def _decode(self, sample: SpanSample) -> Any:
+        config = self.transform_config
+        return decode_image(
+            sample.image, config.resize, name=f"{sample.key}.{sample.image_ext}", max_pixels=config.max_pixels
         )

@@ -205,10 +205,9 @@ class Manifest:
         try:
             raw = read_location(path)
         except FileNotFoundError as exc:
-            raise FileNotFoundError(
-                f"{path} not found: is {root} a shard directory made by `ddp-rank shards build` (or indexed "
-                "with `ddp-rank shards index`)?"
-            ) from exc
+            from ddp_rank.data.shard_sources import no_manifest_advice  # it reads this module's helpers
+
+            raise FileNotFoundError(f"{path} not found: {no_manifest_advice(root)}") from exc
         except OSError as exc:  # a directory in its place, no permission, an I/O error
             raise ManifestError(f"{path}: cannot be read ({exc.strerror or exc}); {_FIX_READ}") from exc
         return cls.from_json(_decode_json(raw, path), root=root)

@@ -16,6 +16,11 @@ setting at most); a span larger than that (a big class of a contiguous source) i
 (``span_samples``), its digest checked at its end. Nothing else grows with the dataset but the
 manifests. Spans of a URL are read with concurrent requests (``ShardStore``).
 
+Sources without a manifest: shards of any tool, plain or compressed (``.tar.gz`` and kin, which cannot be read by
+byte range), named by a directory, a brace pattern or ``--split``, are indexed first with the options of ``shards
+index`` (a compressed source decompressed once into ``DST/.reshard/source/``, see ``reshard_source``); the output
+is the same plain tars.
+
 Safety and resumption: a shard is written under a temporary name and renamed when complete (``tar_writer``), so
 no half shard ever has a final name; each finished shard is then appended to ``DST/.reshard/done.jsonl``. A rerun
 after a kill (same SRC and settings, recorded in ``DST/.reshard/plan.json``) keeps the shards listed there that are
@@ -46,6 +51,8 @@ from ddp_rank.data.manifest import (
     span_digest,
 )
 from ddp_rank.data.reader import class_spans
+from ddp_rank.data.reshard_source import WORK, has_manifest, indexed_source, source_settings
+from ddp_rank.data.shard_index import IndexOptions
 from ddp_rank.data.span_samples import SpanReadError, checked_samples, streamed_samples
 from ddp_rank.data.storage import ShardStore
 from ddp_rank.data.tar_scan import SpanSample
@@ -112,10 +119,16 @@ def plan_shards(manifest: Manifest, options: ReshardOptions) -> list[_Planned]:
 
 
 def reshard(
-    source: str | os.PathLike[str], out: str | os.PathLike[str], options: ReshardOptions | None = None
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    options: ReshardOptions | None = None,
+    index: IndexOptions | None = None,
+    splits: Sequence[str] = (),
 ) -> Manifest:
-    """Rewrite the shards of ``source`` (a directory or URL with ``manifest.json``) into ``out``; returns the new
-    manifest (saved in ``out``). Resumes an interrupted run of the same settings (see the module docstring)."""
+    """Rewrite the shards of ``source`` into ``out``; returns the new manifest (saved in ``out``). ``source`` is a
+    directory or URL with ``manifest.json``, or shards without one (a directory, a brace pattern, ``splits``:
+    ``NAME=PATTERN``), indexed with ``index`` first and decompressed first when compressed
+    (``reshard_source``). Resumes an interrupted run of the same settings (see the module docstring)."""
     options = options or ReshardOptions()
     for name, flag in (
         ("max_samples", "--max-samples"),
@@ -124,15 +137,30 @@ def reshard(
     ):
         if getattr(options, name) < 1:
             raise ReshardError(f"{flag} ({name}={getattr(options, name)}) is too small: give a positive size")
-    manifest = Manifest.load(source)
     dst = Path(out)
-    planned = plan_shards(manifest, options)
-    settings = {
+    settings: dict[str, Any] = {
         "source": os.fspath(source).rstrip("/") or "/",
-        "source_manifest": span_digest(json.dumps(manifest.to_json(), sort_keys=True).encode("utf-8")),
         "options": {k: v for k, v in asdict(options).items() if k in ("max_samples", "max_bytes")},
     }
-    done = _start(dst, settings)
+    if has_manifest(source, tuple(splits)):
+        if index is not None or splits:
+            raise ReshardError(
+                f"{source} holds manifest.json, whose classes the reshard keeps: --split and the class and "
+                "category options are for shards without one; drop them"
+            )
+        manifest = Manifest.load(source)
+        settings["source_manifest"] = span_digest(
+            json.dumps(manifest.to_json(), sort_keys=True).encode("utf-8")
+        )
+        done = _start(dst, settings)
+    else:
+        root, found, recorded = source_settings(source, tuple(splits), index or IndexOptions())
+        settings.update(recorded)
+        done = _start(dst, settings)
+        manifest = indexed_source(
+            root, found, index or IndexOptions(), dst / STATE_DIR / WORK, options.progress
+        )
+    planned = plan_shards(manifest, options)
     store = ShardStore(manifest)
     wheres = {name: class_spans(manifest, name) for name in manifest.splits}
     bar = tqdm(
@@ -165,10 +193,12 @@ def _start(dst: Path, settings: dict[str, Any]) -> dict[str, ShardInfo]:
     if plan_file.is_file():
         recorded = json.loads(plan_file.read_text(encoding="utf-8"))
         if recorded != settings:
+            same = all(recorded.get(k) == settings[k] for k in ("source", "options"))
+            changed = " (its shards, their index options or its manifest changed since)" if same else ""
             raise ReshardError(
                 f"{plan_file}: {dst} holds an unfinished reshard of {recorded.get('source')} with "
-                f"{recorded.get('options')}, not of {settings['source']} with {settings['options']}; rerun "
-                "that reshard to finish it, or pick a new DST"
+                f"{recorded.get('options')}, not of {settings['source']} with {settings['options']}{changed}; "
+                "rerun that reshard to finish it, or pick a new DST"
             )
     else:
         if (dst / MANIFEST_NAME).exists():

@@ -8,9 +8,18 @@ with the span's digest. Any layout indexes: a class contiguous in one shard (ddp
 shuffled samples, a class cut across tars by ``maxcount``, interleaved classes give a class several spans, read
 with one request each (``ddp-rank shards info`` reports how many; ``ddp-rank shards reshard`` rewrites such shards
 into the contiguous layout when requests would bound remote reads). The class of a sample comes from its ``.cls``
-member, a json field (``--class-field``) or its key's prefix (``--class-from-key SEP``: the key up to its last
-SEP, ``n01440764_10026`` -> ``n01440764``); its category from a json field or a mapping file (class -> category
-CSV). A shard whose classes have several categories has no category of its own (``null``).
+member, another text member or a json field (``--class-field NAME``: the text of the sample's ``.NAME`` member,
+``--class-field txt`` for a class written as ``.txt``, else its json field NAME) or its key's prefix
+(``--class-from-key SEP``: the key up to its last SEP, ``n01440764_10026`` -> ``n01440764``); its category from a
+json field or text member (``--category-field``) or a mapping file (class -> category CSV). A ``.txt`` member is
+not taken as the class unless named: img2dataset writes captions there. A shard whose classes have several
+categories has no category of its own (``null``).
+
+The source may name its shards itself: a brace pattern or a glob (``DIR/data-{000000..000003}.tar``, a URL
+``https://host/d/train-{000..099}.tar``) or one tar file is split by ``split_source`` into the directory and the
+pattern of a ``train`` split; a pattern that names a missing file is refused naming the first one. Compressed
+shards (``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``, ``.tar.zst``; told by their magic bytes) are refused with
+the compression named: they cannot be read by byte range, and ``shards reshard`` converts them (``compressed``).
 
 The shards may sit behind a URL (then name them with brace ranges, ``train-{000..099}.tar``: a URL cannot be
 listed); the manifest, written with ``--out DIR``, then points at that URL (``shards_root``) and training reads
@@ -26,7 +35,6 @@ with its name: indexing never records part of a shard. Samples without an image 
 from __future__ import annotations
 
 import csv
-import glob
 import json
 import os
 import tarfile
@@ -37,8 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from braceexpand import braceexpand
-
+from ddp_rank.data.compressed import CompressedShardError, sniff
 from ddp_rank.data.listing import natural_key
 from ddp_rank.data.manifest import (
     FORMAT_NAME,
@@ -55,13 +62,22 @@ from ddp_rank.data.manifest import (
     sha256_file,
     span_digest,
 )
+from ddp_rank.data.shard_sources import ShardIndexError, find_splits, source_splits, split_source
 from ddp_rank.data.tar_scan import end_of_archive_problem, sample_key
 
+__all__ = [
+    "IndexOptions",
+    "IndexReport",
+    "ShardIndexError",
+    "find_splits",
+    "index_shards",
+    "read_category_map",
+    "source_splits",
+    "split_source",
+    "upgrade_manifest",
+]
+
 _BLOCK = 512
-
-
-class ShardIndexError(ValueError):
-    """The shards cannot be indexed as they are; the message says why and how to fix it."""
 
 
 @dataclass
@@ -70,8 +86,10 @@ class _Sample:
     start: int
     end: int
     image: bool = False
-    cls: str | None = None
+    texts: dict[str, str] = field(default_factory=dict)
+    """The text of the members that may hold the class or category (extension -> stripped text)."""
     meta: dict[str, Any] | None = None
+    extensions: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -91,14 +109,28 @@ class IndexOptions:
     """Where the class and the category of a sample come from."""
 
     class_field: str | None = None
-    """json field holding the class; None: the ``.cls`` member (then the json's ``class`` field, if any)."""
+    """Where the class is: the text member of that extension (``txt``: the sample's ``.txt``), else the json field
+    of that name; None: the ``.cls`` member (then the json's ``class`` field, if any)."""
     category_field: str | None = "category"
-    """json field holding the category (missing or None: unlabelled)."""
+    """Where the category is (a text member's extension, else a json field; missing or None: unlabelled)."""
     category_map: Mapping[str, str] = field(default_factory=dict)
     """class -> category, from a CSV with columns ``class,category`` (wins over the json field)."""
     class_from_key: str | None = None
     """Separator: the class is the sample key up to its last occurrence (``n01440764_10026`` with ``_``);
     None: the class comes from the members (``class_field``)."""
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--class-field", self.class_field), ("--category-field", self.category_field)):
+            if value is not None and (value.lower() in IMAGE_EXTENSIONS or value.lower() == "json"):
+                raise ShardIndexError(
+                    f"{flag} {value}: name a json field or the extension of a text member (txt, cls, ...), not "
+                    "the image or the json member itself"
+                )
+
+    def text_members(self) -> frozenset[str]:
+        """Extensions of the members read as text: ``.cls`` and the ones the fields name."""
+        named = (f.lower() for f in (self.class_field, self.category_field) if f is not None)
+        return frozenset({"cls", *named})
 
 
 def read_category_map(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -113,14 +145,20 @@ def read_category_map(path: str | os.PathLike[str]) -> dict[str, str]:
 _REDO = "re-create the shard from its source, or drop it from the split (--split NAME=PATTERN)"
 
 
-def _samples(path: str, name: str) -> Iterator[_Sample]:
+def _samples(path: str, name: str, texts: frozenset[str] = frozenset({"cls"})) -> Iterator[_Sample]:
     """The samples of a tar in stored order with their byte extents (header of the first member to the end
-    of the last member's padded data). Members of one sample must be adjacent, as WebDataset requires.
-    Raises ``ShardIndexError`` naming the shard (``name``) when the tar is damaged or ends early."""
+    of the last member's padded data), with the text of their members of the extensions ``texts`` and their
+    json. Members of one sample must be adjacent, as WebDataset requires. Raises ``ShardIndexError`` naming the
+    shard (``name``) when the tar is damaged or ends early, ``CompressedShardError`` when it is compressed."""
     current: _Sample | None = None
     if os.path.getsize(path) == 0:
         raise ShardIndexError(f"{name}: empty file (0 bytes; an interrupted copy?): {_REDO}")
     with open(path, "rb") as f:
+        compression = sniff(f)
+        if compression is not None:
+            raise CompressedShardError(
+                f"{name} is a {compression}-compressed tar, which cannot be read by byte range", compression
+            )
         try:
             with tarfile.open(fileobj=f, mode="r:") as tar:
                 for info in tar:
@@ -133,10 +171,11 @@ def _samples(path: str, name: str) -> Iterator[_Sample]:
                             yield current
                         current = _Sample(key, info.offset, end)
                     current.end = end
+                    current.extensions.add(ext)
                     if ext in IMAGE_EXTENSIONS:
                         current.image = True
-                    elif ext in ("cls", "json") and info.size <= 1 << 20:
-                        _read_label(tar, info, current, name)
+                    elif (ext in texts or ext == "json") and info.size <= 1 << 20:
+                        _read_label(tar, info, current, name, ext)
                 stopped = tar.offset
         except (tarfile.TarError, EOFError) as exc:
             near = f" near sample {current.key}" if current is not None else ""
@@ -150,27 +189,34 @@ def _samples(path: str, name: str) -> Iterator[_Sample]:
         yield current
 
 
-def _read_label(tar: tarfile.TarFile, info: tarfile.TarInfo, sample: _Sample, name: str) -> None:
-    """Fill ``sample.cls`` or ``sample.meta`` from a ``.cls`` / ``.json`` member."""
+def _read_label(tar: tarfile.TarFile, info: tarfile.TarInfo, sample: _Sample, name: str, ext: str) -> None:
+    """Fill ``sample.texts[ext]`` or ``sample.meta`` from a text or ``.json`` member."""
     member = tar.extractfile(info)
     raw = member.read() if member is not None else b""
     if len(raw) != info.size:
         raise ShardIndexError(f"{name}: sample {sample.key}: {info.name} is cut short: {_REDO}")
     try:
-        if info.name.lower().endswith(".cls"):
-            sample.cls = raw.decode("utf-8").strip()
+        if ext != "json":
+            sample.texts[ext] = raw.decode("utf-8").strip()
         else:
             sample.meta = json.loads(raw.decode("utf-8"))
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        kind = "UTF-8 text" if info.name.lower().endswith(".cls") else "valid JSON"
+        kind = "UTF-8 text" if ext != "json" else "valid JSON"
         raise ShardIndexError(
             f"{name}: sample {sample.key}: {info.name} is not {kind} ({exc}); fix or remove that sample, or "
             f"{_REDO}"
         ) from exc
 
 
+def _field(sample: _Sample, name: str) -> Any:
+    """The value ``name`` names in a sample: its text member of that extension, else its json field (or None)."""
+    if name.lower() in sample.texts:
+        return sample.texts[name.lower()]
+    return (sample.meta if isinstance(sample.meta, dict) else {}).get(name)
+
+
 def _class_of(sample: _Sample, options: IndexOptions, where: str) -> tuple[str, str | None]:
-    meta = sample.meta or {}
+    meta = sample.meta if isinstance(sample.meta, dict) else {}
     if options.class_from_key is not None:
         name = sample.key.rsplit("/", 1)[-1] if options.class_from_key != "/" else sample.key
         cls, sep, _ = name.rpartition(options.class_from_key)
@@ -181,26 +227,41 @@ def _class_of(sample: _Sample, options: IndexOptions, where: str) -> tuple[str, 
                 "the class from the .cls member or a json field (--class-field)"
             )
     elif options.class_field is not None:
-        if options.class_field not in meta:
+        value = _field(sample, options.class_field)
+        if value is None:
             raise ShardIndexError(
-                f"{where}: sample {sample.key} has no json field {options.class_field!r}; pick the field that "
-                "holds the class with --class-field (or take it from the key with --class-from-key SEP)"
+                f"{where}: sample {sample.key} has no .{options.class_field} member and no json field "
+                f"{options.class_field!r}; pick the member or json field that holds the class with --class-field "
+                f"(the sample has {_members(sample)}), or take it from the key with --class-from-key SEP"
             )
-        cls = str(meta[options.class_field])
-    elif sample.cls is not None:
-        cls = sample.cls
+        cls = str(value)
+    elif "cls" in sample.texts:
+        cls = sample.texts["cls"]
     elif "class" in meta:
         cls = str(meta["class"])
     else:
         raise ShardIndexError(
-            f"{where}: sample {sample.key} has no .cls member and no json 'class' field; name the json field "
-            "that holds the class with --class-field, or take it from the key with --class-from-key SEP"
+            f"{where}: sample {sample.key} has no .cls member and no json 'class' field; name the member or "
+            f"json field that holds the class with --class-field (the sample has {_members(sample)}"
+            f"{'; --class-field txt reads the .txt member' if 'txt' in sample.extensions else ''}), or take it "
+            "from the key with --class-from-key SEP"
+        )
+    if not cls:
+        raise ShardIndexError(
+            f"{where}: sample {sample.key} has an empty class; fill it in, or drop that sample from the shard"
         )
     category = options.category_map.get(cls)
     if category is None and options.category_field is not None:
-        value = meta.get(options.category_field)
+        value = _field(sample, options.category_field)
         category = None if value in (None, "") else str(value)
     return cls, category
+
+
+def _members(sample: _Sample) -> str:
+    """The member extensions and json fields of a sample, for an error message."""
+    fields = sorted(sample.meta) if isinstance(sample.meta, dict) else []
+    members = ", ".join(f".{e}" for e in sorted(sample.extensions))
+    return f"members {members}" + (f" and json fields {', '.join(fields)}" if fields else "")
 
 
 def _runs(path: str, name: str, options: IndexOptions) -> tuple[list[_Run], int, int]:
@@ -208,7 +269,7 @@ def _runs(path: str, name: str, options: IndexOptions) -> tuple[list[_Run], int,
     runs: list[_Run] = []
     skipped = 0
     reach = -1  # end of the image-less samples right after the last run: they do not break it
-    for sample in _samples(path, name):
+    for sample in _samples(path, name, options.text_members()):
         if not sample.image:
             skipped += 1
             if runs and sample.start in (runs[-1].end, reach):
@@ -234,53 +295,6 @@ def _digests(path: str, runs: Sequence[_Run]) -> list[str]:
         return out
 
 
-def find_splits(root: str | os.PathLike[str], patterns: Sequence[str]) -> dict[str, list[str]]:
-    """Split name -> shard paths relative to ``root``, from ``NAME=PATTERN`` arguments (brace ranges such as
-    ``train-{000..099}.tar`` everywhere, ``*`` globs on a local directory), else, for a local directory, one
-    split per sub-directory holding tars (ddp_rank's own layout), else all its tars as ``train``."""
-    remote = is_url(root)
-    splits: dict[str, list[str]] = {}
-    for pattern in patterns:
-        name, sep, expr = pattern.partition("=")
-        if not sep or not name or not expr:
-            raise ShardIndexError(
-                f"--split {pattern!r}: write NAME=PATTERN, e.g. train='train-{{000..099}}.tar'"
-            )
-        expanded = list(braceexpand(expr))
-        if remote:
-            if any(ch in expr for ch in "*?["):
-                raise ShardIndexError(
-                    f"--split {pattern!r}: a URL cannot be listed; name the shards with a brace range"
-                )
-            found = expanded
-        else:
-            base = Path(root)
-            found = sorted(
-                {str(Path(p).relative_to(base)) for e in expanded for p in glob.glob(str(base / e))},
-                key=natural_key,
-            )
-        if not found:
-            raise ShardIndexError(f"--split {pattern!r}: no file of {root} matches {expr!r}")
-        splits[name] = found
-    if splits:
-        return splits
-    if remote:
-        raise ShardIndexError(
-            f"{root} is a URL: name each split's shards, e.g. --split train='train-{{000..099}}.tar'"
-        )
-    base = Path(root)
-    for sub in sorted(p for p in base.iterdir() if p.is_dir()):
-        tars = sorted((str(p.relative_to(base)) for p in sub.glob("*.tar")), key=natural_key)
-        if tars:
-            splits[sub.name] = tars
-    if not splits:
-        tars = sorted((p.name for p in base.glob("*.tar")), key=natural_key)
-        if not tars:
-            raise ShardIndexError(f"no .tar shard found in {base} or its sub-directories")
-        splits["train"] = tars
-    return splits
-
-
 @contextmanager
 def _local_copy(location: str) -> Iterator[str]:
     """A local path to read a shard from: the file itself, or a temporary download of a URL (indexing reads
@@ -293,7 +307,13 @@ def _local_copy(location: str) -> Iterator[str]:
     fs, path = fsspec.core.url_to_fs(location)
     with tempfile.TemporaryDirectory(prefix="ddp_rank-index-") as tmp:
         local = os.path.join(tmp, "shard.tar")
-        fs.get_file(path, local)
+        try:
+            fs.get_file(path, local)
+        except FileNotFoundError as exc:  # an HTTP 404, a missing object
+            raise ShardIndexError(
+                f"{location}: no such shard at the URL; fix the pattern (or the range) to name only the shards "
+                "there"
+            ) from exc
         yield local
 
 

@@ -36,6 +36,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ddp_rank.data.batch import DataEvents, StreamBatch
 from ddp_rank.data.dealing import deal
+from ddp_rank.data.decode import ImageDecodeError, decode_image
 from ddp_rank.data.features import decode_vector, feature_dim
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, local_batch_size
@@ -46,7 +47,6 @@ from ddp_rank.data.tar_scan import SpanSample
 from ddp_rank.data.transforms import (
     TransformConfig,
     collate_images,
-    decode_image,
     test_transform,
     train_transform,
 )
@@ -284,11 +284,16 @@ class ShardStream(IterableDataset):
         for index in images:
             sample: SpanSample = samples[index]
             try:
-                decoded = decode_image(sample.image, self.transform_config.resize)
-            except (OSError, ValueError, SyntaxError, EOFError) as exc:
+                decoded = decode_image(
+                    sample.image,
+                    self.transform_config.resize,
+                    name=f"{sample.key}.{sample.image_ext}",
+                    max_pixels=self.transform_config.max_pixels,
+                )
+            except ImageDecodeError as exc:
                 events.decode_errors += 1
                 shard = self.reader.shard_of(class_id, index)
-                raise ClassReadError(class_id, shard, f"image {sample.key} does not decode: {exc}") from exc
+                raise ClassReadError(class_id, shard, str(exc)) from exc
             # Each image's augmentation draws from a generator of its own, seeded by where the image stands in
             # the plan: never the torch RNG the model draws from, so batches may be read in another thread
             # (the trainer's feed) without moving or racing the model's random stream.

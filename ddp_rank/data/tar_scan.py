@@ -2,8 +2,9 @@
 
 Reading a class: ``parse_span`` turns the bytes of one class's range back into samples (any tar dialect).
 
-Checking: ``scan_shard`` walks the tar headers once (seeking over the data) and records where each sample's image
-and ``.cls`` members live; ``ddp-rank shards verify`` uses it to prove a whole shard is sound. A corrupt header or a
+Checking: ``scan_shard`` names a compressed tar as such (``compressed``: by its magic bytes), else walks the tar
+headers once (seeking over the data) and records where each sample's image and ``.cls`` members live;
+``ddp-rank shards verify`` uses it to prove a whole shard is sound. A corrupt header or a
 truncated file ends the scan with a reason instead of an exception, and samples missing a required member are
 dropped, so one bad shard costs its own samples and nothing else. Shards made by other tools and indexed
 (``labelled=False``) need only an image per sample: their classes come from the manifest. Only image, ``.cls``
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, NamedTuple
 
+from ddp_rank.data.compressed import CompressedShardError, sniff
 from ddp_rank.data.manifest import PAYLOAD_EXTENSIONS
 
 _BLOCK = tarfile.BLOCKSIZE
@@ -245,6 +247,16 @@ def scan_shard(path: str | os.PathLike[str], expected: int | None = None, labell
         file_size = os.path.getsize(path)
         # A 64 KiB buffer turns the seeks between small members into memory moves.
         with open(path, "rb", buffering=1 << 16) as f:
+            compression = sniff(f)
+            if compression is not None:
+                scan.error = str(
+                    CompressedShardError(
+                        f"a {compression}-compressed tar where a plain one belongs (replaced since it was "
+                        "indexed?): compressed shards cannot be read by byte range",
+                        compression,
+                    )
+                )
+                return scan
             try:
                 members, scan.error = _plain_members(f, file_size)
             except _NeedsTarfile:

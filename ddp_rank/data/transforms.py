@@ -15,12 +15,12 @@ which is cheaper than per image. With ``pixels="uint8"`` the batch stays uint8 a
 computes (the trainer: on the GPU, after a copy of a quarter of the float32 bytes); ``uint8_to_unit`` is that
 conversion, bit-identical to the float path's.
 
-Only image bytes are decoded here (jpg / png / webp through PIL); no generic or pickle decoder exists.
+Only image bytes are decoded (jpg / png / webp through PIL, by ``decode.decode_image``, which this module
+re-exports); no generic or pickle decoder exists.
 """
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ddp_rank.data.image_modes import grey16_to_l, is_grey16
+from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
+from ddp_rank.data.decode import decode_image as decode_image  # re-exported: the transforms' callers decode
 
 if TYPE_CHECKING:
     from ddp_rank.config import DataConfig
@@ -64,6 +65,8 @@ class TransformConfig:
     pixels: str = "float"
     """Batches of ``float`` (normalised float32) or ``uint8`` (raw 0-255: ``mean`` / ``std`` are then the
     consumer's to apply)."""
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """Largest image decoded (width x height from its header, ``data.max_image_pixels``): see ``data.decode``."""
 
     def __post_init__(self) -> None:
         if self.crop > self.resize:
@@ -72,6 +75,8 @@ class TransformConfig:
             raise ValueError(f"crop mode {self.mode!r}: valid are {', '.join(CROP_MODES)}")
         if self.pixels not in PIXEL_TYPES:
             raise ValueError(f"pixels {self.pixels!r}: valid are {', '.join(PIXEL_TYPES)}")
+        if self.max_pixels < 1:
+            raise ValueError(f"max_pixels ({self.max_pixels}) must be a positive number of pixels")
 
 
 def transform_from_config(
@@ -90,27 +95,8 @@ def transform_from_config(
         std=(1.0, 1.0, 1.0),
         mode=data.crop,
         pixels=pixels,
+        max_pixels=data.max_image_pixels,
     )
-
-
-def decode_image(data: bytes, draft_size: int | None = None) -> Image.Image:
-    """Decode image bytes to RGB; with ``draft_size`` a JPEG is decoded at the smallest scale >= that size.
-
-    Transparent images (emoji artwork) are laid on white: a plain RGB conversion would expose whatever colour
-    the transparent pixels happen to store, usually black. 16-bit grey images (PNG) are scaled to 8 bits first:
-    PIL's RGB conversion clips their 0-65535 values at 255, which turns almost every pixel white. (PIL already
-    reads 16-bit colour PNGs as 8-bit RGB / RGBA.)
-    """
-    opened = Image.open(io.BytesIO(data))
-    if draft_size is not None and opened.format == "JPEG":
-        opened.draft("RGB", (draft_size, draft_size))
-    image: Image.Image = opened
-    if is_grey16(image):
-        image = grey16_to_l(image)
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    return image.convert("RGB")
 
 
 def _virtual_size(width: int, height: int, resize: int) -> tuple[int, int, float]:
@@ -264,6 +250,9 @@ def collate_images(images: Sequence[torch.Tensor], config: TransformConfig) -> t
 
 def uint8_to_unit(images: torch.Tensor) -> torch.Tensor:
     """uint8 pixels to float32 in [0, 1], on the tensor's device, bit-identical to ``normalize_batch`` with mean 0
-    and std 1 (the same float32 multiply by 1/255: a division would round differently)."""
-    scale = torch.tensor(1.0 / 255.0, dtype=torch.float32, device=images.device)
-    return images.to(torch.float32).mul_(scale)
+    and std 1 (the same float32 multiply by 1/255: a division would round differently).
+
+    A Python scalar, not a tensor built for the device: ``torch.tensor(1 / 255, device="cuda")`` is a blocking
+    copy from host memory, which makes the host wait for the GPU at every call. The scalar is applied in float32
+    (the multiply's compute type), the same number as the float path's float32 scale."""
+    return images.to(torch.float32).mul_(1.0 / 255.0)

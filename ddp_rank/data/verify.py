@@ -12,7 +12,6 @@ need only an image; ddp_rank's own also need the ``.cls`` and ``.json`` members 
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -20,8 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
-
+from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS, ImageDecodeError, decode_image
 from ddp_rank.data.features import decode_vector, feature_dim, feature_record
 from ddp_rank.data.manifest import Manifest, ShardInfo, is_url, sha256_file, span_digest
 from ddp_rank.data.tar_scan import SpanError, SpanSample, parse_span, scan_shard
@@ -38,10 +36,16 @@ class Problem:
 
 
 def verify_shard(
-    path: Path, shard: ShardInfo, decode: bool = True, labelled: bool = True, vector_dim: int | None = None
+    path: Path,
+    shard: ShardInfo,
+    decode: bool = True,
+    labelled: bool = True,
+    vector_dim: int | None = None,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> list[Problem]:
     """Every check for one shard at ``path`` (module level so worker processes can run it); ``labelled`` as in
-    ``scan_shard``; ``vector_dim`` for feature shards, whose samples are vectors of that length, not images."""
+    ``scan_shard``; ``vector_dim`` for feature shards, whose samples are vectors of that length, not images;
+    images are decoded as the stream decodes them (``decode.decode_image``, limit ``max_pixels``)."""
     if not path.is_file():
         return [Problem(shard.path, "missing file")]
     problems = []
@@ -74,19 +78,16 @@ def verify_shard(
             if decode and vector_dim is not None:
                 problems.extend(_bad_vectors(samples, span.id, shard.path, vector_dim))
             elif decode:
-                problems.extend(_undecodable(samples, span.id, shard.path))
+                problems.extend(_undecodable(samples, span.id, shard.path, max_pixels))
     return problems
 
 
-def _undecodable(samples: list[SpanSample], class_id: int, name: str) -> Iterator[Problem]:
+def _undecodable(samples: list[SpanSample], class_id: int, name: str, max_pixels: int) -> Iterator[Problem]:
     for sample in samples:
         try:
-            with Image.open(io.BytesIO(sample.image)) as im:
-                im.load()
-        except (OSError, UnidentifiedImageError, SyntaxError, ValueError, EOFError) as exc:
-            yield Problem(
-                name, f"class {class_id}: image {sample.key}.{sample.image_ext} does not decode: {exc}"
-            )
+            decode_image(sample.image, name=f"{sample.key}.{sample.image_ext}", max_pixels=max_pixels)
+        except ImageDecodeError as exc:
+            yield Problem(name, f"class {class_id}: {exc}")
 
 
 def _bad_vectors(samples: list[SpanSample], class_id: int, name: str, dim: int) -> Iterator[Problem]:
@@ -97,8 +98,14 @@ def _bad_vectors(samples: list[SpanSample], class_id: int, name: str, dim: int) 
             yield Problem(name, f"class {class_id}: vector {sample.key}.{sample.image_ext} is bad: {exc}")
 
 
-def verify_shards(directory: str | os.PathLike[str], decode: bool = True, workers: int = 1) -> list[Problem]:
-    """All problems of a shard directory (empty list: it is sound)."""
+def verify_shards(
+    directory: str | os.PathLike[str],
+    decode: bool = True,
+    workers: int = 1,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+) -> list[Problem]:
+    """All problems of a shard directory (empty list: it is sound); an image over ``max_pixels`` (width x
+    height) is one, as in training."""
     manifest = Manifest.load(directory)
     if is_url(manifest.location):
         raise ValueError(
@@ -112,6 +119,7 @@ def verify_shards(directory: str | os.PathLike[str], decode: bool = True, worker
         decode=decode,
         labelled=not manifest.build.get("indexed", False),
         vector_dim=feature_dim(manifest),
+        max_pixels=max_pixels,
     )
     if workers > 1 and len(shards) > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:

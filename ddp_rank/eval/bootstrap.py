@@ -19,7 +19,7 @@ import numpy as np
 
 from ddp_rank.eval.retrieval import QueryScores
 
-__all__ = ["QueryBootstrap", "bootstrap_queries"]
+__all__ = ["QueryBootstrap", "bootstrap_queries", "spread"]
 
 RESAMPLES_PER_BLOCK_ELEMENTS = 1 << 24
 """Most drawn indices held at once (128 MiB of int64): SOP's 60k queries go 279 resamples at a time."""
@@ -27,7 +27,8 @@ RESAMPLES_PER_BLOCK_ELEMENTS = 1 << 24
 
 @dataclass(frozen=True)
 class QueryBootstrap:
-    """``resamples`` draws of the queries with replacement from a generator seeded with ``seed``."""
+    """``resamples`` draws of the queries with replacement from a generator seeded with ``seed`` (of the
+    identities for the verification and identification figures: ``ddp_rank.eval.identity_bootstrap``)."""
 
     resamples: int = 1000
     seed: int = 0
@@ -38,7 +39,8 @@ class QueryBootstrap:
 
 
 def bootstrap_queries(scores: QueryScores, settings: QueryBootstrap) -> dict[str, Any]:
-    """``{"resamples": B, "seed": s, "metrics": {"recall@1": {"se", "low", "high"}, ...}}`` (fractions)."""
+    """``{"resamples": B, "seed": s, "over": ["queries"], "metrics": {"recall@1": {"se", "low", "high"}, ...}}``
+    (fractions)."""
     values = scores.per_query()
     n = scores.num_queries
     table = np.stack(list(values.values()), axis=1) if values else np.zeros((n, 0))  # [n, metrics]
@@ -55,12 +57,16 @@ def bootstrap_queries(scores: QueryScores, settings: QueryBootstrap) -> dict[str
     return {
         "resamples": settings.resamples,
         "seed": settings.seed,
-        "metrics": {
-            name: {
-                "se": float(np.std(m, ddof=1)),
-                "low": float(np.percentile(m, 2.5)),
-                "high": float(np.percentile(m, 97.5)),
-            }
-            for name, m in means.items()
-        },
+        "over": ["queries"],
+        "metrics": {name: spread(m) for name, m in means.items()},
+    }
+
+
+def spread(values: np.ndarray) -> dict[str, float]:
+    """``{"se", "low", "high"}`` of one figure over its resamples: the standard deviation (the standard error of
+    the figure) and the 2.5th and 97.5th percentiles (a 95% interval)."""
+    return {
+        "se": float(np.std(values, ddof=1)),
+        "low": float(np.percentile(values, 2.5)),
+        "high": float(np.percentile(values, 97.5)),
     }

@@ -13,8 +13,10 @@ from typing import Any
 
 from torch import Tensor
 
+from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.curves import CURVES_KEY
-from ddp_rank.eval.identification import DEFAULT_FPIRS, DEFAULT_RANKS, identification_metrics
+from ddp_rank.eval.identification import DEFAULT_FPIRS, DEFAULT_RANKS, identification_report, probe_outcomes
+from ddp_rank.eval.identity_bootstrap import bootstrap_identification, bootstrap_verification
 from ddp_rank.eval.verification import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_FPRS,
@@ -56,9 +58,14 @@ def deployment_metric_names(groups: Sequence[str], settings: DeploymentSettings)
 
 
 def deployment_metrics(
-    groups: Sequence[str], embeddings: Tensor, labels: Tensor, settings: DeploymentSettings
+    groups: Sequence[str],
+    embeddings: Tensor,
+    labels: Tensor,
+    settings: DeploymentSettings,
+    bootstrap: QueryBootstrap | None = None,
 ) -> dict[str, Any]:
-    """The figures of ``groups`` on the embedded split, with their curves under ``CURVES_KEY``.
+    """The figures of ``groups`` on the embedded split, with their curves under ``CURVES_KEY``; ``bootstrap``:
+    with their spread over the identities under ``bootstrap`` (``ddp_rank.eval.identity_bootstrap``).
 
     Raises ValueError (the message names the setting) when the split is too large for the exact verification.
     """
@@ -69,6 +76,7 @@ def deployment_metrics(
     y = labels.detach().cpu().long().numpy()
     out: dict[str, Any] = {}
     curves: dict[str, Any] = {}
+    spreads: dict[str, Any] = {}
     if "verification" in groups:
         metrics, drawn = verification_metrics(
             e,
@@ -79,18 +87,24 @@ def deployment_metrics(
         )
         out.update(metrics)
         curves.update(drawn)
+        if bootstrap is not None:
+            spreads.update(bootstrap_verification(e, y, bootstrap, settings.fprs, settings.block_bytes))
     if "identification" in groups:
-        metrics, drawn = identification_metrics(
+        outcomes = probe_outcomes(
             e,
             y,
-            ranks=settings.ranks,
-            fpirs=settings.fpirs,
             enrolled_fraction=settings.enrolled_fraction,
             gallery_per_identity=settings.gallery_per_identity,
             seed=settings.seed,
             block_bytes=settings.block_bytes,
         )
+        metrics, drawn = identification_report(outcomes, settings.ranks, settings.fpirs)
         out.update(metrics)
         curves.update(drawn)
+        if bootstrap is not None:
+            spreads.update(bootstrap_identification(outcomes, y, bootstrap, settings.ranks, settings.fpirs))
+    if bootstrap is not None:
+        out["bootstrap"] = {"resamples": bootstrap.resamples, "seed": bootstrap.seed, "over": ["identities"],
+                            "metrics": spreads}  # fmt: skip
     out[CURVES_KEY] = curves
     return out

@@ -99,4 +99,4 @@ def gather_embedded(
     order = torch.argsort(index)
     if len(index) and torch.unique(index).numel() != len(index):
         raise RuntimeError("the test split was read twice by the ranks (duplicate sample indices)")
-    return EmbeddedSet(embeddings[order], labels[order], subset_bits[order])
+    return EmbeddedSet(embeddings[order], labels[order], subset_bits[order], index[order])

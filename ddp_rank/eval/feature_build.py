@@ -33,12 +33,13 @@ from tqdm import tqdm
 
 from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.config import FEATURES_BACKBONE, Config, ConfigError
+from ddp_rank.data.decode import ImageDecodeError, decode_image
 from ddp_rank.data.features import BUILD_KEY, FeatureRecord, encode_vector, feature_record
 from ddp_rank.data.manifest import MANIFEST_NAME, ClassSpan, Manifest, ShardInfo, SplitInfo, is_url
 from ddp_rank.data.reader import ClassReader, ClassReadError
 from ddp_rank.data.tar_scan import SpanSample
 from ddp_rank.data.tar_writer import shard_writer
-from ddp_rank.data.transforms import collate_images, decode_image, test_transform, transform_from_config
+from ddp_rank.data.transforms import collate_images, test_transform, transform_from_config
 from ddp_rank.eval.embed import autocast
 from ddp_rank.model import EmbeddingNet, build_model
 from ddp_rank.model.feature_head import build_seeded, image_features, weights_digest
@@ -249,11 +250,14 @@ class _Embedder:
 
     @torch.no_grad()
     def __call__(self, images: list[bytes]) -> list[bytes]:
+        """The vectors of ``images``; an image that does not decode raises ``ImageDecodeError`` named by its
+        position in ``images`` (``write_shard`` names the sample)."""
         out: list[bytes] = []
+        config = self.transform_config
         for start in range(0, len(images), self.batch):
             tensors = [
-                self.transform(decode_image(data, self.transform_config.resize))
-                for data in images[start : start + self.batch]
+                self.transform(decode_image(data, config.resize, name=str(i), max_pixels=config.max_pixels))
+                for i, data in enumerate(images[start : start + self.batch], start)
             ]
             batch = collate_images(tensors, self.transform_config).to(self.device)
             with autocast(self.device, self.dtype):
@@ -288,7 +292,7 @@ def write_shard(
             for index, span in enumerate(shard.classes):
                 pending += [(span.id, s) for s in _read(reader, span, shard, src)]
                 if len(pending) >= embed.batch or index == len(shard.classes) - 1:
-                    vectors = embed([s.image for _, s in pending])
+                    vectors = _embed_named(embed, pending, shard, src)
                     for (class_id, sample), vector in zip(pending, vectors):
                         meta = json.loads(sample.meta.decode("utf-8")) if sample.meta else {}
                         writer.add(sample.key, "f16", vector, class_id, meta)
@@ -298,6 +302,21 @@ def write_shard(
     finally:
         reader.close()
     return ShardInfo(shard.path, shard.category, tuple(writer.spans), writer.samples, nbytes, digest)
+
+
+def _embed_named(
+    embed: VectorMaker, pending: list[tuple[int, SpanSample]], shard: ShardInfo, src: Manifest
+) -> list[bytes]:
+    """``embed`` of the samples' payloads; an image that does not decode stops the build with its name (a
+    feature shard holds every sample of the source: there is no replacement to write)."""
+    try:
+        return embed([s.image for _, s in pending])
+    except ImageDecodeError as exc:
+        class_id, sample = pending[int(exc.name)]
+        raise FeatureBuildError(
+            f"SRC={src.root}: {shard.path}: class {class_id}: image {sample.key}.{sample.image_ext} does not "
+            f"decode: {exc.reason}; check the image shards with `ddp-rank shards verify {src.root}`"
+        ) from exc
 
 
 def _read(reader: ClassReader, span: ClassSpan, shard: ShardInfo, src: Manifest) -> list[SpanSample]:

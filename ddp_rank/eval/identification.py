@@ -38,7 +38,11 @@ __all__ = [
     "DEFAULT_FPIRS",
     "DEFAULT_RANKS",
     "IdentificationSplit",
+    "ProbeOutcomes",
+    "identification_figures",
     "identification_metrics",
+    "identification_report",
+    "probe_outcomes",
     "split_identities",
 ]
 
@@ -100,23 +104,31 @@ def _best_per_identity(
         yield rows, np.maximum.reduceat(e[rows] @ g.T, starts, axis=1)
 
 
-def identification_metrics(
+@dataclass(frozen=True)
+class ProbeOutcomes:
+    """What every figure is computed from, per probe: the rank of a mated probe's identity and its score
+    (``rank_of``, ``right_score``, in the order of ``split.mated``), a non-mated probe's top score (``top``, in
+    the order of ``split.non_mated``), and the gallery's size. The identity bootstrap
+    (``ddp_rank.eval.identity_bootstrap``) reweights the probes and recomputes the figures from these alone."""
+
+    split: IdentificationSplit
+    rank_of: np.ndarray
+    right_score: np.ndarray
+    top: np.ndarray
+    gallery_size: int
+    gallery_identities: int
+
+
+def probe_outcomes(
     embeddings: np.ndarray,
     labels: np.ndarray,
     *,
-    ranks: Sequence[int] = DEFAULT_RANKS,
-    fpirs: Sequence[float] = DEFAULT_FPIRS,
     enrolled_fraction: float = 0.5,
     gallery_per_identity: int = 1,
     seed: int = 0,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(metrics, curves) of identification on the seeded split (see the module doc).
-
-    Metrics: ``cmc@r`` for each r (None without a mated probe), ``fnir@fpir=<f>`` for each f (None where not
-    measurable), ``gallery_size``, ``gallery_identities``, ``num_mated_probes``, ``num_non_mated_probes``.
-    Curves: ``cmc`` (``rank``, ``rate``, the gallery size).
-    """
+) -> ProbeOutcomes:
+    """Score every probe of the seeded split against the gallery (in blocks of ``block_bytes``)."""
     e = np.ascontiguousarray(embeddings, dtype=np.float32)
     y = np.asarray(labels, dtype=np.int64)
     split = split_identities(y, enrolled_fraction, gallery_per_identity, seed)
@@ -138,30 +150,87 @@ def identification_metrics(
         [best.max(1) for _, best in _best_per_identity(e, split.non_mated, gallery, starts, block_bytes)]
         or [np.empty(0, np.float32)]
     )
+    return ProbeOutcomes(split, rank_of, right_score, top, len(gallery), len(identities))
+
+
+def identification_figures(
+    o: ProbeOutcomes,
+    ranks: Sequence[int] = DEFAULT_RANKS,
+    fpirs: Sequence[float] = DEFAULT_FPIRS,
+    mated_weights: np.ndarray | None = None,
+    non_mated_weights: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """``cmc@r`` and ``fnir@fpir=<f>`` from the probes' outcomes; each probe counted ``*_weights`` times
+    (default once: the figures of the module doc)."""
+    w_mated = np.ones(len(o.rank_of)) if mated_weights is None else np.asarray(mated_weights, np.float64)
+    w_non = np.ones(len(o.top)) if non_mated_weights is None else np.asarray(non_mated_weights, np.float64)
+    mated_total, non_mated_total = float(w_mated.sum()), float(w_non.sum())
     metrics: dict[str, Any] = {}
     for r in sorted(set(ranks)):
-        metrics[f"cmc@{r}"] = float((rank_of <= r).mean()) if len(rank_of) else None
-    top_desc = np.sort(top)[::-1]
+        hit = float(w_mated[o.rank_of <= r].sum()) / mated_total if mated_total else None
+        metrics[f"cmc@{r}"] = hit
+    order = np.argsort(-o.top, kind="stable")
+    top_desc, counted = o.top[order], np.cumsum(w_non[order])
     for f in fpirs:
         key = fpr_key("fnir@fpir", f)
-        if not len(rank_of) or len(top) * f < 1 - 1e-9:
+        if not mated_total or non_mated_total * f < 1 - 1e-9:
             metrics[key] = None
             continue
-        allowed = math.floor(len(top) * f + 1e-9)
-        threshold = top_desc[allowed] if allowed < len(top) else -np.inf  # accept scores above it
-        hits = (rank_of == 1) & (right_score > threshold)
-        metrics[key] = 1.0 - float(hits.mean())
-    metrics["gallery_size"] = len(gallery)
-    metrics["gallery_identities"] = len(identities)
-    metrics["num_mated_probes"] = len(split.mated)
-    metrics["num_non_mated_probes"] = len(split.non_mated)
+        allowed = math.floor(non_mated_total * f + 1e-9)
+        # The first probe, best first, past the ``allowed`` weight of non-mated probes: its score is the threshold.
+        first_refused = int(np.searchsorted(counted, allowed, side="right"))
+        threshold = (
+            top_desc[first_refused] if first_refused < len(top_desc) else -np.inf
+        )  # accept scores above it
+        hits = (o.rank_of == 1) & (o.right_score > threshold)
+        metrics[key] = 1.0 - float(w_mated[hits].sum()) / mated_total
+    return metrics
+
+
+def identification_metrics(
+    embeddings: np.ndarray,
+    labels: np.ndarray,
+    *,
+    ranks: Sequence[int] = DEFAULT_RANKS,
+    fpirs: Sequence[float] = DEFAULT_FPIRS,
+    enrolled_fraction: float = 0.5,
+    gallery_per_identity: int = 1,
+    seed: int = 0,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metrics, curves) of identification on the seeded split (see the module doc).
+
+    Metrics: ``cmc@r`` for each r (None without a mated probe), ``fnir@fpir=<f>`` for each f (None where not
+    measurable), ``gallery_size``, ``gallery_identities``, ``num_mated_probes``, ``num_non_mated_probes``.
+    Curves: ``cmc`` (``rank``, ``rate``, the gallery size).
+    """
+    o = probe_outcomes(
+        embeddings,
+        labels,
+        enrolled_fraction=enrolled_fraction,
+        gallery_per_identity=gallery_per_identity,
+        seed=seed,
+        block_bytes=block_bytes,
+    )
+    return identification_report(o, ranks, fpirs)
+
+
+def identification_report(
+    o: ProbeOutcomes, ranks: Sequence[int] = DEFAULT_RANKS, fpirs: Sequence[float] = DEFAULT_FPIRS
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metrics, curves) of :func:`identification_metrics` from the probes' outcomes."""
+    metrics = identification_figures(o, ranks, fpirs)
+    metrics["gallery_size"] = o.gallery_size
+    metrics["gallery_identities"] = o.gallery_identities
+    metrics["num_mated_probes"] = len(o.split.mated)
+    metrics["num_non_mated_probes"] = len(o.split.non_mated)
     curves: dict[str, Any] = {}
-    if len(rank_of):
-        shown = np.arange(1, min(len(identities), CMC_POINTS) + 1)
+    if len(o.rank_of):
+        shown = np.arange(1, min(o.gallery_identities, CMC_POINTS) + 1)
         curves["cmc"] = {
             "rank": shown.tolist(),
-            "rate": [float((rank_of <= r).mean()) for r in shown],
-            "gallery_size": len(gallery),
-            "gallery_identities": len(identities),
+            "rate": [float((o.rank_of <= r).mean()) for r in shown],
+            "gallery_size": o.gallery_size,
+            "gallery_identities": o.gallery_identities,
         }
     return metrics, curves

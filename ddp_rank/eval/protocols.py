@@ -87,10 +87,15 @@ class EmbeddedSet:
     embeddings: Tensor
     labels: Tensor
     subset_bits: Tensor
+    index: Tensor | None = None
+    """``[N]`` int64 hash of each sample's key (``ddp_rank.eval.runner.key_index``), when read from shards: the
+    retrieval picture finds its samples' images by it."""
 
     def __post_init__(self) -> None:
         if not (len(self.embeddings) == len(self.labels) == len(self.subset_bits)):
             raise ValueError("embeddings, labels and subset_bits must have the same length")
+        if self.index is not None and len(self.index) != len(self.labels):
+            raise ValueError("index must have one entry per embedding")
 
     @classmethod
     def from_lists(
@@ -162,21 +167,23 @@ def evaluate(
     ``backend`` / ``device``: the exact search (:class:`ddp_rank.eval.retrieval.ExactSearch`; by default on the
     GPU when there is one). ``metrics``: figure groups added beside ``sop`` / ``inshop`` (``verification``,
     ``identification``), with ``deployment``'s settings (``ks`` gives the CMC ranks when set). ``bootstrap``:
-    also the spread of each retrieval metric over the queries, under the key ``bootstrap``
-    (``ddp_rank.eval.bootstrap``; sop and inshop).
+    also the spread of each metric under the key ``bootstrap``: Recall@k and MAP@R over the queries
+    (``ddp_rank.eval.bootstrap``), the verification and identification figures over the identities
+    (``ddp_rank.eval.identity_bootstrap``); refused for vehicleid.
     """
     if protocol not in PROTOCOLS:
         raise EvalError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
     if bootstrap is not None and protocol == "vehicleid":
         raise EvalError(
-            "the query bootstrap covers the sop and inshop protocols; VehicleID's figures average random "
-            "galleries (eval.vehicleid_repeats): leave out --bootstrap"
+            "the bootstrap covers the sop, inshop, verification and identification protocols; VehicleID's "
+            "figures average random galleries (eval.vehicleid_repeats): leave out --bootstrap"
         )
     if len(data.labels) < 2:
         raise EvalError(f"the test set has {len(data.labels)} image(s): retrieval needs at least 2")
     settings = _deployment_settings(deployment, ks)
     if protocol in DEPLOYMENT_PROTOCOLS:
-        return _deployment(protocol, [protocol, *_extra_groups(protocol, metrics)], data, settings)
+        groups = [protocol, *_extra_groups(protocol, metrics)]
+        return _deployment(protocol, groups, data, settings, bootstrap)
     groups = _extra_groups(protocol, metrics)  # refused before any search
     out: dict[str, Any] = _evaluate_retrieval(
         protocol,
@@ -190,7 +197,14 @@ def evaluate(
         device=device,
         bootstrap=bootstrap,
     )
-    return {**out, **_deployment(protocol, groups, data, settings)} if groups else out
+    if not groups:
+        return out
+    figures = _deployment(protocol, groups, data, settings, bootstrap)
+    if bootstrap is not None:  # one entry: Recall@k's spread over the queries, the rest over the identities
+        spreads = figures.pop("bootstrap")
+        out["bootstrap"] = {**out["bootstrap"], "over": ["queries", "identities"],
+                            "metrics": {**out["bootstrap"]["metrics"], **spreads["metrics"]}}  # fmt: skip
+    return {**out, **figures}
 
 
 def _deployment_settings(settings: DeploymentSettings | None, ks: Sequence[int] | None) -> DeploymentSettings:
@@ -211,10 +225,14 @@ def _extra_groups(protocol: str, metrics: Sequence[str]) -> list[str]:
 
 
 def _deployment(
-    protocol: str, groups: Sequence[str], data: EmbeddedSet, settings: DeploymentSettings
+    protocol: str,
+    groups: Sequence[str],
+    data: EmbeddedSet,
+    settings: DeploymentSettings,
+    bootstrap: QueryBootstrap | None = None,
 ) -> dict[str, Any]:
     try:
-        return deployment_metrics(groups, data.embeddings, data.labels, settings)
+        return deployment_metrics(groups, data.embeddings, data.labels, settings, bootstrap)
     except ValueError as exc:
         raise EvalError(f"eval.protocol={protocol}: {exc}") from exc
 

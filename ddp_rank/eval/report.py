@@ -10,9 +10,17 @@ from typing import Any
 
 from ddp_rank.atomic_io import atomic_write_text
 
-__all__ = ["bootstrap_note", "deployment_lines", "format_table", "metric_columns", "write_json"]
+__all__ = [
+    "COUNTS",
+    "bootstrap_note",
+    "deployment_lines",
+    "format_table",
+    "is_count",
+    "metric_columns",
+    "write_json",
+]
 
-_HIDDEN = (
+COUNTS = (
     "num_queries",
     "num_lone_queries",
     "num_positive_pairs",
@@ -21,8 +29,14 @@ _HIDDEN = (
     "gallery_identities",
     "num_mated_probes",
     "num_non_mated_probes",
-    "bootstrap",
 )
+"""The entries of an evaluation's metrics that are numbers of things, not rates: never shown in percent."""
+_HIDDEN = (*COUNTS, "bootstrap")
+
+
+def is_count(name: str) -> bool:
+    """Whether the metric ``name`` (``gallery_size``, ``small/num_queries``) is a count (:data:`COUNTS`)."""
+    return name.rsplit("/", 1)[-1] in COUNTS
 
 
 def metric_columns(rows: Mapping[str, Mapping[str, float]]) -> list[str]:
@@ -120,10 +134,15 @@ def bootstrap_note(metrics: Mapping[str, Any]) -> str:
     settings = metrics.get("bootstrap")
     if not settings:
         return ""
+    units = settings.get("over", ["queries"])
+    over = " and ".join(f"the {unit}" + (f" ({_OVER[unit]})" if len(units) > 1 else "") for unit in units)
     return (
-        f"± one standard error over the queries: {settings['resamples']} bootstrap resamples (seed "
+        f"± one standard error over {over}: {settings['resamples']} bootstrap resamples (seed "
         f"{settings['seed']}); 95% intervals in the results JSON"
     )
+
+
+_OVER = {"queries": "Recall@k, MAP@R", "identities": "verification, identification"}
 
 
 def write_json(results: Mapping[str, object], path: str | os.PathLike[str]) -> Path:

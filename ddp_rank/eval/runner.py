@@ -12,7 +12,7 @@ normalisation.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,6 +48,10 @@ __all__ = [
     "score",
     "vehicleid_splits",
 ]
+
+EmbeddedHook = Callable[[str, EmbeddedSet], None]
+"""Called with each split's gathered embeddings (on every rank) before they are scored: the retrieval picture
+(``ddp_rank.eval.retrieval_record``) is drawn from them."""
 
 
 def key_index(key: str) -> int:
@@ -115,9 +119,11 @@ def evaluate_model(
     num_workers: int | None = None,
     manifest: Manifest | None = None,
     bootstrap: QueryBootstrap | None = None,
+    on_embedded: EmbeddedHook | None = None,
 ) -> dict[str, Any]:
     """Recall@k / MAP@R of ``model`` on ``split`` (default ``data.test_split``) with ``eval.protocol``;
-    ``bootstrap``: with their spread over the queries (``ddp_rank.eval.bootstrap``).
+    ``bootstrap``: with their spread over the queries (``ddp_rank.eval.bootstrap``); ``on_embedded``: given
+    each embedded split (VehicleID recipe shards: each list's) before it is scored.
 
     Must be called on every rank; returns the same dict on every rank. ``manifest``: the loaded manifest of
     ``data.shards`` (the trainer passes its own, so a periodic evaluation reads no manifest); loaded once here
@@ -128,10 +134,12 @@ def evaluate_model(
         per_size = vehicleid_splits(cfg, manifest) if split is None else _vehicleid_list_split(split)
         if per_size:
             return _evaluate_vehicleid_splits(
-                model, cfg, per_size, device, autocast_dtype, num_workers, manifest
+                model, cfg, per_size, device, autocast_dtype, num_workers, manifest, on_embedded
             )
     target = split or cfg.data.test_split
     data = embed_split(model, cfg, target, device, autocast_dtype, num_workers, manifest)
+    if on_embedded is not None:
+        on_embedded(target, data)
     return score(data, cfg, device=device, bootstrap=bootstrap)
 
 
@@ -163,11 +171,14 @@ def _evaluate_vehicleid_splits(
     autocast_dtype: torch.dtype | None,
     num_workers: int | None,
     manifest: Manifest,
+    on_embedded: EmbeddedHook | None = None,
 ) -> dict[str, Any]:
     """VehicleID with one split per test list: embed each list, mark it with its size, run the protocol."""
     out: dict[str, Any] = {}
     for size, split in per_size.items():
         data = embed_split(model, cfg, split, device, autocast_dtype, num_workers, manifest)
+        if on_embedded is not None:
+            on_embedded(split, data)
         data.subset_bits = data.subset_bits | (1 << SUBSET_TOKENS.index(size))
         result = score(data, cfg, vehicleid_sizes=[size], device=device)
         out.update({k: v for k, v in result.items() if k.startswith(f"{size}/")})

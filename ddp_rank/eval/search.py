@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -66,8 +66,10 @@ class Searcher:
         checkpoint: str | None = None,
         config: str | None = None,
         device: torch.device | str | None = None,
+        max_pixels: int | None = None,
     ) -> Searcher:
-        """Load the index and the model it was exported with (or ``checkpoint`` / ``config`` if given)."""
+        """Load the index and the model it was exported with (or ``checkpoint`` / ``config`` if given);
+        ``max_pixels`` replaces the config's ``data.max_image_pixels`` for the query images."""
         from ddp_rank.eval.workflow import build_eval_model, load_run_config
 
         index = SearchIndex.load(index_dir)
@@ -86,6 +88,8 @@ class Searcher:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = precision_dtype(export.get("mixed_precision", "no"))
         searcher = cls(model, cfg, index, device, autocast_dtype=dtype)
+        if max_pixels is not None:
+            searcher.transform = replace(searcher.transform, max_pixels=max_pixels)
         probe = searcher.embed([Image.new("RGB", (cfg.data.image_size,) * 2)])
         if probe.shape[1] != index.items.dim:
             raise ValueError(
@@ -114,6 +118,20 @@ class Searcher:
             for score_row, row in zip(scores, rows)
         ]
 
+    def open_files(
+        self, paths: Sequence[str | os.PathLike[str]], skipped: list[str] | None = None
+    ) -> tuple[list[Path], list[Image.Image]]:
+        """The query files that decode (as the export decoded its images, within its pixel limit) and their
+        images. A file that does not decode raises ``SourceError`` naming it, or with a ``skipped`` list is
+        recorded there (``path: why``) and left out."""
+        kept, images = [], []
+        for p in paths:
+            image = open_image(Path(p), self.transform, skipped)
+            if image is not None:
+                kept.append(Path(p))
+                images.append(image)
+        return kept, images
+
     def search_files(self, paths: Sequence[str | os.PathLike[str]], k: int = 5) -> list[list[Hit]]:
-        """:meth:`search` for image files."""
-        return self.search([open_image(Path(p)) for p in paths], k)
+        """:meth:`search` for image files (a file that does not decode: ``SourceError`` naming it)."""
+        return self.search(self.open_files(paths)[1], k)

@@ -6,30 +6,34 @@ keys, class labels (``-1`` where a source has none), category names and subsets 
 reads its own contiguous part (a split, an image folder) or every W-th shard (URL shards), so the ranks read
 disjoint parts that cover the source once.
 
-Only images, ``.cls`` and ``.json`` are decoded (never pickles), as in the data layer.
+Only images, ``.cls`` and ``.json`` are decoded (never pickles), as in the data layer, and images only by
+``ddp_rank.data.decode`` (the pixel limit of the transform, every decoder failure named): an image file or URL
+sample that does not decode is an error naming it, or, given a ``skipped`` list (``--on-bad skip``), left out and
+recorded there as ``name: why``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from torch.utils.data import DataLoader
 
+from ddp_rank.data.decode import ImageDecodeError, decode_image, failure_reason
 from ddp_rank.data.eval_reader import EvalShards, contiguous_range
 from ddp_rank.data.loader import ignore_stop_signals
-from ddp_rank.data.transforms import TransformConfig, decode_image, normalize_batch, test_transform
+from ddp_rank.data.transforms import TransformConfig, normalize_batch, test_transform
 
 __all__ = [
     "IMAGE_EXTENSIONS",
     "ImageBatch",
     "SourceError",
+    "decode_or_skip",
     "folder_batches",
     "image_batches",
     "list_images",
@@ -102,6 +106,32 @@ def _transform_batch(images: Sequence[Image.Image], transform: TransformConfig) 
     return normalize_batch([crop(im) for im in images], transform)
 
 
+SKIP_HINT = "remove it, or pass --on-bad skip to leave such files out"
+
+
+def decode_or_skip(
+    data: bytes | None, name: str, transform: TransformConfig, skipped: list[str] | None, draft: bool = True
+) -> Image.Image | None:
+    """``data`` decoded (``None``: read the file ``name``), a JPEG at the transform's scale unless ``draft`` is
+    off; a failure raises :class:`SourceError` naming ``name``, or with a ``skipped`` list is recorded there
+    (``name: why``) and gives None."""
+    try:
+        if data is None:
+            data = Path(name).read_bytes()
+        size = transform.resize if draft else None
+        return decode_image(data, size, name=name, max_pixels=transform.max_pixels)
+    except (ImageDecodeError, OSError) as exc:
+        if isinstance(exc, ImageDecodeError):
+            why, message = exc.reason, str(exc)
+        else:  # the file itself: missing, a folder, no permission
+            why = f"cannot be read ({failure_reason(exc)})"
+            message = f"image {name} {why}"
+        if skipped is None:
+            raise SourceError(f"{message}; {SKIP_HINT}") from exc
+        skipped.append(f"{name}: {why}")
+        return None
+
+
 def image_batches(
     paths: Sequence[str | os.PathLike[str]],
     transform: TransformConfig,
@@ -117,16 +147,10 @@ def image_batches(
         chunk = []
         images = []
         for p in (Path(q) for q in paths[start : start + batch_size]):
-            try:
-                images.append(decode_image(p.read_bytes(), transform.resize))
+            image = decode_or_skip(None, str(p), transform, skipped)
+            if image is not None:
+                images.append(image)
                 chunk.append(p)
-            except Exception as exc:  # PIL raises OSError, ValueError, SyntaxError, DecompressionBombError...
-                why = bad_image_reason(exc)
-                if skipped is None:
-                    raise SourceError(
-                        f"cannot read the image {p}: {why}; remove it, or pass --on-bad skip to leave such files out"
-                    ) from exc
-                skipped.append(f"{p}: {why}")
         if not chunk:
             continue
         yield ImageBatch(
@@ -136,18 +160,6 @@ def image_batches(
             categories=[""] * len(chunk),
             subsets=[""] * len(chunk),
         )
-
-
-_OBJECT_REPR = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")
-
-
-def bad_image_reason(exc: BaseException) -> str:
-    """Why an image did not decode, in words: PIL's messages carry object reprs (``<_io.BytesIO object at
-    0x...>``) instead of the file, which the caller names."""
-    if isinstance(exc, UnidentifiedImageError):
-        return "not an image format PIL can read"
-    text = _OBJECT_REPR.sub("", str(exc)).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def folder_batches(
@@ -189,10 +201,16 @@ def _sample_fields(sample: dict[str, object]) -> tuple[bytes, int, str, str] | N
 
 
 def url_shard_batches(
-    url: str, transform: TransformConfig, batch_size: int, rank: int, world: int
+    url: str,
+    transform: TransformConfig,
+    batch_size: int,
+    rank: int,
+    world: int,
+    skipped: list[str] | None = None,
 ) -> Iterator[ImageBatch]:
     """WebDataset shards at ``url`` (brace patterns expand; http(s), s3 via the webdataset library, or local
-    paths): rank r reads shards r, r + W, ... in order. Keys are the samples' ``__key__``."""
+    paths): rank r reads shards r, r + W, ... in order. Keys are the samples' ``__key__``; a sample whose image
+    does not decode is an error, or left out and listed in ``skipped`` when one is given."""
     import webdataset as wds
 
     mine = _expand(url)[rank::world]
@@ -201,12 +219,11 @@ def url_shard_batches(
     dataset = wds.WebDataset(
         mine, shardshuffle=False, nodesplitter=lambda urls: urls, workersplitter=None, empty_check=False
     )
-    pending: list[tuple[str, bytes, int, str, str]] = []
+    pending: list[tuple[str, Image.Image, int, str, str]] = []
 
     def flush() -> ImageBatch:
-        images = [decode_image(p[1], transform.resize) for p in pending]
         return ImageBatch(
-            images=_transform_batch(images, transform),
+            images=_transform_batch([p[1] for p in pending], transform),
             keys=[p[0] for p in pending],
             labels=[p[2] for p in pending],
             categories=[p[3] for p in pending],
@@ -218,22 +235,30 @@ def url_shard_batches(
             fields = _sample_fields(sample)
             if fields is None:
                 continue
-            pending.append((str(sample["__key__"]), *fields))
+            key = str(sample["__key__"])
+            image = decode_or_skip(fields[0], key, transform, skipped)
+            if image is None:
+                continue
+            pending.append((key, image, *fields[1:]))
             if len(pending) == batch_size:
                 yield flush()
                 pending = []
+    except SourceError:
+        raise
     except (OSError, ValueError) as exc:
         raise SourceError(f"cannot read the shards at '{url}': {exc}") from exc
     if pending:
         yield flush()
 
 
-def open_image(path: str | os.PathLike[str]) -> Image.Image:
-    """One query image, decoded like the shards' images (transparency laid on white)."""
-    try:
-        return decode_image(Path(path).read_bytes())
-    except (OSError, ValueError) as exc:
-        raise SourceError(f"cannot read the image {path}: {bad_image_reason(exc)}") from exc
+def open_image(
+    path: str | os.PathLike[str], transform: TransformConfig | None = None, skipped: list[str] | None = None
+) -> Image.Image | None:
+    """One query image, decoded like the shards' images (transparency laid on white, the pixel limit of
+    ``transform``); a bad file is an error naming it, or with a ``skipped`` list recorded there (None)."""
+    return decode_or_skip(
+        None, str(path), transform or TransformConfig(), skipped, draft=transform is not None
+    )
 
 
 def pil_batch(images: Sequence[Image.Image], transform: TransformConfig) -> torch.Tensor:

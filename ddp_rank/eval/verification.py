@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_MAX_POSITIVE_PAIRS",
     "PairCounts",
     "count_pairs",
+    "figures_from_counts",
     "fpr_key",
     "verification_metrics",
 ]
@@ -75,8 +76,8 @@ class PairCounts:
     pos_ge: np.ndarray
     neg_gt: np.ndarray
     neg_ge: np.ndarray
-    num_pos: int
-    num_neg: int
+    num_pos: float
+    num_neg: float
 
 
 def _row_blocks(rows: int, cols: int, block_bytes: int) -> Iterator[tuple[int, int]]:
@@ -253,6 +254,15 @@ def verification_metrics(
     points each, or empty when undefined.
     """
     c = count_pairs(embeddings, labels, block_bytes=block_bytes, max_positive_pairs=max_positive_pairs)
+    return figures_from_counts(c, fprs)
+
+
+def figures_from_counts(
+    c: PairCounts, fprs: Sequence[float] = DEFAULT_FPRS
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metrics, curves) of :func:`verification_metrics` from the pair counts alone. The counts may be weights
+    (floats: the identity bootstrap, ``ddp_rank.eval.identity_bootstrap``, counts a pair as often as both of its
+    identities were drawn)."""
     metrics: dict[str, Any] = {fpr_key("tpr@fpr", f): _tpr_at_fpr(c, f) for f in fprs}
     curves: dict[str, Any] = {}
     if c.num_pos and c.num_neg:

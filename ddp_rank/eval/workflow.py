@@ -20,10 +20,11 @@ from ddp_rank.config import Config, ConfigError, config_from_dict, load_config, 
 from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.curves import draw_curves, split_curves
-from ddp_rank.eval.export import embed_batches_to_arrays, write_manifest, write_part
+from ddp_rank.eval.export import ExportError, embed_batches_to_arrays, write_manifest, write_part
 from ddp_rank.eval.feature_images import image_config, image_model
 from ddp_rank.eval.protocols import VEHICLEID_SIZES
 from ddp_rank.eval.report import bootstrap_note, deployment_lines, format_table, write_json
+from ddp_rank.eval.retrieval_record import RetrievalPicture
 from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
 from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
 from ddp_rank.model import RawPixels, build_model, load_model_weights, read_meta, resolve_checkpoint
@@ -131,6 +132,8 @@ class Evaluation:
     path: Path
     written: bool
     pictures: tuple[Path, ...] = ()
+    retrieval: Path | None = None
+    """``retrieval.png``: sampled queries and their top-k (None: not drawn, e.g. feature shards)."""
 
     def table(self) -> str:
         queries = int(self.metrics.get("num_queries", 0))
@@ -145,6 +148,8 @@ class Evaluation:
         lines += [f"{name}: {line}" for name, line in deployment_lines(self.metrics).items()]
         if self.pictures:
             lines.append("curves: " + ", ".join(str(p) for p in self.pictures))
+        if self.retrieval is not None:
+            lines.append(f"retrieval picture: {self.retrieval} (green: the query's class, red: another)")
         return "\n".join(lines)
 
 
@@ -158,11 +163,11 @@ def evaluate_and_record(
     bootstrap: QueryBootstrap | None = None,
 ) -> Evaluation:
     """Evaluate on every rank; rank 0 adds the result to the JSON (``output``, default OUTPUT_DIR/eval.json).
-    ``bootstrap``: each metric's spread over the queries too. Tears down the process group."""
+    ``bootstrap``: each metric's spread over the queries or identities too. Tears down the process group."""
     if bootstrap is not None and cfg.eval.protocol == "vehicleid":
         raise ConfigError(
-            "--bootstrap resamples the queries of the sop and inshop protocols; VehicleID's figures average "
-            "random galleries (eval.vehicleid_repeats): leave out --bootstrap"
+            "--bootstrap resamples the queries (sop, inshop) or the identities (verification, identification); "
+            "VehicleID's figures average random galleries (eval.vehicleid_repeats): leave out --bootstrap"
         )
     check_split(cfg, None)
     split, described = _splits_to_evaluate(cfg, split)
@@ -172,6 +177,7 @@ def evaluate_and_record(
     try:
         model, default_name = build_eval_model(cfg, checkpoint, baseline)
         model.to(accelerator.device)
+        picture = RetrievalPicture(cfg, accelerator.is_main_process)
         metrics, curves = split_curves(
             evaluate_model(
                 model,
@@ -180,11 +186,13 @@ def evaluate_and_record(
                 device=accelerator.device,
                 autocast_dtype=autocast_dtype(accelerator),
                 bootstrap=bootstrap,
+                on_embedded=picture.capture,
             )
         )
         label = name or default_name
         out_path = Path(output) if output else Path(cfg.train.output_dir) / "eval.json"
         pictures: list[Path] = []
+        retrieval = None
         if accelerator.is_main_process:
             results: dict[str, Any] = json.loads(out_path.read_text()) if out_path.is_file() else {}
             results[label] = {
@@ -197,6 +205,7 @@ def evaluate_and_record(
             }
             write_json(results, out_path)
             pictures = draw_curve_pictures(results, out_path)
+            retrieval = picture.write(label, out_path.parent, accelerator.device)
         return Evaluation(
             metrics,
             label,
@@ -205,6 +214,7 @@ def evaluate_and_record(
             out_path,
             accelerator.is_main_process,
             tuple(pictures),
+            retrieval,
         )
     finally:
         accelerator.end_training()
@@ -226,17 +236,20 @@ def export_embeddings(
     split: str | None = None,
     images: str | None = None,
     shards_url: str | None = None,
-    on_bad: str = "error",
+    on_bad: str = "skip",
 ) -> dict[str, Any]:
     """Embed the source on every rank, each writing its part; rank 0 writes ``export.json``. Tears down.
 
-    ``on_bad="skip"`` (``--images`` only) leaves unreadable image files out: each rank logs its own, and
-    ``export.json`` lists them all under ``skipped`` (``path: why``)."""
+    ``on_bad="skip"`` leaves images that do not decode out: each rank logs its own, one line per file, and
+    ``export.json`` lists those of ``--images`` and ``--shards-url`` under ``skipped`` (``name: why``; a split's
+    reader logs them, as evaluation does). ``on_bad="error"`` stops at the first, naming it (``--images`` and
+    ``--shards-url``). No embedding at all is an error: ``ExportError``, and no ``export.json`` is written."""
     if on_bad not in ("error", "skip"):
         raise ConfigError(f"--on-bad {on_bad}: valid are error, skip")
-    if on_bad == "skip" and images is None:
+    if on_bad == "error" and images is None and shards_url is None:
         raise ConfigError(
-            "--on-bad skip applies to --images (a folder of image files); shards replace unreadable samples"
+            "--on-bad error applies to --images and --shards-url: a split's images that do not decode are left "
+            "out and logged, as in evaluation; check the split first with `ddp-rank shards verify`"
         )
     if images is None and shards_url is None:
         split = split or cfg.data.test_split
@@ -269,13 +282,20 @@ def export_embeddings(
         elif source["kind"] == "images":
             batches = folder_batches(source["folder"], transform, bs, rank, world, skipped)
         else:
-            batches = url_shard_batches(source["url"], transform, bs, rank, world)
+            batches = url_shard_batches(source["url"], transform, bs, rank, world, skipped)
         dtype = autocast_dtype(accelerator)
         data = embed_batches_to_arrays(model, batches, cfg.model.embedding_dim, accelerator.device, dtype)
-        write_part(output, rank, world, data)
         for line in skipped or []:
-            log.warning(f"skipped an unreadable image: {line}")
+            log.warning(f"skipped an image that does not decode: {line}")
         every_skipped = gather_object(skipped) if skipped is not None and world > 1 else skipped
+        rows = sum(gather_object([len(data)])) if world > 1 else len(data)
+        if rows == 0:
+            left_out = f" ({len(every_skipped)} skipped: {every_skipped[0]}, ...)" if every_skipped else ""
+            raise ExportError(
+                f"exported 0 embeddings: no image could be embedded ({_describe(source)}){left_out}; "
+                "nothing written"
+            )
+        write_part(output, rank, world, data)
         accelerator.wait_for_everyone()
         manifest: dict[str, Any] = {}
         if accelerator.is_main_process:

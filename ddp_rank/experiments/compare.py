@@ -12,6 +12,7 @@ import io
 import json
 from typing import Any
 
+from ddp_rank.eval.report import is_count
 from ddp_rank.experiments.replicates import Replicates, is_replicated
 from ddp_rank.experiments.runs import RunSummary, metric_keys
 
@@ -22,7 +23,8 @@ IGNORED_KEYS = frozenset(
         "train.output_dir",
         "train.resume",
         "train.progress",
-        "train.tensorboard",
+        "train.log_with",
+        "train.tracker_project",
         "train.plots",
         "data.cache_dir",
     }
@@ -72,16 +74,17 @@ class Comparison:
             cells = [_short_name(run, self.runs), run.status]
             cells += [_text(row[key]) for key in self.keys]
             cells += [steps, _count(run.images_seen)]
-            cells.append(
-                f"{100 * best:.2f} (step {row[f'best {self.metric} step']})" if best is not None else "-"
-            )
-            cells += [_percent(row[f"last {m}"]) for m in self.metrics]
+            shown = _count(best) if is_count(self.metric) else _percent(best)
+            cells.append(f"{shown} (step {row[f'best {self.metric} step']})" if best is not None else "-")
+            cells += [
+                _count(row[f"last {m}"]) if is_count(m) else _percent(row[f"last {m}"]) for m in self.metrics
+            ]
             cells += [_duration(run.seconds), f"{run.images_per_s:.1f}" if run.images_per_s else "-"]
             lines.append("| " + " | ".join(cells) + " |")
             if run.detail and run.status != "finished":
                 notes.append(f"- {_short_name(run, self.runs)}: {run.status}: {run.detail}")
         legend = (
-            "Metrics in percent; steps done of those asked for; wall time over every start of a run (so far for "
+            "Metrics in percent (counts as such: gallery_size); steps done of those asked for; wall time over every start of a run (so far for "
             "one still running here; - where unknown: a run that died, or runs on another host)."
         )
         text = "\n".join([*lines, "", legend, *(["", *notes] if notes else [])]) + "\n"
@@ -145,8 +148,8 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
 
 
-def _count(value: int | None) -> str:
-    return "-" if value is None else f"{value:,}"
+def _count(value: float | None) -> str:
+    return "-" if value is None else f"{round(value):,}"
 
 
 def _duration(seconds: float | None) -> str:

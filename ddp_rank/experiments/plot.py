@@ -13,7 +13,7 @@ from ddp_rank.experiments.plot_points import draw_points
 from ddp_rank.experiments.replicates import Replicates, is_replicated
 from ddp_rank.experiments.runs import RunSummary
 
-__all__ = ["plot_comparison"]
+__all__ = ["plot_comparison", "plot_left_out"]
 
 
 def plot_comparison(
@@ -71,6 +71,18 @@ def plot_comparison(
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def plot_left_out(runs: list[RunSummary], metric: str) -> list[str]:
+    """``"<run>: why"`` for each of ``runs`` that :func:`plot_comparison` leaves out (it draws finished runs that
+    logged ``metric``)."""
+    lines = []
+    for run in runs:
+        if run.status != "finished":
+            lines.append(f"{run.path}: {run.status}, not finished (only finished runs are drawn)")
+        elif run.best(metric) is None:
+            lines.append(f"{run.path}: no evaluation logged {metric} (--metric picks the one drawn)")
+    return lines
 
 
 def _best(run: RunSummary, metric: str) -> float:

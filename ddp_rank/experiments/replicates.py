@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
+from ddp_rank.eval.report import is_count
 from ddp_rank.experiments.grid import REPLICATE_KEYS
 from ddp_rank.experiments.intervals import Interval, paired_t_interval
 from ddp_rank.experiments.runs import RunSummary
@@ -189,7 +190,7 @@ class Replicates:
                 finished += " (" + ", ".join(f"{n} {s}" for s, n in point.unfinished().items()) + ")"
             spread = "-" if stats["count"] < 2 else f"{_pct(stats['min'])}-{_pct(stats['max'])}"
             cells = [point.name, finished, _mean_std(stats), spread]
-            cells += [_mean_std(point.stats(x)) for x in others]
+            cells += [_mean_std(point.stats(x), is_count(x)) for x in others]
             lines.append("| " + " | ".join(cells) + " |")
         differences = self.differences()
         if differences:
@@ -260,12 +261,14 @@ def _single_difference(d: Difference, metric: str) -> float | None:
     return first - second if first is not None and second is not None else None
 
 
-def _mean_std(stats: dict[str, Any]) -> str:
+def _mean_std(stats: dict[str, Any], count: bool = False) -> str:
+    """``mean ± std (n=...)`` in percent, or as counts (``gallery_size``: a number of images, not a rate)."""
+    show = (lambda v: f"{v:,.0f}" if float(v).is_integer() else f"{v:,.1f}") if count else _pct
     if stats["count"] == 0:
         return "-"
     if stats["count"] == 1:
-        return f"{_pct(stats['mean'])} (one seed)"
-    return f"{_pct(stats['mean'])} ± {_pct(stats['std'])} (n={stats['count']})"
+        return f"{show(stats['mean'])} (one seed)"
+    return f"{show(stats['mean'])} ± {show(stats['std'])} (n={stats['count']})"
 
 
 def _pct(value: float) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_rank.file_checks import recorded_problem
+from ddp_rank.model.safe_pickles import TORCH_SUFFIXES, UnsafePickleError, load_torch_file
 
 __all__ = [
     "BEST_NAME",
@@ -46,7 +47,6 @@ BEST_NAME = "best.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
 FILES_KEY = "files"
 """The key of ``meta.json`` that records every other file of the checkpoint: ``{name: {bytes, sha256}}``."""
-_TORCH_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")
 _MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit
 
 
@@ -124,7 +124,7 @@ def _structure_problem(checkpoint: Path) -> str | None:
     for path in sorted(p for p in checkpoint.iterdir() if p.is_file()):
         if path.suffix == ".safetensors":
             problem = _safetensors_problem(path)
-        elif path.suffix in _TORCH_SUFFIXES:
+        elif path.suffix in TORCH_SUFFIXES:
             problem = _torch_zip_problem(path)
         else:
             continue
@@ -287,14 +287,14 @@ def load_model_weights(model: Any, checkpoint: str | os.PathLike[str]) -> Path:
 def _read_weights_file(path: Path) -> dict[str, Any]:
     """The state_dict in a checked ``model.safetensors`` / ``pytorch_model.bin``; what the parser still refuses
     (a file the checks could not judge) becomes a :class:`CheckpointError` naming it."""
-    import torch
-
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 
             return load_file(str(path))
-        state = torch.load(str(path), map_location="cpu", weights_only=True)
+        state = load_torch_file(path)
+    except UnsafePickleError as exc:
+        raise CheckpointError(f"checkpoint {path.parent} is refused: {exc}") from None
     except Exception as exc:
         raise CheckpointError(
             f"{path} cannot be read ({_first_line(exc)}); use another checkpoint of the run"

@@ -51,6 +51,10 @@ class FeatureHeadNet(EmbeddingNet):
         """Vectors have no channels: nothing to lay out."""
         return self
 
+    def prepare_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """Vectors need no preparation (no image normalisation): the batch as it is."""
+        return x
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.ndim != 2 or x.shape[1] != self.input_dim:
             raise ValueError(

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ddp_rank.model.checkpoints import CheckpointError, resolve_checkpoint, verify_checkpoint
+from ddp_rank.model.safe_pickles import UnsafePickleError, load_torch_file
 
 __all__ = ["InitReport", "init_from", "read_weights"]
 
@@ -89,7 +90,9 @@ def read_weights(source: str | os.PathLike[str]) -> tuple[Path, dict[str, torch.
 
             state = load_file(str(path))
         else:
-            state = torch.load(str(path), map_location="cpu", weights_only=True)
+            state = load_torch_file(path)
+    except UnsafePickleError as exc:
+        raise CheckpointError(f"model.init_from='{source}': {path.parent} is refused: {exc}") from None
     except Exception as exc:
         kind = "a safetensors" if path.suffix == ".safetensors" else "a torch weights"
         first = (str(exc).strip().splitlines() or [""])[0]

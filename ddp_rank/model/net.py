@@ -156,6 +156,7 @@ class EmbeddingNet(nn.Module):
         self.input_mean: torch.Tensor
         self.input_std: torch.Tensor
         self.channels_last = False
+        self._takes_prepared = False
 
     def use_channels_last(self) -> EmbeddingNet:
         """Lay the weights and every input out channels-last (the trainer does it for CUDA runs)."""
@@ -163,16 +164,35 @@ class EmbeddingNet(nn.Module):
         self.channels_last = True
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def prepare_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """The images as the backbone takes them: channels-last (after :meth:`use_channels_last`), uint8 turned
+        into floats, normalised with the backbone's mean and std, in the weights' dtype for uint8 input.
+
+        :meth:`forward` does this itself; the chunked step calls it once for the whole batch and runs its chunk
+        forwards under :meth:`batch_prepared`, so that the work is done once per batch, not once per chunk and
+        pass. Element by element, so a slice of the prepared batch is the prepared slice, bit for bit.
+        """
         if self.channels_last:  # before the conversion below: on uint8, a quarter of the bytes to move
             x = x.contiguous(memory_format=torch.channels_last)
         if x.dtype == torch.uint8:
             # In float32 whatever the engine's dtype, then in the weights' dtype (DeepSpeed bf16 / fp16 casts
             # the module and uses no autocast); the same float32 values as the data layer's float path.
             x = (uint8_to_unit(x) - self.input_mean.float()) / self.input_std.float()
-            x = x.to(self.head.weight.dtype)
-        else:
-            x = (x - self.input_mean.to(x.dtype)) / self.input_std.to(x.dtype)
+            return x.to(self.head.weight.dtype)
+        return (x - self.input_mean.to(x.dtype)) / self.input_std.to(x.dtype)
+
+    @contextlib.contextmanager
+    def batch_prepared(self) -> Iterator[None]:
+        """Inside, :meth:`forward` takes what :meth:`prepare_batch` returned (or rows of it) as it is."""
+        previous, self._takes_prepared = self._takes_prepared, True
+        try:
+            yield
+        finally:
+            self._takes_prepared = previous
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._takes_prepared:
+            x = self.prepare_batch(x)
         e = self.head(self.backbone(x))
         if self.normalize:
             # float32 norm: in fp16 a small row can underflow to a zero norm.

@@ -52,9 +52,10 @@ def resolve_mixed_precision(configured: str, launcher: str | None = None) -> str
     return configured
 
 
-def make_accelerator(cfg: Config) -> Any:
+def make_accelerator(cfg: Config, tracker_arguments: dict[str, Any] | None = None) -> Any:
     """An ``Accelerator`` for this machine: gloo on CPU (also under ``accelerate launch --multi_gpu`` with no
-    GPU), NCCL on GPUs, DeepSpeed when the launcher config asks for it."""
+    GPU), NCCL on GPUs, DeepSpeed when the launcher config asks for it. ``tracker_arguments``: the trainer's
+    experiment trackers (``log_with`` and the logging directory, ``ddp_rank.train.trackers``)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -73,6 +74,7 @@ def make_accelerator(cfg: Config) -> Any:
         kwargs_handlers=[
             DistributedDataParallelKwargs(find_unused_parameters=cfg.distributed.find_unused_parameters)
         ],
+        **(tracker_arguments or {}),
     )
 
 

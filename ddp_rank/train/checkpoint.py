@@ -6,7 +6,8 @@ which evaluation and export share; the names are re-exported here for the traine
 Layout under ``<output_dir>/checkpoints/``::
 
     step-00000120/          one complete checkpoint (whatever the save function writes: with accelerate, the
-        meta.json           model, optimizer, scheduler, scaler, per-rank RNG) + meta.json, written LAST, with
+        meta.json           model, optimizer, scaler, per-rank RNG; the trainer's scheduler.json and
+                            loss_state.safetensors, ``ddp_rank.train.state_files``) + meta.json, written LAST, with
                             the size and SHA-256 of every other file (``files``: what readers check first)
     .tmp-step-00000160/     a checkpoint being written (ignored, removed at the next start)
     .tmp-trash-step-*/      a checkpoint being deleted (ignored, removed at the next start)

@@ -54,6 +54,7 @@ from torch import nn
 from ddp_rank.config import Config
 from ddp_rank.model import freeze_batchnorm
 from ddp_rank.model.feature_head import example_input
+from ddp_rank.train.chunked import PreparesBatch
 from ddp_rank.train.host_memory import available_memory
 from ddp_rank.train.step_memory import FixedCosts, fixed_costs
 
@@ -152,6 +153,7 @@ def auto_chunk(
         deepspeed=deepspeed,
         extra_parameters=extra_parameters,
         input_batch_bytes=local_batch * _input_bytes(model, cfg.data.image_size),
+        prepared_batch_bytes=local_batch * prepared_input_bytes(model, cfg.data.image_size),
     )
     if local_processes is None:  # the processes of this node share its memory
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -177,6 +179,16 @@ def _input_bytes(model: nn.Module, image_size: int) -> int:
     """Bytes of one input of ``model`` as the trainer feeds it (uint8 pixels, or a feature vector)."""
     one = example_input(model, 1, image_size, torch.device("meta"))
     return one.numel() * one.element_size()
+
+
+def prepared_input_bytes(model: nn.Module, image_size: int) -> int:
+    """Bytes of one input as the chunked step keeps it prepared for both passes (a :class:`PreparesBatch` model
+    fed uint8 images: floats in the weights' dtype); 0 where nothing is prepared ahead (feature vectors, which
+    are taken as they are, or a model that prepares each chunk in its own forward)."""
+    one = example_input(model, 1, image_size, torch.device("meta"))
+    if not isinstance(model, PreparesBatch) or one.dtype != torch.uint8:
+        return 0
+    return one.numel() * next(model.parameters()).element_size()
 
 
 def choose_chunk(local_batch: int, bytes_per_image: int, budget_bytes: int) -> int | None:

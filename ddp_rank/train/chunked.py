@@ -25,6 +25,14 @@ silently computing another function. The running statistics are averaged over th
 Gradient reduction (DDP, DeepSpeed) happens once per step: ``no_sync`` wraps the forward AND backward of every
 chunk but the last, and DeepSpeed's backwards are coalesced. Mixed precision: the loss and G are float32,
 only the chunk objectives go through the engine's loss scaling, so the scale is applied exactly once.
+
+Host cost per chunk. With chunks of 32-64 images a GPU runs a chunk in a few milliseconds, so the host must
+queue chunk k + 1 while the GPU runs chunk k: nothing in the chunk loops reads a value on the host (no
+``item``, no tensor built from host values; ``tests/train/test_chunk_host_cost.py`` counts them), the inputs
+are prepared once per batch (a model with ``prepare_batch`` / ``batch_prepared``, as ``EmbeddingNet``:
+uint8 to float, normalisation, channels-last) instead of once per chunk and pass, and each pass is one autocast
+region, so that autocast casts each weight once per pass, not once per chunk (the backwards run with autocast
+off, as PyTorch asks).
 The cost is one extra no-grad forward, roughly a third of a forward + backward (``benchmarks/distributed.py``
 measures it).
 """
@@ -32,18 +40,34 @@ measures it).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ddp_rank.autocast_off import outside_autocast
 from ddp_rank.train.backends import StepBackend
 from ddp_rank.train.batchnorm import batchnorm_buffers
 from ddp_rank.train.ghost_batchnorm import GhostBatchNorm
 
+if TYPE_CHECKING:
+    from ddp_rank.train.captured_chunk import CapturedChunk
+
 LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+@runtime_checkable
+class PreparesBatch(Protocol):
+    """A model whose forward starts with per-image preparation it can do once for a whole batch
+    (``ddp_rank.model.EmbeddingNet``): ``prepare_batch(x)`` returns it done, and inside ``batch_prepared()`` the
+    forward takes such a batch (or rows of it) as it is. Any other model is called with the inputs unchanged."""
+
+    def prepare_batch(self, inputs: Tensor) -> Tensor: ...
+
+    def batch_prepared(self) -> AbstractContextManager[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -95,6 +119,7 @@ def forward_backward(
     loss_fn: LossFn,
     chunk_size: int | None = None,
     return_embeddings: bool = False,
+    captured: CapturedChunk | None = None,
 ) -> StepOutput:
     """One step's forward and backward; gradients end up where the engine's optimizer step expects them.
 
@@ -114,6 +139,7 @@ def forward_backward(
             that do not divide the chunk) is refused with a ValueError before any forward.
         return_embeddings: also return this rank's embeddings, detached (``StepOutput.embeddings``); the
             chunked path returns those of its no-grad pass, which the second pass reproduces.
+        captured: run the chunks of its shape compiled (``ddp_rank.train.captured_chunk``); None: all eager.
     """
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows or None, got {chunk_size}")
@@ -125,7 +151,7 @@ def forward_backward(
             output = _direct(backend, inputs, labels, loss_fn)
         else:
             backend.check_chunked()
-            output = _chunked(backend, inputs, labels, loss_fn, chunk_size)
+            output = _chunked(backend, inputs, labels, loss_fn, chunk_size, captured)
     backend.finish()
     return output if return_embeddings else StepOutput(output.loss, output.chunks)
 
@@ -142,23 +168,38 @@ def _direct(backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossF
 
 
 def _chunked(
-    backend: StepBackend, inputs: Tensor, labels: Tensor, loss_fn: LossFn, chunk_size: int
+    backend: StepBackend,
+    inputs: Tensor,
+    labels: Tensor,
+    loss_fn: LossFn,
+    chunk_size: int,
+    captured: CapturedChunk | None = None,
 ) -> StepOutput:
     check_batchnorm(backend.bare_module, chunk_size)
-    chunks = inputs.split(chunk_size)
     # As in the direct step: every rank starts from the same running statistics (frozen layers normalise with
     # them in both passes; DDP's broadcast of rank 0's buffers before pass 2 then changes nothing).
     backend.sync_batchnorm()
-    embeddings, states = _forward_no_grad(backend, chunks)
-    loss, cache = _build_cache(embeddings, labels, loss_fn)
-    # Pass 1 updated the running statistics of layers in train mode, group by group as a direct forward would;
-    # pass 2 must neither update them again nor let DDP replace them with rank 0's.
-    after_pass_1 = [b.clone() for b in _live_batchnorm_buffers(backend.bare_module)]
-    _forward_backward(backend, chunks, states, cache.split(chunk_size))
+    prepared, takes_prepared = _prepare_once(backend.bare_module, inputs)
+    chunks = prepared.split(chunk_size)
+    with takes_prepared:
+        embeddings, states = _forward_no_grad(backend, chunks, captured)
+        loss, cache = _build_cache(embeddings, labels, loss_fn)
+        # Pass 1 updated the running statistics of layers in train mode, group by group as a direct forward
+        # would; pass 2 must neither update them again nor let DDP replace them with rank 0's.
+        after_pass_1 = [b.clone() for b in _live_batchnorm_buffers(backend.bare_module)]
+        _forward_backward(backend, chunks, states, cache.split(chunk_size), captured)
     with torch.no_grad():
         for buffer, kept in zip(_live_batchnorm_buffers(backend.bare_module), after_pass_1):
             buffer.copy_(kept)
     return StepOutput(loss, chunks=len(chunks), embeddings=embeddings)
+
+
+def _prepare_once(module: nn.Module, inputs: Tensor) -> tuple[Tensor, AbstractContextManager[Any]]:
+    """The batch prepared once for both passes, and the context in which the model takes it so; a model
+    without :class:`PreparesBatch` gets its inputs unchanged (and prepares each chunk in its forward)."""
+    if isinstance(module, PreparesBatch):
+        return module.prepare_batch(inputs), module.batch_prepared()
+    return inputs, nullcontext()
 
 
 def check_batchnorm(module: nn.Module, chunk_size: int) -> None:
@@ -195,13 +236,18 @@ def _live_batchnorm_buffers(module: nn.Module) -> list[Tensor]:
     ]
 
 
-def _forward_no_grad(backend: StepBackend, chunks: tuple[Tensor, ...]) -> tuple[Tensor, list[RngState]]:
+def _forward_no_grad(
+    backend: StepBackend, chunks: tuple[Tensor, ...], captured: CapturedChunk | None = None
+) -> tuple[Tensor, list[RngState]]:
     """Pass 1: embeddings of every chunk without a graph, and the RNG state each chunk started from."""
     states, outputs = [], []
     with torch.no_grad(), backend.autocast():
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
             states.append(RngState.capture(chunk.device))
-            outputs.append(backend.bare_module(chunk))
+            embed: Callable[[Tensor], Tensor] = backend.bare_module
+            if captured is not None:
+                embed = captured.module_for(backend, chunk, last=i == len(chunks) - 1, grad=False)
+            outputs.append(embed(chunk))
     return torch.cat(outputs), states
 
 
@@ -218,20 +264,33 @@ def _build_cache(embeddings: Tensor, labels: Tensor, loss_fn: LossFn) -> tuple[T
 
 
 def _forward_backward(
-    backend: StepBackend, chunks: tuple[Tensor, ...], states: list[RngState], grads: tuple[Tensor, ...]
+    backend: StepBackend,
+    chunks: tuple[Tensor, ...],
+    states: list[RngState],
+    grads: tuple[Tensor, ...],
+    captured: CapturedChunk | None = None,
 ) -> None:
     """Pass 2: re-embed each chunk from its recorded RNG state and backpropagate its slice of G.
 
     Gradient reduction is skipped for every chunk but the last, forward included (DDP decides at forward
     time whether the coming backward reduces), so each step reduces once.
+
+    One autocast region for the whole pass: autocast keeps the low-precision copy of each weight until its
+    outermost region ends, so the weights are cast once per pass instead of once per chunk (the copies carry
+    their cast in the graph, so every chunk's backward still reaches the float32 weights). The backwards run
+    with autocast off, as PyTorch asks; turning it off inside the region keeps the cached copies.
     """
     last = len(chunks) - 1
-    for i, (chunk, state, grad) in enumerate(zip(chunks, states, grads)):
-        sync = backend.no_sync() if i < last else nullcontext()
-        with sync, state.replay():
-            with backend.autocast():
-                embeddings = backend.model(chunk)
-            backend.backward((embeddings.to(grad.dtype) * grad).sum())
+    with backend.autocast():
+        for i, (chunk, state, grad) in enumerate(zip(chunks, states, grads)):
+            sync = backend.no_sync() if i < last else nullcontext()
+            embed: Callable[[Tensor], Tensor] = backend.model
+            if captured is not None:
+                embed = captured.module_for(backend, chunk, last=i == last, grad=True)
+            with sync, state.replay():
+                embeddings = embed(chunk)
+                with outside_autocast(chunk.device):
+                    backend.backward((embeddings.to(grad.dtype) * grad).sum())
 
 
 def _scalar(loss: Tensor) -> Tensor:

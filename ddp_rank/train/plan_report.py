@@ -23,7 +23,7 @@ from ddp_rank.model.feature_head import example_input
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.shards import check_model_input, model_input_dim
-from ddp_rank.train.chunk_choice import auto_chunk, measure_activation_bytes
+from ddp_rank.train.chunk_choice import auto_chunk, measure_activation_bytes, prepared_input_bytes
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.pml_loss import GENERIC_MATRICES, PML_PREFIX, generic_work_space
 from ddp_rank.train.setup import build_loss
@@ -169,6 +169,7 @@ def _auto_chunk(
         fixed = fixed_costs(
             model, cfg.optim.name, cfg.optim.momentum, world_size, where, database + work_bytes,
             input_batch_bytes=inputs.numel() * inputs.element_size(),
+            prepared_batch_bytes=layout.local_batch * prepared_input_bytes(model, cfg.data.image_size),
         )  # fmt: skip
         return None, (
             f"{format_bytes(probe.per_image)} of activations per image ({probe.how}, on this CPU); fixed "

@@ -8,6 +8,7 @@ continue (``Trainer.resume`` / ``state_dict`` / ``load_state_dict`` call them).
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,10 +21,18 @@ from ddp_rank.model.checkpoints import (
     resolve_checkpoint,
     verify_checkpoint,
 )
+from ddp_rank.model.safe_pickles import (
+    RNG_STATE_TYPES,
+    deepspeed_types,
+    refusal_detail,
+    unsafe_files,
+    weights_only_loads,
+)
 from ddp_rank.runtime.data_setup import data_seed
 from ddp_rank.train.checkpoint import check_world_size
 from ddp_rank.train.optim import lr_factor
 from ddp_rank.train.resume_check import describe_changes, resume_changes, tensor_changes
+from ddp_rank.train.state_files import accelerate_view, load_state_files
 
 if TYPE_CHECKING:
     from ddp_rank.train.trainer import Trainer
@@ -115,6 +124,7 @@ def resume(trainer: Trainer) -> Path | None:
     if path is None:
         return None
     meta = read_meta(path)
+    _refuse_unsafe_files(trainer, path)
     force = trainer.cfg.train.force_resume
     # Only DeepSpeed's partitioned optimizer state ties a checkpoint to its world size: the data plan does not.
     check_world_size(meta, trainer.world_size, force or not trainer.deepspeed, str(path))
@@ -176,17 +186,50 @@ def _intact_latest(trainer: Trainer) -> Path | None:
 
 
 def _load_accelerate_state(trainer: Trainer, path: Path) -> None:
-    """``accelerator.load_state`` of a checked checkpoint; what a parser still refuses (a file the checks could
-    not judge: a checkpoint of an older version) becomes one line naming the checkpoint."""
+    """``accelerator.load_state`` of a checked checkpoint, then the state the trainer writes itself
+    (``ddp_rank.train.state_files``); what a parser still refuses (a file the checks could not judge: a
+    checkpoint of an older version) becomes one line naming the checkpoint.
+
+    accelerate's and DeepSpeed's own ``torch.load`` calls run weights-only, with the types of
+    :func:`_allowed_types` (:func:`_refuse_unsafe_files` has scanned every torch file before).
+    """
     try:
-        trainer.accelerator.load_state(str(path))
+        with weights_only_loads(_allowed_types(trainer)), accelerate_view(path) as folder:
+            trainer.accelerator.load_state(str(folder))
     except Exception as exc:
-        lines = str(exc).strip().splitlines()
-        detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
         raise CheckpointError(
-            f"checkpoint {path} cannot be loaded ({detail}); resume from another one with train.resume=<a step-* "
-            "directory>, or move it aside"
+            f"checkpoint {path} cannot be loaded ({_load_error(exc)}); resume from another one with "
+            "train.resume=<a step-* directory>, or move it aside"
         ) from exc
+    load_state_files(path, trainer.scheduler, trainer.loss_state)
+
+
+def _allowed_types(trainer: Trainer) -> list[Any]:
+    """The types beyond torch's defaults a checkpoint of this run may hold: numpy's random state, and DeepSpeed's
+    own classes under DeepSpeed (``ddp_rank.model.safe_pickles``)."""
+    return [*RNG_STATE_TYPES, *(deepspeed_types() if trainer.deepspeed else [])]
+
+
+def _refuse_unsafe_files(trainer: Trainer, path: Path) -> None:
+    """No file of a checkpoint is unpickled without restriction: every torch file in it is scanned before
+    anything reads it, and refused by name when it names a function or class outside :func:`_allowed_types`.
+
+    Why a scan besides the weights-only loads: it names the file and the culprit in one line, and accelerate
+    skips random states it cannot read with no more than an info line (the run would resume with other random
+    numbers). The weights-only loads stop what a static scan cannot see."""
+    problem = unsafe_files(path, _allowed_types(trainer))
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint {path} is refused: {problem}; resume from a checkpoint you trust, or start afresh"
+        )
+
+
+def _load_error(exc: BaseException) -> str:
+    """One line for a failed ``load_state``; a weights-only refusal by the line that names what was refused."""
+    if isinstance(exc, pickle.UnpicklingError):
+        return refusal_detail(exc)
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _abandon_later_checkpoints(trainer: Trainer, meta: dict[str, Any]) -> None:

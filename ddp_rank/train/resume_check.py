@@ -112,9 +112,13 @@ def saved_shapes(checkpoint: str | os.PathLike[str]) -> dict[str, tuple[int, ...
             for k in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 shapes[k] = tuple(f.get_slice(k).get_shape())
     elif pt.is_file():
-        import torch
+        from ddp_rank.model.checkpoints import CheckpointError
+        from ddp_rank.model.safe_pickles import UnsafePickleError, load_torch_file
 
-        state = torch.load(str(pt), map_location="cpu", weights_only=True, mmap=True)
+        try:
+            state = load_torch_file(pt, mmap=True)
+        except UnsafePickleError as exc:
+            raise CheckpointError(f"checkpoint {checkpoint} is refused: {exc}") from None
         shapes = {k: tuple(v.shape) for k, v in state.items()}
     else:
         return None

@@ -1,4 +1,4 @@
-"""Run outputs written by rank 0: metrics JSONL, optional TensorBoard, PNG plots, a markdown summary.
+"""Run outputs written by rank 0: metrics JSONL (mirrored to the experiment trackers), PNG plots, a summary.
 
 ``metrics.jsonl`` holds one JSON object per line: ``{"kind": "train", "step": ..., "loss": ..., "lr": ...,
 "images_per_s": ..., "data_replaced_classes": ...}`` every ``train.log_every`` steps (the data events counted
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +25,18 @@ __all__ = ["MetricsLogger", "read_metrics", "write_plots", "write_summary"]
 
 
 class MetricsLogger:
-    """Append-only JSONL metrics (flushed every line, so a killed run keeps what it logged) + TensorBoard."""
+    """Append-only JSONL metrics (flushed every line, so a killed run keeps what it logged), each record's
+    numbers also handed to ``trackers(kind, step, values)`` (the run's experiment trackers,
+    ``ddp_rank.train.trackers``)."""
 
     def __init__(
-        self, path: str | os.PathLike[str], tensorboard_dir: str | os.PathLike[str] | None = None
+        self,
+        path: str | os.PathLike[str],
+        trackers: Callable[[str, int, dict[str, float]], None] | None = None,
     ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tb: Any = None
-        if tensorboard_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as exc:
-                raise RuntimeError(
-                    "train.tensorboard=true needs the tensorboard package: pip install tensorboard "
-                    "(or train.tensorboard=false)"
-                ) from exc
-            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+        self._trackers = trackers
 
     def truncate_after(self, step: int) -> int:
         """Drop the records of steps > ``step`` (a resumed run logs them again); returns how many were dropped."""
@@ -62,21 +57,27 @@ class MetricsLogger:
         return dropped
 
     def log(self, kind: str, step: int, values: Mapping[str, Any]) -> None:
-        """Append one record (numbers, and lists such as the data layer's bad shards) and mirror its numbers
-        to TensorBoard as ``kind/name``."""
+        """Append one record (numbers, and lists such as the data layer's bad shards) and hand its finite
+        numbers to the trackers."""
         rec = {"kind": kind, "step": int(step), **{k: _plain(v) for k, v in values.items()}}
         with self.path.open("a") as fh:
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
-        if self._tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and math.isfinite(float(v)):
-                    self._tb.add_scalar(f"{kind}/{k}", float(v), int(step))
+        if self._trackers is not None:
+            numbers = {
+                k: float(v)
+                for k, v in rec.items()
+                if k not in ("kind", "step")
+                and isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and math.isfinite(float(v))
+            }
+            self._trackers(kind, int(step), numbers)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        """Nothing of its own stays open (each record is written and closed); the trackers end with the
+        accelerator (``end_training``)."""
+        self._trackers = None
 
 
 def _plain(v: Any) -> Any:

@@ -20,11 +20,14 @@ import torch
 from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.config import Config, save_config, to_dict
 from ddp_rank.data.batch import DataEvents
+from ddp_rank.data.manifest import Manifest
 from ddp_rank.eval.curves import draw_curves, split_curves
 from ddp_rank.eval.report import deployment_lines, format_table
+from ddp_rank.eval.retrieval_record import RetrievalPicture
 from ddp_rank.train.console import StepLine, peak_memory
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.run_outputs import MetricsLogger, read_metrics, write_plots, write_summary
+from ddp_rank.train.trackers import log_metrics, log_picture, start_trackers
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +66,20 @@ class StepResult:
 class RunReport:
     """The reporting of one training process (``is_main``: rank 0, which writes and prints)."""
 
-    def __init__(self, cfg: Config, layout: BatchLayout, device: torch.device, is_main: bool) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        layout: BatchLayout,
+        device: torch.device,
+        is_main: bool,
+        accelerator: Any = None,
+        manifest: Manifest | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.accelerator = accelerator
+        """Its trackers (``train.log_with``) receive the metrics and pictures; None: no tracker."""
+        self.picture = RetrievalPicture(cfg, is_main, manifest)
+        """Pass ``picture.capture`` to the evaluation: each evaluation then draws retrieval.png."""
         self.layout = layout
         self.device = device
         self.is_main = is_main
@@ -93,9 +108,12 @@ class RunReport:
             f"{self.device.type}, global batch {self.layout.describe()} into {self.out_dir}"
         )
         self._write_config(step)
+        acc = self.accelerator if self.cfg.train.log_with else None
+        if acc is not None:
+            start_trackers(acc, self.cfg)
         self.logger = MetricsLogger(
             self.out_dir / "metrics.jsonl",
-            self.out_dir / "tensorboard" if self.cfg.train.tensorboard else None,
+            None if acc is None else lambda kind, step, values: log_metrics(acc, kind, step, values),
         )
         # A resumed run drops what the killed one logged after its checkpoint; a fresh one starts empty.
         self.logger.truncate_after(step if resumed else -1)
@@ -178,6 +196,9 @@ class RunReport:
         metrics, curves = split_curves(metrics)
         if self.logger is not None:
             self.logger.log("eval", step, metrics)
+        picture = self.picture.write(f"step {step}", self.out_dir, self.device) if self.is_main else None
+        if picture is not None:
+            self._log_picture("retrieval", picture, step)
         if self.is_main and curves:
             saved = read_curves(self.out_dir)
             saved[f"step {step}"] = curves
@@ -205,6 +226,8 @@ class RunReport:
         records = read_metrics(self.out_dir / "metrics.jsonl")
         plots = write_plots(records, self.out_dir) if self.cfg.train.plots else []
         plots += self._curve_plots()
+        for plot in plots:
+            self._log_picture(plot.stem, plot, summary["steps"])
         evals = [r for r in records if r.get("kind") == "eval"]
         tables = {}
         if evals:
@@ -246,6 +269,10 @@ class RunReport:
             tables=tables,
             plots=plots,
         )
+
+    def _log_picture(self, name: str, path: Path, step: int) -> None:
+        if self.accelerator is not None and self.cfg.train.log_with:
+            log_picture(self.accelerator, list(self.cfg.train.log_with), name, path, step)
 
     def _curve_plots(self) -> list[Path]:
         """roc.png, det.png, pr.png, cmc.png of the first and the last evaluation (``train.plots``)."""

@@ -18,6 +18,9 @@ DDP has no buckets), so they are counted from the parameters and the run's setti
   of query rows of the loss's own chunk plan (``ListwiseLoss.work_space``);
 - input batches: the local batch in the model's input form (uint8 pixels, or feature vectors), twice: the device
   feed copies the next batch while the step computes (``ddp_rank.train.device_feed``);
+- the prepared batch: the chunked step converts and normalises the local batch's images once for both passes
+  (``EmbeddingNet.prepare_batch``: floats in the weights' dtype, four times the uint8 bytes in float32) and holds
+  them for the step;
 - workspaces: what the probe's step held beyond its gradients that does not grow with the batch (cuDNN and cuBLAS
   workspaces, autocast's copies of the weights), measured on a GPU (0 on CPU, where saved weights are the
   parameters themselves).
@@ -50,6 +53,7 @@ class FixedCosts:
     optimizer_state: int = 0
     loss_work_space: int = 0
     input_batches: int = 0
+    prepared_batch: int = 0
     workspaces: int = 0
 
     @property
@@ -60,8 +64,14 @@ class FixedCosts:
     def not_yet_allocated(self) -> int:
         """What the confirmation step must hold aside to stand for the parts a first step allocates later than
         its backward: the optimizer's state (its first update), the loss's work space, NCCL's buffers, the input
-        batches (the trial makes only its own rows)."""
-        return self.optimizer_state + self.loss_work_space + self.collective_buffers + self.input_batches
+        batches and the prepared batch (the trial makes only its own rows)."""
+        return (
+            self.optimizer_state
+            + self.loss_work_space
+            + self.collective_buffers
+            + self.input_batches
+            + self.prepared_batch
+        )
 
     def with_workspaces(self, workspaces: int) -> FixedCosts:
         return replace(self, workspaces=max(int(workspaces), 0))
@@ -86,11 +96,13 @@ def fixed_costs(
     deepspeed: bool = False,
     extra_parameters: int = 0,
     input_batch_bytes: int = 0,
+    prepared_batch_bytes: int = 0,
 ) -> FixedCosts:
     """The :class:`FixedCosts` of training ``model`` with ``optimizer`` (``adam`` / ``adamw`` / ``sgd`` and its
     ``momentum``) on ``world_size`` processes; ``extra_parameters``: bytes of trainable parameters outside the
     model (a proxy loss's proxies), which have gradients and optimizer state too; ``input_batch_bytes``: one
-    local batch as the model takes it (held twice)."""
+    local batch as the model takes it (held twice); ``prepared_batch_bytes``: the chunked step's prepared copy of
+    it (held once)."""
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     trainable += extra_parameters
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) + extra_parameters
@@ -103,6 +115,7 @@ def fixed_costs(
         optimizer_state=optimizer_state_copies(optimizer, momentum) * trainable,
         loss_work_space=loss_work_space,
         input_batches=2 * input_batch_bytes,
+        prepared_batch=prepared_batch_bytes,
     )
 
 

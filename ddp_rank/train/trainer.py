@@ -43,6 +43,7 @@ from ddp_rank.train.auto_chunk import choose_chunk_for_run, confirm_chunk_for_ru
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batches import TrainBatches
 from ddp_rank.train.batchnorm import match_batchnorm_buffers_to_weights, sync_batchnorm_buffers
+from ddp_rank.train.captured_chunk import captured_chunk_for
 from ddp_rank.train.checkpoint import CheckpointManager
 from ddp_rank.train.chunked import forward_backward
 from ddp_rank.train.layout import BatchLayout
@@ -66,6 +67,8 @@ from ddp_rank.train.setup import (
     configure_deepspeed,
     uses_deepspeed,
 )
+from ddp_rank.train.state_files import save_state_files
+from ddp_rank.train.trackers import tracker_arguments
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,9 @@ class Trainer:
         self.manifest = check_inputs(cfg)
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
         set_deterministic(cfg.train.deterministic, cfg.train.deterministic_fill)
-        self.accelerator = acc = accelerator if accelerator is not None else make_accelerator(cfg)
+        self.accelerator = acc = (
+            accelerator if accelerator is not None else make_accelerator(cfg, tracker_arguments(cfg))
+        )
         self.world_size = acc.num_processes
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
@@ -134,15 +139,21 @@ class Trainer:
         self.model, self.optimizer = acc.prepare(model, optimizer)
         if self.deepspeed:
             match_batchnorm_buffers_to_weights(self.model)
-        acc.register_for_checkpointing(self.scheduler)
-        if self.loss_parameters:  # saved and resumed with the run (custom_checkpoint_1 in each checkpoint)
-            acc.register_for_checkpointing(training_loss.loss)
+        # The scheduler and a loss's own parameters are saved by the trainer as JSON and safetensors
+        # (ddp_rank.train.state_files), not registered with accelerate, which unpickles those without restriction.
+        self.loss_state = training_loss.loss if self.loss_parameters else None
         self.backend = backend_for_accelerator(acc, self.model)
         if choice is not None:  # the model is on its device now: one real step confirms the chunk
             self.layout = confirm_chunk_for_run(
                 cfg, self.layout, choice, self.backend, self.device, self.deepspeed, self.is_main
             )
-        self.report = RunReport(cfg, self.layout, self.device, self.is_main)
+        try:  # after the chunk is final: the captured chunk compiles for its shape on the first step
+            self.captured = captured_chunk_for(
+                self.backend, self.layout.chunk_size, cfg.distributed.capture_chunk
+            )
+        except ValueError as exc:
+            raise TrainError(str(exc)) from None
+        self.report = RunReport(cfg, self.layout, self.device, self.is_main, acc, self.manifest)
         if self.is_main:
             log.info(f"BatchNorm: {self.layout.batchnorm.describe(self.layout.local_batch)}")
         for note in notes:
@@ -216,8 +227,9 @@ class Trainer:
             freeze_batchnorm(self.model)
         try:
             out = forward_backward(
-                self.backend, batch.images, batch.labels, self.loss_fn, self.layout.chunk_size
-            )
+                self.backend, batch.images, batch.labels, self.loss_fn, self.layout.chunk_size,
+                captured=self.captured,
+            )  # fmt: skip
         except (ValueError, RankFailure) as exc:
             # Raised on every rank alike by the loss layer: NaN / Inf embeddings (the network diverged), or an
             # exception inside the loss on some rank (its message names the rank).
@@ -272,6 +284,8 @@ class Trainer:
 
     def _save_state(self, directory: Path) -> None:
         self.accelerator.save_state(str(directory))
+        if self.is_main:
+            save_state_files(directory, self.scheduler, self.loss_state)
         if self.deepspeed:
             # DeepSpeed keeps weights in its own layout; also write plain weights so `ddp-rank eval` can load them
             # (ZeRO-1/2 do not partition parameters, so every rank holds them all).
@@ -293,6 +307,7 @@ class Trainer:
                 autocast_dtype=autocast_dtype(self.accelerator),
                 num_workers=self.cfg.data.num_workers,
                 manifest=self.manifest,
+                on_embedded=self.report.picture.capture,
             )
 
     def _maybe_best(self, metrics: dict[str, Any]) -> None:

@@ -317,8 +317,8 @@ def test_the_parts_measure_what_the_issue_asks(tmp_path: Path, monkeypatch: pyte
     gpu_check.part_train(gpu_check.Part("train", tmp_path))
     (train,) = commands
     assert " ".join(train).endswith(
-        "--backbone resnet50 --image-size 224 --batch 256 --chunk 64 --precision bf16 --processes 1 "
-        f"--deterministic --steps 8 --repeats 1 --json {tmp_path / 'train.json'}"
+        "--backbone resnet50 --image-size 224 --batch 256 --chunk 64,32,128 --capture graphs --capture-chunks 32 "
+        f"--precision bf16 --processes 1 --deterministic --steps 8 --repeats 1 --json {tmp_path / 'train.json'}"
     )
     commands.clear()
     gpu_check.part_tests(gpu_check.Part("tests", tmp_path))
@@ -689,3 +689,58 @@ def test_make_gpu_check_uses_the_projects_venv_when_there_is_one(tmp_path: Path,
     ).stdout  # fmt: skip
     command = next(line for line in out.splitlines() if "gpu_check.py" in line)
     assert command.split()[0] == (".venv/bin/python" if venv else "python3"), command
+
+
+# ----------------------------------------------------------------------------------------- syncs
+def test_the_syncs_part_runs_its_check_and_keeps_the_trace_beside_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The part's own command, run here on the CPU with a small model (the host reads standing in for the debug
+    mode's synchronisations): every one listed with its place, none in the chunk loop, the trace written
+    gzipped where the report goes."""
+    import gzip
+
+    commands: list[list[str]] = []
+
+    def run_on_cpu(self: Any, cmd: list[str], share: float = 1.0, env: Any = None) -> int:
+        small = ["--device", "cpu", "--backbone", "tiny_cnn", "--image-size", "16", "--batch", "16", "--chunk", "4"]
+        commands.append(cmd)
+        return subprocess.run([*cmd, *small], cwd=REPO, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              timeout=300).returncode  # fmt: skip
+
+    monkeypatch.setattr(gpu_check.Part, "run", run_on_cpu)
+    results = tmp_path / "results"
+    results.mkdir()
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    body, verdicts = gpu_check.part_syncs(gpu_check.Part("syncs", scratch, artefacts=results))
+    (cmd,) = commands
+    assert cmd[1] == "benchmarks/sync_check.py" and "--device" not in cmd, "the GPU run takes the defaults"
+    assert _status(verdicts, "no synchronisation inside the chunk loop") == targets.PASS
+    assert "IN THE CHUNK LOOP" not in body and "benchmarks/sync_check.py" in body, body
+    assert "ddp_rank/train/chunked.py" not in body
+    (trace,) = results.glob("syncs-trace-*.json.gz")
+    assert "traceEvents" in json.loads(gzip.decompress(trace.read_bytes()))
+    assert _status(verdicts, "trace of two steps") == targets.INFO
+
+
+def test_a_synchronisation_in_the_chunk_loop_fails_the_syncs_part() -> None:
+    record = {"setup": "s", "chunks": 4, "trace": "t.json.gz", "trace_sync_calls": {"cudaStreamSynchronize": 8},
+              "syncs": [{"kind": "cudaMemcpy", "place": "ddp_rank/data/transforms.py:268 in uint8_to_unit",
+                         "in_loop": True, "stack": []},
+                        {"kind": "item", "place": "x.py:1 in step", "in_loop": False, "stack": []}]}  # fmt: skip
+    verdicts = targets.syncs_verdicts(record)
+    loop = next(v for v in verdicts if "inside the chunk loop" in v.target)
+    assert loop.status == targets.FAIL and "transforms.py:268" in loop.detail
+    assert "cudaStreamSynchronize x 8" in _status_detail(verdicts, "trace")
+    body = gpu_check._syncs_lines(record)
+    assert body.splitlines()[0].endswith("(IN THE CHUNK LOOP)"), "the loop's first"
+    assert targets.failed(verdicts)
+    assert {v.status for v in targets.syncs_verdicts(None)} == {targets.NOT_MEASURED}
+    broken = targets.syncs_verdicts({"error": "RuntimeError: CUDA error"})
+    assert "CUDA error" in broken[0].detail and targets.failed(broken)
+
+
+def _status_detail(verdicts: list[Any], fragment: str) -> str:
+    (match,) = [v for v in verdicts if fragment in v.target]
+    return match.detail

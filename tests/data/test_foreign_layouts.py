@@ -76,6 +76,7 @@ def _images_by_class(manifest: Manifest) -> dict[str, list[str]]:
         ("shuffled", "cls"),
         ("shuffled", "json"),
         ("shuffled", "key"),
+        ("shuffled", "txt"),
         ("sorted", "cls"),
         ("interleaved", "json"),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tarfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from ddp_rank.eval.search import Searcher
 from ddp_rank.eval.vector_index import IndexSpec, SearchIndex
 from ddp_rank.eval.workflow import build_eval_model, load_run_config
 from ddp_rank.train.trainer import run_training
+from tests.helpers.image_fuzz import fuzz_cases, legitimate_images, png_bomb
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards, launch
 
 pytest.importorskip("faiss")
@@ -175,8 +177,8 @@ def test_export_of_an_image_folder(tiny: dict[str, Path]) -> None:
 def test_export_of_an_image_folder_with_unreadable_files(
     tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    """``--on-bad error`` (the default) stops at the first unreadable file, naming it without an object repr;
-    ``--on-bad skip`` leaves them out and lists them in export.json."""
+    """``--on-bad skip`` (the default) leaves them out, one line each, and lists them in export.json;
+    ``--on-bad error`` stops at the first, naming it without an object repr."""
     import shutil
 
     images = tmp_path / "images"
@@ -184,21 +186,109 @@ def test_export_of_an_image_folder_with_unreadable_files(
     (images / "broken.png").write_bytes(b"not a png")
     good = images / "0001.png"
     (images / "cut.png").write_bytes(good.read_bytes()[:40])
+    (images / "bomb.png").write_bytes(png_bomb(20000, 20000))
     args = ["export", "--checkpoint", str(tiny["run"]), "--images", str(images)]
-    assert main([*args, "--output", str(tmp_path / "stop")]) == 2
+    assert main([*args, "--output", str(tmp_path / "stop"), "--on-bad", "error"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"cannot read the image {images / 'broken.png'}" in err[0], err
+    assert len(err) == 1 and f"image {images / 'bomb.png'} does not decode: 20000 x 20000" in err[0], err
     assert "0x" not in err[0] and "--on-bad skip" in err[0]
-    assert main([*args, "--output", str(tmp_path / "skip"), "--on-bad", "skip"]) == 0
-    assert "skipped 2 unreadable file(s)" in capsys.readouterr().out
+    assert not (tmp_path / "stop" / "export.json").exists()
+    assert main([*args, "--output", str(tmp_path / "skip")]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 3 unreadable file(s)" in captured.out
+    bad = [line for line in captured.err.splitlines() if "skipped an image that does not decode" in line]
+    assert len(bad) == 3 and all(str(images) in line for line in bad), captured.err
     export = load_export(tmp_path / "skip")
     assert sorted(export.keys.tolist()) == sorted(p.name for p in images.glob("0*.png"))
     skipped = json.loads((tmp_path / "skip" / "export.json").read_text())["skipped"]
-    assert [line.split(":")[0] for line in skipped] == [str(images / "broken.png"), str(images / "cut.png")]
+    names = ("bomb.png", "broken.png", "cut.png")
+    assert [line.split(":")[0] for line in skipped] == [str(images / n) for n in names]
     assert all("0x" not in line for line in skipped)
     assert main(["export", "--checkpoint", str(tiny["run"]), "--output", str(tmp_path / "x"), "--on-bad",
-                 "skip"]) == 2  # fmt: skip
-    assert "--on-bad skip applies to --images" in capsys.readouterr().err
+                 "error"]) == 2  # fmt: skip
+    assert "--on-bad error applies to --images and --shards-url" in capsys.readouterr().err
+
+
+def test_export_of_nothing_readable_is_an_error(
+    tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Every file bad (or over ``--max-image-pixels``): exit 2 with one line, and no export.json."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for n in range(2):
+        (images / f"{n}.png").write_bytes(b"not a png")
+    args = ["export", "--checkpoint", str(tiny["run"]), "--images"]
+    assert main([*args, str(images), "--output", str(tmp_path / "none")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "ddp-rank export: error" in line]
+    assert len(err) == 1 and "exported 0 embeddings" in err[0] and "2 skipped" in err[0], err
+    assert not (tmp_path / "none" / "export.json").exists()
+    folder = str(tiny["images"] / "cat0" / "cls0_0")  # 16 x 16 images: 256 pixels
+    assert main([*args, folder, "--output", str(tmp_path / "small"), "--max-image-pixels", "255"]) == 2
+    assert "16 x 16 = 256 pixels is over the limit of 255" in capsys.readouterr().err
+    assert main([*args, folder, "--output", str(tmp_path / "fits"), "--max-image-pixels", "256"]) == 0
+    assert len(load_export(tmp_path / "fits")) == 4
+
+
+def test_export_of_url_shards_skips_or_stops_at_a_bad_sample(
+    tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    import webdataset as wds
+
+    shard = tmp_path / "q-000000.tar"
+    with wds.TarWriter(str(shard)) as sink:
+        for n, path in enumerate(sorted((tiny["images"] / "cat0" / "cls0_0").glob("*.png"))):
+            sink.write({"__key__": f"good{n}", "png": path.read_bytes()})
+        sink.write({"__key__": "bomb", "png": png_bomb(20000, 20000)})
+    args = ["export", "--checkpoint", str(tiny["run"]), "--shards-url", str(shard)]
+    assert main([*args, "--output", str(tmp_path / "skip")]) == 0
+    capsys.readouterr()
+    assert sorted(load_export(tmp_path / "skip").keys.tolist()) == [f"good{n}" for n in range(4)]
+    (skipped,) = json.loads((tmp_path / "skip" / "export.json").read_text())["skipped"]
+    assert skipped.startswith("bomb: 20000 x 20000 = 400,000,000 pixels is over the limit")
+    assert main([*args, "--output", str(tmp_path / "stop"), "--on-bad", "error"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "image bomb does not decode: 20000 x 20000" in err[0], err
+
+
+@pytest.fixture(scope="module")
+def flat_index(tiny: dict[str, Path]) -> Path:
+    out = tiny["root"] / "index-for-search"
+    assert main(["index", str(tiny["export"]), "--kind", "flat", "--output", str(out)]) == 0
+    return out
+
+
+def test_search_of_fuzzed_queries_answers_each_or_names_it(
+    flat_index: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Mutated JPEG, PNG and WebP queries (tests/helpers/image_fuzz.py): each is answered or named in one
+    line (the default ``--on-bad skip``), quickly; ``--on-bad error`` stops at the first with one line."""
+    cases = fuzz_cases(mutations_per_image=2)
+    paths = []
+    for i, case in enumerate(cases):
+        paths.append(tmp_path / f"{i:03d}-{case.name}.{case.ext}")
+        paths[-1].write_bytes(case.data)
+    capsys.readouterr()
+    start = time.perf_counter()
+    assert main(["search", str(flat_index), *map(str, paths), "-k", "2"]) == 0
+    assert time.perf_counter() - start < 30
+    captured = capsys.readouterr()
+    for line in captured.err.splitlines():
+        assert line.startswith("ddp-rank search: skipped ") and "Traceback" not in line, line
+    skipped = {line.split(" ")[3].rstrip(":") for line in captured.err.splitlines()}
+    answered = {line for line in captured.out.splitlines() if not line.startswith(" ")}
+    assert skipped | answered == {str(p) for p in paths} and not skipped & answered
+    assert {str(p) for p, c in zip(paths, cases) if c.must_fail} <= skipped
+    legitimate = {c.name for c in legitimate_images()}
+    assert {str(p) for p, c in zip(paths, cases) if c.name in legitimate} <= answered
+    bomb = next(p for p, c in zip(paths, cases) if c.name == "bomb-20000")
+    good = paths[0]
+    assert main(["search", str(flat_index), str(good), str(bomb), "--on-bad", "error"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"image {bomb} does not decode: 20000 x 20000" in err[0], err
+    assert main(["search", str(flat_index), str(bomb), "--max-image-pixels", "100"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "ddp-rank search: error: no query image decodes (1 skipped)", err
+    assert "over the limit of 100 " in err[0]
 
 
 def test_serve_refuses_a_folder_that_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

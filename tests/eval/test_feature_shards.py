@@ -344,3 +344,31 @@ def test_a_malformed_record_and_bad_build_input_get_one_line(
         captured = capsys.readouterr()
         assert message in captured.err + captured.out
         assert "Traceback" not in captured.err
+
+
+def test_an_image_that_does_not_decode_stops_the_build_by_name(tmp_path: Path, capsys: Any) -> None:
+    """A feature shard holds every sample of its source: a bomb among the images stops the build, in one line
+    that names the sample, before any pixel of it is decoded."""
+    import io
+
+    import webdataset as wds
+    from PIL import Image
+
+    from ddp_rank.data.shard_index import IndexOptions, find_splits, index_shards
+    from tests.helpers.image_fuzz import png_bomb
+
+    src = tmp_path / "src"
+    src.mkdir()
+    with wds.TarWriter(str(src / "part-00000.tar")) as sink:
+        for c in range(3):
+            for n in range(3):
+                buf = io.BytesIO()
+                Image.new("RGB", (16, 16), (40 * c, 90, 30 * n)).save(buf, format="PNG")
+                image = png_bomb(20000, 20000) if (c, n) == (1, 2) else buf.getvalue()
+                sink.write({"__key__": f"k{c}_{n}", "png": image})
+    index_shards(src, find_splits(src, []), IndexOptions(class_from_key="_")).manifest.save(src)
+    assert main(features_cmd(src, tmp_path / "feat")) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert "image k1_2.png does not decode: 20000 x 20000 = 400,000,000 pixels is over the limit" in err[0]
+    assert "ddp-rank shards verify" in err[0]

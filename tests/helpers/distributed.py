@@ -48,7 +48,13 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _child(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: Sequence[Any], results: Any
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    results: Any,
+    cuda: bool = False,
 ) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -57,10 +63,10 @@ def _child(
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR=_HOST,
         MASTER_PORT=str(port),
-        # These ranks are CPU processes on gloo whatever the machine has (set before CUDA or DeepSpeed start).
-        CUDA_VISIBLE_DEVICES="",
         DS_ACCELERATOR="cpu",
     )
+    if not cuda:  # CPU processes on gloo whatever the machine has (set before CUDA starts)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     try:
         store = dist.TCPStore(_HOST, port, world_size=None, is_master=False, timeout=timedelta(seconds=60))
@@ -77,15 +83,24 @@ def _child(
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout: float = 120.0
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout: float = 120.0,
+    cuda: bool = False,
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` in `world_size` gloo processes; return the results in rank order."""
+    """Run `fn(rank, world_size, *args)` in `world_size` gloo processes; return the results in rank order.
+
+    ``cuda=True`` leaves the machine's GPUs visible to the ranks (they still talk over gloo: several ranks may
+    share one GPU, which NCCL refuses); by default the ranks see none."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs
     store = dist.TCPStore(_HOST, 0, world_size=None, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_child, args=(r, world_size, store.port, fn, tuple(args), results), daemon=True)
+        ctx.Process(
+            target=_child, args=(r, world_size, store.port, fn, tuple(args), results, cuda), daemon=True
+        )
         for r in range(world_size)
     ]
     for p in procs:

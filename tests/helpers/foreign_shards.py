@@ -65,18 +65,19 @@ def ordered(samples: list[ForeignSample], layout: str, seed: int = 0) -> list[Fo
 
 
 def write_with_shardwriter(
-    root: Path, samples: list[ForeignSample], convention: str, maxcount: int = 25
+    root: Path, samples: list[ForeignSample], convention: str, maxcount: int = 25, name: str = "part-%05d.tar"
 ) -> None:
-    """``root/part-%05d.tar`` by ``wds.ShardWriter``; ``convention`` says where the class is: ``cls`` (a .cls
+    """``root/part-%05d.tar`` by ``wds.ShardWriter`` (``name``: another pattern, ``.tar.gz`` compressed as
+    webdataset compresses it); ``convention`` says where the class is: ``cls`` (a .cls member), ``txt`` (a .txt
     member), ``json`` (field ``label``) or ``key`` (the key ``<class>_<n>``). The category is the json field
     ``family`` (named with ``--category-field family``)."""
     root.mkdir(parents=True, exist_ok=True)
-    with wds.ShardWriter(str(root / "part-%05d.tar"), maxcount=maxcount, verbose=0) as sink:
+    with wds.ShardWriter(str(root / name), maxcount=maxcount, verbose=0) as sink:
         for n, s in enumerate(samples):
             meta = {"family": s.category}
             record: dict[str, object] = {"__key__": f"s{n:06d}", s.ext: s.image}
-            if convention == "cls":
-                record["cls"] = s.cls
+            if convention in ("cls", "txt"):
+                record[convention] = s.cls
             elif convention == "json":
                 meta["label"] = s.cls
             else:
@@ -89,6 +90,7 @@ def index_options(convention: str) -> dict[str, object]:
     """The ``IndexOptions`` keyword arguments that read the class of ``convention``."""
     return {
         "cls": {"category_field": "family"},
+        "txt": {"class_field": "txt", "category_field": "family"},
         "json": {"class_field": "label", "category_field": "family"},
         "key": {"class_from_key": "_", "category_field": "family"},
     }[convention]

@@ -190,6 +190,7 @@ def test_the_budget_leaves_out_every_fixed_cost(monkeypatch: pytest.MonkeyPatch)
         optimizer_state=2 * params,
         loss_work_space=database + 1_000,
         input_batches=2 * 64 * 3 * 16 * 16,  # two local batches of uint8 pixels: the step's and the feed's
+        prepared_batch=4 * 64 * 3 * 16 * 16,  # the chunked step's float32 copy of one, prepared for both passes
     )
     assert choice.fixed == expected
     assert choice.budget_bytes == int(cfg.distributed.memory_fraction * 4 * gib) - expected.total
@@ -241,3 +242,13 @@ def test_the_trainer_confirms_its_chunk_and_backs_off_from_a_probe_that_under_co
         assert result.chunks == -(-trainer.local_batch // chunk) and math.isfinite(result.loss)
     finally:
         trainer.close()
+
+
+def test_the_prepared_batch_is_counted_where_the_chunked_step_holds_one() -> None:
+    """uint8 images become float32 (4 bytes a pixel) once for both passes; feature vectors are taken as they are."""
+    from ddp_rank.model.feature_head import FeatureHeadNet
+    from ddp_rank.train.chunk_choice import prepared_input_bytes
+
+    assert prepared_input_bytes(_model(), 16) == 4 * 3 * 16 * 16
+    assert prepared_input_bytes(FeatureHeadNet(32, 8), 16) == 0
+    assert prepared_input_bytes(nn.Linear(3, 2), 16) == 0, "no prepare_batch: each chunk prepares its own"

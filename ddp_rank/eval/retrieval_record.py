@@ -1,0 +1,358 @@
+"""What the retrieval picture shows, as a record: sampled queries and their top-k, by sample key.
+
+An evaluation samples ``eval.grid_queries`` queries of its test split with ``eval.grid_seed`` (not the training
+seed: runs that differ in their seed still show the same queries, so ``ddp-rank compare --grid`` can put them
+side by side), finds each one's ``eval.grid_k`` nearest neighbours with the protocol's own query / database
+roles, and records keys, classes and scores in ``retrieval.json`` beside the results. The picture
+(``ddp_rank.eval.retrieval_grid``) is drawn from that record, its thumbnails read back from the shards by key,
+so a record drawn again, or two runs' records drawn together, give the same picture.
+
+Who queries whom: In-Shop's ``query`` images search its ``gallery``; every other protocol (SOP, VehicleID,
+verification, identification) shows each sampled image against all the other test images (VehicleID's random
+one-image galleries would show a different picture per draw). Only queries with at least one other image of
+their class are sampled (the metrics leave the others out too). The sample is a prefix of one seeded
+permutation, so 8 queries are the first 8 of the 16 a larger picture shows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddp_rank.atomic_io import atomic_write_text
+from ddp_rank.config import Config
+from ddp_rank.data.features import feature_dim
+from ddp_rank.data.manifest import Manifest, is_url
+from ddp_rank.data.reader import ClassReader, ClassReadError
+from ddp_rank.data.shard_cache import open_cache
+from ddp_rank.data.transforms import decode_image
+from ddp_rank.eval.protocols import EmbeddedSet, subset_mask
+from ddp_rank.eval.retrieval import ExactSearch
+from ddp_rank.eval.retrieval_grid import Cell, GridLayout, draw_grid, save_png
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "GRID_FILE",
+    "RECORD_FILE",
+    "ImageFetch",
+    "Neighbour",
+    "QueryRow",
+    "RecordError",
+    "RetrievalPicture",
+    "RetrievalRecord",
+    "ShardImages",
+    "decode_thumbnail",
+    "draw_records",
+    "nearest_rows",
+    "read_records",
+    "record_from_embedded",
+    "sample_query_rows",
+    "write_record",
+]
+
+GRID_FILE = "retrieval.png"
+RECORD_FILE = "retrieval.json"
+
+ImageFetch = Callable[[int, str], "Any"]
+"""``fetch(label, key)`` -> a PIL image, or None when it cannot be read."""
+
+
+class RecordError(ValueError):
+    """A ``retrieval.json`` that cannot be drawn (damaged, or other queries than the runs beside it)."""
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    key: str
+    label: int
+    score: float
+
+
+@dataclass(frozen=True)
+class QueryRow:
+    key: str
+    label: int
+    neighbours: tuple[Neighbour, ...]
+
+
+@dataclass(frozen=True)
+class RetrievalRecord:
+    """The queries of one picture: where their images are (``shards``, ``split``) and what each one retrieved."""
+
+    shards: str
+    split: str
+    protocol: str
+    seed: int
+    queries: tuple[QueryRow, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any, origin: str) -> RetrievalRecord:
+        """Parse one entry of a ``retrieval.json``; a missing or mistyped field is refused by name."""
+        try:
+            queries = tuple(
+                QueryRow(
+                    str(q["key"]),
+                    int(q["label"]),
+                    tuple(
+                        Neighbour(str(n["key"]), int(n["label"]), float(n["score"])) for n in q["neighbours"]
+                    ),
+                )
+                for q in data["queries"]
+            )
+            return cls(
+                str(data["shards"]), str(data["split"]), str(data["protocol"]), int(data["seed"]), queries
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RecordError(
+                f"{origin}: not a retrieval record ({type(exc).__name__}: {exc}); evaluate the run again to "
+                "rewrite it"
+            ) from exc
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def sample_query_rows(
+    data: EmbeddedSet, protocol: str, count: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(query rows, database rows) of the picture: ``count`` queries drawn with ``seed`` among those with a
+    positive in the database (see the module docstring for the roles)."""
+    labels = data.labels.cpu().numpy()
+    if protocol == "inshop":
+        queries = np.flatnonzero(subset_mask(data, "query").cpu().numpy())
+        database = np.flatnonzero(subset_mask(data, "gallery").cpu().numpy())
+        candidates = queries[np.isin(labels[queries], labels[database])]
+    else:
+        database = np.arange(len(labels))
+        _, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+        candidates = database[counts[inverse] > 1]
+    order = np.random.default_rng(seed).permutation(len(candidates))
+    return candidates[order[:count]], database
+
+
+def nearest_rows(
+    data: EmbeddedSet,
+    queries: np.ndarray,
+    database: np.ndarray,
+    k: int,
+    device: torch.device | str | None = None,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(rows into ``data``, scores), one array of at most ``k`` per query: the ``k`` nearest each query's ``k`` nearest database items, itself left out."""
+    search = ExactSearch(data.embeddings[torch.from_numpy(database)], "torch", device)
+    scores, idx = search.search(data.embeddings[torch.from_numpy(queries)], k + 1)
+    rows = database[idx.numpy()]
+    keep = rows != queries[:, None]  # the query itself, when it is in the database
+    return [r[m][:k] for r, m in zip(rows, keep)], [s[m][:k] for s, m in zip(scores.numpy(), keep)]
+
+
+# ---------------------------------------------------------------------------------------------- images
+class ShardImages:
+    """Images of one split read back by (class, key): one whole-class read per class, kept for the picture."""
+
+    def __init__(self, manifest: Manifest, split: str, cache_dir: Any = None) -> None:
+        self.reader = ClassReader(manifest, split, cache_dir=cache_dir)
+        self._classes: dict[int, dict[str, bytes]] = {}
+
+    def samples(self, label: int) -> dict[str, bytes]:
+        """Key -> image bytes of class ``label`` (empty when it cannot be read)."""
+        if label not in self._classes:
+            try:
+                read = self.reader.read(label) if label in self.reader.where else []
+            except ClassReadError as exc:
+                log.warning(f"retrieval picture: {exc}; its images are drawn blank")
+                read = []
+            self._classes[label] = {s.key: s.image for s in read}
+        return self._classes[label]
+
+    def __call__(self, label: int, key: str) -> Any:
+        data = self.samples(label).get(key)
+        return None if data is None else decode_thumbnail(data, key)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def decode_thumbnail(data: bytes, key: str) -> Any:
+    """The image of ``data`` for a thumbnail (decoded at a reduced scale where the format allows), or None with
+    a warning naming ``key`` when it cannot be decoded."""
+    try:
+        return decode_image(data, 128)
+    except Exception as exc:  # any decoder failure: a blank cell, never a failed evaluation
+        log.warning(f"retrieval picture: cannot decode {key}: {type(exc).__name__}: {exc}")
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- records
+def record_from_embedded(
+    data: EmbeddedSet,
+    images: ShardImages,
+    *,
+    shards: str,
+    split: str,
+    protocol: str,
+    count: int,
+    k: int,
+    seed: int,
+    device: torch.device | str | None = None,
+) -> RetrievalRecord | None:
+    """The record of a gathered test split (its rows carry ``index``, the hash of each sample key); the keys
+    are found by reading the classes of the rows shown. None when no query can be sampled."""
+    from ddp_rank.eval.runner import key_index
+
+    if data.index is None:
+        raise ValueError("the embedded set carries no sample index: embed it with ddp_rank.eval.runner")
+    queries, database = sample_query_rows(data, protocol, count, seed)
+    if len(queries) == 0 or len(database) < 2:
+        return None
+    rows, scores = nearest_rows(data, queries, database, k, device)
+    labels, index = data.labels.cpu().numpy(), data.index.cpu().numpy()
+    keys_by_class: dict[int, dict[int, str]] = {}
+
+    def key_of(row: int) -> str:
+        label = int(labels[row])
+        if label not in keys_by_class:
+            keys_by_class[label] = {key_index(key): key for key in images.samples(label)}
+        return keys_by_class[label].get(int(index[row]), f"<unread sample of class {label}>")
+
+    queries_out = tuple(
+        QueryRow(
+            key_of(int(q)),
+            int(labels[q]),
+            tuple(Neighbour(key_of(int(r)), int(labels[r]), round(float(s), 6)) for r, s in zip(row, score)),
+        )
+        for q, row, score in zip(queries, rows, scores)
+    )
+    return RetrievalRecord(shards, split, protocol, int(seed), queries_out)
+
+
+def write_record(record: RetrievalRecord, name: str, directory: str | os.PathLike[str]) -> Path:
+    """Add ``record`` under ``name`` to ``directory/retrieval.json`` (entries in the order written)."""
+    path = Path(directory) / RECORD_FILE
+    try:
+        saved = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        saved = {}
+    saved = saved if isinstance(saved, dict) else {}
+    saved.pop(name, None)  # re-evaluated: the entry moves to the end (the latest)
+    saved[name] = record.to_json()
+    atomic_write_text(path, json.dumps(saved, indent=1) + "\n")
+    return path
+
+
+def read_records(path: str | os.PathLike[str]) -> dict[str, RetrievalRecord]:
+    """Every entry of a ``retrieval.json`` by name, in the order written."""
+    try:
+        saved = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise RecordError(f"{path}: unreadable ({exc}); evaluate the run again to rewrite it") from exc
+    if not isinstance(saved, dict):
+        raise RecordError(f"{path}: not a retrieval record (expected an object of named entries)")
+    return {str(name): RetrievalRecord.from_json(entry, f"{path} [{name}]") for name, entry in saved.items()}
+
+
+def draw_records(
+    records: Sequence[RetrievalRecord],
+    fetchers: Sequence[ImageFetch],
+    path: str | os.PathLike[str],
+    layout: GridLayout | None = None,
+) -> tuple[Path, int]:
+    """Draw one result block per record, side by side, for the queries every record shows (in the first
+    record's order); ``fetchers[i]`` reads record i's images. Returns (the PNG, the queries drawn)."""
+    shown = [q.key for q in records[0].queries]
+    by_key = [{q.key: q for q in r.queries} for r in records]
+    common = [key for key in shown if all(key in rows for rows in by_key)]
+    if not common:
+        raise RecordError(
+            "the records show no query in common (another split, or another eval.grid_seed): evaluate the runs "
+            "on the same split with the same eval.grid_seed"
+        )
+    first = by_key[0]
+    queries = [Cell(fetchers[0](first[key].label, key), None, f"class {first[key].label}") for key in common]
+    blocks = [
+        [
+            [
+                Cell(fetch(n.label, n.key), n.label == rows[key].label, f"{n.score:.3f}")
+                for n in rows[key].neighbours
+            ]
+            for key in common
+        ]
+        for rows, fetch in zip(by_key, fetchers)
+    ]
+    return save_png(draw_grid(queries, blocks, layout), path), len(common)
+
+
+def shard_images_for(record: RetrievalRecord) -> ShardImages | None:
+    """A reader of the record's split, or None for feature shards, which hold no image."""
+    manifest = Manifest.load(record.shards)
+    if feature_dim(manifest) is not None:
+        return None
+    return ShardImages(manifest, record.split)
+
+
+def last_record(saved: Mapping[str, RetrievalRecord]) -> RetrievalRecord | None:
+    """The latest entry (the last written) of a run's records."""
+    return list(saved.values())[-1] if saved else None
+
+
+class RetrievalPicture:
+    """The retrieval picture of an evaluation: pass :meth:`capture` as ``evaluate_model(on_embedded=...)``, then
+    :meth:`write` on rank 0 draws ``retrieval.png`` and adds the record to ``retrieval.json``.
+
+    VehicleID recipe shards embed one split per list: the last (the largest list) is drawn. Feature shards hold
+    no image: no picture, said once in the log.
+    """
+
+    def __init__(self, cfg: Config, is_main: bool, manifest: Manifest | None = None) -> None:
+        self.cfg = cfg
+        self.enabled = is_main and cfg.eval.grid_queries > 0
+        self.manifest = manifest
+        self._captured: tuple[str, EmbeddedSet] | None = None
+        self._said_no_images = False
+
+    def capture(self, split: str, data: EmbeddedSet) -> None:
+        if self.enabled:
+            self._captured = (split, data)
+
+    def write(self, name: str, directory: str | os.PathLike[str], device: Any = None) -> Path | None:
+        """Draw the captured split into ``directory/retrieval.png`` (the record under ``name``); None when
+        there is nothing to draw."""
+        captured, self._captured = self._captured, None
+        if captured is None:
+            return None
+        split, data = captured
+        cfg = self.cfg
+        manifest = self.manifest if self.manifest is not None else Manifest.load(cfg.data.shards)
+        if feature_dim(manifest) is not None:
+            if not self._said_no_images:
+                log.info("no retrieval picture: the test shards hold feature vectors, not images")
+                self._said_no_images = True
+            return None
+        images = ShardImages(manifest, split, open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb))
+        try:
+            record = record_from_embedded(
+                data, images, shards=_absolute(cfg.data.shards), split=split, protocol=cfg.eval.protocol,
+                count=cfg.eval.grid_queries, k=cfg.eval.grid_k, seed=cfg.eval.grid_seed, device=device,
+            )  # fmt: skip
+            if record is None:
+                log.info(f"no retrieval picture: no query of split '{split}' has another image of its class")
+                return None
+            write_record(record, name, directory)
+            path, _ = draw_records([record], [images], Path(directory) / GRID_FILE)
+            return path
+        finally:
+            images.close()
+
+
+def _absolute(shards: str) -> str:
+    """A local shard directory as an absolute path (``compare --grid`` may run from another directory)."""
+    return shards if is_url(shards) else str(Path(shards).resolve())

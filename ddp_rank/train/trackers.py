@@ -1,0 +1,144 @@
+"""The run's experiment trackers, the accelerate way: ``train.log_with`` -> ``Accelerator(log_with=...)``.
+
+accelerate owns the trackers (TensorBoard, W&B, MLflow, Aim, ...): the trainer's accelerator is built with
+``log_with`` and a logging directory (:func:`tracker_arguments`), rank 0 starts them with the run's config
+(:func:`start_trackers`), every metrics record goes through ``accelerator.log`` and every picture through the
+tracker that takes pictures (:func:`log_picture`, ``accelerator.get_tracker``); ``accelerator.end_training()``
+closes them. ``metrics.jsonl`` stays the run's own record whatever is tracked.
+
+Why the package check here: accelerate leaves out a tracker whose package is missing with a debug message only, so
+``train.log_with=[mlflow]`` without mlflow would train and log nothing. The run is refused instead, in one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ddp_rank.config import Config, ConfigError, to_dict
+
+__all__ = [
+    "check_trackers",
+    "log_metrics",
+    "log_picture",
+    "start_trackers",
+    "tracker_arguments",
+    "tracker_config",
+    "tracker_key",
+]
+
+_MODULES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow-skinny"),
+    "aim": ("aim", "aim"),
+    "comet_ml": ("comet_ml", "comet-ml"),
+    "clearml": ("clearml", "clearml"),
+    "dvclive": ("dvclive", "dvclive"),
+    "swanlab": ("swanlab", "swanlab"),
+    "trackio": ("trackio", "trackio"),
+}
+"""Tracker -> (the module accelerate imports, the package that provides it)."""
+_EXTRAS = ("tensorboard", "mlflow", "wandb")
+"""Trackers with an extra of their own in pyproject.toml."""
+
+
+def check_trackers(names: list[str]) -> None:
+    """Refuse a tracker whose package is not installed (accelerate would drop it without a word)."""
+    for name in names:
+        module, package = _MODULES[name]
+        if importlib.util.find_spec(module) is None:
+            extra = f" (or pip install 'ddp_rank[{name}]')" if name in _EXTRAS else ""
+            raise ConfigError(
+                f"train.log_with={name} needs the {package} package: pip install {package}{extra}, or leave "
+                f"{name} out of train.log_with"
+            )
+
+
+def tracker_arguments(cfg: Config) -> dict[str, Any]:
+    """The ``Accelerator`` keyword arguments of ``train.log_with`` (none when it is empty): the trackers and
+    ``OUTPUT_DIR/tensorboard`` as the logging directory (TensorBoard and Aim write under it)."""
+    names = list(cfg.train.log_with)
+    if not names:
+        return {}
+    check_trackers(names)
+    from accelerate.utils import ProjectConfiguration
+
+    out = Path(cfg.train.output_dir)
+    return {
+        "log_with": names,
+        "project_config": ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tensorboard")),
+    }
+
+
+def tracker_config(cfg: Config) -> dict[str, Any]:
+    """The config as flat ``section.key`` values of the types every tracker accepts (lists as text)."""
+    flat: dict[str, Any] = {}
+    for section, values in to_dict(cfg).items():
+        for key, value in values.items():
+            ok = value is None or isinstance(value, (bool, int, float, str))
+            flat[f"{section}.{key}"] = value if ok else str(value)
+    return flat
+
+
+def start_trackers(accelerator: Any, cfg: Config) -> None:
+    """Start the trackers of ``train.log_with`` on rank 0, the run named after its output folder. MLflow logs to
+    MLFLOW_TRACKING_URI, else to a file store in ``OUTPUT_DIR/mlruns`` (nothing leaves the machine)."""
+    if not cfg.train.log_with or not accelerator.is_main_process:
+        return
+    out = Path(cfg.train.output_dir).resolve()
+    run = out.name
+    if "mlflow" in cfg.train.log_with and not os.environ.get("MLFLOW_TRACKING_URI"):
+        import mlflow
+
+        # MLflow 3 refuses a file store unless this is set (its database store needs SQLAlchemy, which
+        # mlflow-skinny lacks); a user who set it either way keeps their choice.
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        mlflow.set_tracking_uri((out / "mlruns").as_uri())
+    accelerator.init_trackers(
+        cfg.train.tracker_project,
+        config=tracker_config(cfg),
+        init_kwargs={"wandb": {"name": run, "dir": str(out)}, "mlflow": {"run_name": run}},
+    )
+
+
+def tracker_key(kind: str, name: str) -> str:
+    """The name a metric is logged under: ``kind/name`` with ``@`` spelled ``_at_`` and any other character
+    MLflow refuses (it takes letters, digits, ``_ - . : /`` and spaces) as ``_``: ``eval/recall_at_1``,
+    ``eval/tpr_at_fpr_1e-3``. One spelling for every tracker, so the runs of two trackers compare."""
+    spelled = f"{kind}/{name}".replace("@", "_at_")
+    return re.sub(r"[^A-Za-z0-9_\-.:/ ]", "_", spelled)
+
+
+def log_metrics(accelerator: Any, kind: str, step: int, values: Mapping[str, float]) -> None:
+    """One metrics record to every tracker, each number under :func:`tracker_key`."""
+    if values:
+        accelerator.log({tracker_key(kind, k): v for k, v in values.items()}, step=step)
+
+
+def log_picture(
+    accelerator: Any, trackers: list[str], name: str, path: str | os.PathLike[str], step: int
+) -> None:
+    """A PNG to each of ``trackers`` that takes pictures (``accelerator.get_tracker``): an image for TensorBoard,
+    W&B, Aim and the others with ``log_images``, an artifact under ``name/step-<step>/`` for MLflow."""
+    if not trackers or not accelerator.is_main_process:
+        return
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(path) as opened:
+        picture = np.asarray(opened.convert("RGB"))
+    for tracker_name in trackers:
+        tracker = accelerator.get_tracker(tracker_name)
+        if tracker_name == "mlflow":
+            tracker.log_artifact(str(path), artifact_path=f"{name}/step-{step:08d}")
+        elif tracker_name == "tensorboard":
+            tracker.log_images({name: picture[None]}, step=step, dataformats="NHWC")
+        elif tracker_name == "aim":
+            tracker.log_images({name: picture}, step=step)
+        elif hasattr(tracker, "log_images"):
+            tracker.log_images({name: [picture]}, step=step)
