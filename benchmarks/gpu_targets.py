@@ -21,6 +21,9 @@ FLOOR_RATIO = 1.3
 """The default kernel (``kernel=auto``: on CUDA float32 blocks, bf16 inputs included, the fused Triton kernels) of every
 loss at N = 65,536, d = 512 within this factor of the fp32 three-matmul floor (the 2026-11-27 H100 report: 1.14-1.27x).
 The torch path, the default no more on a GPU, is reported against the floor as INFO."""
+TF32_FLOOR_RATIO = 2.5
+"""The default kernel with ``matmul_precision=tf32`` at N = 65,536, d = 512, float32 inputs: within this factor of the
+TF32 floor (the three matmuls in TF32: 0.048 s on the 2026-11-27 H100, against 0.264 s in fp32)."""
 DEFAULT_KERNELS = ("auto", "triton")
 """The ``--kernel`` rows that measure what a CUDA user gets by default (``auto`` takes ``triton`` there)."""
 LINEAR_SLACK = 1.5
@@ -150,6 +153,8 @@ def _named(prefix: str, names: list[str], most: int = 5) -> str:
 def loss_verdicts(rows: list[dict[str, Any]], n_max: int = 65_536) -> list[Verdict]:
     """``rows``: ``benchmarks/loss.py --json`` rows (loss, n, dtype, kernel, ours / floor: {time_s, peak_mb} or
     {error})."""
+    tf32_rows = [r for r in rows if r.get("matmul_precision") == "tf32"]
+    rows = [r for r in rows if r.get("matmul_precision", "highest") == "highest"]
     verdicts = []
     for (loss, dtype, kernel), group in sorted(_group(rows).items()):
         by_n = {r["n"]: r for r in group}
@@ -168,6 +173,73 @@ def loss_verdicts(rows: list[dict[str, Any]], n_max: int = 65_536) -> list[Verdi
             verdicts.append(Verdict(target, status, f"{ratio:.2f}x ({top['ours']['time_s']:.3f} s)"))
         verdicts.append(_linear_memory(what, by_n, n_max))
     verdicts += _triton_against_torch(rows, n_max)
+    return verdicts + tf32_verdicts(tf32_rows, n_max)
+
+
+TF32_LOSSES = ("fastap", "pnp_dq", "smooth_ap")
+
+
+def tf32_verdicts(rows: list[dict[str, Any]], n_max: int = 65_536) -> list[Verdict]:
+    """The default kernel's ``matmul_precision=tf32`` rows (float32 inputs) at ``n_max`` against the TF32 floor:
+    one verdict per loss, NOT MEASURED where its row, or the floor, is missing.
+
+    The verdict judges what runs: ``matmul_precision`` takes the similarity matmul Q E^T of each chunk to TF32,
+    while the two gradient matmuls (G E and G^T Q) stay in float32, whatever the kernel (the Triton kernels do the
+    per-block passes, not the matmuls). So the detail also gives the floor of the matmuls that really run (one TF32,
+    two fp32: a third of each floor's sum), which no kernel can beat."""
+    at_max = {
+        r["loss"]: r
+        for r in rows
+        if r["n"] == n_max and r["kernel"] in DEFAULT_KERNELS and r.get("dtype", "float32") == "float32"
+    }
+    verdicts = []
+    for loss in TF32_LOSSES:
+        target = (
+            f"{loss}, float32 inputs, default kernel, matmul_precision=tf32: N = {n_max:,} within "
+            f"{TF32_FLOOR_RATIO:g}x of the TF32 floor"
+        )
+        row = at_max.get(loss)
+        if row is None:
+            verdicts.append(Verdict(target, NOT_MEASURED, f"N = {n_max:,} was not run"))
+            continue
+        if not _ok(row.get("ours")) or not _ok(row.get("floor_tf32")):
+            missing = "ours" if not _ok(row.get("ours")) else "floor_tf32"
+            what = "the TF32 floor: " if missing == "floor_tf32" else ""
+            verdicts.append(Verdict(target, NOT_MEASURED, what + _why(row, missing)))
+            continue
+        ours_s, tf32_s = row["ours"]["time_s"], row["floor_tf32"]["time_s"]
+        ratio = ours_s / tf32_s
+        detail = f"{ratio:.2f}x ({ours_s:.3f} s, TF32 floor {tf32_s:.3f} s)"
+        if _ok(row.get("floor")):
+            mixed_s = (tf32_s + 2 * row["floor"]["time_s"]) / 3
+            detail += (
+                f"; tf32 takes only the similarity matmul (the two gradient matmuls stay float32): the floor of "
+                f"what runs is {mixed_s:.3f} s, ours {ours_s / mixed_s:.2f}x that"
+            )
+        verdicts.append(Verdict(target, PASS if ratio <= TF32_FLOOR_RATIO else FAIL, detail))
+    return verdicts
+
+
+PRECISION_TABLE_TARGET = "the precision table (loss change, gradient cosine, time) measured on the GPU"
+
+
+def precision_verdicts(rows: list[dict[str, Any]] | None) -> list[Verdict]:
+    """``rows``: ``benchmarks/loss_precision.py --json`` rows (loss, precision, loss_change, grad_cosine,
+    grad_change, time_highest_s, time_s); None or empty: the run left nothing. The figures inform (INFO, one line
+    per faster precision: its worst loss change and gradient cosine over the losses, its time against highest);
+    the table's absence is NOT MEASURED."""
+    if not rows:
+        return [Verdict(PRECISION_TABLE_TARGET, NOT_MEASURED, "benchmarks/loss_precision.py left no rows")]
+    verdicts = []
+    for precision in dict.fromkeys(r["precision"] for r in rows):
+        mine = [r for r in rows if r["precision"] == precision]
+        detail = (
+            f"{len(mine)} losses: |d loss| <= {max(r['loss_change'] for r in mine):.1e}, gradient cosine >= "
+            f"{min(r['grad_cosine'] for r in mine):.4f}, time "
+            + ", ".join(f"{r['loss']} {r['time_s'] / r['time_highest_s']:.2f}x" for r in mine)
+            + " of highest's"
+        )
+        verdicts.append(Verdict(f"{PRECISION_TABLE_TARGET}: matmul_precision={precision}", INFO, detail))
     return verdicts
 
 
