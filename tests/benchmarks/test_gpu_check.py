@@ -265,6 +265,7 @@ def test_a_failing_target_prints_fail_and_exits_1(
     recorded = [
         _loss_row("fastap", 16_384, 0.2, 100.0, kernel="auto"),
         _loss_row("fastap", 65_536, 3.0, 400.0, kernel="auto"),
+        *(_tf32_row(loss, 0.10) for loss in ("fastap", "pnp_dq", "smooth_ap")),  # 2x the TF32 floor
     ]
     monkeypatch.setitem(
         gpu_check.PART_FUNCTIONS, "loss", lambda part: ("table", targets.loss_verdicts(recorded))
