@@ -230,6 +230,9 @@ def precision_verdicts(rows: list[dict[str, Any]] | None) -> list[Verdict]:
     the table's absence is NOT MEASURED."""
     if not rows:
         return [Verdict(PRECISION_TABLE_TARGET, NOT_MEASURED, "benchmarks/loss_precision.py left no rows")]
+    devices = {r.get("device") for r in rows}
+    if devices != {"cuda"}:  # on CPU tf32 is float32: no change, no speed-up, nothing learnt
+        return [Verdict(PRECISION_TABLE_TARGET, NOT_MEASURED, f"measured on {', '.join(map(str, devices))}")]
     verdicts = []
     for precision in dict.fromkeys(r["precision"] for r in rows):
         mine = [r for r in rows if r["precision"] == precision]

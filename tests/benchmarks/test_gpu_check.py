@@ -537,7 +537,7 @@ def test_an_unmeasured_tf32_row_is_not_measured_never_passed() -> None:
 def test_the_precision_table_informs_and_its_absence_is_not_measured() -> None:
     (missing,) = targets.precision_verdicts([])
     assert missing.status == targets.NOT_MEASURED and "precision table" in missing.target
-    rows = [{"loss": loss, "precision": precision, "n": 16_384, "dim": 512, "similarity_change": 1e-3,
+    rows = [{"loss": loss, "precision": precision, "n": 16_384, "dim": 512, "device": "cuda", "similarity_change": 1e-3,
              "loss_change": change, "grad_change": 0.01, "grad_cosine": cosine, "time_highest_s": 0.03, "time_s": 0.02}
             for loss, change, cosine in (("FastAP", 2e-4, 0.9990), ("PNP-Dq", 5e-5, 0.9999))
             for precision in ("tf32", "bf16")]  # fmt: skip
@@ -547,6 +547,8 @@ def test_the_precision_table_informs_and_its_absence_is_not_measured() -> None:
     table = gpu_check._precision_table(rows)
     assert "| PNP-Dq | bf16 | 1.0e-03 | 5.0e-05 | 1.0% | 0.9999 | 0.030 | 0.020 |" in table
     assert "N = 16,384, d = 512" in table
+    (on_cpu,) = targets.precision_verdicts([{**rows[0], "device": "cpu"}])
+    assert on_cpu.status == targets.NOT_MEASURED and on_cpu.detail == "measured on cpu"
 
 
 def test_the_loss_part_time_split_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
