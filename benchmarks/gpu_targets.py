@@ -183,10 +183,8 @@ def tf32_verdicts(rows: list[dict[str, Any]], n_max: int = 65_536) -> list[Verdi
     """The default kernel's ``matmul_precision=tf32`` rows (float32 inputs) at ``n_max`` against the TF32 floor:
     one verdict per loss, NOT MEASURED where its row, or the floor, is missing.
 
-    The verdict judges what runs: ``matmul_precision`` takes the similarity matmul Q E^T of each chunk to TF32,
-    while the two gradient matmuls (G E and G^T Q) stay in float32, whatever the kernel (the Triton kernels do the
-    per-block passes, not the matmuls). So the detail also gives the floor of the matmuls that really run (one TF32,
-    two fp32: a third of each floor's sum), which no kernel can beat."""
+    ``matmul_precision=tf32`` takes all three matmuls of each chunk (the similarity Q E^T and the gradients G E,
+    G^T Q) to TF32, so the TF32 floor (the same three matmuls in TF32) is what no kernel can beat."""
     at_max = {
         r["loss"]: r
         for r in rows
@@ -210,12 +208,6 @@ def tf32_verdicts(rows: list[dict[str, Any]], n_max: int = 65_536) -> list[Verdi
         ours_s, tf32_s = row["ours"]["time_s"], row["floor_tf32"]["time_s"]
         ratio = ours_s / tf32_s
         detail = f"{ratio:.2f}x ({ours_s:.3f} s, TF32 floor {tf32_s:.3f} s)"
-        if _ok(row.get("floor")):
-            mixed_s = (tf32_s + 2 * row["floor"]["time_s"]) / 3
-            detail += (
-                f"; tf32 takes only the similarity matmul (the two gradient matmuls stay float32): the floor of "
-                f"what runs is {mixed_s:.3f} s, ours {ours_s / mixed_s:.2f}x that"
-            )
         verdicts.append(Verdict(target, PASS if ratio <= TF32_FLOOR_RATIO else FAIL, detail))
     return verdicts
 

@@ -85,7 +85,10 @@ class ListwiseLoss(nn.Module, abc.ABC):
             averaged over a batch the loss value moves far less, while the gradient moves more, most for FastAP,
             whose distances cross bin edges. ``benchmarks/loss_precision.py`` measures it (value, gradient and
             time; figures in ``benchmarks/results/loss-precision-*.md``); ``tests/losses/test_precision.py``
-            bounds it. The gradient matmuls are unchanged.
+            bounds it. ``"tf32"`` takes the two gradient matmuls (``G E`` and ``G^T Q``) to TF32 too, as
+            ``torch.backends.cuda.matmul.allow_tf32`` would: all three matmuls are the floor of a step, so TF32 on
+            one only could not buy more than a third of its speed. ``"bf16"`` leaves them in the compute dtype (a
+            bfloat16 gradient operand would round each row's sum to 8 bits).
         kernel: the per-block passes after the matmul. ``"torch"``: plain tensor ops, anywhere. ``"triton"``:
             fused Triton kernels on CUDA float32 (``triton_kernels.py``; elsewhere the torch path runs), which
             read each block once: FastAP's histograms in one pass instead of one per bin, PNP's and Smooth-AP's
@@ -241,8 +244,9 @@ class ListwiseLoss(nn.Module, abc.ABC):
             losses[idx], valid[idx], g_cn = self._score_chunk(b_cn, chunk, need_grad)
             if need_grad:
                 assert g_cn is not None and grad_queries is not None and grad_database is not None
-                grad_queries[idx] = torch.mm(g_cn, database).mul_(scale)
-                grad_database.addmm_(g_cn.T, q_c, alpha=scale)
+                with _matmul_precision(self.matmul_precision):
+                    grad_queries[idx] = torch.mm(g_cn, database).mul_(scale)
+                    grad_database.addmm_(g_cn.T, q_c, alpha=scale)
         return RowsOutput(losses, valid, grad_queries, grad_database)
 
     def takes_fused_kernels(self, device: torch.device, dtype: torch.dtype, log: bool = True) -> bool:
@@ -401,7 +405,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 @contextlib.contextmanager
 def _matmul_precision(precision: str) -> Iterator[None]:
-    """TF32 for the block matmul when asked (CUDA only; CPU float32 matmuls are unaffected)."""
+    """TF32 for the loss's matmuls when asked (CUDA only; CPU float32 matmuls are unaffected)."""
     if precision != "tf32":
         yield
         return

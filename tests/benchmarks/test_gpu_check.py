@@ -518,8 +518,6 @@ def test_the_tf32_target_judges_the_default_kernel_against_the_tf32_floor() -> N
     assert _status(verdicts, "smooth_ap, float32 inputs, default kernel, matmul_precision=tf32") == targets.NOT_MEASURED
     (fastap,) = [v for v in verdicts if v.target.startswith("fastap, float32 inputs, default kernel, matmul")]
     assert fastap.detail.startswith("2.00x (0.100 s, TF32 floor 0.050 s)")
-    # what runs: one TF32 matmul and two fp32 ones, (0.05 + 2 x 0.26) / 3 = 0.19 s
-    assert "the floor of what runs is 0.190 s, ours 0.53x that" in fastap.detail
     # the tf32 rows are not judged against the fp32 floor (they would FAIL its 1.3x), nor against torch
     assert not any("fp32 floor" in v.target or "at least as fast" in v.target for v in verdicts)
     assert targets.failed(verdicts)
