@@ -17,8 +17,10 @@ reports a pass it did not measure.
 - ``tests``: ``pytest -m cuda``, and the suite's multi-process tests (forced onto CPU ranks: they must pass on
   a 1-GPU machine as on a CPU-only one; ``XDIST_WORKERS`` at a time with pytest-xdist);
 - ``loss``: ``benchmarks/loss.py --device cuda`` at d = 512, N = 1,024 ... 65,536: fp32 and bf16 inputs with
-  ``kernel=torch`` and ``kernel=triton`` (its loss and gradient against torch's up to N = 16,384),
-  pytorch-metric-learning beside them where it fits, the fp32 and TF32 floors;
+  ``kernel=triton`` (its loss and gradient against torch's up to N = 16,384), the default kernel with
+  ``matmul_precision=tf32`` and ``kernel=torch`` at N = 16,384 and 65,536, pytorch-metric-learning beside them
+  where it fits in memory and time (after our rows), the fp32 and TF32 floors; ``benchmarks/loss_precision.py``'s
+  table (loss change, gradient cosine, time of tf32 and bf16 against highest) at N = 16,384;
 - ``train``: ``benchmarks/train.py --device cuda``: ResNet-50, 224 px, global batch 256, bf16, direct and
   chunked (64, 32, 128; 32 also with the captured chunk, CUDA graphs), against the bare loop and the bare
   gradient-cache loop at the same chunk (the step time, without the wait for data); deterministic on and off;
@@ -111,10 +113,19 @@ PART_NEEDS: dict[str, tuple[str, ...]] = {
 """The modules of ``NEEDED`` each part uses: a device call carries only its part's wheels (the demo's, with the
 emoji shards, would not fit the tool's 64 MiB with every wheel)."""
 LOSS_SIZES = "1024,4096,16384,65536"
-LOSS_RUNS = (("float32", "torch", 60.0), ("bfloat16", "torch", 0.0), ("float32", "triton", 0.0),
-             ("bfloat16", "triton", 0.0))  # fmt: skip
-"""(input dtype, kernel, the peer's memory cap in GB: 0 runs pytorch-metric-learning only once). The floors are
-measured by the first run only: they depend on N alone."""
+LOSS_TOP_SIZES = "16384,65536"
+LOSS_RUNS = (("float32", "triton", "highest", LOSS_SIZES, 60.0, 25), ("bfloat16", "triton", "highest", LOSS_SIZES, 0.0, 12),
+             ("float32", "auto", "tf32", LOSS_TOP_SIZES, 0.0, 6), ("float32", "torch", "highest", LOSS_TOP_SIZES, 0.0, 6),
+             ("bfloat16", "torch", "highest", LOSS_TOP_SIZES, 0.0, 6))  # fmt: skip
+"""(input dtype, kernel, matmul_precision, sizes, the peer's memory cap in GB: 0 runs it nowhere, weight: the run's
+share of the part's time, about its number of measuring processes, ~6.5 s each on the H100: 12 of ours, the 8 floors
+of the first run, its ~5 peer runs). The default kernel's runs come first (their targets decide), the torch path's
+(INFO, and the speed the Triton kernels must beat at N = 65,536) last; the floors are measured by the first run
+only (they depend on N alone), the peer by it too, after its own rows, each peer run capped at ``LOSS_PEER_TIME_S``."""
+LOSS_PEER_TIME_S = 10.0
+"""The peer's forward + backward, predicted from its time at the previous N, at most this (``--peer-time-s``)."""
+LOSS_PRECISION_RUN = ("16384", "512", 4)
+"""``benchmarks/loss_precision.py`` on CUDA: N, d, and its weight in the part's time split (one process, 27 steps)."""
 REPORT_TITLE = "# GPU acceptance (`make gpu-check`)\n"
 
 
@@ -237,12 +248,14 @@ def part_tests(part: Part) -> tuple[str, list[targets.Verdict]]:
 def part_loss(part: Part) -> tuple[str, list[targets.Verdict]]:
     rows: list[dict[str, Any]] = []
     floors: dict[int, tuple[Any, Any]] = {}  # N -> (fp32 floor, TF32 floor), from the first run that has them
-    for i, (dtype, kernel, peer_gb) in enumerate(LOSS_RUNS):
-        out = part.scratch / f"loss-{dtype}-{kernel}.json"
-        part.run([sys.executable, "benchmarks/loss.py", "--device", "cuda", "--dim", "512", "--sizes", LOSS_SIZES,
-                  "--dtype", dtype, "--kernel", kernel, "--repeats", "2", "--time-limit-s", "90",
-                  "--peer-memory-gb", str(peer_gb), *(["--no-floor"] if floors else []), "--json", str(out)],
-                 1 / (len(LOSS_RUNS) - i))  # fmt: skip
+    weights = [run[-1] for run in LOSS_RUNS] + [LOSS_PRECISION_RUN[-1]]
+    for i, (dtype, kernel, precision, sizes, peer_gb, weight) in enumerate(LOSS_RUNS):
+        out = part.scratch / f"loss-{dtype}-{kernel}-{precision}.json"
+        part.run([sys.executable, "benchmarks/loss.py", "--device", "cuda", "--dim", "512", "--sizes", sizes,
+                  "--dtype", dtype, "--kernel", kernel, "--matmul-precision", precision, "--repeats", "2",
+                  "--time-limit-s", "90", "--peer-memory-gb", str(peer_gb), "--peer-time-s", str(LOSS_PEER_TIME_S),
+                  *(["--no-floor"] if floors else []), "--json", str(out)],
+                 weight / sum(weights[i:]))  # fmt: skip
         run_rows = _json_rows(out)
         for row in run_rows:
             if floors:
@@ -250,7 +263,30 @@ def part_loss(part: Part) -> tuple[str, list[targets.Verdict]]:
         if not floors:
             floors = {r["n"]: (r["floor"], r["floor_tf32"]) for r in run_rows if targets._ok(r.get("floor"))}
         rows += run_rows
-    return _loss_table(rows), targets.loss_verdicts(rows)
+    n, dim, _ = LOSS_PRECISION_RUN
+    out = part.scratch / "loss-precision.json"
+    part.run([sys.executable, "benchmarks/loss_precision.py", "--device", "cuda", "--n", n, "--dim", dim,
+              "--repeats", "3", "--json", str(out)])  # fmt: skip
+    precision_rows = _json_rows(out)
+    body = _loss_table(rows) + "\n\n" + _precision_table(precision_rows)
+    return body, targets.loss_verdicts(rows) + targets.precision_verdicts(precision_rows)
+
+
+def _precision_table(rows: list[dict[str, Any]]) -> str:
+    """``benchmarks/loss_precision.py``'s rows: each faster ``matmul_precision`` against highest, same inputs."""
+    if not rows:
+        return "`benchmarks/loss_precision.py` left no rows."
+    lines = [
+        f"matmul_precision against highest, N = {rows[0]['n']:,}, d = {rows[0]['dim']}, float32 inputs, the default "
+        "kernel (`benchmarks/loss_precision.py`):",
+        "",
+        "| loss | precision | max abs dS | abs d loss | gradient change | gradient cosine | time highest s | time s |",
+        "|" + "---|" * 8,
+    ]
+    lines += [f"| {r['loss']} | {r['precision']} | {r['similarity_change']:.1e} | {r['loss_change']:.1e} "
+              f"| {r['grad_change']:.1%} | {r['grad_cosine']:.4f} | {r['time_highest_s']:.3f} | {r['time_s']:.3f} |"
+              for r in rows]  # fmt: skip
+    return "\n".join(lines)
 
 
 def part_train(part: Part) -> tuple[str, list[targets.Verdict]]:
@@ -511,9 +547,9 @@ def _final_weights(run_dir: Path) -> dict | None:
 
 def _loss_table(rows: list[dict]) -> str:
     lines = [
-        "| loss | N | inputs | kernel | ours s | ours MB | PML s | fp32 floor s | TF32 floor s "
+        "| loss | N | inputs | kernel | matmul | ours s | ours MB | PML s | fp32 floor s | TF32 floor s "
         "| triton - torch: loss, gradient |",
-        "|" + "---|" * 10,
+        "|" + "---|" * 11,
     ]
     for r in rows:
 
@@ -522,7 +558,8 @@ def _loss_table(rows: list[dict]) -> str:
 
         exact = (r["ours"] or {}).get("exact")
         exact_cell = f"{exact['loss_rel']:.1e}, {exact['grad_rel']:.1e}" if exact else "-"
-        lines.append(f"| {r['loss']} | {r['n']:,} | {r['dtype']} | {r['kernel']} | {cell(r['ours'], 'time_s', '.3f')} "
+        lines.append(f"| {r['loss']} | {r['n']:,} | {r['dtype']} | {r['kernel']} | {r.get('matmul_precision', 'highest')} "
+                     f"| {cell(r['ours'], 'time_s', '.3f')} "
                      f"| {cell(r['ours'], 'peak_mb', '.0f')} | {cell(r['peer'], 'time_s', '.3f')} "
                      f"| {cell(r['floor'], 'time_s', '.3f')} | {cell(r['floor_tf32'], 'time_s', '.3f')} "
                      f"| {exact_cell} |")  # fmt: skip

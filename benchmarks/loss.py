@@ -2,8 +2,11 @@
 
 Every measurement runs in a fresh subprocess so that peak memory (``ru_maxrss`` above the baseline taken
 once the inputs exist) belongs to that loss alone. The peer is skipped where its predicted memory exceeds
-``--peer-memory-gb`` (its [L, N, N] or [N, N, N] tensors) and reported as such. The floor is the time of the
-three N x N x d matmuls any exact method needs (S = E E^T, G E, G^T E), done in row chunks.
+``--peer-memory-gb`` (its [L, N, N] or [N, N, N] tensors) or its predicted time ``--peer-time-s`` (from its
+time at the last N it ran, by its complexity: FastAP O(L N^2), PNP and Smooth-AP O(N^3)), and reported as such
+("needs ~X GB", "needs ~X s"). The peer runs after all our rows and floors, so that a run stopped at its time
+limit never loses one of ours to it. The floor is the time of the three N x N x d matmuls any exact method needs
+(S = E E^T, G E, G^T E), done in row chunks.
 
     python benchmarks/loss.py                       # N = 256 .. 16384
     python benchmarks/loss.py --sizes 256,...,65536 # the full table (long on 2 cores)
@@ -52,7 +55,7 @@ SAMPLES_PER_CLASS = 4
 LOSSES = ("fastap", "pnp_dq", "smooth_ap")
 SIZES = "256,512,1024,2048,4096,8192,16384"
 EXACT_MAX_N = 16_384
-"""``kernel=triton`` runs also compare their loss and gradient with the torch path's up to this N (a second
+"""``kernel=triton`` (and ``auto``) runs also compare their loss and gradient with the torch path's up to this N (a second
 forward and backward on the same inputs, after the timing)."""
 
 
@@ -75,6 +78,23 @@ def _peer(name: str):
         "pnp_dq": lambda: pml.PNPLoss(variant="Dq", alpha=4),
         "smooth_ap": lambda: pml.SmoothAPLoss(),
     }[name]()
+
+
+PEER_TIME_EXPONENT = {"fastap": 2, "pnp_dq": 3, "smooth_ap": 3}
+"""The peer's time grows as N to this power: FastAP's [L, N, N] histograms, PNP's and Smooth-AP's [N, N, N]."""
+PEER_START_S = 20.0
+"""A peer run under ``--peer-time-s`` gets this long for its process's start (imports, CUDA context, inputs) on top
+of ``--repeats`` times the cap, then is stopped."""
+NOT_REACHED = {"error": "not reached (time limit)"}
+"""The peer's cell until its run comes: what a run stopped at its time limit leaves in the JSON."""
+
+
+def predicted_peer_s(name: str, n: int, last: tuple[int, float] | None) -> float | None:
+    """The peer's forward + backward at ``n`` from ``last`` = (N, seconds) it took at a smaller N; None without."""
+    if last is None:
+        return None
+    last_n, last_s = last
+    return last_s * (n / last_n) ** PEER_TIME_EXPONENT[name]
 
 
 def peer_bytes(name: str, n: int) -> float:
@@ -141,8 +161,8 @@ def worker(kind: str, name: str, n: int, args: argparse.Namespace) -> dict:
         times.append(timed())
     # The first call pays one-off allocations; report the best of the others when there are some.
     result: dict = {"time_s": min(times[1:] or times), "peak_mb": peak_mb}
-    if kind == "ours" and args.kernel == "triton" and n <= EXACT_MAX_N:
-        result["exact"] = exactness(name, x, labels, args.matmul_precision)
+    if kind == "ours" and args.kernel != "torch" and n <= EXACT_MAX_N:
+        result["exact"] = exactness(name, x, labels, args.matmul_precision, args.kernel)
     return result
 
 
@@ -244,13 +264,15 @@ def _paired(root: str, name: str, n: int, threads: int, args: argparse.Namespace
     return result
 
 
-def exactness(name: str, x: torch.Tensor, labels: torch.Tensor, precision: str) -> dict[str, float]:
-    """``kernel=triton`` against the torch path on the same inputs: the losses' relative difference
+def exactness(
+    name: str, x: torch.Tensor, labels: torch.Tensor, precision: str, kernel: str = "triton"
+) -> dict[str, float]:
+    """``kernel=triton`` (or ``auto``) against the torch path on the same inputs: the losses' relative difference
     (``loss_rel``) and the gradients' largest difference over the largest entry of torch's (``grad_rel``)."""
     results = []
-    for kernel in ("triton", "torch"):
+    for path in (kernel, "torch"):
         e = x.clone().requires_grad_(True)
-        loss = _ours(name, precision, kernel)(e, labels)
+        loss = _ours(name, precision, path)(e, labels)
         loss.backward()
         assert e.grad is not None
         results.append((loss.item(), e.grad.float()))
@@ -261,7 +283,7 @@ def exactness(name: str, x: torch.Tensor, labels: torch.Tensor, precision: str) 
     }
 
 
-def run_one(kind: str, name: str, n: int, args: argparse.Namespace) -> dict:
+def run_one(kind: str, name: str, n: int, args: argparse.Namespace, timeout_s: float | None = None) -> dict:
     cmd = [
         sys.executable,
         __file__,
@@ -284,13 +306,39 @@ def run_one(kind: str, name: str, n: int, args: argparse.Namespace) -> dict:
         "--kernel",
         args.kernel,
     ]
+    timeout_s = args.time_limit_s if timeout_s is None else min(timeout_s, args.time_limit_s)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.time_limit_s, check=False)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-        return {"error": f"> {args.time_limit_s:.0f} s"}
+        return {"error": f"> {timeout_s:.0f} s"}
     if done.returncode != 0:
         return {"error": _failure(done.returncode, done.stderr)}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_peer(
+    name: str, n: int, args: argparse.Namespace, history: dict[str, tuple[int, float] | str]
+) -> dict:
+    """The peer's measurement at ``n``, or why it was not run: its predicted memory over ``--peer-memory-gb``,
+    its predicted time over ``--peer-time-s`` (``history``: per loss, the (N, seconds) of its last run, or
+    ``"timed out"``), which also stops a run that overruns it."""
+    if peer_bytes(name, n) > args.peer_memory_gb * 2**30:
+        return {"error": f"needs ~{peer_bytes(name, n) / 2**30:.0f} GB"}
+    cap = args.peer_time_s
+    if cap is None:
+        return run_one("peer", name, n, args)
+    last = history.get(name)
+    if last == "timed out":
+        return {"error": f"needs > {cap:g} s"}
+    predicted = predicted_peer_s(name, n, last if isinstance(last, tuple) else None)
+    if predicted is not None and predicted > cap:
+        return {"error": f"needs ~{predicted:.{0 if predicted >= 10 else 1}f} s"}
+    result = run_one("peer", name, n, args, PEER_START_S + args.repeats * cap)
+    if str(result.get("error", "")).startswith("> "):  # run_one's time-out
+        history[name] = "timed out"
+    elif "error" not in result:
+        history[name] = (n, result["time_s"])
+    return result
 
 
 def _failure(code: int, stderr: str) -> str:
@@ -324,6 +372,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer-memory-gb", type=float, default=12.0)
+    parser.add_argument("--peer-time-s", type=float, default=None,
+                        help="skip the peer where its predicted forward + backward takes longer (from its time at "
+                        "the last N it ran), and stop a peer run past --repeats times this (default: no cap)")  # fmt: skip
     parser.add_argument("--time-limit-s", type=float, default=900.0)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument(
@@ -337,9 +388,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--kernel",
-        default="torch",
-        choices=("torch", "triton"),
-        help="ours' per-block passes: plain torch ops, or the fused Triton kernels (CUDA float32)",
+        default="auto",
+        choices=("auto", "torch", "triton"),
+        help="ours' per-block passes: the losses' default (auto: Triton on CUDA float32, torch elsewhere), plain "
+        "torch ops, or the fused Triton kernels",
     )
     parser.add_argument("--no-floor", action="store_true",
                         help="skip the matmul floors (gpu_check measures them in its first run only)")  # fmt: skip
@@ -396,43 +448,50 @@ def main(argv: list[str] | None = None) -> None:
     skipped = {n: {"error": "not run (--no-floor)"} for n in sizes}
     floors = measured.get("floor", skipped)
     tf32_floors = measured.get("floor-tf32", skipped if cuda else {})
-    for name in args.losses.split(","):
+
+    def save() -> None:
+        if args.json:  # after each measurement: a run stopped at its time limit keeps what it measured
+            write_json(args.json, records)
+
+    for name in args.losses.split(","):  # ours first, every row; the peer after them all
         for n in sizes:
             ours = run_one("ours", name, n, args)
-            if peer_bytes(name, n) > args.peer_memory_gb * 2**30:
-                peer = {"error": f"needs ~{peer_bytes(name, n) / 2**30:.0f} GB"}
-            else:
-                peer = run_one("peer", name, n, args)
-            floor = floors[n]
-            ok = "error" not in ours and "error" not in peer
-            row = [
-                name,
-                str(n),
-                _fmt_time(ours),
-                _fmt_mem(ours),
-                _fmt_time(peer),
-                _fmt_mem(peer),
-                f"{peer['time_s'] / ours['time_s']:.1f}x" if ok else "-",
-                f"{peer['peak_mb'] / max(ours['peak_mb'], 1):.1f}x" if ok else "-",
-                _fmt_time(floor),
-                f"{ours['time_s'] / floor['time_s']:.2f}"
-                if "error" not in ours and "error" not in floor
+            records.append({"loss": name, "n": n, "dim": args.dim, "dtype": args.dtype, "kernel": args.kernel,
+                            "matmul_precision": args.matmul_precision, "ours": ours, "peer": dict(NOT_REACHED),
+                            "floor": floors[n], "floor_tf32": tf32_floors.get(n)})  # fmt: skip
+            save()
+            print(f"{name} | {n} | ours {_fmt_time(ours)} s", flush=True)
+    peer_history: dict[str, tuple[int, float] | str] = {}
+    for record in records:
+        record["peer"] = measure_peer(record["loss"], record["n"], args, peer_history)
+        save()
+        print(f"{record['loss']} | {record['n']} | peer {_fmt_time(record['peer'])}", flush=True)
+    for record in records:
+        ours, peer, floor = record["ours"], record["peer"], record["floor"]
+        ok = "error" not in ours and "error" not in peer
+        row = [
+            record["loss"],
+            str(record["n"]),
+            _fmt_time(ours),
+            _fmt_mem(ours),
+            _fmt_time(peer),
+            _fmt_mem(peer),
+            f"{peer['time_s'] / ours['time_s']:.1f}x" if ok else "-",
+            f"{peer['peak_mb'] / max(ours['peak_mb'], 1):.1f}x" if ok else "-",
+            _fmt_time(floor),
+            f"{ours['time_s'] / floor['time_s']:.2f}"
+            if "error" not in ours and "error" not in floor
+            else "-",
+        ]
+        if cuda:
+            tf32 = record["floor_tf32"]
+            row += [
+                _fmt_time(tf32),
+                f"{ours['time_s'] / tf32['time_s']:.2f}"
+                if "error" not in ours and "error" not in tf32
                 else "-",
             ]
-            if cuda:
-                tf32 = tf32_floors[n]
-                row += [
-                    _fmt_time(tf32),
-                    f"{ours['time_s'] / tf32['time_s']:.2f}"
-                    if "error" not in ours and "error" not in tf32
-                    else "-",
-                ]
-            rows.append(row)
-            records.append({"loss": name, "n": n, "dim": args.dim, "dtype": args.dtype, "kernel": args.kernel,
-                            "ours": ours, "peer": peer, "floor": floor, "floor_tf32": tf32_floors.get(n)})  # fmt: skip
-            if args.json:  # after each row: a run stopped at its time limit keeps what it measured
-                write_json(args.json, records)
-            print(" | ".join(row), flush=True)
+        rows.append(row)
 
     table = markdown_table(header, rows)
     body = (
@@ -446,7 +505,9 @@ def main(argv: list[str] | None = None) -> None:
             else "resident memory above the inputs (MB, ru_maxrss), so a few MB is noise. "
         )
         + "PML = pytorch-metric-learning 2.9.0 (its Smooth-AP is a different function on uneven classes). "
-        f"The peer is not run where its dense tensors need more than {args.peer_memory_gb:.0f} GB. "
+        f"The peer is not run where its dense tensors need more than {args.peer_memory_gb:.0f} GB"
+        + (f" or its predicted time exceeds {args.peer_time_s:g} s" if args.peer_time_s is not None else "")
+        + "; it runs after all our rows. "
         "Floor = the three N x N x d matmuls done in 2048-row chunks.\n\n" + table
     )
     print(table)

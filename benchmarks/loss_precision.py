@@ -8,6 +8,10 @@ TF32 is float32 (no change, by design); its speed-up is measured on CUDA only.
 
     python benchmarks/loss_precision.py                       # N = 512, d = 128, on CPU
     python benchmarks/loss_precision.py --device cuda --n 16384 --dim 512
+    python benchmarks/loss_precision.py --device cuda --n 16384 --dim 512 --json rows.json  # gpu_check reads it
+
+The losses run with their default kernel (``kernel=auto``: the fused Triton passes on CUDA float32, torch
+elsewhere); ``matmul_precision`` changes the similarity matmul only.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result
+from common import markdown_table, write_json, write_result
 
 from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss
 
@@ -84,20 +88,22 @@ def main() -> None:
     p.add_argument("--per-class", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON, after each row")
     args = p.parse_args()
     x, labels = batch(args.n, args.dim, args.per_class, args.device)
-    rows = []
+    rows, records = [], []
     for name, make in MAKE.items():
         value, grad, seconds = run(make("highest"), x, labels, args.repeats)
         for precision in PRECISIONS[1:]:
             v, g, s = run(make(precision), x, labels, args.repeats)
             cosine = float(F.cosine_similarity(g.flatten(), grad.flatten(), dim=0))
             change = float((g - grad).norm() / grad.norm())
+            ds = similarity_change(x, precision)
             rows.append(
                 [
                     name,
                     precision,
-                    f"{similarity_change(x, precision):.1e}",
+                    f"{ds:.1e}",
                     f"{abs(v - value):.1e}",
                     f"{change:.1%}",
                     f"{cosine:.4f}",
@@ -105,6 +111,12 @@ def main() -> None:
                     f"{1000 * s:.1f} ms",
                 ]
             )
+            records.append({"loss": name, "precision": precision, "n": args.n, "dim": args.dim,
+                            "device": args.device, "similarity_change": ds,
+                            "loss_change": abs(v - value), "grad_change": change, "grad_cosine": cosine,
+                            "time_highest_s": seconds, "time_s": s})  # fmt: skip
+            if args.json:
+                write_json(args.json, records)
             print(rows[-1], flush=True)
     header = [
         "loss",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import logging
 import warnings
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -47,6 +48,7 @@ from ddp_rank.losses.rows import (
 from ddp_rank.losses.triton_kernels import fused_kernels_run, jit_kernels
 
 _T = TypeVar("_T")
+_log = logging.getLogger(__name__)
 
 
 def without_autocast(method: Callable[..., _T]) -> Callable[..., _T]:
@@ -83,12 +85,19 @@ class ListwiseLoss(nn.Module, abc.ABC):
             averaged over a batch the loss value moves far less, while the gradient moves more, most for FastAP,
             whose distances cross bin edges. ``benchmarks/loss_precision.py`` measures it (value, gradient and
             time; figures in ``benchmarks/results/loss-precision-*.md``); ``tests/losses/test_precision.py``
-            bounds it. The gradient matmuls are unchanged.
+            bounds it. ``"tf32"`` takes the two gradient matmuls (``G E`` and ``G^T Q``) to TF32 too, as
+            ``torch.backends.cuda.matmul.allow_tf32`` would: all three matmuls are the floor of a step, so TF32 on
+            one only could not buy more than a third of its speed. ``"bf16"`` leaves them in the compute dtype (a
+            bfloat16 gradient operand would round each row's sum to 8 bits).
         kernel: the per-block passes after the matmul. ``"torch"``: plain tensor ops, anywhere. ``"triton"``:
             fused Triton kernels on CUDA float32 (``triton_kernels.py``; elsewhere the torch path runs), which
             read each block once: FastAP's histograms in one pass instead of one per bin, PNP's and Smooth-AP's
             sigmoid ranks without their ``[c, P, N]`` tensor. The same function; sums are rounded in another
-            order.
+            order. ``"auto"`` (the default): the fused kernels on CUDA when the blocks are float32 (float32,
+            bfloat16 and float16 inputs are computed in float32) and Triton imports, the torch path elsewhere
+            (CPU, float64, no Triton); the choice is logged once per device and dtype. On an H100 at N = 65,536
+            the fused kernels took 1.14-1.27x the fp32 matmul floor, the torch path 2.0-3.0x
+            (``benchmarks/results/gpu-2026-11-27.md``).
     """
 
     def __init__(
@@ -98,7 +107,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
         memory_budget: int | None = None,
         chunk_rows: int | None = None,
         matmul_precision: str = "highest",
-        kernel: str = "torch",
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
         if matmul_precision not in MATMUL_PRECISIONS:
@@ -206,7 +215,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
         grad_database = torch.zeros_like(database) if need_grad else None
 
         # One choice of path for every chunk, so that the plan sizes chunks for the path they take.
-        fused = self.kernel == "triton" and fused_kernels_run(queries.device, dtype)
+        fused = self.takes_fused_kernels(queries.device, dtype)
         row_bytes, chunk_budget, pass_bytes = self._plan(n_database, dtype, queries.device, fused)
         # Queries sorted by class size, chunked at each chunk's own widest class (one device sync per call).
         sizes = labels.class_sizes_of(query_labels)
@@ -235,9 +244,26 @@ class ListwiseLoss(nn.Module, abc.ABC):
             losses[idx], valid[idx], g_cn = self._score_chunk(b_cn, chunk, need_grad)
             if need_grad:
                 assert g_cn is not None and grad_queries is not None and grad_database is not None
-                grad_queries[idx] = torch.mm(g_cn, database).mul_(scale)
-                grad_database.addmm_(g_cn.T, q_c, alpha=scale)
+                with _matmul_precision(self.matmul_precision):
+                    grad_queries[idx] = torch.mm(g_cn, database).mul_(scale)
+                    grad_database.addmm_(g_cn.T, q_c, alpha=scale)
         return RowsOutput(losses, valid, grad_queries, grad_database)
+
+    def takes_fused_kernels(self, device: torch.device, dtype: torch.dtype, log: bool = True) -> bool:
+        """Whether a call's blocks of ``dtype`` (the compute dtype) on ``device`` take the fused Triton kernels.
+
+        ``"triton"``: wherever they run (CUDA float32, or CPU under Triton's interpreter, which the tests use);
+        ``"auto"``: on CUDA float32 only, when Triton imports (never the interpreter: it is for tests), logged
+        once per device type and dtype (``log``); ``"torch"``: never. Decided once per call (no device sync), so
+        that the chunk plan and every chunk agree on the path."""
+        if self.kernel == "torch":
+            return False
+        if self.kernel == "triton":
+            return fused_kernels_run(device, dtype)
+        fused = device.type == "cuda" and fused_kernels_run(device, dtype)
+        if log:
+            _log_auto_kernel(device.type, dtype, fused)
+        return fused
 
     def _plan(
         self, n_database: int, dtype: torch.dtype, device: torch.device, fused: bool
@@ -293,7 +319,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
         budget bounds it; each buffer keeps its own largest size, so what stays held can reach twice that."""
         device = torch.device(device)
         cdtype = compute_dtype(dtype)
-        fused = self.kernel == "triton" and fused_kernels_run(device, cdtype)
+        fused = self.takes_fused_kernels(device, cdtype, log=False)
         row_bytes, chunk_budget, pass_bytes = self._plan(n_database, cdtype, device, fused)
         chunks = plan_chunks([max_positives] * n_queries, row_bytes, chunk_budget, device, self.chunk_rows)
         rows = max((stop - start for start, stop, _ in chunks), default=0)
@@ -347,15 +373,39 @@ class _ListwiseLossFunction(torch.autograd.Function):
 
 
 MATMUL_PRECISIONS = ("highest", "tf32", "bf16")
-KERNELS = ("torch", "triton")
+KERNELS = ("auto", "torch", "triton")
 # Work space per same-class column of a query row: the int64 index, bool masks, and a dozen float [c, P]
 # values (scores, ranks, penalties, weights, gradients), with room to spare.
 SAME_CLASS_BYTES = 128
 
 
+@functools.cache
+def _log_auto_kernel(device_type: str, dtype: torch.dtype, fused: bool) -> None:
+    """Say once per process, device type and dtype which path ``kernel="auto"`` took (not once per call)."""
+    if fused:
+        _log.info(
+            "loss kernel=auto: the fused Triton kernels for %s blocks on %s", _dtype_name(dtype), device_type
+        )
+    elif device_type == "cuda" and dtype == torch.float32:
+        _log.info(
+            "loss kernel=auto: the torch path on cuda, as Triton does not import (pip install triton for the "
+            "fused kernels, about 2x faster at N = 65,536)"
+        )
+    else:
+        _log.info(
+            "loss kernel=auto: the torch path for %s blocks on %s (the fused Triton kernels take float32 on CUDA)",
+            _dtype_name(dtype),
+            device_type,
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @contextlib.contextmanager
 def _matmul_precision(precision: str) -> Iterator[None]:
-    """TF32 for the block matmul when asked (CUDA only; CPU float32 matmuls are unaffected)."""
+    """TF32 for the loss's matmuls when asked (CUDA only; CPU float32 matmuls are unaffected)."""
     if precision != "tf32":
         yield
         return

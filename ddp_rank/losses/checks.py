@@ -102,5 +102,6 @@ def check_rows_inputs(queries: Tensor, query_index: Tensor, database: Tensor, la
             f"database_labels must be int64 of shape [{database.shape[0]}], got {labels.dtype} "
             f"{tuple(labels.shape)}"
         )
-    if query_index.numel() and (int(query_index.min()) < 0 or int(query_index.max()) >= database.shape[0]):
+    # One read on the host for both ends (each is a device sync on a GPU).
+    if query_index.numel() and bool(((query_index < 0) | (query_index >= database.shape[0])).any()):
         raise ValueError("query_index points outside the database")

@@ -12,7 +12,7 @@ num_bins``, and the triangular kernel ``K_l(d) = max(0, 1 - |d - z_l| / delta)``
 Computation, with no scatter and no ``[c, N, L]`` tensor: the weights an item puts on bins ``0..l`` sum to
 ``C_l(t) = clamp(l + 1 - t, 0, 1)`` (``t = d / delta``), so the cumulative histogram of all items is
 ``H_l = sum_j C_l(t_j)``: a pass per bin over a few rows at a time (``[rows, L, N]``, in cache on CPU), or
-one fused pass with Triton on CUDA (``kernel="triton"``); ``H+`` comes from the ``[c, P]`` same-class columns
+one fused pass with Triton on CUDA (``kernel="auto"``, the default, or ``"triton"``); ``H+`` comes from the ``[c, P]`` same-class columns
 alone, and ``h+`` is its difference. Scatter-adds into the two bins each item touches (the obvious way)
 serialise on their atomics on a GPU, turn into a sort under deterministic algorithms, and on CPU cost about
 10 ns an item, more than the whole ``[rows, L, N]`` pass.
@@ -61,7 +61,7 @@ class FastAPLoss(ListwiseLoss):
         memory_budget: int | None = None,
         chunk_rows: int | None = None,
         matmul_precision: str = "highest",
-        kernel: str = "torch",
+        kernel: str = "auto",
     ) -> None:
         super().__init__(
             normalize=normalize,

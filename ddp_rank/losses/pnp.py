@@ -63,7 +63,7 @@ class PNPLoss(ListwiseLoss):
         memory_budget: int | None = None,
         chunk_rows: int | None = None,
         matmul_precision: str = "highest",
-        kernel: str = "torch",
+        kernel: str = "auto",
     ) -> None:
         super().__init__(
             normalize=normalize,

@@ -14,6 +14,7 @@ exists, and the chunk size follows from a memory budget.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ DEFAULT_BUDGET_BYTES = {"cpu": 32 * 2**20, "cuda": 1 * 2**30}
 # more eager-op overheads (several microseconds each); 1 and 4 MiB measured alike here, and 4 MiB makes a
 # quarter of the ops (benchmarks/results/loss-floor-*.md). On CUDA a pass takes a whole chunk.
 CPU_PASS_BYTES = 4 * 2**20
+# A chunk's rows are padded to its widest class: at most this many times their own class size (``plan_chunks``).
+PADDING_GROWTH = 1.5
 
 
 @dataclass
@@ -162,7 +165,10 @@ def plan_chunks(
     Why sorted: a rank-based loss pays ``c x P x N`` per chunk, so one big class among small ones would make
     every chunk pay for it if chunks followed the query order. Sorted, the small-class queries share chunks of
     a small ``P`` (and many rows), the big class's queries chunks of their own. Each chunk holds as many rows
-    as fit ``budget`` at its own ``P`` (``override``: a fixed number of rows).
+    as fit ``budget`` at its own ``P`` (``override``: a fixed number of rows), and no row whose class is
+    narrower than ``P / PADDING_GROWTH``: where the budget alone decides, the chunk at the seam between classes
+    of 4 and one of 256 held hundreds of rows of 4 padded to 256 (on CPU a row's budget leaves out the
+    ``[P, N]`` passes, which walk sub-blocks), which doubled PNP's time against uniform classes.
     """
     if budget is None:
         budget = DEFAULT_BUDGET_BYTES["cuda" if device.type == "cuda" else "cpu"]
@@ -174,7 +180,11 @@ def plan_chunks(
             stop = min(n, start + max(1, int(override)))
         else:
             # Largest stop whose rows fit at the chunk's widest class (sorted: the last row's); at least one.
-            low, high = start + 1, n
+            # Rows within PADDING_GROWTH of the chunk's narrowest class (sorted: the first row's).
+            low, high = (
+                start + 1,
+                bisect.bisect_right(class_sizes, PADDING_GROWTH * class_sizes[start], lo=start + 1),
+            )
             while low < high:
                 mid = (low + high + 1) // 2
                 if (mid - start) * bytes_per_row(int(class_sizes[mid - 1])) <= budget:

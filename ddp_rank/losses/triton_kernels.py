@@ -3,7 +3,8 @@
 Every kernel here computes the same function as a plain torch path beside its caller (``histogram.py``,
 ``sigmoid_ranks.py``); a loss takes them with ``kernel="triton"`` where :func:`fused_kernels_run` says they
 can: float32 CUDA tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set before
-Triton is imported), which is how the tests check them against the torch paths. The tests also compile each
+Triton is imported), which is how the tests check them against the torch paths. The default ``kernel="auto"``
+takes them on CUDA only (``ListwiseLoss.takes_fused_kernels``). The tests also compile each
 one for real GPUs (V100 to B200: sm_70 to sm_100) without one: the interpreter runs Python that the
 compiler may refuse.
 

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from ddp_rank.losses import PNPLoss
+from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.losses.rows import plan_chunks
 
 N = 4096
@@ -79,3 +81,21 @@ def test_work_space_follows_the_budget_not_the_cap() -> None:
     """A small batch on the CPU uses far less than the 32 MiB default budget, and the report says so."""
     work, rows = PNPLoss("Dq").work_space(64, 128, 4, "cpu")
     assert rows == 64 and work < 2**20
+
+
+def test_no_row_is_padded_past_half_again_its_own_class_by_the_real_plan() -> None:
+    """With a loss's own row costs on CPU (its ``[P, N]`` passes walk sub-blocks, so a row's budget leaves them
+    out and a chunk holds hundreds of rows), the chunk at the seam of classes of 4 and one of 256 held 366 rows of
+    4 padded to 256: PNP took 2.1x the time of uniform classes with as many positive pairs."""
+    sizes = [4] * (N - 256) + [256] * 256
+    for loss in (PNPLoss("Dq"), SmoothAPLoss(), FastAPLoss()):
+        row_bytes, budget, _ = loss._plan(N, torch.float32, torch.device("cpu"), False)
+        chunks = plan_chunks(sizes, row_bytes, budget, torch.device("cpu"))
+        for start, stop, width in chunks:
+            assert width <= 1.5 * sizes[start], (type(loss).__name__, start, stop, width)
+        assert [(a, b) for a, b, _ in chunks] == sorted((a, b) for a, b, _ in chunks)
+        assert chunks[-1][1] == N and all(b == c for (_, b, _), (c, _, _) in itertools.pairwise(chunks))
+    growing = list(range(1, 200))  # classes of every size: bands of half again the first
+    chunks = plan_chunks(growing, lambda width: width, 10**9, torch.device("cpu"))
+    assert [(a, b) for a, b, _ in chunks][:4] == [(0, 1), (1, 3), (3, 6), (6, 10)]
+    assert len(chunks) < 20

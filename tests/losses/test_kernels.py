@@ -47,11 +47,15 @@ def test_the_torch_bin_gradient_reads_each_lower_bin_and_is_zero_outside() -> No
     g = torch.Generator().manual_seed(2)
     num_bins = 10
     slopes = torch.randn(3, num_bins, generator=g, dtype=torch.float64)
-    t = torch.tensor([[0.0, 0.5, 1.0, 9.99, 10.0, -1e-3, 10.001]] * 3, dtype=torch.float64)
-    got = bin_gradient(t, slopes, torch.empty_like(t), Workspace(t.device))
-    lower = torch.tensor([0, 0, 1, 9, 9])
-    torch.testing.assert_close(got[:, :5], slopes[:, lower], rtol=0, atol=0)
-    assert torch.equal(got[:, 5:], torch.zeros(3, 2, dtype=torch.float64))
+    outside = [-1e-3, 10.001, 10.999, 11.0, 11.5, 1e6, -7.0]
+    t = torch.tensor([[0.0, 0.5, 1.0, 9.99, 10.0, *outside]] * 3, dtype=torch.float64)
+    for in_place in (False, True):  # into a buffer, or over the positions themselves
+        positions = t.clone()
+        out = positions if in_place else torch.empty_like(t)
+        got = bin_gradient(positions, slopes, out, Workspace(t.device))
+        lower = torch.tensor([0, 0, 1, 9, 9])
+        torch.testing.assert_close(got[:, :5], slopes[:, lower], rtol=0, atol=0)
+        assert torch.equal(got[:, 5:], torch.zeros(3, len(outside), dtype=torch.float64))
 
 
 def test_the_torch_sigmoid_ranks_are_the_definition() -> None:
@@ -77,7 +81,7 @@ def test_the_torch_sigmoid_ranks_are_the_definition() -> None:
 
 @pytest.mark.parametrize("loss", LOSSES)
 def test_bad_kernel_names_and_where_triton_runs(loss: type) -> None:
-    with pytest.raises(ValueError, match="kernel must be one of torch, triton, got 'cuda'"):
+    with pytest.raises(ValueError, match="kernel must be one of auto, torch, triton, got 'cuda'"):
         loss(kernel="cuda")
     cpu = torch.device("cpu")
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -112,7 +116,9 @@ def test_asking_for_triton_without_triton_warns_and_takes_the_torch_path(
     import ddp_rank.losses.base as base
     import ddp_rank.losses.triton_kernels as triton_kernels
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors would take the fused kernels if Triton were there
+    monkeypatch.setenv(
+        "TRITON_INTERPRET", "1"
+    )  # CPU tensors would take the fused kernels if Triton were there
     monkeypatch.setattr(base, "jit_kernels", lambda: None)
     monkeypatch.setattr(triton_kernels, "jit_kernels", lambda: None)
     with pytest.warns(UserWarning, match="needs Triton, which is not installed: the torch path runs"):
@@ -341,6 +347,7 @@ def test_the_config_picks_the_kernel_and_the_ranks_need_not_agree_on_it(name: st
     fused = build_loss(load_config(None, [f"loss.name={name}", "loss.kernel=triton"]))
     assert fused.kernel == "triton"
     plain = build_loss(load_config(None, [f"loss.name={name}"]))
-    assert plain.kernel == "torch" and plain.signature() == fused.signature()
+    assert plain.kernel == "auto" and plain.signature() == fused.signature()
+    assert build_loss(load_config(None, [f"loss.name={name}", "loss.kernel=torch"])).kernel == "torch"
     with pytest.raises(ConfigError, match="kernel"):
         load_config(None, ["loss.kernel=cuda"])

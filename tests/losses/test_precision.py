@@ -91,3 +91,36 @@ def test_a_loss_under_autocast_is_the_loss_of_its_inputs(name: str, dtype: torch
     (plain_value, plain_grad), (value, grad) = results
     assert value.dtype == plain_value.dtype == torch.float32
     assert torch.equal(value, plain_value) and torch.equal(grad, plain_grad)
+
+
+class _TF32AtEachMatmul(torch.overrides.TorchFunctionMode):
+    """Records, at every matmul the loss makes, whether CUDA's TF32 switch is on (the switch is a flag anyone can
+    read, on CPU too, so what the loss asks of a GPU shows here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = getattr(func, "__name__", "")
+        if name in ("mm", "addmm_", "addmm", "matmul"):
+            self.seen.append((name, torch.backends.cuda.matmul.allow_tf32))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", sorted(MAKE))
+@pytest.mark.parametrize("precision", ["highest", "tf32"])
+def test_tf32_takes_the_similarity_and_both_gradient_matmuls(name: str, precision: str) -> None:
+    """``matmul_precision=tf32`` is for all three matmuls of a chunk (Q E^T, G E, G^T Q), as ``allow_tf32`` would
+    be: the three are the floor of the loss's time, so TF32 on the similarity alone could not buy a third of it.
+    The switch is put back after the call."""
+    x, y = batch()
+    e = x.clone().requires_grad_()
+    before = torch.backends.cuda.matmul.allow_tf32
+    with _TF32AtEachMatmul() as mode:
+        MAKE[name](precision)(e, y).backward()
+    kinds = {kind for kind, _ in mode.seen}
+    assert {"mm", "addmm_"} <= kinds, mode.seen  # the similarity and G E (mm), G^T Q (addmm_)
+    assert len(mode.seen) >= 3
+    assert all(on == (precision == "tf32") for _, on in mode.seen), mode.seen
+    assert torch.backends.cuda.matmul.allow_tf32 == before
