@@ -369,7 +369,7 @@ def count_saved(limit: int | None = None) -> Iterator[list[int]]:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        view = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        view = (storage.data_ptr(), int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
         if view not in seen:
             seen.add(view)
             before = per_storage.get(view[0], 0)
