@@ -253,7 +253,8 @@ class ListwiseLoss(nn.Module, abc.ABC):
         """Whether a call's blocks of ``dtype`` (the compute dtype) on ``device`` take the fused Triton kernels.
 
         ``"triton"``: wherever they run (CUDA float32, or CPU under Triton's interpreter, which the tests use);
-        ``"auto"``: on CUDA float32 only, when Triton imports (never the interpreter: it is for tests), logged
+        ``"auto"``: on CUDA float32 only, when Triton imports and the GPU is one Triton compiles for
+        (:func:`cuda_below_triton`; never the interpreter: it is for tests), logged
         once per device type and dtype (``log``); ``"torch"``: never. Decided once per call (no device sync), so
         that the chunk plan and every chunk agree on the path."""
         if self.kernel == "torch":
@@ -261,9 +262,10 @@ class ListwiseLoss(nn.Module, abc.ABC):
         if self.kernel == "triton":
             return fused_kernels_run(device, dtype)
         fused = device.type == "cuda" and fused_kernels_run(device, dtype)
+        below = cuda_below_triton(device) if fused else None
         if log:
-            _log_auto_kernel(device.type, dtype, fused)
-        return fused
+            _log_auto_kernel(device.type, dtype, fused and not below, below)
+        return fused and not below
 
     def _plan(
         self, n_database: int, dtype: torch.dtype, device: torch.device, fused: bool
@@ -379,10 +381,27 @@ KERNELS = ("auto", "torch", "triton")
 SAME_CLASS_BYTES = 128
 
 
+def cuda_below_triton(device: torch.device) -> str | None:
+    """Why the CUDA ``device`` cannot take the fused kernels (None: it can): Triton compiles for NVIDIA GPUs of
+    compute capability 7.0 and up (torch's own inductor refuses older ones), and the kernels were never run on
+    ROCm. Asked of the driver once per device (cached by torch), no stream sync. Without a visible GPU (a plan
+    made for a GPU on another machine) the GPU is taken to be one Triton compiles for."""
+    if torch.version.hip is not None:
+        return f"ROCm (HIP {torch.version.hip}): the fused kernels are tested on NVIDIA GPUs only"
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (7, 0):
+        return f"compute capability {major}.{minor} is below Triton's 7.0"
+    return None
+
+
 @functools.cache
-def _log_auto_kernel(device_type: str, dtype: torch.dtype, fused: bool) -> None:
+def _log_auto_kernel(device_type: str, dtype: torch.dtype, fused: bool, below: str | None = None) -> None:
     """Say once per process, device type and dtype which path ``kernel="auto"`` took (not once per call)."""
-    if fused:
+    if below:
+        _log.info("loss kernel=auto: the torch path on cuda, as %s", below)
+    elif fused:
         _log.info(
             "loss kernel=auto: the fused Triton kernels for %s blocks on %s", _dtype_name(dtype), device_type
         )
@@ -405,16 +424,27 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 @contextlib.contextmanager
 def _matmul_precision(precision: str) -> Iterator[None]:
-    """TF32 for the loss's matmuls when asked (CUDA only; CPU float32 matmuls are unaffected)."""
+    """TF32 for the loss's matmuls when asked (CUDA only; CPU float32 matmuls are unaffected), the caller's
+    setting put back after. Through ``fp32_precision`` where torch has it: once a program has set that one,
+    reading the legacy ``allow_tf32`` raises (torch refuses a mix of the two), while saving and restoring
+    ``fp32_precision`` keeps either kind of setting as the caller left it."""
     if precision != "tf32":
         yield
         return
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    matmul = torch.backends.cuda.matmul
+    new_api = hasattr(matmul, "fp32_precision")
+    previous = matmul.fp32_precision if new_api else matmul.allow_tf32
+    if new_api:
+        matmul.fp32_precision = "tf32"
+    else:
+        matmul.allow_tf32 = True
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+        if new_api:
+            matmul.fp32_precision = previous
+        else:
+            matmul.allow_tf32 = previous
 
 
 def _bf16_mm(a: Tensor, b: Tensor) -> Tensor:

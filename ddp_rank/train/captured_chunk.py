@@ -135,7 +135,10 @@ def captured_chunk_for(
     a ValueError, naming the fix, for an engine it cannot capture."""
     if mode not in CAPTURE_MODES:
         raise ValueError(f"distributed.capture_chunk={mode!r}: use one of {', '.join(CAPTURE_MODES)}")
-    if mode == "none" or chunk_size is None:
+    if mode == "none":
+        return None
+    if chunk_size is None:
+        log.info(f"distributed.capture_chunk={mode} has no effect: the step is not chunked (the batch fits)")
         return None
     if isinstance(backend, DeepSpeedBackend):
         raise ValueError(

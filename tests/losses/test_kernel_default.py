@@ -78,6 +78,7 @@ def test_auto_is_the_default_and_takes_triton_on_cuda_float32_blocks_only(
     monkeypatch.setenv(
         "TRITON_INTERPRET", "1"
     )  # the interpreter would run the kernels on CPU: auto never asks it
+    monkeypatch.setattr(base, "cuda_below_triton", lambda device: None)  # a GPU Triton compiles for
     auto, triton, plain = make(), make(kernel="triton"), make(kernel="torch")
     assert auto.kernel == "auto"
     for inputs in (torch.float32, torch.bfloat16, torch.float16):
@@ -91,6 +92,29 @@ def test_auto_is_the_default_and_takes_triton_on_cuda_float32_blocks_only(
         assert auto.work_space(4096, 4096, 40, CUDA, dtype) == triton.work_space(4096, 4096, 40, CUDA, dtype)
         assert auto.work_space(4096, 4096, 40, CUDA, dtype) != plain.work_space(4096, 4096, 40, CUDA, dtype)
     assert auto.work_space(4096, 4096, 40, CPU) == plain.work_space(4096, 4096, 40, CPU)
+
+
+@pytest.mark.parametrize(
+    ("hip", "capability", "why"),
+    [(None, (6, 0), "compute capability 6.0 is below Triton's 7.0"), ("6.2", (9, 0), "ROCm (HIP 6.2)")],
+)
+def test_auto_takes_the_torch_path_on_a_gpu_triton_does_not_compile_for(
+    hip: str | None, capability: tuple[int, int], why: str, monkeypatch: pytest.MonkeyPatch, kernel_log: _Records
+) -> None:
+    """A P100 (Kaggle's default) or a GTX 10xx: Triton refuses them, so ``auto`` must not pick the fused kernels
+    there (an explicit ``kernel="triton"`` is the user's own call); ROCm: never run, so not by default."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert base.cuda_below_triton(CUDA) is not None
+    assert not FastAPLoss().takes_fused_kernels(CUDA, torch.float32)
+    assert FastAPLoss(kernel="triton").takes_fused_kernels(CUDA, torch.float32, log=False)
+    (said,) = kernel_log.auto()
+    assert said.startswith("loss kernel=auto: the torch path on cuda, as ") and why in said
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    assert base.cuda_below_triton(CUDA) is None
 
 
 @pytest.mark.parametrize("make", LOSSES)

@@ -93,9 +93,15 @@ def test_a_loss_under_autocast_is_the_loss_of_its_inputs(name: str, dtype: torch
     assert torch.equal(value, plain_value) and torch.equal(grad, plain_grad)
 
 
+def _tf32_on() -> bool:
+    """CUDA's TF32 switch for float32 matmuls (a flag anyone can read, on CPU too), by the API torch has."""
+    matmul = torch.backends.cuda.matmul
+    return matmul.fp32_precision == "tf32" if hasattr(matmul, "fp32_precision") else bool(matmul.allow_tf32)
+
+
 class _TF32AtEachMatmul(torch.overrides.TorchFunctionMode):
-    """Records, at every matmul the loss makes, whether CUDA's TF32 switch is on (the switch is a flag anyone can
-    read, on CPU too, so what the loss asks of a GPU shows here)."""
+    """Records, at every matmul the loss makes, whether CUDA's TF32 switch is on (so what the loss asks of a GPU
+    shows on CPU too)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -104,7 +110,7 @@ class _TF32AtEachMatmul(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = getattr(func, "__name__", "")
         if name in ("mm", "addmm_", "addmm", "matmul"):
-            self.seen.append((name, torch.backends.cuda.matmul.allow_tf32))
+            self.seen.append((name, _tf32_on()))
         return func(*args, **(kwargs or {}))
 
 
@@ -116,11 +122,28 @@ def test_tf32_takes_the_similarity_and_both_gradient_matmuls(name: str, precisio
     The switch is put back after the call."""
     x, y = batch()
     e = x.clone().requires_grad_()
-    before = torch.backends.cuda.matmul.allow_tf32
+    before = _tf32_on()
     with _TF32AtEachMatmul() as mode:
         MAKE[name](precision)(e, y).backward()
     kinds = {kind for kind, _ in mode.seen}
     assert {"mm", "addmm_"} <= kinds, mode.seen  # the similarity and G E (mm), G^T Q (addmm_)
     assert len(mode.seen) >= 3
     assert all(on == (precision == "tf32") for _, on in mode.seen), mode.seen
-    assert torch.backends.cuda.matmul.allow_tf32 == before
+    assert _tf32_on() == before
+
+
+def test_tf32_keeps_a_setting_made_with_either_api() -> None:
+    """A program that set TF32 with torch's newer ``fp32_precision`` must not meet torch's refusal to mix the
+    two APIs (which reading ``allow_tf32`` would raise), and gets its setting back after the loss."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has the legacy TF32 flag only")
+    x, y = batch()
+    previous = matmul.fp32_precision
+    try:
+        for setting in ("tf32", "ieee"):
+            matmul.fp32_precision = setting
+            FastAPLoss(matmul_precision="tf32")(x.clone().requires_grad_(), y).backward()
+            assert matmul.fp32_precision == setting
+    finally:
+        matmul.fp32_precision = previous

@@ -10,6 +10,8 @@ tests/distributed/test_ranks_on_one_device.py.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -157,7 +159,23 @@ def test_cuda_graphs_accumulate_every_chunk_of_every_step() -> None:
 def test_refusals_and_the_config_key() -> None:
     backend = PlainBackend(mlp())
     assert captured_chunk_for(backend, 4, "none") is None
-    assert captured_chunk_for(backend, None, "graphs") is None  # the step is not chunked: nothing to capture
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("ddp_rank.train.captured_chunk")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        assert captured_chunk_for(backend, 4, "none") is None and said == []
+        assert (
+            captured_chunk_for(backend, None, "graphs") is None
+        )  # the step is not chunked: nothing to capture
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert said == [
+        "distributed.capture_chunk=graphs has no effect: the step is not chunked (the batch fits)"
+    ]
     assert isinstance(captured_chunk_for(backend, 4, "compile", compiler="aot_eager"), CapturedChunk)
     with pytest.raises(ValueError, match=r"cannot capture a DeepSpeed engine.*capture_chunk=none"):
         captured_chunk_for(object.__new__(DeepSpeedBackend), 4, "graphs")
