@@ -112,7 +112,11 @@ def _merge(base: dict[str, dict[str, Any]], update: Mapping[str, Any], origin: s
         if not isinstance(values, Mapping):
             raise ConfigError(f"{origin}: section '{section}' must be a mapping of key: value")
         hints = typing.get_type_hints(_SECTIONS[section])
-        for key, value in values.items():
+        # The replaced train.tensorboard last: in one mapping with train.log_with it adds tensorboard to that
+        # list (merged, not overwritten by it, whatever the order of the two keys).
+        for key, value in sorted(
+            values.items(), key=lambda item: (section, item[0]) == ("train", "tensorboard")
+        ):
             if (section, key) == ("train", "tensorboard"):
                 # Replaced by train.log_with: a config.yaml of an earlier run still loads, and means the same.
                 trackers = list(base["train"].get("log_with") or [])

@@ -272,7 +272,7 @@ class RunReport:
 
     def _log_picture(self, name: str, path: Path, step: int) -> None:
         if self.accelerator is not None and self.cfg.train.log_with:
-            log_picture(self.accelerator, list(self.cfg.train.log_with), name, path, step)
+            log_picture(self.accelerator, name, path, step)
 
     def _curve_plots(self) -> list[Path]:
         """roc.png, det.png, pr.png, cmc.png of the first and the last evaluation (``train.plots``)."""

@@ -2,9 +2,10 @@
 
 accelerate owns the trackers (TensorBoard, W&B, MLflow, Aim, ...): the trainer's accelerator is built with
 ``log_with`` and a logging directory (:func:`tracker_arguments`), rank 0 starts them with the run's config
-(:func:`start_trackers`), every metrics record goes through ``accelerator.log`` and every picture through the
-tracker that takes pictures (:func:`log_picture`, ``accelerator.get_tracker``); ``accelerator.end_training()``
-closes them. ``metrics.jsonl`` stays the run's own record whatever is tracked.
+(:func:`start_trackers`), every metrics record goes through ``accelerator.log`` and every picture through each
+started tracker that takes pictures (:func:`log_picture`); ``accelerator.end_training()`` closes them. An
+accelerator the caller builds must carry the trackers itself (:func:`run_accelerator`). ``metrics.jsonl`` stays
+the run's own record whatever is tracked.
 
 Why the package check here: accelerate leaves out a tracker whose package is missing with a debug message only, so
 ``train.log_with=[mlflow]`` without mlflow would train and log nothing. The run is refused instead, in one line.
@@ -13,18 +14,24 @@ Why the package check here: accelerate leaves out a tracker whose package is mis
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 from collections.abc import Mapping
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from ddp_rank.config import Config, ConfigError, to_dict
+from ddp_rank.runtime import TrainError, make_accelerator
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "check_trackers",
     "log_metrics",
     "log_picture",
+    "run_accelerator",
     "start_trackers",
     "tracker_arguments",
     "tracker_config",
@@ -75,6 +82,26 @@ def tracker_arguments(cfg: Config) -> dict[str, Any]:
     }
 
 
+def run_accelerator(cfg: Config, accelerator: Any | None = None) -> Any:
+    """The trainer's accelerator: made with the trackers of ``train.log_with`` (:func:`tracker_arguments`), or the
+    caller's, refused unless it was built with them. accelerate takes the trackers only when the Accelerator is
+    made, so one built without them would log nothing: ``accelerator.log`` drops every record without a word."""
+    if accelerator is None:
+        return make_accelerator(cfg, tracker_arguments(cfg))
+    # accelerate's log_with: a LoggerType per named tracker (its text is the name), or a custom tracker object.
+    kept = getattr(accelerator, "log_with", None) or []
+    carried = {str(t) if isinstance(t, (str, Enum)) else str(getattr(t, "name", t)) for t in kept}
+    missing = [name for name in cfg.train.log_with if name not in carried]
+    if missing:
+        raise TrainError(
+            f"train.log_with={list(cfg.train.log_with)} but the accelerator passed to Trainer carries no "
+            f"{', '.join(missing)} tracker: build it with Accelerator(log_with={list(cfg.train.log_with)}, "
+            f"project_dir=OUTPUT_DIR), or with ddp_rank.runtime.make_accelerator(cfg, tracker_arguments(cfg)), "
+            f"or pass no accelerator"
+        )
+    return accelerator
+
+
 def tracker_config(cfg: Config) -> dict[str, Any]:
     """The config as flat ``section.key`` values of the types every tracker accepts (lists as text)."""
     flat: dict[str, Any] = {}
@@ -120,11 +147,12 @@ def log_metrics(accelerator: Any, kind: str, step: int, values: Mapping[str, flo
         accelerator.log({tracker_key(kind, k): v for k, v in values.items()}, step=step)
 
 
-def log_picture(
-    accelerator: Any, trackers: list[str], name: str, path: str | os.PathLike[str], step: int
-) -> None:
-    """A PNG to each of ``trackers`` that takes pictures (``accelerator.get_tracker``): an image for TensorBoard,
-    W&B, Aim and the others with ``log_images``, an artifact under ``name/step-<step>/`` for MLflow."""
+def log_picture(accelerator: Any, name: str, path: str | os.PathLike[str], step: int) -> None:
+    """A PNG to each started tracker that takes pictures: an image for TensorBoard, W&B, Aim, ClearML and the
+    others with ``log_images``, an artifact under ``name/step-<step>/`` for MLflow. A tracker that fails (its
+    server down, its API changed) costs one warning naming it, not the training run: the picture is also a file
+    of the run."""
+    trackers = list(getattr(accelerator, "trackers", None) or [])
     if not trackers or not accelerator.is_main_process:
         return
     import numpy as np
@@ -132,13 +160,17 @@ def log_picture(
 
     with Image.open(path) as opened:
         picture = np.asarray(opened.convert("RGB"))
-    for tracker_name in trackers:
-        tracker = accelerator.get_tracker(tracker_name)
-        if tracker_name == "mlflow":
-            tracker.log_artifact(str(path), artifact_path=f"{name}/step-{step:08d}")
-        elif tracker_name == "tensorboard":
-            tracker.log_images({name: picture[None]}, step=step, dataformats="NHWC")
-        elif tracker_name == "aim":
-            tracker.log_images({name: picture}, step=step)
-        elif hasattr(tracker, "log_images"):
-            tracker.log_images({name: [picture]}, step=step)
+    for tracker in trackers:
+        tracker_name = getattr(tracker, "name", type(tracker).__name__)
+        try:
+            if tracker_name == "mlflow":
+                tracker.log_artifact(str(path), artifact_path=f"{name}/step-{step:08d}")
+            elif tracker_name == "tensorboard":
+                tracker.log_images({name: picture[None]}, step=step, dataformats="NHWC")
+            elif tracker_name in ("aim", "clearml"):  # one array per key, not a list of them
+                tracker.log_images({name: picture}, step=step)
+            elif hasattr(tracker, "log_images"):
+                tracker.log_images({name: [picture]}, step=step)
+        except Exception as error:  # any tracker's own failure: the run goes on
+            log.warning("the %s tracker could not take the picture %s of step %d: %s", tracker_name, name, step,
+                        error)  # fmt: skip

@@ -68,7 +68,7 @@ from ddp_rank.train.setup import (
     uses_deepspeed,
 )
 from ddp_rank.train.state_files import save_state_files
-from ddp_rank.train.trackers import tracker_arguments
+from ddp_rank.train.trackers import run_accelerator
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +100,7 @@ class Trainer:
         self.manifest = check_inputs(cfg)
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
         set_deterministic(cfg.train.deterministic, cfg.train.deterministic_fill)
-        self.accelerator = acc = (
-            accelerator if accelerator is not None else make_accelerator(cfg, tracker_arguments(cfg))
-        )
+        self.accelerator = acc = run_accelerator(cfg, accelerator)  # a passed one must carry train.log_with
         self.world_size = acc.num_processes
         self.rank = acc.process_index
         self.is_main = acc.is_main_process

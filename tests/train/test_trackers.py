@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from ddp_rank.config import ConfigError, load_config
+from ddp_rank.runtime import TrainError, make_accelerator
 from ddp_rank.train.run_outputs import read_metrics
-from ddp_rank.train.trackers import tracker_arguments, tracker_key
-from ddp_rank.train.trainer import run_training
+from ddp_rank.train.trackers import log_picture, tracker_arguments, tracker_key
+from ddp_rank.train.trainer import Trainer, run_training
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
 STEPS = 3
@@ -115,5 +118,67 @@ def test_the_replaced_tensorboard_key_still_loads_as_log_with() -> None:
     assert load_config(None, ["train.tensorboard=false"]).train.log_with == []
     both = load_config(None, ["train.log_with=[tensorboard,mlflow]", "train.tensorboard=true"])
     assert both.train.log_with == ["tensorboard", "mlflow"]
+    # In one mapping with log_with, the old key adds tensorboard to it whatever the order (it was dropped).
+    assert load_config(None, ["train.tensorboard=true", "train.log_with=[mlflow]"]).train.log_with == [
+        "mlflow",
+        "tensorboard",
+    ]
     with pytest.raises(ConfigError, match="log_with"):
         load_config(None, ["train.log_with=[tensorbord]"])
+
+
+def test_the_replaced_tensorboard_key_merges_with_log_with_in_one_yaml_mapping(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("train:\n  tensorboard: true\n  log_with: [mlflow]\n")
+    assert load_config(config).train.log_with == ["mlflow", "tensorboard"]
+    config.write_text("train:\n  tensorboard: false\n  log_with: [mlflow]\n")
+    assert load_config(config).train.log_with == ["mlflow"]
+
+
+def test_an_accelerator_passed_without_the_trackers_is_refused(shards: Path, tmp_path: Path) -> None:
+    """accelerate takes the trackers only when the Accelerator is made: one made without them would train and
+    log nothing (and its blank tracker had no ``log_images``: the first evaluation picture crashed the run)."""
+    pytest.importorskip("tensorboard")
+    cfg = load_config(None, [*TINY_OVERRIDES, f"data.shards={shards}", f"train.output_dir={tmp_path / 'run'}",
+                             "train.steps=1", "train.log_with=[tensorboard]"])  # fmt: skip
+    with pytest.raises(
+        TrainError, match=r"carries no tensorboard tracker: build it with Accelerator\(log_with="
+    ):
+        Trainer(cfg, accelerator=make_accelerator(cfg))
+    trainer = Trainer(
+        cfg, accelerator=make_accelerator(cfg, tracker_arguments(cfg))
+    )  # built with them: taken
+    trainer.close()
+
+
+class _Tracker:
+    def __init__(self, name: str, fails: bool = False) -> None:
+        self.name, self.fails, self.images = name, fails, []
+
+    def log_images(self, values: dict, step: int, **kwargs) -> None:
+        if self.fails:
+            raise RuntimeError("server gone")
+        self.images.append((values, step))
+
+
+def test_a_picture_goes_to_each_started_tracker_and_a_failing_one_costs_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    png = tmp_path / "retrieval.png"
+    drawn = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3)
+    Image.fromarray(drawn).save(png)
+    broken, clearml, other = _Tracker("wandb", fails=True), _Tracker("clearml"), _Tracker("swanlab")
+    blank = SimpleNamespace(name="custom")  # takes no pictures: left out
+    accelerator = SimpleNamespace(is_main_process=True, trackers=[broken, blank, clearml, other])
+    with caplog.at_level(logging.WARNING, logger="ddp_rank.train.trackers"):
+        log_picture(accelerator, "retrieval", png, 7)
+    (warning,) = caplog.records
+    assert "the wandb tracker could not take the picture retrieval of step 7: server gone" in warning.message
+    ((values, step),) = clearml.images  # ClearML takes one array per key
+    assert step == 7 and isinstance(values["retrieval"], np.ndarray)
+    np.testing.assert_array_equal(values["retrieval"], drawn)
+    ((values, _),) = other.images  # the others a list of them
+    np.testing.assert_array_equal(values["retrieval"][0], drawn)
+    # An accelerator without started trackers takes no picture (accelerate's get_tracker gave a blank tracker,
+    # without log_images: AttributeError at the first evaluation picture).
+    log_picture(make_accelerator(load_config(None, ["distributed.cpu=true"])), "retrieval", png, 7)
