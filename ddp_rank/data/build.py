@@ -33,7 +33,7 @@ from ddp_rank.data.listing import (
     check_records,
     natural_key,
 )
-from ddp_rank.data.manifest import ClassInfo, Manifest, ShardInfo, SplitInfo
+from ddp_rank.data.manifest import ClassInfo, Manifest, ShardInfo, SplitInfo, split_name_problem
 from ddp_rank.data.tar_writer import shard_writer
 
 _PIL_TO_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
@@ -103,6 +103,9 @@ def build_shards(
     """Build the shard directory ``out_dir`` from ``records``; raises ``ListingError`` on bad input (see on_bad)."""
     report = Report()
     out = Path(out_dir)
+    for split in sorted({r.split for r in records if r.split}):  # it names the folder its shards go to
+        if problem := split_name_problem(split):
+            raise ListingError(f"{problem}; rename it in the listing's split column")
     stale = check_out_dir(out, records, options.overwrite)
     recs = assign_splits(records, options.test_fraction, options.split_seed)  # every record gets a split
     recs = _drop_unreadable(recs, options, report)

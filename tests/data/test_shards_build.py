@@ -366,3 +366,13 @@ def test_the_pixel_limit_is_the_users(tmp_path: Path, capsys: pytest.CaptureFixt
     assert build_module.image_bytes(path, BuildOptions(resize=4, max_image_pixels=64, **QUIET))[1] == "png"
     # In worker processes too (the list is checked in parallel above 256 images).
     assert build_module.check_image(path, 63) is not None and build_module.check_image(path, 64) is None
+
+
+@pytest.mark.parametrize("split", ["..", "a/b"])
+def test_a_split_that_is_not_one_folder_is_refused(tmp_path: Path, split: str) -> None:
+    paths = write_image_folder(tmp_path / "img", [[2]], image_size=8)
+    rows = [[str(p.relative_to(tmp_path)), "c", split] for p in paths]
+    listing = _csv(tmp_path / "list.csv", ["path", "class", "split"], rows)
+    with pytest.raises(ListingError, match=f"split name {split!r} is not allowed.*split column"):
+        build_shards(read_csv_listing(listing), tmp_path / "deep" / "out", BuildOptions(**QUIET))
+    assert not list(tmp_path.rglob("*.tar"))
