@@ -199,7 +199,10 @@ def _run_search(args: argparse.Namespace) -> int:
         problems: tuple[type[Exception], ...] = (OSError, ValueError, *_errors())
         try:
             source = searcher.index.info.get("export", {}).get("source", {})
-            print(f"grid: {draw_search_grid(paths, results, source, args.grid)}")
+            grid = draw_search_grid(
+                paths, results, source, args.grid, max_pixels=searcher.transform.max_pixels
+            )
+            print(f"grid: {grid}")
         except problems as exc:
             return _fail("search", exc)
     return 0

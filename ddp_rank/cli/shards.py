@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from ddp_rank.cli.arguments import pixel_count
+from ddp_rank.cli.shards_convert import convert_command
 from ddp_rank.data.build import BuildOptions, build_shards
 from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
 from ddp_rank.data.info import format_info
@@ -50,13 +50,7 @@ def register(subparsers: Any) -> None:
     verify.add_argument("directory")
     verify.add_argument("--no-decode", action="store_true", help="skip decoding the images (faster)")
     verify.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    verify.add_argument(
-        "--max-image-pixels",
-        type=pixel_count,
-        default=DEFAULT_MAX_IMAGE_PIXELS,
-        help="an image larger than this (width x height, from its header) is a problem, as in training "
-        f"(data.max_image_pixels; default {DEFAULT_MAX_IMAGE_PIXELS:,})",
-    )
+    add_max_image_pixels(verify, "is a problem, as in training")
     verify.set_defaults(func=_verify)
     info = sub.add_parser("info", help="table of classes, images, shards and size per split and category")
     info.add_argument("directory")
@@ -71,6 +65,17 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.set_defaults(func=_serve)
+
+
+def add_max_image_pixels(p: argparse.ArgumentParser, what: str) -> None:
+    """``--max-image-pixels``: the pixel limit of the images a command reads (``decode``)."""
+    p.add_argument(
+        "--max-image-pixels",
+        type=pixel_count,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help=f"an image larger than this (width x height, from its header) {what} "
+        f"(data.max_image_pixels; default {DEFAULT_MAX_IMAGE_PIXELS:,})",
+    )
 
 
 def _add_index(sub: Any) -> None:
@@ -136,37 +141,6 @@ def _index_options(args: argparse.Namespace) -> Any:
     )
 
 
-def _reshard_command(args: argparse.Namespace, out: str) -> str:
-    """The ``shards reshard`` command that converts the compressed shards ``shards index`` was given, with the
-    same shards and index options, writing plain tars to ``out``."""
-    words = ["ddp-rank", "shards", "reshard", args.directory, out]
-    for split in args.split:
-        words += ["--split", split]
-    for flag, value in (
-        ("--class-field", args.class_field),
-        ("--class-from-key", args.class_from_key),
-        ("--category-map", args.category_map),
-    ):
-        if value is not None:
-            words += [flag, value]
-    if args.category_field != "category":
-        words += ["--category-field", args.category_field]
-    return shlex.join(words)
-
-
-def _plain_out(args: argparse.Namespace) -> str:
-    """Where the reshard that converts ``index``'s compressed shards writes: ``--out`` when it names another
-    directory than the shards' own, else a sibling of theirs, ``<DIR>-plain``."""
-    from ddp_rank.data.manifest import is_url
-    from ddp_rank.data.shard_index import split_source
-
-    root = split_source(args.directory)[0]
-    if args.out and (is_url(root) or Path(args.out).resolve() != Path(root).resolve()):
-        return str(args.out)
-    base = os.path.abspath(root) if root in (".", "..") else root.rstrip("/")
-    return f"{base}-plain"
-
-
 def _add_reshard(sub: Any) -> None:
     p = sub.add_parser(
         "reshard",
@@ -188,6 +162,7 @@ def _add_reshard(sub: Any) -> None:
         "--memory-mb", type=float, default=256.0, help="most MB of source bytes held in memory at once"
     )
     p.add_argument("--decode", action="store_true", help="also decode every image in the final verification")
+    add_max_image_pixels(p, "fails that --decode")
     p.add_argument("--no-progress", action="store_true")
     _add_index_options(p, None)
     p.set_defaults(func=_reshard)
@@ -203,6 +178,7 @@ def _reshard(args: argparse.Namespace) -> int:
             max_bytes=int(args.max_mb * 2**20),
             memory_bytes=int(args.memory_mb * 2**20),
             decode=args.decode,
+            max_image_pixels=args.max_image_pixels,
             progress=not args.no_progress,
         )
         index = _index_options(args) if any(v is not None for v in named) else None
@@ -272,6 +248,7 @@ def _add_build(sub: Any) -> None:
         default="error",
         help="stop on bad input (default) or skip it and list what was skipped",
     )
+    add_max_image_pixels(p, "is unreadable (see --on-bad)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument(
         "--overwrite",
@@ -339,6 +316,7 @@ def _build(args: argparse.Namespace) -> int:
             quality=args.quality,
             min_class_size=args.min_class_size,
             on_bad=args.on_bad,
+            max_image_pixels=args.max_image_pixels,
             workers=args.workers,
             overwrite=args.overwrite,
             progress=not args.no_progress,
@@ -449,7 +427,7 @@ def _index(args: argparse.Namespace) -> int:
             Path(out).mkdir(parents=True, exist_ok=True)
             report.manifest.save(out)
     except CompressedShardError as exc:
-        print(f"error: {exc.with_command(_reshard_command(args, _plain_out(args)))}", file=sys.stderr)
+        print(f"error: {exc.with_command(convert_command(args))}", file=sys.stderr)
         return 2
     except (ShardIndexError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

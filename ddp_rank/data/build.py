@@ -22,7 +22,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from ddp_rank.data.build_dir import check_out_dir, remove_stale
-from ddp_rank.data.decode import check_image_file, open_image_header
+from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS, check_image_file, open_image_header
 from ddp_rank.data.image_modes import grey16_to_l, is_grey16
 from ddp_rank.data.listing import (
     ListingError,
@@ -33,7 +33,7 @@ from ddp_rank.data.listing import (
     check_records,
     natural_key,
 )
-from ddp_rank.data.manifest import ClassInfo, Manifest, ShardInfo, SplitInfo
+from ddp_rank.data.manifest import ClassInfo, Manifest, ShardInfo, SplitInfo, split_name_problem
 from ddp_rank.data.tar_writer import shard_writer
 
 _PIL_TO_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
@@ -58,6 +58,8 @@ class BuildOptions:
     quality: int = 90
     min_class_size: int = 2
     on_bad: OnBad = "error"
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """The pixel limit (width x height) of every image read (``decode``; ``--max-image-pixels``)."""
     workers: int = 1
     overwrite: bool = False
     progress: bool = True
@@ -67,6 +69,11 @@ class BuildOptions:
             raise ValueError("max_samples and max_bytes must be positive")
         if self.image_format is not None and self.image_format not in _EXT_TO_PIL:
             raise ValueError(f"image_format must be one of {sorted(_EXT_TO_PIL)}, got {self.image_format!r}")
+
+
+_NOT_RECORDED = ("workers", "progress", "overwrite", "max_image_pixels")
+"""Options left out of the manifest's ``build`` record: how the build ran, not what it makes (the pixel limit
+only refuses images, each named in the report)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,9 @@ def build_shards(
     """Build the shard directory ``out_dir`` from ``records``; raises ``ListingError`` on bad input (see on_bad)."""
     report = Report()
     out = Path(out_dir)
+    for split in sorted({r.split for r in records if r.split}):  # it names the folder its shards go to
+        if problem := split_name_problem(split):
+            raise ListingError(f"{problem}; rename it in the listing's split column")
     stale = check_out_dir(out, records, options.overwrite)
     recs = assign_splits(records, options.test_fraction, options.split_seed)  # every record gets a split
     recs = _drop_unreadable(recs, options, report)
@@ -111,10 +121,10 @@ def build_shards(
     return BuildResult(manifest=manifest, report=report)
 
 
-def check_image(path: str) -> str | None:
-    """None if the file opens within the default pixel limit and its data verifies, else the reason (module
-    level so worker processes can run it; ``decode.check_image_file``)."""
-    return check_image_file(path)
+def check_image(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> str | None:
+    """None if the file opens within ``max_pixels`` and its data verifies, else the reason (module level so
+    worker processes can run it; ``decode.check_image_file``)."""
+    return check_image_file(path, max_pixels)
 
 
 def _drop_unreadable(recs: list[Record], options: BuildOptions, report: Report) -> list[Record]:
@@ -122,9 +132,10 @@ def _drop_unreadable(recs: list[Record], options: BuildOptions, report: Report) 
     paths = [r.path for r in recs]
     if options.workers > 1 and len(paths) > 256:
         with ProcessPoolExecutor(max_workers=options.workers) as pool:
-            reasons = list(pool.map(check_image, paths, chunksize=256))
+            check = partial(check_image, max_pixels=options.max_image_pixels)
+            reasons = list(pool.map(check, paths, chunksize=256))
     else:
-        reasons = [check_image(p) for p in paths]
+        reasons = [check_image(p, options.max_image_pixels) for p in paths]
     bad = [f"unreadable image {p}: {why}" for p, why in zip(paths, reasons) if why is not None]
     kept = [r for r, why in zip(recs, reasons) if why is None]
     if bad and options.on_bad == "error":
@@ -213,7 +224,8 @@ def image_bytes(path: str, options: BuildOptions) -> tuple[bytes, str]:
     """The stored bytes and extension: the file itself, or a resized / re-encoded copy when asked."""
     with open(path, "rb") as f:
         raw = f.read()
-    with open_image_header(raw, path) as im:  # checked by check_image already; the same limit and formats
+    # checked by check_image already; the same limit and formats
+    with open_image_header(raw, path, options.max_image_pixels) as im:
         source_ext = _PIL_TO_EXT.get(im.format or "")
         target_ext = options.image_format or source_ext
         needs_resize = options.resize is not None and min(im.size) > options.resize
@@ -320,7 +332,7 @@ def _manifest(
                 counts[ids[class_key(r)]] += 1
         shards = tuple(s for s in written if s.path.startswith(f"{split}/"))
         splits[split] = SplitInfo(name=split, class_counts=dict(counts), shards=shards)
-    build = {k: v for k, v in asdict(options).items() if k not in ("workers", "progress", "overwrite")}
+    build = {k: v for k, v in asdict(options).items() if k not in _NOT_RECORDED}
     return Manifest(
         categories=tuple(categories), classes=tuple(classes), splits=splits, build=build, root=str(out)
     )

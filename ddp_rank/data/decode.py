@@ -1,15 +1,20 @@
 """The one image decoder of ddp_rank: every path that turns image bytes into pixels goes through here (the
 training stream, the evaluation reader, ``shards verify``, ``shards build``, ``export``, ``search``, feature
-builds), so every path bounds memory the same way and fails the same way.
+builds, ``shards reshard --decode``, the retrieval pictures), so every path bounds memory the same way and fails
+the same way; each passes the user's limit (``data.max_image_pixels`` / ``--max-image-pixels``).
 
 - **A pixel limit, checked from the header.** ``Image.open`` reads only the header; its width x height is
   compared with ``max_pixels`` (``data.max_image_pixels``, ``--max-image-pixels``) before a pixel is decoded,
   so a decompression bomb (a 20,000 x 20,000 one-bit PNG is 48 KB) costs microseconds and no memory. PIL's own
   check (``Image.MAX_IMAGE_PIXELS``) cannot stand in for it: it is one process-wide number, it only warns
   between its two thresholds (so a 100-megapixel image is decoded, at 300 MB, with a warning) and raises a plain
-  ``Exception`` above twice the number. This module turns PIL's check off (``Image.MAX_IMAGE_PIXELS = None``,
-  once, in every process that imports it, DataLoader workers included) so that the limit is this module's
-  alone, whichever value the user sets, and no warning comes before it.
+  ``Exception`` above twice the number. It is read inside ``Image.open``, so it cannot be set per call
+  without racing other threads. Importing this module therefore sets ``Image.MAX_IMAGE_PIXELS = None`` for the
+  WHOLE PROCESS (every process that imports it, DataLoader workers included), and the header check above
+  replaces PIL's in every decode ddp_rank does, whichever value the user sets, with no warning before it. A
+  library user's own ``Image.open`` calls in the same process lose PIL's check: they should decode through
+  :func:`decode_image` (or :func:`open_image_header`), or set ``Image.MAX_IMAGE_PIXELS`` themselves after
+  importing ddp_rank.
 - **Formats the data layer stores**: JPEG (PIL's JPEG reader also opens cameras' multi-picture JPEGs), PNG,
   WebP, and GIF, BMP and TIFF, which ``shards build`` accepts in image folders. PIL's other ~40 formats are sniffed from the bytes
   whatever the file's name, and one of them (EPS) runs Ghostscript: they are refused by name instead.
@@ -47,7 +52,9 @@ once decoded to RGB. Raise it (``data.max_image_pixels``) for collections of lar
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 """PIL format names the decoder opens; any other format is refused without being parsed further."""
 
-Image.MAX_IMAGE_PIXELS = None  # the limit is this module's: see the module docstring
+Image.MAX_IMAGE_PIXELS = (
+    None  # process-wide, on import: the header check replaces it (see the module docstring)
+)
 
 _OBJECT_REPR = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")
 

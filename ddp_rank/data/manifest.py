@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -57,6 +58,19 @@ def shard_path_problem(path: str) -> str | None:
         return f"holds {', '.join(repr(c) for c in bad)} (no scheme, drive, host or escape is allowed)"
     if any(part in ("", ".", "..") for part in path.split("/")):
         return "has an empty, '.' or '..' segment"
+    return None
+
+
+_SPLIT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+SPLIT_NAME_RULE = "letters, digits, '_', '.' and '-', not starting with '.' or '-'"
+"""What a split name may be: it names the folder ``<split>/`` its shards are written to, so it must be one safe
+path segment (no ``/``, no ``..``)."""
+
+
+def split_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a split name (it would not be one folder inside the shard directory), or None."""
+    if _SPLIT_NAME.fullmatch(name) is None or name in (".", ".."):
+        return f"split name {name!r} is not allowed: use {SPLIT_NAME_RULE}"
     return None
 
 

@@ -41,6 +41,7 @@ from ddp_rank.data.manifest import (
     SplitInfo,
     join_location,
     shard_path_problem,
+    split_name_problem,
 )
 
 __all__ = ["MAX_SHARD_BYTES", "MAX_SPAN_BYTES", "parse_manifest"]
@@ -202,6 +203,8 @@ def _split(
     where = f"splits.{name}"
     if not name:
         check.fail(where, "a split with an empty name")
+    if problem := split_name_problem(name):
+        check.fail(where, problem)
     split = check.obj(raw, where)
     counts: dict[int, int] = {}
     positions: dict[int, int] = {}

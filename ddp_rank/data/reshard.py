@@ -42,6 +42,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ddp_rank.atomic_io import atomic_write_text
+from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
 from ddp_rank.data.manifest import (
     MANIFEST_NAME,
     ClassSpan,
@@ -79,6 +80,8 @@ class ReshardOptions:
     """Most bytes of source spans held in memory at once (a single larger span is read alone)."""
     decode: bool = False
     """Also decode every image in the final verification (slower)."""
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    """The pixel limit (width x height) of that decode (``--max-image-pixels``)."""
     progress: bool = True
 
 
@@ -354,7 +357,7 @@ def _finish(
                 f"{dst}: split {name} holds other class counts than the source; rerun the reshard"
             )
     manifest.save(dst)
-    problems = verify_shards(dst, decode=options.decode)
+    problems = verify_shards(dst, decode=options.decode, max_pixels=options.max_image_pixels)
     if problems:
         shown = "; ".join(str(p) for p in problems[:5])
         raise ReshardError(

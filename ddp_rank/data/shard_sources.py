@@ -34,7 +34,7 @@ from ddp_rank.data.compressed import (
     compression_of,
 )
 from ddp_rank.data.listing import natural_key
-from ddp_rank.data.manifest import is_url
+from ddp_rank.data.manifest import is_url, shard_path_problem, split_name_problem
 
 _GLOB = "*?["
 _PATTERN = "{" + _GLOB
@@ -109,6 +109,8 @@ def find_splits(
             raise ShardIndexError(
                 f"--split {pattern!r}: write NAME=PATTERN, e.g. train='train-{{000..099}}.tar'"
             )
+        if problem := split_name_problem(name):
+            raise ShardIndexError(f"--split {pattern!r}: {problem}")
         splits[name] = _expand(root, pattern, expr, remote)
     if splits:
         return splits
@@ -148,6 +150,11 @@ def _expand(root: str, pattern: str, expr: str, remote: bool) -> list[str]:
             raise ShardIndexError(
                 f"--split {pattern!r}: a URL cannot be listed; name the shards with a brace range"
             )
+        for e in expanded:  # not listed, so not confined by ``_inside``: check each name as a manifest path
+            if problem := shard_path_problem(e):
+                raise ShardIndexError(
+                    f"--split {pattern!r}: the shard name {e!r} {problem}; name shards under {root}"
+                )
         return expanded
     base = Path(root)
     found: set[str] = set()

@@ -29,6 +29,7 @@ import torch
 
 from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.config import Config
+from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
 from ddp_rank.data.features import feature_dim
 from ddp_rank.data.manifest import Manifest, is_url
 from ddp_rank.data.reader import ClassReader, ClassReadError
@@ -159,8 +160,15 @@ def nearest_rows(
 class ShardImages:
     """Images of one split read back by (class, key): one whole-class read per class, kept for the picture."""
 
-    def __init__(self, manifest: Manifest, split: str, cache_dir: Any = None) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        split: str,
+        cache_dir: Any = None,
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ) -> None:
         self.reader = ClassReader(manifest, split, cache_dir=cache_dir)
+        self.max_pixels = max_pixels  # the user's data.max_image_pixels, as in training
         self._classes: dict[int, dict[str, bytes]] = {}
 
     def samples(self, label: int) -> dict[str, bytes]:
@@ -176,17 +184,17 @@ class ShardImages:
 
     def __call__(self, label: int, key: str) -> Any:
         data = self.samples(label).get(key)
-        return None if data is None else decode_thumbnail(data, key)
+        return None if data is None else decode_thumbnail(data, key, self.max_pixels)
 
     def close(self) -> None:
         self.reader.close()
 
 
-def decode_thumbnail(data: bytes, key: str) -> Any:
+def decode_thumbnail(data: bytes, key: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Any:
     """The image of ``data`` for a thumbnail (decoded at a reduced scale where the format allows), or None with
     a warning naming ``key`` when it cannot be decoded."""
     try:
-        return decode_image(data, 128)
+        return decode_image(data, 128, name=key, max_pixels=max_pixels)
     except Exception as exc:  # any decoder failure: a blank cell, never a failed evaluation
         log.warning(f"retrieval picture: cannot decode {key}: {type(exc).__name__}: {exc}")
         return None
@@ -337,7 +345,8 @@ class RetrievalPicture:
                 log.info("no retrieval picture: the test shards hold feature vectors, not images")
                 self._said_no_images = True
             return None
-        images = ShardImages(manifest, split, open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb))
+        cache = open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb)
+        images = ShardImages(manifest, split, cache, cfg.data.max_image_pixels)
         try:
             record = record_from_embedded(
                 data, images, shards=_absolute(cfg.data.shards), split=split, protocol=cfg.eval.protocol,

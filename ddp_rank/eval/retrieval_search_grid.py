@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
 from ddp_rank.data.manifest import Manifest, confined_join
 from ddp_rank.eval.retrieval_grid import Cell, GridLayout, draw_grid, save_png
 from ddp_rank.eval.retrieval_record import ImageFetch, RecordError, ShardImages, decode_thumbnail
@@ -24,13 +25,13 @@ log = logging.getLogger(__name__)
 __all__ = ["draw_search_grid", "export_images", "folder_images", "url_images"]
 
 
-def folder_images(root: str | os.PathLike[str]) -> ImageFetch:
+def folder_images(root: str | os.PathLike[str], max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageFetch:
     """``fetch`` for an image folder export: the key is the file's path relative to ``root`` (kept inside it)."""
 
     def fetch(label: int, key: str) -> Any:
         try:
             path = confined_join(os.fspath(root), key)
-            return decode_thumbnail(Path(path).read_bytes(), key)
+            return decode_thumbnail(Path(path).read_bytes(), key, max_pixels)
         except (OSError, ValueError) as exc:
             log.warning(f"retrieval picture: cannot read {key} under {root}: {exc}")
             return None
@@ -38,22 +39,26 @@ def folder_images(root: str | os.PathLike[str]) -> ImageFetch:
     return fetch
 
 
-def export_images(source: Mapping[str, Any]) -> tuple[ImageFetch, Callable[[], None]]:
+def export_images(
+    source: Mapping[str, Any], max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+) -> tuple[ImageFetch, Callable[[], None]]:
     """(``fetch``, ``close``) for the items of an export, by its recorded ``source``: a split of shards (read by
     class), an image folder (the key is the relative path) or WebDataset shards at a URL (read in order until
     every key asked for is found: :func:`url_images`)."""
     kind = source.get("kind")
     if kind == "split":
-        reader = ShardImages(Manifest.load(str(source["shards"])), str(source["split"]))
+        reader = ShardImages(
+            Manifest.load(str(source["shards"])), str(source["split"]), max_pixels=max_pixels
+        )
         return reader, reader.close
     if kind == "images":
-        return folder_images(str(source["folder"])), lambda: None
+        return folder_images(str(source["folder"]), max_pixels), lambda: None
     if kind == "shards_url":
-        return url_images(str(source["url"])), lambda: None
+        return url_images(str(source["url"]), max_pixels), lambda: None
     raise RecordError(f"the export's source {dict(source)} names no image source to draw")
 
 
-def url_images(url: str) -> ImageFetch:
+def url_images(url: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageFetch:
     """``fetch`` for WebDataset shards at ``url`` (brace patterns expand): the first call reads the shards in
     order once, keeping the images of the keys announced with ``fetch.want(keys)`` before it (as
     :func:`draw_search_grid` does), and stops when it holds them all."""
@@ -88,7 +93,7 @@ def url_images(url: str) -> ImageFetch:
             scanned = True
             scan()
         data = found.get(key)
-        return None if data is None else decode_thumbnail(data, key)
+        return None if data is None else decode_thumbnail(data, key, max_pixels)
 
     fetch.want = wanted.update  # type: ignore[attr-defined]
     return fetch
@@ -103,15 +108,17 @@ def draw_search_grid(
     source: Mapping[str, Any],
     path: str | os.PathLike[str],
     layout: GridLayout | None = None,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> Path:
     """Draw each query file and its hits (objects with ``key``, ``label``, ``score``, best first) into
-    ``path``, the hits read from the export's ``source`` (frames: see the module docstring)."""
-    fetch, close = export_images(source)
+    ``path``, the hits read from the export's ``source`` (frames: see the module docstring); every image within
+    ``max_pixels`` (the searcher's limit)."""
+    fetch, close = export_images(source, max_pixels)
     want = getattr(fetch, "want", None)
     if want is not None:
         want({hit.key for hits in results for hit in hits})
     try:
-        query_cells = [Cell(_read_query(q), None, Path(q).name) for q in queries]
+        query_cells = [Cell(_read_query(q, max_pixels), None, Path(q).name) for q in queries]
         rows = []
         for hits in results:
             top = hits[0].label if hits and hits[0].label >= 0 else None
@@ -130,9 +137,9 @@ def draw_search_grid(
         close()
 
 
-def _read_query(path: str | os.PathLike[str]) -> Any:
+def _read_query(path: str | os.PathLike[str], max_pixels: int) -> Any:
     try:
-        return decode_thumbnail(Path(path).read_bytes(), str(path))
+        return decode_thumbnail(Path(path).read_bytes(), str(path), max_pixels)
     except OSError as exc:
         log.warning(f"retrieval picture: cannot read {path}: {exc}")
         return None

@@ -142,6 +142,17 @@ CASES: dict[str, tuple[Mutation, str, str]] = {
     ),
     "a relative shards_root": (_set(lambda d: d, "shards_root", "elsewhere"), "shards_root", "absolute"),
     "an unknown format": (_set(lambda d: d, "format", "tar"), "format", "not a ddp_rank-shards"),
+    # A split name is the folder its shards are written to (``shards reshard``): one safe segment.
+    "a split named ..": (
+        lambda d: d["splits"].__setitem__("..", d["splits"].pop("train")),
+        "splits...:",
+        "split name '..' is not allowed: use letters, digits",
+    ),
+    "a split name with a slash": (
+        lambda d: d["splits"].__setitem__("a/b", d["splits"].pop("train")),
+        "splits.a/b:",
+        "split name 'a/b' is not allowed",
+    ),
 }
 
 

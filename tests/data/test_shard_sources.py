@@ -299,3 +299,64 @@ def test_the_class_in_a_txt_member(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_plain_name() -> None:
     assert plain_name("a/x.tar.gz") == "a/x.tar" and plain_name("x.TGZ") == "x.tar"
     assert plain_name("x.tar.xz") == "x.tar" and plain_name("x.tar") == "x.tar"
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b", "../up", "-x", "a b"])
+def test_a_split_name_that_is_not_one_folder_is_refused_in_one_line(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "wds"
+    write_with_shardwriter(src, SAMPLES, "cls", maxcount=10)
+    dst = tmp_path / "deep" / "out"
+    code = main(
+        ["shards", "reshard", str(src), str(dst), f"--split={name}=part-*.tar", "--no-progress",
+         "--category-field", "family"]
+    )  # fmt: skip
+    err = _one_error_line(capsys)
+    assert code == 2 and f"split name {name!r} is not allowed: use letters, digits, '_', '.' and '-'" in err
+    assert not list(tmp_path.rglob("*.tar")) or all(p.is_relative_to(src) for p in tmp_path.rglob("*.tar"))
+    with pytest.raises(ShardIndexError, match="is not allowed"):
+        source_splits(src, [f"{name}=part-*.tar"])
+
+
+@pytest.mark.parametrize(
+    ("expr", "problem"),
+    [("../../../escaped-{0..0}.tar.gz", "'..' segment"), ("/abs/x-{0..1}.tar", "is absolute"),
+     ("ok-{0..1}/../../x.tar", "'..' segment")],
+)  # fmt: skip
+def test_a_pattern_at_a_url_cannot_name_shards_outside_it(tmp_path: Path, expr: str, problem: str) -> None:
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    data = gzip.compress(_tars_of_samples(tmp_path))
+    memory.pipe("/escaped-0.tar.gz", data)  # where the name leads, so the old code found (and wrote) it
+    memory.pipe("/d/e/f/x-0.tar.gz", data)
+    out = tmp_path / "a" / "b" / "c" / "out"
+    with pytest.raises(ShardIndexError, match=f"the shard name .* {problem}; name shards under memory://"):
+        reshard(
+            "memory://d/e/f",
+            out,
+            SMALL,
+            index=IndexOptions(category_field="family"),
+            splits=(f"train={expr}",),
+        )
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").rglob("*.tar"))
+    assert not list(tmp_path.rglob("escaped-0.tar"))
+
+
+def _tars_of_samples(tmp_path: Path) -> bytes:
+    src = tmp_path / "one"
+    write_with_shardwriter(src, SAMPLES, "cls", maxcount=1000)
+    (tar,) = sorted(src.glob("*.tar"))
+    return tar.read_bytes()
+
+
+def test_the_pixel_limit_of_the_reshards_decode_is_the_users(
+    plain_resharded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["shards", "reshard", str(plain_resharded), "--decode", "--no-progress", "--max-samples", "20"]
+    assert main([*args[:3], str(tmp_path / "ok"), *args[3:], "--max-image-pixels", "100000"]) == 0
+    capsys.readouterr()
+    assert main([*args[:3], str(tmp_path / "small"), *args[3:], "--max-image-pixels", "4"]) == 2
+    err = _one_error_line(capsys)
+    assert "do not verify" in err and "over the limit of 4" in err

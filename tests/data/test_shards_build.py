@@ -346,3 +346,33 @@ def test_ids_of_names_that_tie_as_numbers_do_not_depend_on_the_hash_seed() -> No
     categories, classes, _ = json.loads(outputs.pop())
     assert categories == ["01", "1"]
     assert [name for name, _ in classes] == ["007", "07", "7", "8"] * 2
+
+
+def test_the_pixel_limit_is_the_users(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ddp_rank.cli import main
+    from ddp_rank.data.decode import ImageDecodeError
+
+    root = _folder(tmp_path, [[2, 2]])  # 8 x 8 = 64 pixels each
+    args = ["shards", "build", str(root), "--no-progress", "--workers", "1"]
+    assert main([*args[:3], str(tmp_path / "ok"), *args[3:], "--max-image-pixels", "64"]) == 0
+    capsys.readouterr()
+    assert main([*args[:3], str(tmp_path / "small"), *args[3:], "--max-image-pixels", "63"]) == 2
+    err = capsys.readouterr().err
+    assert "4 unreadable image(s)" in err and "64 pixels is over the limit of 63" in err
+    # The bytes are read under the same limit (a resize re-opens each image).
+    path = str(next(root.rglob("*.png")))
+    with pytest.raises(ImageDecodeError, match="over the limit of 10"):
+        build_module.image_bytes(path, BuildOptions(resize=4, max_image_pixels=10, **QUIET))
+    assert build_module.image_bytes(path, BuildOptions(resize=4, max_image_pixels=64, **QUIET))[1] == "png"
+    # In worker processes too (the list is checked in parallel above 256 images).
+    assert build_module.check_image(path, 63) is not None and build_module.check_image(path, 64) is None
+
+
+@pytest.mark.parametrize("split", ["..", "a/b"])
+def test_a_split_that_is_not_one_folder_is_refused(tmp_path: Path, split: str) -> None:
+    paths = write_image_folder(tmp_path / "img", [[2]], image_size=8)
+    rows = [[str(p.relative_to(tmp_path)), "c", split] for p in paths]
+    listing = _csv(tmp_path / "list.csv", ["path", "class", "split"], rows)
+    with pytest.raises(ListingError, match=f"split name {split!r} is not allowed.*split column"):
+        build_shards(read_csv_listing(listing), tmp_path / "deep" / "out", BuildOptions(**QUIET))
+    assert not list(tmp_path.rglob("*.tar"))

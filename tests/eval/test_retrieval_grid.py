@@ -208,3 +208,18 @@ def test_two_processes_draw_the_same_picture_as_one(shards: Path, tmp_path: Path
     assert result.returncode == 0, result.stderr[-3000:]
     assert (two / GRID_FILE).read_bytes() == (one / GRID_FILE).read_bytes()
     assert read_records(two / RECORD_FILE) == read_records(one / RECORD_FILE)
+
+
+def test_the_pictures_decode_within_the_users_pixel_limit(tmp_path: Path) -> None:
+    import io
+
+    from ddp_rank.eval.retrieval_record import decode_thumbnail
+    from ddp_rank.eval.retrieval_search_grid import folder_images
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (20, 10), (200, 0, 0)).save(buffer, "PNG")  # 200 pixels
+    data = buffer.getvalue()
+    assert decode_thumbnail(data, "k", 200) is not None and decode_thumbnail(data, "k", 199) is None
+    (tmp_path / "a.png").write_bytes(data)
+    assert folder_images(tmp_path, 200)(0, "a.png") is not None
+    assert folder_images(tmp_path, 199)(0, "a.png") is None
