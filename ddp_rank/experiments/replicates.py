@@ -188,8 +188,9 @@ class Replicates:
             finished = f"{len(point.finished)} of {len(point.runs)}"
             if point.unfinished():
                 finished += " (" + ", ".join(f"{n} {s}" for s, n in point.unfinished().items()) + ")"
-            spread = "-" if stats["count"] < 2 else f"{_pct(stats['min'])}-{_pct(stats['max'])}"
-            cells = [point.name, finished, _mean_std(stats), spread]
+            show = _count if is_count(m) else _pct
+            spread = "-" if stats["count"] < 2 else f"{show(stats['min'])}-{show(stats['max'])}"
+            cells = [point.name, finished, _mean_std(stats, is_count(m)), spread]
             cells += [_mean_std(point.stats(x), is_count(x)) for x in others]
             lines.append("| " + " | ".join(cells) + " |")
         differences = self.differences()
@@ -263,12 +264,16 @@ def _single_difference(d: Difference, metric: str) -> float | None:
 
 def _mean_std(stats: dict[str, Any], count: bool = False) -> str:
     """``mean ± std (n=...)`` in percent, or as counts (``gallery_size``: a number of images, not a rate)."""
-    show = (lambda v: f"{v:,.0f}" if float(v).is_integer() else f"{v:,.1f}") if count else _pct
+    show = _count if count else _pct
     if stats["count"] == 0:
         return "-"
     if stats["count"] == 1:
         return f"{show(stats['mean'])} (one seed)"
     return f"{show(stats['mean'])} ± {show(stats['std'])} (n={stats['count']})"
+
+
+def _count(value: float) -> str:
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
 
 
 def _pct(value: float) -> str:

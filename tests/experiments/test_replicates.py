@@ -176,3 +176,18 @@ def test_the_t_quantile_matches_printed_tables() -> None:
     assert paired_t_interval([0.1]) is None
     with pytest.raises(ValueError, match="df >= 1"):
         t_quantile(0.975, 0)
+
+
+def test_a_count_as_the_headline_metric_is_shown_as_a_count(tmp_path: Path) -> None:
+    """``compare --metric gallery_size`` over replicates: a number of images, not a rate in percent."""
+    for sampler, sizes in {"hard": (400, 400), "random": (380, 420)}.items():
+        for seed, size in enumerate(sizes):
+            run = make_run(tmp_path, sampler, seed, 0.5)
+            records = [{"kind": "eval", "step": 10, "recall@1": 0.5, "gallery_size": size}]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    table = compare_runs([read_run(p) for p in sorted(tmp_path.iterdir())], metric="gallery_size")
+    assert table.replicates is not None
+    text = table.markdown()
+    assert "| data.sampler=hard | 2 of 2 | 400 ± 0 (n=2) | 400-400 |" in text, text
+    assert "| data.sampler=random | 2 of 2 | 400 ± 28.3 (n=2) | 380-420 |" in text, text
+    assert "40000.00" not in text
