@@ -100,33 +100,39 @@ def decompress(src: IO[bytes], dst: IO[bytes], compression: str, where: str) -> 
     """Write the decompressed bytes of ``src`` to ``dst``, in blocks (memory does not grow with the shard).
     Raises ``DecompressError`` naming ``where`` for a compression no installed library reads, and for a stream
     that does not decompress (cut short or corrupt)."""
-    reader = _reader(src, compression, where)
+    reader, library_error = _reader(src, compression, where)
+    # gzip.BadGzipFile is an OSError; the zstd libraries raise their own ZstdError, an Exception of its own.
     try:
         shutil.copyfileobj(reader, dst, 1 << 20)
-    except (OSError, EOFError, lzma.LZMAError, ValueError) as exc:  # gzip.BadGzipFile is an OSError
+    except (OSError, EOFError, lzma.LZMAError, ValueError, library_error) as exc:
         raise DecompressError(
             f"{where}: the {compression} stream does not decompress ({type(exc).__name__}: {exc}): the shard "
             "was cut short or damaged; re-create it from its source"
         ) from exc
 
 
-def _reader(src: IO[bytes], compression: str, where: str) -> Any:
-    """A readable file of the decompressed bytes of ``src``."""
+class _NoLibraryError(Exception):
+    """Raised by no decompressor: the library error of the compressions the standard library reads."""
+
+
+def _reader(src: IO[bytes], compression: str, where: str) -> tuple[Any, type[Exception]]:
+    """A readable file of the decompressed bytes of ``src``, and the error its library raises for a damaged
+    stream beyond the standard ones."""
     if compression == "gzip":
-        return gzip.GzipFile(fileobj=src, mode="rb")
+        return gzip.GzipFile(fileobj=src, mode="rb"), _NoLibraryError
     if compression == "bzip2":
-        return bz2.BZ2File(src, "rb")
+        return bz2.BZ2File(src, "rb"), _NoLibraryError
     if compression == "xz":
-        return lzma.LZMAFile(src, "rb")
+        return lzma.LZMAFile(src, "rb"), _NoLibraryError
     zstd: Any
     try:
         zstd = importlib.import_module("compression.zstd")  # Python 3.14
-        return zstd.ZstdFile(src, "rb")
+        return zstd.ZstdFile(src, "rb"), zstd.ZstdError
     except ImportError:
         pass
     try:
         zstd = importlib.import_module("zstandard")
-        return zstd.ZstdDecompressor().stream_reader(src)
+        return zstd.ZstdDecompressor().stream_reader(src), zstd.ZstdError
     except ImportError:
         raise DecompressError(
             f"{where}: a {compression}-compressed tar, and neither Python 3.14's compression.zstd nor the "

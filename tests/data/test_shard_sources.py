@@ -10,6 +10,7 @@ import io
 import shlex
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -360,3 +361,39 @@ def test_the_pixel_limit_of_the_reshards_decode_is_the_users(
     assert main([*args[:3], str(tmp_path / "small"), *args[3:], "--max-image-pixels", "4"]) == 2
     err = _one_error_line(capsys)
     assert "do not verify" in err and "over the limit of 4" in err
+
+
+def test_a_damaged_zstd_stream_is_one_decompress_error_whatever_the_library_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """zstandard (and Python 3.14's compression.zstd) raise their own ZstdError, not an OSError: a damaged
+    .tar.zst must still end in the one-line DecompressError naming the shard, not a traceback. The library is a
+    stand-in (neither is installed here) that raises as zstandard does on a corrupt frame."""
+    import importlib
+    import types
+
+    from ddp_rank.data import compressed
+
+    class ZstdError(Exception):
+        pass
+
+    class Reader(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer: Any) -> int:
+            raise ZstdError("zstd decompress error: Corrupted block detected")
+
+    fake = types.ModuleType("zstandard")
+    fake.ZstdError = ZstdError  # type: ignore[attr-defined]
+    fake.ZstdDecompressor = lambda: types.SimpleNamespace(stream_reader=lambda src: Reader())  # type: ignore[attr-defined]
+    real_import = importlib.import_module
+
+    def import_module(name: str, *args: Any) -> Any:
+        if name == "compression.zstd":
+            raise ImportError(name)
+        return fake if name == "zstandard" else real_import(name, *args)
+
+    monkeypatch.setattr(compressed.importlib, "import_module", import_module)
+    with pytest.raises(compressed.DecompressError, match=r"part-00000.tar.zst: the zstd stream does not decompress"):
+        compressed.decompress(io.BytesIO(b"\x28\xb5\x2f\xfd" + bytes(60)), io.BytesIO(), "zstd", "part-00000.tar.zst")
