@@ -229,7 +229,8 @@ def test_weights_only_loads_override_an_explicit_weights_only_false_and_restore_
     torch.save({"numpy": np.random.get_state()}, tmp_path / "rng.pkl")  # noqa: NPY002 (what accelerate saves)
     # A user's own setting, which torch refuses to combine with the switch the block sets.
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
-    allowed_before = torch.serialization.get_safe_globals()  # what other libraries may have added for good
+    # What other libraries may have added for good; a set: torch keeps them in one, so the order is a hash's.
+    allowed_before = set(torch.serialization.get_safe_globals())
     with weights_only_loads(RNG_STATE_TYPES):
         with pytest.raises(pickle.UnpicklingError, match=r"posix\.system"):
             torch.load(tmp_path / "f.pkl", weights_only=False)
@@ -239,7 +240,7 @@ def test_weights_only_loads_override_an_explicit_weights_only_false_and_restore_
         "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
         and os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1"
     )
-    assert torch.serialization.get_safe_globals() == allowed_before
+    assert set(torch.serialization.get_safe_globals()) == allowed_before
     # numpy's state is allowed only when asked for.
     with pytest.raises(pickle.UnpicklingError), weights_only_loads():
         torch.load(tmp_path / "rng.pkl", weights_only=False)
