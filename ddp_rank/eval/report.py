@@ -14,6 +14,7 @@ __all__ = [
     "COUNTS",
     "bootstrap_note",
     "deployment_lines",
+    "format_count",
     "format_table",
     "is_count",
     "metric_columns",
@@ -37,6 +38,14 @@ _HIDDEN = (*COUNTS, "bootstrap")
 def is_count(name: str) -> bool:
     """Whether the metric ``name`` (``gallery_size``, ``small/num_queries``) is a count (:data:`COUNTS`)."""
     return name.rsplit("/", 1)[-1] in COUNTS
+
+
+def format_count(value: float | None) -> str:
+    """A count for a table: ``1,200``; a mean of counts that is not a whole number keeps one decimal
+    (``1,200.5``); ``-`` for none. One format for every table that shows counts (compare, replicates)."""
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
 
 
 def metric_columns(rows: Mapping[str, Mapping[str, float]]) -> list[str]:

@@ -12,7 +12,7 @@ import io
 import json
 from typing import Any
 
-from ddp_rank.eval.report import is_count
+from ddp_rank.eval.report import format_count, is_count
 from ddp_rank.experiments.replicates import Replicates, is_replicated
 from ddp_rank.experiments.runs import RunSummary, metric_keys
 
@@ -73,11 +73,12 @@ class Comparison:
             best = row[f"best {self.metric}"]
             cells = [_short_name(run, self.runs), run.status]
             cells += [_text(row[key]) for key in self.keys]
-            cells += [steps, _count(run.images_seen)]
-            shown = _count(best) if is_count(self.metric) else _percent(best)
+            cells += [steps, format_count(run.images_seen)]
+            shown = format_count(best) if is_count(self.metric) else _percent(best)
             cells.append(f"{shown} (step {row[f'best {self.metric} step']})" if best is not None else "-")
             cells += [
-                _count(row[f"last {m}"]) if is_count(m) else _percent(row[f"last {m}"]) for m in self.metrics
+                format_count(row[f"last {m}"]) if is_count(m) else _percent(row[f"last {m}"])
+                for m in self.metrics
             ]
             cells += [_duration(run.seconds), f"{run.images_per_s:.1f}" if run.images_per_s else "-"]
             lines.append("| " + " | ".join(cells) + " |")
@@ -146,10 +147,6 @@ def _text(value: Any) -> str:
 
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
-
-
-def _count(value: float | None) -> str:
-    return "-" if value is None else f"{round(value):,}"
 
 
 def _duration(seconds: float | None) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
-from ddp_rank.eval.report import is_count
+from ddp_rank.eval.report import format_count, is_count
 from ddp_rank.experiments.grid import REPLICATE_KEYS
 from ddp_rank.experiments.intervals import Interval, paired_t_interval
 from ddp_rank.experiments.runs import RunSummary
@@ -188,7 +188,7 @@ class Replicates:
             finished = f"{len(point.finished)} of {len(point.runs)}"
             if point.unfinished():
                 finished += " (" + ", ".join(f"{n} {s}" for s, n in point.unfinished().items()) + ")"
-            show = _count if is_count(m) else _pct
+            show = format_count if is_count(m) else _pct
             spread = "-" if stats["count"] < 2 else f"{show(stats['min'])}-{show(stats['max'])}"
             cells = [point.name, finished, _mean_std(stats, is_count(m)), spread]
             cells += [_mean_std(point.stats(x), is_count(x)) for x in others]
@@ -264,16 +264,12 @@ def _single_difference(d: Difference, metric: str) -> float | None:
 
 def _mean_std(stats: dict[str, Any], count: bool = False) -> str:
     """``mean ± std (n=...)`` in percent, or as counts (``gallery_size``: a number of images, not a rate)."""
-    show = _count if count else _pct
+    show = format_count if count else _pct
     if stats["count"] == 0:
         return "-"
     if stats["count"] == 1:
         return f"{show(stats['mean'])} (one seed)"
     return f"{show(stats['mean'])} ± {show(stats['std'])} (n={stats['count']})"
-
-
-def _count(value: float) -> str:
-    return f"{value:,.0f}" if float(value).is_integer() else f"{value:,.1f}"
 
 
 def _pct(value: float) -> str:

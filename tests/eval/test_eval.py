@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ddp_rank.eval.protocols import EmbeddedSet, EvalError, evaluate, subset_mask, subsets_to_bits
-from ddp_rank.eval.report import format_table, write_json
+from ddp_rank.eval.report import format_count, format_table, write_json
 from ddp_rank.eval.retrieval import faiss_available, knn_search, retrieval_metrics
 
 BACKENDS = [
@@ -178,3 +178,11 @@ def test_vehicleid_splits_from_the_data_layer_recipe(tmp_path: Path) -> None:
     cfg_medium = load_config(None, [f"data.shards={tmp_path / 'shards'}", "eval.protocol=vehicleid"])
     with pytest.raises(EvalError, match="but not test_medium"):
         evaluate_model(build_model(cfg.model, 16), cfg_medium)
+
+
+def test_counts_print_as_whole_numbers_and_means_keep_one_decimal():
+    """One count format for every table (compare, replicates): ``1,200``, a mean of counts ``1,200.5``, none ``-``."""
+    assert format_count(1200) == "1,200"
+    assert format_count(1200.0) == "1,200"
+    assert format_count(1200.5) == "1,200.5"
+    assert format_count(None) == "-"
