@@ -194,13 +194,20 @@ def _run_search(args: argparse.Namespace) -> int:
             category = f"  {hit.category}" if hit.category else ""
             print(f"  {rank:>2}  {hit.score:.4f}  {hit.key}{label}{category}")
     if args.grid:
+        from ddp_rank.data.shard_cache import open_cache
         from ddp_rank.eval.retrieval_search_grid import draw_search_grid
 
         problems: tuple[type[Exception], ...] = (OSError, ValueError, *_errors())
         try:
             source = searcher.index.info.get("export", {}).get("source", {})
+            data = searcher.cfg.data
             grid = draw_search_grid(
-                paths, results, source, args.grid, max_pixels=searcher.transform.max_pixels
+                paths,
+                results,
+                source,
+                args.grid,
+                max_pixels=searcher.transform.max_pixels,
+                cache_dir=open_cache(data.cache_dir, data.cache_max_gb),
             )
             print(f"grid: {grid}")
         except problems as exc:

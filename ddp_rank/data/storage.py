@@ -3,8 +3,10 @@
 A class is one or more byte ranges of tars (``ClassSpan``), so training reads are ``read(shard, offset, length)``:
 a ``seek`` + ``read`` on a local file, an HTTP ``Range`` request (or the S3 / GCS equivalent) through fsspec
 for a URL. ``read_many`` reads the spans of a class: those read by range from a URL concurrently (up to
-``MAX_CONCURRENT`` requests in flight, each retried on its own), the others one after the other. We write no network client: fsspec's file systems (``http``/``https`` need aiohttp, ``s3`` s3fs,
-``gs`` gcsfs) do the transfer.
+``MAX_CONCURRENT`` requests in flight, each retried on its own), the others one after the other. A reader of
+every sample of a shard (``named_shards``: ``export --shards-url``) takes it whole instead: ``open_whole`` (the
+local file, or the cached copy) or ``download``. We write no network client: fsspec's file systems
+(``http``/``https`` need aiohttp, ``s3`` s3fs, ``gs`` gcsfs) do the transfer.
 
 The node-local cache (``cache_dir``) keeps whole shards fetched from a URL, since every class of a shard is read
 again each epoch. It is ours rather than fsspec's ``simplecache`` because that one writes the download in place
@@ -67,6 +69,34 @@ def transient(exc: BaseException) -> bool:
     if isinstance(exc, aiohttp.ClientResponseError):
         return exc.status >= 500 or exc.status in _RETRIED_HTTP_STATUS
     return isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ClientConnectionError)
+
+
+def retrying(
+    call: Callable[[], _T], url: str, retry_s: float = RETRY_S, on_retry: Callable[[], None] | None = None
+) -> _T:
+    """``call()`` (a read of ``url``), retried with growing pauses on a transient failure (:func:`transient`) for
+    up to ``retry_s`` seconds, calling ``on_retry`` before each retry; a lasting failure, or the last one, raises."""
+    deadline = time.monotonic() + retry_s
+    pause = 0.25
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            if not transient(exc) or time.monotonic() + pause > deadline:
+                raise
+            if on_retry is not None:
+                on_retry()
+            log.warning(f"{url}: {type(exc).__name__}: {exc}; retrying in {pause:.2f} s")
+        time.sleep(pause)
+        pause = min(2 * pause, 4.0)
+
+
+def url_filesystem(url: str) -> Any:
+    """fsspec's file system for ``url`` (``http``/``https`` need aiohttp, ``s3`` s3fs, ``gs`` gcsfs). A file
+    system's event loop does not survive fork: each process makes its own."""
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)[0]
 
 
 def open_sized(path: str, size: int) -> BinaryIO:
@@ -192,6 +222,17 @@ class ShardStore:
         url = self.manifest.shard_url(shard)
         return self._retrying(lambda: self._filesystem().open(url, "rb", block_size=block_size), url)
 
+    def open_whole(self, shard: ShardInfo) -> BinaryIO | None:
+        """The whole shard open on this machine: the directory's own file (refused, ``EOFError``, unless its size
+        is the manifest's) or, with a cache, the cached copy (checked against the sha256 when it was fetched);
+        None: fetch it with ``download``. The store keeps it open until ``close``."""
+        return self._open_shard(shard)
+
+    def download(self, shard: ShardInfo, path: str | os.PathLike[str]) -> None:
+        """Copy the whole shard from its URL to the local ``path``, retried as ``read``; the caller checks it."""
+        url = self.manifest.shard_url(shard)
+        self._retrying(lambda: self._filesystem().get_file(url, os.fspath(path)), url)
+
     def take_counts(self) -> dict[str, int]:
         """The data events since the last call (and start counting again)."""
         counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
@@ -208,26 +249,17 @@ class ShardStore:
         # A file system's event loop does not survive fork: each process makes its own.
         if self._fs is None or self._fs_pid != os.getpid():
             self._fs_pid = os.getpid()
-            import fsspec
-
-            self._fs = fsspec.core.url_to_fs(self.manifest.location)[0]
+            self._fs = url_filesystem(self.manifest.location)
         return self._fs
 
     def _retrying(self, call: Callable[[], _T], url: str) -> _T:
         """``call()``, retried on a transient failure (see the module docstring) for up to ``retry_s``."""
-        deadline = time.monotonic() + self.retry_s
-        pause = 0.25
-        while True:
-            try:
-                return call()
-            except Exception as exc:
-                if not transient(exc) or time.monotonic() + pause > deadline:
-                    raise
-                with self._count_lock:
-                    self.counts["read_retries"] += 1
-                log.warning(f"{url}: {type(exc).__name__}: {exc}; retrying in {pause:.2f} s")
-            time.sleep(pause)
-            pause = min(2 * pause, 4.0)
+
+        def count() -> None:
+            with self._count_lock:
+                self.counts["read_retries"] += 1
+
+        return retrying(call, url, self.retry_s, count)
 
     def _open_shard(self, shard: ShardInfo) -> BinaryIO | None:
         """The shard open on this machine (the directory itself or a cached copy), or None: read it by range."""

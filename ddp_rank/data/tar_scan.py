@@ -218,6 +218,19 @@ def _tarfile_members(f: IO[bytes]) -> tuple[list[Member], str | None]:
                 members.append(Member(info.name, info.offset_data, info.size))
 
 
+def tar_members(f: IO[bytes]) -> tuple[list[Member], str | None]:
+    """The regular members of the plain tar open as ``f`` (a local file), in stored order, and why the walk
+    stopped before the end-of-archive marker (a corrupt header, a member or the file cut short), else None.
+    The header walk of ``scan_shard``: tarfile's for the headers only it resolves."""
+    try:
+        return _plain_members(f, os.fstat(f.fileno()).st_size)
+    except _NeedsTarfile:
+        try:
+            return _tarfile_members(f)
+        except (tarfile.TarError, EOFError) as exc:
+            return [], f"unreadable tar: {exc}"
+
+
 def end_of_archive_problem(f: IO[bytes], offset: int) -> str | None:
     """Why a tarfile walk that stopped at ``offset`` did not reach the end of the archive, or None: it stopped at
     the end-of-archive marker (zero bytes). tarfile stops quietly at a corrupt header after the first, or where a

@@ -1,5 +1,7 @@
 """What ``ddp-rank export`` and ``ddp-rank search`` embed: a split of a shard directory, an image folder, or
-WebDataset shards at a URL (or a local path pattern), each read by rank with the test-time transform.
+WebDataset shards at a URL (or a local path pattern), each read by rank with the test-time transform. Shards are
+read through the data layer only (``EvalShards`` for a split, ``NamedShards`` for a pattern): the manifest's
+checks, the retries and the node-local cache hold for every source.
 
 Every source yields :class:`ImageBatch` objects (pixels in [0, 1], as the models take them) with the sample
 keys, class labels (``-1`` where a source has none), category names and subsets (``""`` where none). Each rank
@@ -27,6 +29,8 @@ from torch.utils.data import DataLoader
 from ddp_rank.data.decode import ImageDecodeError, decode_image, failure_reason
 from ddp_rank.data.eval_reader import EvalShards, contiguous_range
 from ddp_rank.data.loader import ignore_stop_signals
+from ddp_rank.data.named_shards import NamedShards, ShardReadError, ShardSample
+from ddp_rank.data.shard_cache import ShardCache
 from ddp_rank.data.transforms import TransformConfig, normalize_batch, test_transform
 
 __all__ = [
@@ -69,10 +73,18 @@ def split_batches(
     rank: int,
     world: int,
     num_workers: int = 0,
+    cache_dir: str | os.PathLike[str] | ShardCache | None = None,
 ) -> Iterator[ImageBatch]:
-    """This rank's part of ``split`` of a ddp_rank shard directory (the evaluation's own reader)."""
+    """This rank's part of ``split`` of a ddp_rank shard directory or URL (the evaluation's own reader, with
+    the node-local ``cache_dir`` for a URL's shards)."""
     reader = EvalShards(
-        shards, split=split, batch_size=batch_size, transform=transform, rank=rank, world_size=world
+        shards,
+        split=split,
+        batch_size=batch_size,
+        transform=transform,
+        rank=rank,
+        world_size=world,
+        cache_dir=cache_dir,
     )
     names = reader.manifest.categories
     loader = DataLoader(reader, batch_size=None, num_workers=num_workers, worker_init_fn=ignore_stop_signals)
@@ -177,26 +189,16 @@ def folder_batches(
     yield from image_batches(paths[lo:hi], transform, batch_size, root=Path(root), skipped=skipped)
 
 
-def _expand(url: str) -> list[str]:
-    import webdataset as wds
-
-    urls = list(wds.shardlists.expand_urls(url))
-    if not urls:
-        raise SourceError(
-            f"'{url}' names no shard; write e.g. https://host/data/shard-{{000000..000009}}.tar"
-        )
-    return urls
-
-
-def _sample_fields(sample: dict[str, object]) -> tuple[bytes, int, str, str] | None:
-    """(image bytes, label, category, subset) of a WebDataset sample, or None when it holds no image."""
-    image = next((sample[e] for e in IMAGE_EXTENSIONS if isinstance(sample.get(e), bytes)), None)
-    if not isinstance(image, bytes):
+def _sample_fields(sample: ShardSample) -> tuple[bytes, int, str, str] | None:
+    """(image bytes, label, category, subset) of a shard's sample, or None when it holds no image."""
+    members = sample.members
+    image = next((members[e] for e in IMAGE_EXTENSIONS if e in members), None)
+    if image is None:
         return None
-    cls = sample.get("cls")
-    label = int(cls.decode().strip()) if isinstance(cls, bytes) and cls.strip() else -1
-    meta_raw = sample.get("json")
-    meta = json.loads(meta_raw.decode("utf-8")) if isinstance(meta_raw, bytes) else {}
+    cls = members.get("cls")
+    label = int(cls.decode().strip()) if cls is not None and cls.strip() else -1
+    meta_raw = members.get("json")
+    meta = json.loads(meta_raw.decode("utf-8")) if meta_raw is not None else {}
     return image, label, str(meta.get("category") or ""), str(meta.get("subset") or "")
 
 
@@ -207,18 +209,17 @@ def url_shard_batches(
     rank: int,
     world: int,
     skipped: list[str] | None = None,
+    cache_dir: str | os.PathLike[str] | ShardCache | None = None,
 ) -> Iterator[ImageBatch]:
-    """WebDataset shards at ``url`` (brace patterns expand; http(s), s3 via the webdataset library, or local
-    paths): rank r reads shards r, r + W, ... in order. Keys are the samples' ``__key__``; a sample whose image
-    does not decode is an error, or left out and listed in ``skipped`` when one is given."""
-    import webdataset as wds
-
-    mine = _expand(url)[rank::world]
-    if not mine:
-        return
-    dataset = wds.WebDataset(
-        mine, shardshuffle=False, nodesplitter=lambda urls: urls, workersplitter=None, empty_check=False
-    )
+    """WebDataset shards at ``url`` (brace patterns expand; any URL fsspec reads, or local paths), read through
+    the data layer's checked path (``data.named_shards``: the manifest's size and sha256 where one lists them,
+    retries, the node-local ``cache_dir``): rank r reads shards r, r + W, ... in order. Keys are the samples'
+    ``__key__``; a shard that cannot be read is an error naming it, and a sample whose image does not decode is
+    an error, or left out and listed in ``skipped`` when one is given."""
+    try:
+        shards = NamedShards(url, cache_dir=cache_dir)
+    except ShardReadError as exc:
+        raise SourceError(str(exc)) from exc
     pending: list[tuple[str, Image.Image, int, str, str]] = []
 
     def flush() -> ImageBatch:
@@ -231,22 +232,28 @@ def url_shard_batches(
         )
 
     try:
-        for sample in dataset:
-            fields = _sample_fields(sample)
-            if fields is None:
-                continue
-            key = str(sample["__key__"])
-            image = decode_or_skip(fields[0], key, transform, skipped)
-            if image is None:
-                continue
-            pending.append((key, image, *fields[1:]))
-            if len(pending) == batch_size:
-                yield flush()
-                pending = []
-    except SourceError:
-        raise
-    except (OSError, ValueError) as exc:
-        raise SourceError(f"cannot read the shards at '{url}': {exc}") from exc
+        for shard in shards.urls[rank::world]:
+            for sample in shards.samples(shard):
+                try:
+                    fields = _sample_fields(sample)
+                except ValueError as exc:  # a .cls that is no number, a .json that does not parse
+                    raise SourceError(
+                        f"sample {sample.key} of {shard}: its .cls or .json does not read ({exc}); fix the "
+                        "shard, or leave it out of the pattern"
+                    ) from exc
+                if fields is None:
+                    continue
+                image = decode_or_skip(fields[0], sample.key, transform, skipped)
+                if image is None:
+                    continue
+                pending.append((sample.key, image, *fields[1:]))
+                if len(pending) == batch_size:
+                    yield flush()
+                    pending = []
+    except ShardReadError as exc:
+        raise SourceError(str(exc)) from exc
+    finally:
+        shards.close()
     if pending:
         yield flush()
 

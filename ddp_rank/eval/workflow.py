@@ -17,6 +17,7 @@ import torch.distributed as dist
 from accelerate.utils import gather_object
 
 from ddp_rank.config import Config, ConfigError, config_from_dict, load_config, to_dict
+from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.curves import draw_curves, split_curves
@@ -275,14 +276,15 @@ def export_embeddings(
             model, data_cfg = image_model(cfg, model), image_config(cfg).data
         model.to(accelerator.device)
         transform, bs = transform_from_config(data_cfg), cfg.eval.batch_size
+        cache = open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb)
         if source["kind"] == "split":
             batches = split_batches(
-                cfg.data.shards, source["split"], transform, bs, rank, world, cfg.data.num_workers
+                cfg.data.shards, source["split"], transform, bs, rank, world, cfg.data.num_workers, cache
             )
         elif source["kind"] == "images":
             batches = folder_batches(source["folder"], transform, bs, rank, world, skipped)
         else:
-            batches = url_shard_batches(source["url"], transform, bs, rank, world, skipped)
+            batches = url_shard_batches(source["url"], transform, bs, rank, world, skipped, cache)
         dtype = autocast_dtype(accelerator)
         data = embed_batches_to_arrays(model, batches, cfg.model.embedding_dim, accelerator.device, dtype)
         for line in skipped or []:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import tarfile
 import time
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ import torch
 
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
+from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.serve import serve_directory
 from ddp_rank.eval.export import load_export
 from ddp_rank.eval.retrieval import ExactSearch, knn_search
 from ddp_rank.eval.runner import embed_split, key_index
@@ -375,3 +378,110 @@ def test_exact_search_in_device_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
         if torch.cuda.is_available()
         else True
     )
+
+
+def _damage_an_image(tar: Path) -> None:
+    """Flip one byte inside the first image's data: the tar stays sound, its sha256 changes."""
+    with tarfile.open(tar) as t:
+        member = next(m for m in t.getmembers() if m.name.endswith(".png"))
+    data = bytearray(tar.read_bytes())
+    data[member.offset_data + 20] ^= 0xFF
+    tar.write_bytes(bytes(data))
+
+
+def _garble_header(tar: Path, member: int) -> int:
+    """Garble the header of the tar's member number ``member``; returns its byte offset."""
+    with tarfile.open(tar) as t:
+        at = t.getmembers()[member].offset
+    data = bytearray(tar.read_bytes())
+    data[at : at + 8] = b"garbage!"
+    tar.write_bytes(bytes(data))
+    return at
+
+
+def _test_tars_without_manifest(tiny: dict[str, Path], folder: Path) -> list[Path]:
+    """The test split's tars copied into ``folder`` alone (other tools' shards: no manifest to check them)."""
+    folder.mkdir()
+    return [Path(shutil.copy(t, folder)) for t in sorted((tiny["shards"] / "test").glob("*.tar"))]
+
+
+URL_PATTERN = "test-c{0000..0002}-00000.tar"
+
+
+def test_export_of_url_shards_uses_the_cache_and_equals_the_local_export(
+    tiny: dict[str, Path], http_shards: str, tmp_path: Path
+) -> None:
+    """Shards at a URL beside their manifest go through the checked reader: with data.cache_dir each is
+    fetched whole into the cache (named by the sha256 it was checked against), and the export is the one made
+    from the same shards on the local disk."""
+    out, cache = tmp_path / "export", tmp_path / "cache"
+    args = ["export", "--checkpoint", str(tiny["run"]), "--shards-url", f"{http_shards}/test/{URL_PATTERN}"]
+    assert main([*args, "--output", str(out), f"data.cache_dir={cache}"]) == 0
+    shards = Manifest.load(tiny["shards"]).split("test").shards
+    assert {p.stem for p in cache.glob("*.tar")} == {s.sha256 for s in shards}
+    remote, local = load_export(out), load_export(tiny["export"])
+    assert sorted(remote.keys.tolist()) == sorted(local.keys.tolist())
+    by_key = {k: (e, c) for k, e, c in zip(local.keys.tolist(), local.embeddings, local.categories.tolist())}
+    for key, emb, category in zip(remote.keys.tolist(), remote.embeddings, remote.categories.tolist()):
+        np.testing.assert_allclose(emb, by_key[key][0], atol=1e-6)
+        assert category == by_key[key][1]
+
+
+def test_export_refuses_a_url_shard_whose_sha256_is_not_the_manifests(
+    tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    copy = tmp_path / "shards"
+    shutil.copytree(tiny["shards"], copy)
+    _damage_an_image(copy / "test" / "test-c0001-00000.tar")
+    out = tmp_path / "export"
+    with serve_directory(copy) as url:
+        args = ["export", "--checkpoint", str(tiny["run"]), "--shards-url", f"{url}/test/{URL_PATTERN}"]
+        capsys.readouterr()
+        assert main([*args, "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(
+        f"ddp-rank export: error: shard {url}/test/test-c0001-00000.tar: its sha256 differs from the manifest's"
+    ), err
+    assert not (out / "export.json").exists()
+
+
+def test_export_names_a_corrupt_tar_at_a_url_in_one_line(
+    tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    tars = _test_tars_without_manifest(tiny, tmp_path / "plain")
+    at = _garble_header(tars[1], 1)  # tarfile would stop there quietly: a shard read in part
+    with serve_directory(tmp_path / "plain") as url:
+        args = ["export", "--checkpoint", str(tiny["run"]), "--shards-url", f"{url}/{URL_PATTERN}"]
+        capsys.readouterr()
+        assert main([*args, "--output", str(tmp_path / "export")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(
+        f"ddp-rank export: error: shard {url}/{tars[1].name}: corrupt tar header at byte {at}"
+    )
+    assert err[0].endswith(
+        "the shard is damaged; replace it with a sound copy, or leave it out of the pattern"
+    )
+
+
+def test_search_grid_names_a_corrupt_url_shard_in_one_line_and_draws(
+    tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The export's shards at a URL are read back for the picture; one damaged since is named in one warning
+    (no traceback) and its hits are drawn without their image."""
+    tars = _test_tars_without_manifest(tiny, tmp_path / "plain")
+    export, index, grid = tmp_path / "export", tmp_path / "index", tmp_path / "grid.png"
+    with serve_directory(tmp_path / "plain") as url:
+        args = ["export", "--checkpoint", str(tiny["run"]), "--shards-url", f"{url}/{URL_PATTERN}"]
+        assert main([*args, "--output", str(export)]) == 0
+        assert main(["index", str(export), "--kind", "flat", "--output", str(index)]) == 0
+        _garble_header(tars[0], 0)
+        query = sorted((tiny["images"] / "cat1").rglob("*.png"))[0]
+        capsys.readouterr()
+        assert main(["search", str(index), str(query), "-k", "3", "--grid", str(grid)]) == 0
+    captured = capsys.readouterr()
+    assert f"grid: {grid}" in captured.out and grid.is_file()
+    said = caplog.text + captured.err
+    assert "Traceback" not in said
+    assert f"retrieval picture: shard {url}/{tars[0].name}: corrupt tar header at byte 0" in said, said

@@ -1,0 +1,225 @@
+"""Shards named by a URL or a path pattern (``export --shards-url``, ``search --grid``) read through the checked
+path: the manifest's size and sha256, the retries, the node-local cache, the tar walk's one-line faults."""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import http.server
+import io
+import shutil
+import tarfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddp_rank.data.build import BuildOptions, build_shards
+from ddp_rank.data.listing import read_image_folder
+from ddp_rank.data.manifest import MANIFEST_NAME, Manifest
+from ddp_rank.data.named_shards import NamedShards, ShardReadError, ShardSample
+from ddp_rank.data.serve import RangeRequestHandler, serve_directory
+from ddp_rank.data.synthetic import write_image_folder
+
+PACKAGE = Path(__file__).resolve().parents[2] / "ddp_rank"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("named-shards")
+    write_image_folder(root / "images", [[2, 3, 4]] * 2, image_size=8)
+    build_shards(read_image_folder(root / "images"), root / "shards", BuildOptions(progress=False))
+    return root / "shards"
+
+
+def _names(shards: Path) -> list[str]:
+    return [s.path for s in Manifest.load(shards).split("train").shards]
+
+
+def _read(named: NamedShards) -> list[ShardSample]:
+    try:
+        return [sample for url in named.urls for sample in named.samples(url)]
+    finally:
+        named.close()
+
+
+def _expected(shards: Path) -> list[tuple[str, dict[str, bytes]]]:
+    """Every sample's key and its image, .cls and .json bytes, as tarfile reads the shards."""
+    out: list[tuple[str, dict[str, bytes]]] = []
+    for name in _names(shards):
+        with tarfile.open(shards / name) as tar:
+            for info in tar:
+                key, ext = info.name.split(".", 1)
+                if not out or out[-1][0] != key:
+                    out.append((key, {}))
+                data = tar.extractfile(info)
+                assert data is not None
+                out[-1][1][ext] = data.read()
+    return out
+
+
+def _damage_an_image(tar: Path) -> None:
+    """Flip one byte inside the first image's data: the tar stays sound, its sha256 changes."""
+    with tarfile.open(tar) as t:
+        member = next(m for m in t.getmembers() if m.name.endswith((".png", ".jpg")))
+    data = bytearray(tar.read_bytes())
+    data[member.offset_data + 20] ^= 0xFF
+    tar.write_bytes(bytes(data))
+
+
+def _break_second_header(tar: Path) -> int:
+    """Garble the header of the tar's second member; returns its byte offset."""
+    with tarfile.open(tar) as t:
+        second = t.getmembers()[1].offset
+    data = bytearray(tar.read_bytes())
+    data[second : second + 8] = b"garbage!"
+    tar.write_bytes(bytes(data))
+    return second
+
+
+def test_shards_over_http_read_as_the_local_files_checked_and_cached(shards: Path, tmp_path: Path) -> None:
+    names = _names(shards)
+    local = _read(NamedShards("::".join(str(shards / n) for n in names)))
+    assert [(s.key, s.members) for s in local] == _expected(shards)
+    with serve_directory(shards) as url:
+        named = NamedShards("::".join(f"{url}/{n}" for n in names), cache_dir=tmp_path / "cache")
+        assert set(named.listed) == set(named.urls)  # the manifest above the split's folder lists them
+        remote = _read(named)
+    assert remote == local
+    shas = {s.sha256 for s in Manifest.load(shards).split("train").shards}
+    assert {p.stem for p in (tmp_path / "cache").glob("*.tar")} == shas
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["downloaded", "cache"])
+def test_a_shard_whose_sha256_is_not_the_manifests_is_refused(
+    shards: Path, tmp_path: Path, cached: bool
+) -> None:
+    copy = tmp_path / "shards"
+    shutil.copytree(shards, copy)
+    name = _names(copy)[0]
+    _damage_an_image(copy / name)
+    with serve_directory(copy) as url:
+        named = NamedShards(f"{url}/{name}", cache_dir=tmp_path / "cache" if cached else None)
+        with pytest.raises(ShardReadError) as caught:
+            _read(named)
+    message = str(caught.value)
+    assert f"shard {url}/{name}: its sha256 differs from the manifest's" in message and "\n" not in message
+    assert "`ddp-rank shards build`" in message
+    assert not list((tmp_path / "cache").glob("*.tar"))  # nothing unchecked is kept
+    with pytest.raises(ShardReadError, match="sha256 differs"):
+        _read(NamedShards(str(copy / name)))
+
+
+def test_a_corrupt_tar_without_a_manifest_is_named_in_one_line(shards: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    name = _names(shards)[0]
+    tar = folder / Path(name).name
+    shutil.copy(shards / name, tar)
+    at = _break_second_header(tar)
+    with serve_directory(folder) as url:
+        named = NamedShards(f"{url}/{tar.name}")
+        assert named.listed == {}
+        with pytest.raises(ShardReadError) as caught:
+            _read(named)
+    message = str(caught.value)
+    assert message.startswith(f"shard {url}/{tar.name}: corrupt tar header at byte {at}")
+    assert "replace it with a sound copy, or leave it out of the pattern" in message and "\n" not in message
+
+
+def test_a_compressed_shard_reads_as_its_tar_and_a_cut_one_is_named(shards: Path, tmp_path: Path) -> None:
+    name = _names(shards)[0]
+    plain = shards / name
+    packed = tmp_path / "x-000000.tar.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    with serve_directory(tmp_path) as url:
+        assert _read(NamedShards(f"{url}/{packed.name}")) == _read(NamedShards(str(plain)))
+    cut = tmp_path / "cut-000000.tar.gz"
+    cut.write_bytes(packed.read_bytes()[:200])
+    with pytest.raises(ShardReadError, match=f"shard {cut}: the gzip stream does not decompress"):
+        _read(NamedShards(str(cut)))
+
+
+def test_a_manifest_that_lists_only_some_of_the_shards_is_refused(shards: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "shards"
+    shutil.copytree(shards, copy)
+    first = _names(copy)[0]
+    extra = copy / Path(first).parent / "extra-000000.tar"
+    shutil.copy(copy / first, extra)
+    with pytest.raises(ShardReadError) as caught:
+        NamedShards(f"{copy / first}::{extra}")
+    assert f"shard {extra} is not listed in {copy / MANIFEST_NAME}, which lists 1 of the 2" in str(
+        caught.value
+    )
+
+
+def test_a_missing_shard_is_named(shards: Path) -> None:
+    with serve_directory(shards) as url:
+        named = NamedShards(f"{url}/train/nowhere-{{0..1}}.tar")
+        with pytest.raises(ShardReadError, match=rf"shard {url}/train/nowhere-0.tar: no such shard; fix"):
+            _read(named)
+
+
+@contextmanager
+def _serve_failing_first(directory: Path, status: int) -> Iterator[str]:
+    """``directory`` over HTTP, the first request for a tar answered with ``status``."""
+    failed: list[str] = []
+
+    class Flaky(RangeRequestHandler):
+        def send_head(self) -> Any:
+            if self.path.endswith(".tar") and not failed:
+                failed.append(self.path)
+                self.send_error(status)
+                return None
+            return super().send_head()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(Flaky, directory=str(directory)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert failed, "the fault was never met"
+
+
+def test_a_transient_http_error_is_retried(shards: Path, tmp_path: Path) -> None:
+    name = _names(shards)[0]
+    folder = tmp_path / "plain"  # no manifest: the retries hold for other tools' shards too
+    folder.mkdir()
+    shutil.copy(shards / name, folder / "a-0.tar")
+    with _serve_failing_first(folder, 503) as url:
+        samples = _read(NamedShards(f"{url}/a-0.tar", retry_s=5))
+    assert samples == _read(NamedShards(str(shards / name)))
+
+
+def test_no_module_of_ddp_rank_reads_shards_through_webdataset() -> None:
+    """Every read of shards goes through the data layer's checked reader; webdataset is not imported at all."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            found += [
+                f"{path.relative_to(PACKAGE)}:{node.lineno}" for n in names if n.split(".")[0] == "webdataset"
+            ]
+    assert found == [], f"webdataset imported in {found}; read shards through ddp_rank.data"
+
+
+def test_a_gzip_named_tar_is_told_by_its_bytes(shards: Path, tmp_path: Path) -> None:
+    name = _names(shards)[0]
+    odd = tmp_path / "odd-000000.tar"
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb") as out:
+        out.write((shards / name).read_bytes())
+    odd.write_bytes(buffer.getvalue())
+    assert _read(NamedShards(str(odd))) == _read(NamedShards(str(shards / name)))
