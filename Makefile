@@ -93,27 +93,27 @@ words-whitened: $(WORDS_DIR)/whitened/manifest.json
 # Smooth-AP, 2 seeds a point; outputs in runs/study-features/, the table and plot copied into
 # benchmarks/results/ with the date.
 study-features: $(WORDS_DIR)/whitened/manifest.json
-	$(BIN)/python benchmarks/study_features.py --shards $(WORDS_DIR)/whitened --out runs/study-features --results
+	$(BIN)/python -m benchmarks.study_features --shards $(WORDS_DIR)/whitened --out runs/study-features --results
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/loss.py
+	$(BIN)/python -m benchmarks.loss
 
 # The README's emoji study (batch size, sampler, loss; 3 seeds per point: about 75 minutes on 2 cores;
 # REPLICATES=1 for single runs); outputs in runs/study/
 study: $(STAMP)
 	PYTHON=$(BIN)/python bash benchmarks/study.sh
 
-# GPU acceptance (benchmarks/gpu_check.py; PART=tests|loss|train|deepspeed|grads|feed|demo|chunk|syncs, a list tests,loss or all, the
+# GPU acceptance (benchmarks/acceptance/gpu_check.py; PART=tests|loss|train|deepspeed|grads|feed|demo|chunk|syncs, a list tests,loss or all, the
 # default). Run on the GPU machine, which has a python with torch and no network: missing packages come from
 # .gpu-wheels/ (below). The report goes to $(GPU_RESULTS)/gpu-<date>.md: on the device tool GPU_RESULTS=$$OUT,
-# then here `python benchmarks/gpu_check.py --merge` (README, GPU acceptance). The exit status to read is the
+# then here `python -m benchmarks.acceptance.gpu_check --merge` (README, GPU acceptance). The exit status to read is the
 # script's (0 pass, 1 a FAIL or NOT MEASURED, 2 no CUDA): make turns every failure into its own 2.
 # The project's .venv where there is one (its torch), else the machine's python3 (the GPU machine has no .venv).
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 PART ?= all
 GPU_RESULTS ?= benchmarks/results
 gpu-check:
-	$(GPU_PYTHON) benchmarks/gpu_check.py --part $(PART) --wheels .gpu-wheels --results $(GPU_RESULTS)
+	$(GPU_PYTHON) -m benchmarks.acceptance.gpu_check --part $(PART) --wheels .gpu-wheels --results $(GPU_RESULTS)
 
 # Here, with network: the wheels the GPU image lacks, for its Python and x86_64 Linux, at our constraints;
 # .gpu-wheels/demo/ holds the demo part's (carried with the emoji shards), .gpu-wheels/more/ the others'.

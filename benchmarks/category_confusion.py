@@ -1,7 +1,7 @@
 """Do a dataset's categories group the classes a frozen model confuses? Top-1 mistakes of stored vectors.
 
-    python benchmarks/category_confusion.py runs/words/features            # the test split
-    python benchmarks/category_confusion.py runs/words/features --split train
+    python -m benchmarks.category_confusion runs/words/features            # the test split
+    python -m benchmarks.category_confusion runs/words/features --split train
 
 Reads feature shards (``ddp-rank shards features``), takes each vector's nearest other vector (cosine) and
 reports Recall@1 and, among the queries whose nearest neighbour is of another class, the share whose neighbour is

@@ -9,8 +9,8 @@ A checkpoint of the size of a ResNet-50 run with Adam (25.6 M parameters: ``mode
 - structural check of a checkpoint without a record (safetensors header, torch zip CRC-32s);
 - load: safetensors + ``torch.load`` of the same files (what a resume reads anyway).
 
-    python benchmarks/checkpoint_check.py                 # ResNet-50 size, 3 repeats
-    python benchmarks/checkpoint_check.py --params 2e6    # smaller
+    python -m benchmarks.checkpoint_check                 # ResNet-50 size, 3 repeats
+    python -m benchmarks.checkpoint_check --params 2e6    # smaller
 """
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import markdown_table, write_result
 from ddp_rank.file_checks import digest_files

@@ -8,18 +8,19 @@ chunks of one batch:
 
 - operations: every ATen operation dispatched in the step, forward and backward (a ``TorchDispatchMode``);
 - host reads: calls that bring a tensor's value to the host, each a wait for the GPU on a GPU
-  (``tests/helpers/host_syncs.py``);
+  (``benchmarks/acceptance/host_syncs.py``);
 - host time: the step's median CPU time (``time.process_time``, one thread; on the CPU the compute is host time
   too, so the images are small), which a loaded machine does not inflate as it does wall time.
 
 "Per chunk" is the slope from 2 to 8 chunks (the same images, cut finer), so what every step pays once (the
 loss, the concatenation) drops out.
 
-    python benchmarks/chunk_host.py [--rows 64 --image-size 8 --repeats 20] [--json OUT.json]
-    python benchmarks/chunk_host.py --baseline OLD.json   # adds the figures of another checkout beside these
+    python -m benchmarks.chunk_host [--rows 64 --image-size 8 --repeats 20] [--json OUT.json]
+    python -m benchmarks.chunk_host --baseline OLD.json   # adds the figures of another checkout beside these
 
-To compare with older code, run this script from a checkout of it (copy the script and
-``tests/helpers/host_syncs.py`` there) with ``--json OLD.json --no-write``, then here with ``--baseline OLD.json``.
+To compare with older code, run this script in a checkout of it (copy this checkout's ``benchmarks/`` folder
+there: the script, ``common.py`` and ``acceptance/host_syncs.py``) with ``--json OLD.json --no-write``, then here
+with ``--baseline OLD.json``.
 """
 
 from __future__ import annotations
@@ -37,14 +38,12 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from common import markdown_table, write_result
-
+from benchmarks.acceptance.host_syncs import count_host_syncs
+from benchmarks.common import markdown_table, write_result
 from ddp_rank.model.net import EmbeddingNet, TinyCNN, freeze_batchnorm
 from ddp_rank.train import PlainBackend, forward_backward
-from tests.helpers.host_syncs import count_host_syncs
 
+REPO = Path(__file__).resolve().parent.parent
 CHUNKS = (2, 4, 8)
 
 
@@ -162,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(shown)
     print(text)
     if not args.no_write:
-        command = f"python benchmarks/chunk_host.py --rows {args.rows} --image-size {args.image_size} --repeats {args.repeats}"
+        command = f"python -m benchmarks.chunk_host --rows {args.rows} --image-size {args.image_size} --repeats {args.repeats}"
         body = (
             f"Command: `{command}{' --baseline OLD.json' if args.baseline else ''}`\n\n"
             f"The chunked step of a small convolutional EmbeddingNet (TinyCNN 8-16-32-64, head 32), {args.rows} uint8 "

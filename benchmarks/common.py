@@ -15,6 +15,8 @@ import torch
 from ddp_rank.atomic_io import atomic_write_text
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+"""The checkout these scripts are in: the working folder of the processes they start as ``python -m``."""
 
 
 def machine_description() -> str:
@@ -77,6 +79,22 @@ def accelerate_cpu_cmd(repo: Path, *args: str, processes: int = 2) -> list[str]:
         "--num_processes", str(processes), "--main_process_port", str(free_port()),
         *args,
     ]  # fmt: skip
+
+
+def mixed_checkout(ddp_rank_root: str | Path, folder: str | Path) -> Path:
+    """``folder`` made to hold another checkout's ``ddp_rank`` beside this checkout's ``benchmarks`` (two symbolic
+    links): ``python -m benchmarks.<name>`` run from it times that ``ddp_rank`` with these scripts (``python -m``
+    puts the folder it runs from first on ``sys.path``, so both packages come from there)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, target in (("ddp_rank", Path(ddp_rank_root).resolve() / "ddp_rank"), ("benchmarks", REPO / "benchmarks")):
+        if not target.is_dir():
+            raise FileNotFoundError(f"{target} is not a folder: no {name} package there")
+        link = folder / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target, target_is_directory=True)
+    return folder
 
 
 def cpu_job_env() -> dict[str, str]:

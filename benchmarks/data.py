@@ -14,8 +14,8 @@ Then the plan: construction time per step for a 65,536 global batch over an iNat
 start-up of one process of a simulated 512 ranks x 8 workers job over 1,000 shards and 200,000 classes (every
 process does the same work: load the manifest, build the plan, draw and deal the first step).
 
-    .venv/bin/python benchmarks/data.py                        # 256 px and 800 px images, a few minutes on 2 cores
-    .venv/bin/python benchmarks/data.py --sizes 256 --images 1200 --repeats 1
+    .venv/bin/python -m benchmarks.data                        # 256 px and 800 px images, a few minutes on 2 cores
+    .venv/bin/python -m benchmarks.data --sizes 256 --images 1200 --repeats 1
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ import numpy as np
 import torch
 import torchvision
 import webdataset as wds
-from common import machine_description, markdown_table, write_result
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from benchmarks.common import machine_description, markdown_table, write_result
 from ddp_rank.data.batch import StreamBatch
 from ddp_rank.data.build import BuildOptions, build_shards
 from ddp_rank.data.dealing import deal
@@ -318,7 +318,7 @@ def main() -> None:
             for row in bench_pipelines(size, work, args)
         ]
         body = [
-            f"Command: `python benchmarks/data.py --images {args.images} --sizes {args.sizes} --workers {args.workers} "
+            f"Command: `python -m benchmarks.data --images {args.images} --sizes {args.sizes} --workers {args.workers} "
             f"--batch {args.batch} --repeats {args.repeats}`",
             "",
             f"{args.images} synthetic JPEGs per size (quality 90), {args.per_class} per class, {args.categories} "

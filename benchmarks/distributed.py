@@ -19,8 +19,8 @@ all-reduce of the model (identical for both) is not included. Peak memory is the
 sampled every 2 ms during the step, minus the resident size just before it (large buffers are returned to
 the OS at free: the children run with MALLOC_MMAP_THRESHOLD_=65536).
 
-    .venv/bin/python benchmarks/distributed.py                  # defaults: a few minutes on 2 cores
-    .venv/bin/python benchmarks/distributed.py --sizes 1024 32768 --pml-max 2048
+    .venv/bin/python -m benchmarks.distributed                  # defaults: a few minutes on 2 cores
+    .venv/bin/python -m benchmarks.distributed --sizes 1024 32768 --pml-max 2048
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Feature-shard training benchmark: time per step of a head trained on stored vectors at huge global batches.
 
-    python benchmarks/features.py                               # global batch 65,536, 3 steps, FastAP
-    python benchmarks/features.py --batch 8192 --loss pnp --steps 5
+    python -m benchmarks.features                               # global batch 65,536, 3 steps, FastAP
+    python -m benchmarks.features --batch 8192 --loss pnp --steps 5
 
 With feature shards (``ddp-rank shards features``) the model is a head only, so the step is the loss over the
 global batch: this measures that the project's reason to exist, a 65,536 global batch, trains on this machine.
@@ -29,8 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, markdown_table, write_result
+from benchmarks.common import machine_description, markdown_table, write_result
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,7 +113,7 @@ def main() -> int:
         ],
     )
     body = (
-        f"`python benchmarks/features.py --batch {args.batch} --loss {args.loss} --steps {args.steps}` "
+        f"`python -m benchmarks.features --batch {args.batch} --loss {args.loss} --steps {args.steps}` "
         f"(synthetic feature shards written in {write_s:.0f} s; sampler {args.sampler}, one process, "
         f"data.num_workers={args.workers}).\n\n{table}\n"
     )

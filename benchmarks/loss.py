@@ -8,11 +8,11 @@ time at the last N it ran, by its complexity: FastAP O(L N^2), PNP and Smooth-AP
 limit never loses one of ours to it. The floor is the time of the three N x N x d matmuls any exact method needs
 (S = E E^T, G E, G^T E), done in row chunks.
 
-    python benchmarks/loss.py                       # N = 256 .. 16384
-    python benchmarks/loss.py --sizes 256,...,65536 # the full table (long on 2 cores)
-    python benchmarks/loss.py --device cuda --dim 512 --sizes 1024,...,65536 --dtype bfloat16 \
+    python -m benchmarks.loss                       # N = 256 .. 16384
+    python -m benchmarks.loss --sizes 256,...,65536 # the full table (long on 2 cores)
+    python -m benchmarks.loss --device cuda --dim 512 --sizes 1024,...,65536 --dtype bfloat16 \
         --matmul-precision tf32                     # on a GPU: also the floor with TF32 matmuls
-    python benchmarks/loss.py --device cuda --dim 512 --kernel triton
+    python -m benchmarks.loss --device cuda --dim 512 --kernel triton
                                                     # ours with the fused Triton kernels (and, up to
                                                     # N = 16,384, their loss and gradient against torch's)
 
@@ -23,8 +23,8 @@ over ``--rounds`` such processes, the peak memory of the loss step (taken before
 growth with N. ``--baseline DIR`` runs the same measurement on the ``ddp_rank`` of another checkout
 (``git worktree add /tmp/before main``) interleaved with this one, for before / after figures:
 
-    python benchmarks/loss.py --floor-ratios                  # N = 8192,16384; 1 thread and all cores
-    python benchmarks/loss.py --floor-ratios --baseline /tmp/before --rounds 3
+    python -m benchmarks.loss --floor-ratios                  # N = 8192,16384; 1 thread and all cores
+    python -m benchmarks.loss --floor-ratios --baseline /tmp/before --rounds 3
 
 On CUDA, times are taken between ``torch.cuda.synchronize()`` calls and memory is the peak allocated by the
 caching allocator above the inputs. Note on the peer's Smooth-AP: pytorch-metric-learning's ``SmoothAPLoss``
@@ -43,13 +43,13 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_json, write_result
+from benchmarks.common import REPO, markdown_table, mixed_checkout, write_json, write_result
 
 SAMPLES_PER_CLASS = 4
 LOSSES = ("fastap", "pnp_dq", "smooth_ap")
@@ -196,19 +196,24 @@ def paired_worker(name: str, n: int, args: argparse.Namespace) -> dict:
 
 def floor_ratios(args: argparse.Namespace) -> None:
     """The ``--floor-ratios`` table: ours / floor per loss, N and thread count (and the baseline's)."""
-    here = str(Path(__file__).resolve().parents[1])
-    codes = {"ours": here} | ({"baseline": str(Path(args.baseline).resolve())} if args.baseline else {})
+    codes = {"ours": str(REPO)} | ({"baseline": str(Path(args.baseline).resolve())} if args.baseline else {})
     sizes = [int(s) for s in args.sizes.split(",")]
     threads = [int(t) for t in args.thread_counts.split(",")]
     names = args.losses.split(",")
     load_before = os.getloadavg()
     runs: dict[tuple, list[dict]] = {}
-    for _ in range(args.rounds):  # rounds outermost: each cell's processes spread over the whole run
-        for t in threads:
-            for n in sizes:
-                for name in names:
-                    for code, root in codes.items():
-                        runs.setdefault((name, n, t, code), []).append(_paired(root, name, n, t, args))
+    with tempfile.TemporaryDirectory(prefix="loss-floor-") as scratch:
+        # The folder each checkout's workers run from: this one, or the baseline's ddp_rank beside these scripts.
+        folders = {code: REPO if code == "ours" else mixed_checkout(root, Path(scratch) / code)
+                   for code, root in codes.items()}  # fmt: skip
+        for _ in range(args.rounds):  # rounds outermost: each cell's processes spread over the whole run
+            for t in threads:
+                for n in sizes:
+                    for name in names:
+                        for code, root in codes.items():
+                            runs.setdefault((name, n, t, code), []).append(
+                                _paired(root, folders[code], name, n, t, args)
+                            )
     load_after = os.getloadavg()
 
     def med(cell: list[dict], key: str) -> float:
@@ -250,12 +255,13 @@ def floor_ratios(args: argparse.Namespace) -> None:
     print(f"written to {write_result('loss-floor', 'The losses against the matmul floor on CPU', body)}")
 
 
-def _paired(root: str, name: str, n: int, threads: int, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--paired-worker", name, str(n), "--dim", str(args.dim),
+def _paired(root: str, folder: Path, name: str, n: int, threads: int, args: argparse.Namespace) -> dict:
+    """One paired worker process of the checkout ``root``, run from ``folder``, whose ``ddp_rank`` is the one
+    measured (``python -m`` imports from the folder it runs in first)."""
+    cmd = [sys.executable, "-m", "benchmarks.loss", "--paired-worker", name, str(n), "--dim", str(args.dim),
            "--threads", str(threads), "--repeats", str(args.repeats), "--dtype", args.dtype]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": root}  # the ddp_rank measured is that checkout's
     done = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, timeout=args.time_limit_s, check=False
+        cmd, capture_output=True, text=True, cwd=folder, timeout=args.time_limit_s, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(f"{name} at N = {n} ({root}): {_failure(done.returncode, done.stderr)}")
@@ -286,7 +292,8 @@ def exactness(
 def run_one(kind: str, name: str, n: int, args: argparse.Namespace, timeout_s: float | None = None) -> dict:
     cmd = [
         sys.executable,
-        __file__,
+        "-m",
+        "benchmarks.loss",
         "--worker",
         kind,
         name,
@@ -308,7 +315,7 @@ def run_one(kind: str, name: str, n: int, args: argparse.Namespace, timeout_s: f
     ]
     timeout_s = args.time_limit_s if timeout_s is None else min(timeout_s, args.time_limit_s)
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return {"error": f"> {timeout_s:.0f} s"}
     if done.returncode != 0:

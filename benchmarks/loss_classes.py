@@ -7,14 +7,19 @@ For each class-size distribution at the same N, this compares the time with that
 same total number of (query, positive) pairs, sum_c n_c (n_c - 1), the work any exact method does
 (target: within 1.5x). Forward + backward, fp32, one process.
 
-    python benchmarks/loss_classes.py                   # N = 4096
-    python benchmarks/loss_classes.py --n 16384 --repeats 3
-    python benchmarks/loss_classes.py --threads 1 --losses PNP-Dq --kinds onebig256 --rounds 3
+    python -m benchmarks.loss_classes                   # N = 4096
+    python -m benchmarks.loss_classes --n 16384 --repeats 3
+    python -m benchmarks.loss_classes --threads 1 --losses PNP-Dq --kinds onebig256 --rounds 3
                                                         # one case, one thread, three rounds on a shared machine
 
 With ``--rounds R`` each case and its twin are timed R times in turn (skewed, twin, skewed, twin, ...), so both
 meet the same load on a shared machine; the table gives the median of the R paired ratios. The ``ddp_rank``
-imported is the one on ``PYTHONPATH`` (``PYTHONPATH=/path/to/other/checkout`` times another version).
+imported is the one of the folder it runs from (``python -m`` puts that folder first on ``sys.path``); to time
+another version, run it from a folder that holds that checkout's ``ddp_rank`` beside this checkout's
+``benchmarks`` (two symbolic links; ``benchmarks.common.mixed_checkout`` makes them)::
+
+    python -c "from benchmarks.common import mixed_checkout; mixed_checkout('/path/to/other', '/tmp/mix')"
+    cd /tmp/mix && python -m benchmarks.loss_classes --rounds 3
 """
 
 from __future__ import annotations
@@ -22,14 +27,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result
-
+from benchmarks.common import markdown_table, write_result
 from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss
 
 KINDS = ("sop", "longtail", "onebig64", "onebig256")
@@ -120,7 +122,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     table = markdown_table(header, rows)
     body = (
-        f"Command: `python benchmarks/loss_classes.py {' '.join(sys.argv[1:])}`\n\n"
+        f"Command: `python -m benchmarks.loss_classes {' '.join(sys.argv[1:])}`\n\n"
         f"N = {args.n}, d = {args.dim}, fp32, forward + backward, {threads} thread(s), best of {args.repeats}; the "
         f"ratio is the median of {args.rounds} paired timings (their range in brackets); the uniform twin has the "
         "same N and about the same number of (query, positive) pairs.\n\n" + table

@@ -6,9 +6,9 @@ change of a similarity S = x x^T over the batch, the change of the loss value, t
 in norm and its cosine to the float32 gradient, and the forward + backward time (best of ``--repeats``). On CPU
 TF32 is float32 (no change, by design); its speed-up is measured on CUDA only.
 
-    python benchmarks/loss_precision.py                       # N = 512, d = 128, on CPU
-    python benchmarks/loss_precision.py --device cuda --n 16384 --dim 512
-    python benchmarks/loss_precision.py --device cuda --n 16384 --dim 512 --json rows.json  # gpu_check reads it
+    python -m benchmarks.loss_precision                       # N = 512, d = 128, on CPU
+    python -m benchmarks.loss_precision --device cuda --n 16384 --dim 512
+    python -m benchmarks.loss_precision --device cuda --n 16384 --dim 512 --json rows.json  # gpu_check reads it
 
 The losses run with their default kernel (``kernel=auto``: the fused Triton passes on CUDA float32, torch
 elsewhere); ``matmul_precision`` changes the similarity matmul only.
@@ -17,16 +17,12 @@ elsewhere); ``matmul_precision`` changes the similarity matmul only.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_json, write_result
-
+from benchmarks.common import markdown_table, write_json, write_result
 from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss
 
 MAKE = {
@@ -130,7 +126,7 @@ def main() -> None:
     ]
     table = markdown_table(header, rows)
     body = (
-        f"Command: `python benchmarks/loss_precision.py --n {args.n} --dim {args.dim} --per-class "
+        f"Command: `python -m benchmarks.loss_precision --n {args.n} --dim {args.dim} --per-class "
         f"{args.per_class} --repeats {args.repeats} --device {args.device}`\n\n"
         f"N = {args.n}, d = {args.dim}, {args.per_class} images per class, float32 inputs, forward + backward, "
         f"best of {args.repeats}; changes are against matmul_precision=highest.\n\n" + table

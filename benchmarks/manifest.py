@@ -4,22 +4,19 @@ trusting the file (what the loader did before the checks), on manifests of 20,00
 images each, 500 classes a shard, 100 categories). Times are CPU seconds of this process (the best of three),
 so other load on the machine weighs less.
 
-    python benchmarks/manifest.py            # prints the table, writes benchmarks/results/manifest-<date>.md
+    python -m benchmarks.manifest            # prints the table, writes benchmarks/results/manifest-<date>.md
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result
-
+from benchmarks.common import markdown_table, write_result
 from ddp_rank.data.manifest import ClassInfo, ClassSpan, Manifest, ShardInfo, SplitInfo
 
 SAMPLE_BYTES = 3 * 1024
@@ -115,7 +112,7 @@ def main() -> None:
     path = write_result(
         "manifest",
         "Loading manifest.json with every field checked",
-        f"CPU seconds, best of 3 (`python benchmarks/manifest.py`).\n\n{table}",
+        f"CPU seconds, best of 3 (`python -m benchmarks.manifest`).\n\n{table}",
     )
     print(f"\nwritten to {path}")
 

@@ -9,8 +9,8 @@ its start (``ru_maxrss``). Sources: the local directory, and the same directory 
 loopback server, concurrent range requests). The claim to check: peak memory follows ``--memory-mb``, not the
 number of samples.
 
-    .venv/bin/python benchmarks/reshard.py                          # 1,500 and 3,000 samples, a few minutes
-    .venv/bin/python benchmarks/reshard.py --samples 3000 --memory-mb 2,32 --no-http
+    .venv/bin/python -m benchmarks.reshard                          # 1,500 and 3,000 samples, a few minutes
+    .venv/bin/python -m benchmarks.reshard --samples 3000 --memory-mb 2,32 --no-http
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 import webdataset as wds
-from common import machine_description, markdown_table, write_result
 from PIL import Image
 
+from benchmarks.common import machine_description, markdown_table, write_result
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.reshard import ReshardOptions, reshard
 from ddp_rank.data.serve import serve_directory

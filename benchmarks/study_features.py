@@ -28,7 +28,7 @@ Outputs in ``--out``: one folder per run, ``study.json`` (every figure the table
 ``--results`` copies the table and the plots into ``benchmarks/results/`` with the date.
 
     make study-features                      # the study as the README quotes it
-    .venv/bin/python benchmarks/study_features.py --batches 256,1024 --sweep-epochs 1 --max-epochs 2   # quick
+    .venv/bin/python -m benchmarks.study_features --batches 256,1024 --sweep-epochs 1 --max-epochs 2   # quick
 """
 
 from __future__ import annotations
@@ -52,12 +52,11 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.experiments.intervals import paired_t_interval
 from ddp_rank.experiments.runs import RunSummary, read_run
+
+REPO = Path(__file__).resolve().parents[1]
 
 METRICS = ("recall@1", "recall@10", "map@r")
 

@@ -1,9 +1,9 @@
 """Training-step benchmark: the trainer's images/s against a bare PyTorch loop of the same model, batch and
 precision; direct vs chunked, 1 vs 2 processes; the loss's share of the step; the cost of ``train.deterministic``.
 
-    python benchmarks/train.py                       # CPU defaults: tiny_cnn, 32 px, global batch 128
-    python benchmarks/train.py --backbone resnet18 --image-size 64 --batch 64 --steps 6
-    python benchmarks/train.py --device cuda --backbone resnet50 --image-size 224 --batch 256 --chunk 64,32,128 \
+    python -m benchmarks.train                       # CPU defaults: tiny_cnn, 32 px, global batch 128
+    python -m benchmarks.train --backbone resnet18 --image-size 64 --batch 64 --steps 6
+    python -m benchmarks.train --device cuda --backbone resnet50 --image-size 224 --batch 256 --chunk 64,32,128 \
         --precision bf16 --capture graphs --deterministic    # one GPU (the issue's throughput targets)
 
 Each configuration runs as its own job (1 process: plain python; several: ``accelerate launch``, gloo on the
@@ -55,8 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, machine_description, write_json
+from benchmarks.common import free_port, machine_description, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -359,7 +358,7 @@ def run_config(
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // processes))
         env["CUDA_VISIBLE_DEVICES"] = ""
     if processes == 1:
-        cmd = [sys.executable, __file__, *common]
+        cmd = [sys.executable, "-m", "benchmarks.train", *common]
     else:
         launch = (
             ["--config_file", str(REPO / "launch" / "accelerate_cpu_2proc.yaml")]
@@ -369,7 +368,7 @@ def run_config(
         cmd = [
             sys.executable, "-m", "accelerate.commands.launch", *launch,
             "--num_processes", str(processes), "--main_process_port", str(free_port()),
-            __file__, *common,
+            "--module", "benchmarks.train", *common,
         ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -553,7 +552,7 @@ def main() -> int:
     out = Path(args.output) if args.output else REPO / "benchmarks" / "results" / f"train-{date}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     command = (
-        f"python benchmarks/train.py --device {args.device} --precision {args.precision} "
+        f"python -m benchmarks.train --device {args.device} --precision {args.precision} "
         f"--backbone {args.backbone} --image-size {args.image_size} --batch {args.batch} "
         f"--chunk {','.join(map(str, args.chunk))} --capture {args.capture} "
         f"{'--capture-chunks ' + ','.join(map(str, args.capture_chunks)) + ' ' if args.capture_chunks else ''}"

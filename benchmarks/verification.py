@@ -6,24 +6,20 @@ keeps only the positive pairs' scores, so its memory is the positive pairs (abou
 themselves are counted apart); the resident set size of the process is given too. Embeddings: random unit
 vectors in classes of SOP's sizes (2-12 images), clustered so that positives score higher than negatives.
 
-    python benchmarks/verification.py                      # N = 100,000, d = 128
-    python benchmarks/verification.py --n 20000 --no-write
+    python -m benchmarks.verification                      # N = 100,000, d = 128
+    python -m benchmarks.verification --n 20000 --no-write
 """
 
 from __future__ import annotations
 
 import argparse
 import resource
-import sys
 import time
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import markdown_table, write_result
-
+from benchmarks.common import markdown_table, write_result
 from ddp_rank.eval.verification import verification_metrics
 
 
@@ -74,7 +70,7 @@ def main() -> None:
         f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float) and not k.startswith("num_")
     )
     body = (
-        f"`python benchmarks/verification.py --n {args.n} --dim {args.dim} --block-mb {args.block_mb}`\n\n{table}\n\n"
+        f"`python -m benchmarks.verification --n {args.n} --dim {args.dim} --block-mb {args.block_mb}`\n\n{table}\n\n"
         f"Figures on these synthetic embeddings: {figures}.\n\n"
         f"Embeddings ({args.n:,} x {args.dim} float32, {e.nbytes / 2**20:.0f} MiB) not counted in the tracemalloc "
         "peak; max RSS includes them and the Python, numpy and torch libraries. Wall time on a shared machine: "

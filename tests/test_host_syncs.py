@@ -1,5 +1,5 @@
-"""The host-read counter of the tests (``tests/helpers/host_syncs.py``) sees every way a value reaches the host,
-once each, in the calling thread only, a custom backward's too, and names the place."""
+"""The host-read counter (``benchmarks/acceptance/host_syncs.py``, which the tests and the acceptance harness
+share) sees every way a value reaches the host, once each, in the calling thread only, a custom backward's too, and names the place."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from tests.helpers.host_syncs import count_host_syncs
+from benchmarks.acceptance.host_syncs import count_host_syncs
 
 
 class _ReadsInBackward(torch.autograd.Function):

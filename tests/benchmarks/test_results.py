@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location(
-    "benchmarks_common", Path(__file__).resolve().parents[2] / "benchmarks" / "common.py"
-)
-assert _SPEC is not None and _SPEC.loader is not None
-common = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(common)
+from benchmarks import common
 
 
 def test_a_second_run_on_the_same_day_is_appended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from tests.benchmarks.test_gpu_check import REPO, _status, targets, train_bench
+from benchmarks import train as train_bench
+from benchmarks.acceptance import gpu_targets as targets
+from tests.benchmarks.acceptance.test_gpu_check import REPO, _status
 from tests.helpers.training import cpu_env
 
 
@@ -99,7 +101,7 @@ def test_the_benchmark_runs_on_the_cpu_in_small_form(tmp_path: Path) -> None:
     """A tiny CNN at 16 px: the bare loop, the bare gradient cache, the trainer direct and chunked, and the
     captured chunk (aot_eager: the capture without generating code), each in its own process."""
     out, report = tmp_path / "rows.json", tmp_path / "train.md"
-    cmd = [sys.executable, "benchmarks/train.py", "--device", "cpu", "--backbone", "tiny_cnn", "--image-size", "16",
+    cmd = [sys.executable, "-m", "benchmarks.train", "--device", "cpu", "--backbone", "tiny_cnn", "--image-size", "16",
            "--batch", "16", "--chunk", "8", "--capture", "compile", "--compiler", "aot_eager", "--processes", "1",
            "--steps", "1", "--warmup", "1", "--repeats", "1", "--json", str(out), "--output", str(report)]  # fmt: skip
     env = {**cpu_env(), "PYTHONPATH": str(REPO)}  # this checkout's ddp_rank in the script's jobs

@@ -1,15 +1,15 @@
 """A loss call reads values on the host a fixed number of times: its input checks, the chunk plan and the count
 of valid queries, once per call. Not once per chunk of query rows, nor per block pass (FastAP's torch path
 checked ``t.max() > num_bins`` twice a chunk), so that on a GPU the host queues every chunk's kernels without
-waiting for the previous ones. Counted on CPU with ``tests/helpers/host_syncs.py`` (its own test: ``tests/test_host_syncs.py``)."""
+waiting for the previous ones. Counted on CPU with ``benchmarks/acceptance/host_syncs.py`` (its own test: ``tests/test_host_syncs.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from benchmarks.acceptance.host_syncs import HostSyncs, count_host_syncs
 from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss
-from tests.helpers.host_syncs import HostSyncs, count_host_syncs
 
 LOSSES = (FastAPLoss, PNPLoss, SmoothAPLoss)
 # The checks that stay, once per call: finite embeddings, norms that fit, query indices in range, the label

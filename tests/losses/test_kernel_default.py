@@ -29,7 +29,7 @@ from ddp_rank.losses.triton_kernels import jit_kernels
 
 LOSSES = (FastAPLoss, PNPLoss, SmoothAPLoss)
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
-LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-3  # benchmarks/gpu_targets.py's TRITON_LOSS_RTOL and TRITON_GRAD_RTOL
+LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-3  # benchmarks/acceptance/gpu_targets.py's TRITON_LOSS_RTOL and TRITON_GRAD_RTOL
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 prepared once per batch, the weights cast once per pass; and the same numbers as before these savings.
 
 On a GPU each host read makes the CPU wait for the stream, so the CPU cannot queue chunk k + 1 while the GPU runs
-chunk k; the counts here are what such a wait would be (``tests/helpers/host_syncs.py``), measured on the CPU.
+chunk k; the counts here are what such a wait would be (``benchmarks/acceptance/host_syncs.py``), measured on the CPU.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.acceptance.host_syncs import HostSyncs, count_host_syncs
 from ddp_rank.config import load_config
 from ddp_rank.data.transforms import TransformConfig, normalize_batch, uint8_to_unit
 from ddp_rank.model.net import EmbeddingNet, TinyCNN, freeze_batchnorm
 from ddp_rank.train import PlainBackend, forward_backward
 from ddp_rank.train.chunked import RngState
 from ddp_rank.train.trainer import Trainer
-from tests.helpers.host_syncs import HostSyncs, count_host_syncs
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
 ROWS = 16
@@ -274,7 +274,7 @@ def test_float_inputs_and_a_model_without_preparation_still_work() -> None:
 def test_the_chunked_step_on_cuda_never_waits_for_the_gpu() -> None:
     """The judge on a GPU: a whole chunked step (bf16 autocast, dropout replayed, uint8 images, channels-last)
     with a loss that reads nothing on the host, under ``set_sync_debug_mode("error")``, where any synchronising
-    call raises (``benchmarks/gpu_check.py --part syncs`` lists them for the trainer's real step)."""
+    call raises (``benchmarks/acceptance/gpu_check.py --part syncs`` lists them for the trainer's real step)."""
     cuda = torch.device("cuda")
     net = tiny_net(dropout=0.2).to(cuda)
     inputs, labels = (t.to(cuda) for t in images())

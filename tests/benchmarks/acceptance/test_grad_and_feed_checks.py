@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.benchmarks.test_gpu_check import BENCHMARKS, REPO, _load_scripts
+from benchmarks.acceptance import gpu_check, grad_check
+from benchmarks.acceptance import gpu_targets as targets
+from tests.benchmarks.acceptance.test_gpu_check import REPO
 
-targets, gpu_check, grad_check, feed_check = _load_scripts("gpu_targets", "gpu_check", "grad_check", "feed_check")
 PASS, FAIL, NOT_MEASURED, INFO = targets.PASS, targets.FAIL, targets.NOT_MEASURED, targets.INFO
 
 
@@ -203,7 +204,7 @@ def _env() -> dict[str, str]:
 def _grad_rows(tmp_path: Path, processes: int, runs: list[str]) -> list[dict[str, Any]]:
     out = tmp_path / f"grads-{processes}.json"
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "grad_check.py"), "--device", "cpu", "--processes", str(processes),
+        [sys.executable, "-m", "benchmarks.acceptance.grad_check", "--device", "cpu", "--processes", str(processes),
          "--backbone", "tiny_cnn", "--image-size", "16", "--batch", "32", "--chunk", "8", "--runs", ",".join(runs),
          "--json", str(out)],
         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=900,
@@ -250,7 +251,7 @@ def test_grads_check_under_ddp_on_two_gloo_processes(tmp_path: Path) -> None:
 def _feed_rows(tmp_path: Path, feed: str) -> list[dict[str, Any]]:
     out = tmp_path / f"feed-{feed}.json"
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "feed_check.py"), "--device", "cpu", "--image-size", "16", "--batch",
+        [sys.executable, "-m", "benchmarks.acceptance.feed_check", "--device", "cpu", "--image-size", "16", "--batch",
          "16", "--workers", "0", "--steps", "8", "--warmup", "2", "--device-step-s", "0.2", "--slow-loader", "0.6",
          "--feed", feed, "--json", str(out)],
         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=600,

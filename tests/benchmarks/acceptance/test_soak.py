@@ -1,12 +1,10 @@
-"""The soak (benchmarks/soak.py): 2 gloo processes, 2,000 steps over loopback HTTP through a capped cache, with
+"""The soak (benchmarks/acceptance/soak.py): 2 gloo processes, 2,000 steps over loopback HTTP through a capped cache, with
 the server stopped and restarted twice, the job signalled and resumed twice and a class corrupted while it was
 stopped. It must end with the weights of a run without those faults (bit for bit), every fault counted in
 ``metrics.jsonl``, the cache under its cap and the ranks' resident memory flat over the last start."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +14,11 @@ STEPS = 2000
 
 
 def _soak_module() -> Any:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
-    spec = importlib.util.spec_from_file_location("benchmarks_soak", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    """Imported when a test runs, not when the suite is collected (the soak's module starts nothing, but this
+    file's tests are the long ones)."""
+    from benchmarks.acceptance import soak
+
+    return soak
 
 
 @pytest.mark.long  # minutes of 2 ranks: make test-long, which CI runs after make test

@@ -1,9 +1,9 @@
 """``distributed.chunk_size=auto`` on the real setup, and the device feed under CUDA's stream sanitizer: what
-``benchmarks/gpu_check.py --part chunk`` runs (its verdicts: ``gpu_targets.chunk_verdicts``).
+``benchmarks/acceptance/gpu_check.py --part chunk`` runs (its verdicts: ``gpu_targets.chunk_verdicts``).
 
-    python benchmarks/chunk_check.py --json OUT.json [--backbone resnet50 --image-size 224 --local-batch 2048
+    python -m benchmarks.acceptance.chunk_check --json OUT.json [--backbone resnet50 --image-size 224 --local-batch 2048
         --precision bf16 --steps 3]
-    TORCH_CUDA_SANITIZER=1 python benchmarks/chunk_check.py --sanitizer clean|control --json OUT.json
+    TORCH_CUDA_SANITIZER=1 python -m benchmarks.acceptance.chunk_check --sanitizer clean|control --json OUT.json
 
 The first builds the trainer with ``chunk_size=auto`` (its probe and its trial step), trains ``--steps`` steps at
 the chunk it chose on a fixed batch of the local batch's size (a batch that the device cannot hold in one step,
@@ -42,9 +42,6 @@ from unittest import mock
 
 import torch
 from torch import nn
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO)]
 
 from ddp_rank.config import load_config
 from ddp_rank.data.batch import StreamBatch

@@ -5,7 +5,6 @@ report's way back from the GPU machine, and the benchmarks' rows kept when a run
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -21,32 +20,12 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-BENCHMARKS = REPO / "benchmarks"
+from benchmarks import loss as loss_bench
+from benchmarks import train as train_bench
+from benchmarks.acceptance import gpu_check
+from benchmarks.acceptance import gpu_targets as targets
 
-
-def _load_scripts(*names: str) -> list[Any]:
-    """The benchmark scripts ``names`` as modules, in order (a later one imports the earlier ones by their bare
-    names, as the scripts do beside each other). ``sys.path`` and ``sys.modules`` are left as they were."""
-    saved_path, saved_modules, modules = list(sys.path), set(sys.modules), []
-    try:
-        for name in names:
-            spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-            modules.append(module)
-    finally:
-        sys.path[:] = saved_path
-        for name in set(sys.modules) - saved_modules:
-            if "." not in name and (BENCHMARKS / f"{name}.py").is_file():
-                del sys.modules[name]
-    return modules
-
-
-targets, gpu_check = _load_scripts("gpu_targets", "gpu_check")
-loss_bench, train_bench = _load_scripts("loss", "train")
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _loss_row(loss: str, n: int, ours_s: float, peak_mb: float, floor_s: float = 1.0, kernel: str = "torch",
@@ -244,8 +223,8 @@ def test_a_skipped_cuda_test_or_a_stopped_run_is_not_measured(tmp_path: Path) ->
 @pytest.mark.slow
 def test_without_cuda_it_says_so_and_exits_2_writing_nothing(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--part", "loss", "--results", str(tmp_path)],
-        capture_output=True, text=True, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""},
+        [sys.executable, "-m", "benchmarks.acceptance.gpu_check", "--part", "loss", "--results", str(tmp_path)],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "no CUDA device is visible" in done.stderr and list(tmp_path.iterdir()) == []
@@ -317,7 +296,7 @@ def test_the_parts_measure_what_the_issue_asks(tmp_path: Path, monkeypatch: pyte
     assert all(c[c.index("--dim") + 1] == "512" and c[c.index("--device") + 1] == "cuda" for c in commands)
     assert all(c[c.index("--sizes") + 1].split(",")[-1] == "65536" for c in loss_runs)
     assert all(float(c[c.index("--peer-time-s") + 1]) > 0 for c in loss_runs)  # the peer's time capped
-    assert precision[1] == "benchmarks/loss_precision.py" and precision[precision.index("--n") + 1] == "16384"
+    assert precision[1:3] == ["-m", "benchmarks.loss_precision"] and precision[precision.index("--n") + 1] == "16384"
     commands.clear()
     gpu_check.part_train(gpu_check.Part("train", tmp_path))
     (train,) = commands
@@ -344,25 +323,20 @@ def test_missing_packages_without_wheels_name_the_fix(
 # ----------------------------------------------------------------------------------------- on the GPU machine
 @pytest.mark.slow
 def test_the_check_imports_ddp_rank_from_its_own_tree_without_the_install(tmp_path: Path) -> None:
-    """The GPU machine runs the check from a plain copy of the tree, ddp_rank not pip-installed; the deepspeed
-    part builds its shards in the check's own process. Here the editable install is hidden: ``-I -S`` (no .pth
-    file runs, so no editable finder), the environment's site-packages put back by hand, cwd elsewhere."""
+    """The GPU machine runs the check from a plain copy of the tree, ddp_rank not pip-installed, as
+    ``python -m benchmarks.acceptance.gpu_check`` from its root; the deepspeed part builds its shards in the
+    check's own process. Here the editable install is hidden: ``-S`` (no .pth file runs, so no editable finder),
+    the environment's site-packages given back through ``PYTHONPATH`` (torch, webdataset), the root the folder it
+    runs from, as ``python -m`` has it."""
     child = textwrap.dedent(f"""
-        import importlib.util, sys
         from pathlib import Path
-        sys.path += {site.getsitepackages()!r}
-        if importlib.util.find_spec("ddp_rank") is not None:
-            sys.exit(3)  # installed for real (not editable): nothing to hide
-        spec = importlib.util.spec_from_file_location("gpu_check", {str(BENCHMARKS / "gpu_check.py")!r})
-        gpu_check = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(gpu_check)
+        import ddp_rank
+        from benchmarks.acceptance import gpu_check
+        assert Path(ddp_rank.__file__).resolve().is_relative_to({str(REPO)!r}), ddp_rank.__file__
         print(gpu_check._synthetic_shards(Path({str(tmp_path)!r}), image_size=16))
     """)
-    done = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", child], capture_output=True, text=True, cwd=tmp_path
-    )
-    if done.returncode == 3:
-        pytest.skip("ddp_rank is installed into site-packages here: it cannot be hidden")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(site.getsitepackages())}
+    done = subprocess.run([sys.executable, "-S", "-c", child], capture_output=True, text=True, cwd=REPO, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "shards" / "manifest.json").is_file()
 
@@ -480,7 +454,7 @@ def test_the_loss_part_measures_the_floors_once(tmp_path: Path, monkeypatch: pyt
     commands: list[list[str]] = []
 
     def run(self: Any, cmd: list[str], share: float = 1.0, env: Any = None) -> int:
-        if cmd[1] == "benchmarks/loss_precision.py":
+        if cmd[1:3] == ["-m", "benchmarks.loss_precision"]:
             return 0
         commands.append(cmd)
         floor = None if "--no-floor" in cmd else {"time_s": 1.0, "peak_mb": 1.0}
@@ -556,7 +530,7 @@ def test_the_loss_part_time_split_holds(tmp_path: Path, monkeypatch: pytest.Monk
 
     def run(self: Any, cmd: list[str], share: float = 1.0, env: Any = None) -> int | None:
         limit = self.time_left(share)
-        given.append((cmd[1], limit))
+        given.append((cmd[2], limit))
         self.deadline -= limit  # as if the command ran that long
         return None
 
@@ -564,7 +538,7 @@ def test_the_loss_part_time_split_holds(tmp_path: Path, monkeypatch: pytest.Monk
     part = gpu_check.Part("loss", tmp_path, budget_s=gpu_check.BUDGET_S - 12)  # the H100's 12 s of setup
     gpu_check.part_loss(part)
     *loss_runs, (script, precision_s) = given
-    assert script == "benchmarks/loss_precision.py" and precision_s >= 25
+    assert script == "benchmarks.loss_precision" and precision_s >= 25
     for (dtype, kernel, precision, sizes, peer_gb, _), (_, limit) in zip(gpu_check.LOSS_RUNS, loss_runs, strict=True):
         processes = 3 * len(sizes.split(","))  # ours: a process per loss and N
         processes += (8 + 5) if peer_gb > 0 else 0  # the first run: the 8 floors and the peer's ~5 runs
@@ -600,7 +574,7 @@ def test_make_passes_the_results_folder_and_builds_the_demo_shards_alone() -> No
             ["make", "-n", *args], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout
 
-    assert ("benchmarks/gpu_check.py --part tests,loss --wheels .gpu-wheels --results /device/out"
+    assert ("-m benchmarks.acceptance.gpu_check --part tests,loss --wheels .gpu-wheels --results /device/out"
             in dry("gpu-check", "PART=tests,loss", "GPU_RESULTS=/device/out"))  # fmt: skip
     assert "--results benchmarks/results" in dry("gpu-check")
     assert "-m ddp_rank.cli.demo --shards-only" in dry("demo-shards")
@@ -704,7 +678,6 @@ def test_a_cpu_loss_run_skips_a_peer_past_its_time_cap(tmp_path: Path, monkeypat
     """benchmarks/loss.py in small form, its workers real processes: the peer runs at N = 32, and at N = 128 its
     predicted time (x 4^3) is past a cap of 0.1 ms: skipped, and the table says what it would need."""
     monkeypatch.setattr(loss_bench, "PEER_START_S", 300.0)  # a loaded CI machine's start of a process
-    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the workers import this checkout's ddp_rank
     monkeypatch.setattr(loss_bench, "write_result", lambda name, title, body: (tmp_path / "result.md").write_text(body))
     out = tmp_path / "loss.json"
     loss_bench.main(["--sizes", "32,128", "--losses", "pnp_dq", "--dim", "8", "--threads", "1", "--repeats", "1",
@@ -827,7 +800,7 @@ def test_make_gpu_check_uses_the_projects_venv_when_there_is_one(tmp_path: Path,
         ["make", "-n", "-f", str(REPO / "Makefile"), "-C", str(tmp_path), "gpu-check"],
         capture_output=True, text=True, check=True, env=env,
     ).stdout  # fmt: skip
-    command = next(line for line in out.splitlines() if "gpu_check.py" in line)
+    command = next(line for line in out.splitlines() if "benchmarks.acceptance.gpu_check" in line)
     assert command.split()[0] == (".venv/bin/python" if venv else "python3"), command
 
 
@@ -855,9 +828,9 @@ def test_the_syncs_part_runs_its_check_and_keeps_the_trace_beside_the_report(
     scratch.mkdir()
     body, verdicts = gpu_check.part_syncs(gpu_check.Part("syncs", scratch, artefacts=results))
     (cmd,) = commands
-    assert cmd[1] == "benchmarks/sync_check.py" and "--device" not in cmd, "the GPU run takes the defaults"
+    assert cmd[1:3] == ["-m", "benchmarks.acceptance.sync_check"] and "--device" not in cmd, "the GPU run takes the defaults"
     assert _status(verdicts, "no synchronisation inside the chunk loop") == targets.PASS
-    assert "IN THE CHUNK LOOP" not in body and "benchmarks/sync_check.py" in body, body
+    assert "IN THE CHUNK LOOP" not in body and "benchmarks/acceptance/sync_check.py" in body, body
     assert "ddp_rank/train/chunked.py" not in body
     (trace,) = results.glob("syncs-trace-*.json.gz")
     assert "traceEvents" in json.loads(gzip.decompress(trace.read_bytes()))

@@ -1,7 +1,9 @@
 """Count the places where a tensor's value reaches the host: on a GPU each one makes the CPU wait for the stream.
 
 On a CPU-only machine nothing synchronises, but the same calls would on a GPU, so a CPU test can still hold a
-hot loop to "no value read on the host". ``count_host_syncs()`` records, in the calling thread only (a
+hot loop to "no value read on the host". The tests hold the code to it and the acceptance harness's
+``sync_check`` (on CPU) and ``benchmarks.chunk_host`` count with it: it lives here, where both import it, since
+the benchmarks never import the tests. ``count_host_syncs()`` records, in the calling thread only (a
 ``TorchFunctionMode`` lives in thread-local state, so a data reader thread is not counted), every call that:
 
 - reads a value: ``item``, ``bool()``, ``int()``, ``float()``, ``index()`` (``__index__``), ``complex()``,
@@ -17,7 +19,7 @@ hot loop to "no value read on the host". ``count_host_syncs()`` records, in the 
 
 What it cannot see: reads inside C++ kernels that torch does not route through Python (none of the above are),
 and ``torch.cuda.synchronize`` / event waits, which are not torch functions; on a GPU,
-``torch.cuda.set_sync_debug_mode("warn")`` is the judge (``benchmarks/gpu_check.py --part syncs``).
+``torch.cuda.set_sync_debug_mode("warn")`` is the judge (``benchmarks/acceptance/gpu_check.py --part syncs``).
 
 Use::
 

@@ -1,8 +1,8 @@
 """Gradient equality of the chunked step: one chunked and one direct optimizer step from the same weights and the
 same batch, under each engine, and their weight CHANGES compared parameter by parameter.
 
-    python benchmarks/grad_check.py --device cuda --runs plain:fp32,zero2:bf16 --json grads.json
-    python benchmarks/grad_check.py --device cpu --processes 2 --runs ddp:fp32,ddp:fp32:drop-chunks
+    python -m benchmarks.acceptance.grad_check --device cuda --runs plain:fp32,zero2:bf16 --json grads.json
+    python -m benchmarks.acceptance.grad_check --device cpu --processes 2 --runs ddp:fp32,ddp:fp32:drop-chunks
 
 The optimizer is SGD with lr 1, no momentum, no weight decay and no clipping (DeepSpeed's default clipping of the
 norm to 1.0 is switched off), so a step's change of the float32 (master) weights IS minus the averaged gradient:
@@ -33,7 +33,7 @@ tensor's, the direct update's norm, on CUDA the peak memory of each step, and th
 lands from the first. Two correct float32 steps of a freshly initialised ResNet-50 are that far apart: 2.1 % of
 the whole update between contiguous and channels-last on CPU (2026-11-26), where the chunked step was 3e-6 from
 the direct one; on an H200 the chunked step was 1.5 % off (cuDNN picks other kernels for a chunk's shape).
-``benchmarks/gpu_targets.py`` (``grads_verdicts``) judges them.
+``benchmarks/acceptance/gpu_targets.py`` (``grads_verdicts``) judges them.
 """
 
 from __future__ import annotations

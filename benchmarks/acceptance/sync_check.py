@@ -1,7 +1,7 @@
 """Every host synchronisation of one chunked training step, with its place, and a profiler trace of two steps:
-what ``benchmarks/gpu_check.py --part syncs`` runs (its verdicts: ``gpu_targets.syncs_verdicts``).
+what ``benchmarks/acceptance/gpu_check.py --part syncs`` runs (its verdicts: ``gpu_targets.syncs_verdicts``).
 
-    python benchmarks/sync_check.py --json OUT.json [--trace TRACE.json.gz] [--device cuda --backbone resnet50
+    python -m benchmarks.acceptance.sync_check --json OUT.json [--trace TRACE.json.gz] [--device cuda --backbone resnet50
         --image-size 224 --batch 256 --chunk 64 --precision bf16]
 
 The step is the trainer's: ``forward_backward`` on uint8 images (channels-last, frozen BatchNorm, autocast), the
@@ -14,7 +14,7 @@ none (each one there makes the host wait for the GPU once per chunk). Then two s
 CUDA runtime's synchronising calls in it counted.
 
 On a machine without CUDA (``--device cpu``, the tests) the same runs on a small model, the host reads of
-``tests/helpers/host_syncs.py`` standing in for the debug mode: each is a synchronisation on a GPU.
+``benchmarks/acceptance/host_syncs.py`` standing in for the debug mode: each is a synchronisation on a GPU.
 """
 
 from __future__ import annotations
@@ -35,14 +35,13 @@ from unittest import mock
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO)]
-
 from ddp_rank.config import ModelConfig
 from ddp_rank.distributed import GlobalBatchLoss
 from ddp_rank.losses import FastAPLoss
 from ddp_rank.model.net import build_model, freeze_batchnorm
 from ddp_rank.train import PlainBackend, forward_backward
+
+REPO = Path(__file__).resolve().parents[2]
 
 LOOP_FUNCTIONS = frozenset({"_forward_no_grad", "_forward_backward"})
 """The chunk loops of ``ddp_rank.train.chunked``: a synchronisation while one of them runs is in the loop (also
@@ -120,8 +119,8 @@ def cuda_syncs() -> Iterator[list[dict[str, Any]]]:
 
 @contextlib.contextmanager
 def host_reads() -> Iterator[list[dict[str, Any]]]:
-    """The CPU stand-in: every call that brings a value to the host (``tests/helpers/host_syncs.py``)."""
-    from tests.helpers.host_syncs import count_host_syncs
+    """The CPU stand-in: every call that brings a value to the host (``benchmarks/acceptance/host_syncs.py``)."""
+    from benchmarks.acceptance.host_syncs import count_host_syncs
 
     events: list[dict[str, Any]] = []
     with count_host_syncs() as syncs:

@@ -1,4 +1,4 @@
-"""The targets of the GPU acceptance check (``benchmarks/gpu_check.py``): what each part must reach, judged from the
+"""The targets of the GPU acceptance check (``benchmarks/acceptance/gpu_check.py``): what each part must reach, judged from the
 results the part recorded, and the report section it leaves.
 
 A target is PASS or FAIL only on a measurement; a target whose measurement is missing (a part that crashed, a
@@ -436,7 +436,7 @@ def deepspeed_verdicts(losses: dict[str, list[float] | None], reference: str = "
 # ----------------------------------------------------------------------------------------- grads
 GRAD_RTOL: dict[str, tuple[float, float]] = {"fp32": (1e-4, 1e-3), "bf16": (5e-2, 0.3)}
 """precision -> (whole update, worst tensor): the most the chunked step's weight change may differ from the direct
-step's, relative (``benchmarks/grad_check.py``: one SGD step, lr 1, from the same weights and batch, so the change
+step's, relative (``benchmarks/acceptance/grad_check.py``: one SGD step, lr 1, from the same weights and batch, so the change
 is the applied gradient). fp32 (TF32 off): the two steps add the same per-row terms in another order (four
 backwards accumulated against one) and the convolutions may pick other kernels for a chunk's shape: float32
 rounding, 1.8e-6 of the whole and 5.8e-6 of the worst tensor measured on CPU (tiny_cnn, 4 chunks; ResNet-18 at 32
@@ -464,7 +464,7 @@ GRAD_FLOOR_CAP = 0.1
 def grads_verdicts(
     rows: list[dict[str, Any]], expected: list[tuple[str, str, int, str]], gpus: int
 ) -> list[Verdict]:
-    """``rows``: ``benchmarks/grad_check.py --json`` rows; ``expected``: the runs asked for, (engine, precision,
+    """``rows``: ``benchmarks/acceptance/grad_check.py --json`` rows; ``expected``: the runs asked for, (engine, precision,
     processes, fault). A real run (fault ``none``) PASSes within ``GRAD_RTOL``; a broken build (a fault) is the
     check's own control: it PASSes when the check FAILs that build. DDP over NCCL with 2+ processes needs 2+ GPUs:
     with fewer it is NOT MEASURED, never passed."""
@@ -538,7 +538,7 @@ def _widened(tolerance: float, floor: float) -> float:
 
 # ----------------------------------------------------------------------------------------- feed
 FEED_OVERLAP_FACTOR = 1.25
-"""The fed step (``benchmarks/feed_check.py``: ``next(feed)`` and the step) at most this many times the longer of
+"""The fed step (``benchmarks/acceptance/feed_check.py``: ``next(feed)`` and the step) at most this many times the longer of
 the on-device step and the loader alone: the feed hides the shorter behind the longer. A feed without overlap
 takes their sum, so it fails wherever the shorter is at least a quarter of the longer; where it is less, no
 feed could be told from another (INFO). The same bound holds the step without ``data_time`` to the on-device
@@ -549,7 +549,7 @@ tenth of its time (with ``num_workers=0`` the reader thread decodes alone, which
 
 
 def feed_verdicts(rows: list[dict[str, Any]], workers: list[int]) -> list[Verdict]:
-    """``rows``: ``benchmarks/feed_check.py --json`` rows (workers, feed, device_s, loader_s, fed_s, wait_s);
+    """``rows``: ``benchmarks/acceptance/feed_check.py --json`` rows (workers, feed, device_s, loader_s, fed_s, wait_s);
     ``workers``: the ``num_workers`` values asked for (a missing one is NOT MEASURED)."""
     verdicts = []
     by_workers = {r["workers"]: r for r in rows}
@@ -618,7 +618,7 @@ chunk near the largest is not expected; below half of it the probe over-counts."
 def chunk_verdicts(
     record: dict[str, Any] | None, clean: dict[str, Any] | None, control: dict[str, Any] | None
 ) -> list[Verdict]:
-    """``record``: ``benchmarks/chunk_check.py``'s (None: it left none); ``clean`` / ``control``: its sanitizer
+    """``record``: ``benchmarks/acceptance/chunk_check.py``'s (None: it left none); ``clean`` / ``control``: its sanitizer
     runs (``--sanitizer clean`` / ``control``)."""
     return [*_chunk_fits(record), *_sanitizer(clean, control)]
 
@@ -688,7 +688,7 @@ def _sanitizer(clean: dict[str, Any] | None, control: dict[str, Any] | None) -> 
 
 # ----------------------------------------------------------------------------------------- syncs
 def syncs_verdicts(record: dict[str, Any] | None) -> list[Verdict]:
-    """``record``: ``benchmarks/sync_check.py``'s (None: it left none). The target is no synchronisation inside
+    """``record``: ``benchmarks/acceptance/sync_check.py``'s (None: it left none). The target is no synchronisation inside
     the chunk loop (each would make the host wait for the GPU once per chunk); those outside it, once a step, and
     the trace are reported."""
     setup = (record or {}).get("setup", "ResNet-50, 224 px, batch 256, chunk 64, bf16")

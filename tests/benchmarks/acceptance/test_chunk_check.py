@@ -5,9 +5,7 @@ and one that under-counts (its trial step blinded too) make the verdicts FAIL wh
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,33 +14,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from benchmarks.acceptance import chunk_check, gpu_check
+from benchmarks.acceptance import gpu_targets as targets
 from ddp_rank.model import freeze_batchnorm
 from ddp_rank.train import chunk_choice
 from ddp_rank.train.chunk_choice import ActivationProbe, count_saved
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _script(name: str) -> Any:
-    """A benchmark script as a module of its own name here (``sys.path`` and the scripts' bare names in
-    ``sys.modules`` are left as they were)."""
-    spec = importlib.util.spec_from_file_location(f"chunk_part_{name}", BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    saved_path, saved_modules = list(sys.path), set(sys.modules)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved_path
-        for added in set(sys.modules) - saved_modules:  # the scripts it imported by their bare names
-            if "." not in added and (BENCHMARKS / f"{added}.py").is_file():
-                del sys.modules[added]
-    return module
-
-
-targets, chunk_check = _script("gpu_targets"), _script("chunk_check")
 
 
 def _status(verdicts: list[Any], fragment: str) -> str:
@@ -179,7 +156,6 @@ def test_on_cpu_a_miscounting_probe_makes_the_verdict_fail(
 def test_the_part_runs_the_check_and_both_sanitizer_runs_and_judges_their_records(tmp_path: Path) -> None:
     """``gpu_check.py --part chunk`` with its commands faked: the measurement, then the clean and the control run
     under ``TORCH_CUDA_SANITIZER=1``, each record read back from where the command was told to write it."""
-    gpu_check = _script("gpu_check")
     assert "chunk" in gpu_check.PARTS and gpu_check.PART_FUNCTIONS["chunk"] is gpu_check.part_chunk
     records = {
         "--sanitizer clean": CLEAN,

@@ -15,10 +15,10 @@ weights bit for bit and with the reference's replacements, every fault counted i
 resident memory of the ranks (summed) is sampled all along; the growth over the second half of the last,
 longest start tells a leak from warm-up.
 
-    python benchmarks/soak.py                  # 2,000 steps, + a fault-free run over HTTP for the speed ratio
-    python benchmarks/soak.py --steps 20000    # the long form
+    python -m benchmarks.acceptance.soak                  # 2,000 steps, + a fault-free run over HTTP for the speed ratio
+    python -m benchmarks.acceptance.soak --steps 20000    # the long form
 
-tests/benchmarks/test_soak.py runs the same schedule (2,000 steps, without the extra fault-free run). The table
+tests/benchmarks/acceptance/test_soak.py runs the same schedule (2,000 steps, without the extra fault-free run). The table
 is printed and written to benchmarks/results/soak-<YYYY-MM-DD>.md with the machine named.
 """
 
@@ -32,7 +32,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -45,16 +44,14 @@ from typing import Any
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import accelerate_cpu_cmd, cpu_job_env, markdown_table, write_result
-
+from benchmarks.common import accelerate_cpu_cmd, cpu_job_env, markdown_table, write_result
 from ddp_rank.data.build import BuildOptions, build_shards
 from ddp_rank.data.listing import read_image_folder
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.serve import RangeRequestHandler
 from ddp_rank.data.synthetic import write_image_folder
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXIT_REQUEUE = 75
 OUTAGE_S = 2.0
 """How long the server stays down (shorter than the store's retry time, ``storage.RETRY_S``)."""

@@ -1,8 +1,8 @@
 """Does the device feed hide the reading of the next batch behind the step? The step fed by the trainer's
 ``DeviceFeed`` against the same step on a batch already on the device, and against the loader alone.
 
-    python benchmarks/feed_check.py --device cuda --backbone resnet50 --image-size 224 --batch 128 --workers 0,12
-    python benchmarks/feed_check.py --device cpu --image-size 16 --batch 16 --workers 0 --device-step-s 0.2 \
+    python -m benchmarks.acceptance.feed_check --device cuda --backbone resnet50 --image-size 224 --batch 128 --workers 0,12
+    python -m benchmarks.acceptance.feed_check --device cpu --image-size 16 --batch 16 --workers 0 --device-step-s 0.2 \
         --slow-loader 0.6 --feed synchronous          # a broken feed: the check must FAIL it
 
 What ``DeviceFeed`` overlaps (``ddp_rank/train/device_feed.py``): when the trainer takes batch k, a reader thread

@@ -1,8 +1,8 @@
 """GPU acceptance in one command: ``make gpu-check`` (every part in turn) or ``make gpu-check PART=loss``.
 
-    python benchmarks/gpu_check.py --part tests|loss|train|deepspeed|grads|feed|demo|chunk|syncs|all|tests,loss,...
+    python -m benchmarks.acceptance.gpu_check --part tests|loss|train|deepspeed|grads|feed|demo|chunk|syncs|all|tests,loss,...
         [--wheels .gpu-wheels] [--results DIR]
-    python benchmarks/gpu_check.py --merge DIR/gpu-<date>.md    # here: add a report that came back to results/
+    python -m benchmarks.acceptance.gpu_check --merge DIR/gpu-<date>.md    # here: add a report that came back to results/
 
 Each part ends within about 8.5 minutes (its commands start within ``BUDGET_S`` of the process's start, its
 setup included: the device tool stops a command at 10 minutes; ``grads`` and ``feed`` within ``PART_BUDGET_S``),
@@ -25,19 +25,19 @@ reports a pass it did not measure.
   chunked (64, 32, 128; 32 also with the captured chunk, CUDA graphs), against the bare loop and the bare
   gradient-cache loop at the same chunk (the step time, without the wait for data); deterministic on and off;
 - ``deepspeed``: ZeRO-1 and ZeRO-2 in bf16 and fp16, direct and chunked, 20 steps each, against DDP;
-- ``grads``: ``benchmarks/grad_check.py``: one chunked and one direct SGD step (lr 1) from the same weights and
+- ``grads``: ``benchmarks/acceptance/grad_check.py``: one chunked and one direct SGD step (lr 1) from the same weights and
   batch, their weight changes compared tensor by tensor, without DDP, with DDP, under ZeRO-1 and ZeRO-2, fp32 and
   bf16, on one GPU; DDP over NCCL with one process per GPU where there are 2 or more (NOT MEASURED otherwise);
   and broken builds (a step that keeps only the last chunk) that the check must FAIL;
-- ``feed``: ``benchmarks/feed_check.py``: ResNet-50, 224 px, batch 128, bf16: the step fed by the device feed with
+- ``feed``: ``benchmarks/acceptance/feed_check.py``: ResNet-50, 224 px, batch 128, bf16: the step fed by the device feed with
   ``num_workers=0`` and 12, against the step on a batch already on the device and the loader alone;
 - ``demo``: the demo (``python -m ddp_rank.cli.demo``, what ``make demo`` runs) on carried emoji shards, and two
   ``train.deterministic=true`` runs compared bit for bit;
-- ``chunk``: ``benchmarks/chunk_check.py``: ``distributed.chunk_size=auto`` on ResNet-50, 224 px, bf16, a local
+- ``chunk``: ``benchmarks/acceptance/chunk_check.py``: ``distributed.chunk_size=auto`` on ResNet-50, 224 px, bf16, a local
   batch of 2,048 (chunked): no out-of-memory, the chosen chunk against the largest that fits (bisection), the
   peak reserved memory; and the device feed under ``TORCH_CUDA_SANITIZER=1``, with a control run that must be
   reported;
-- ``syncs``: ``benchmarks/sync_check.py``: one chunked step (ResNet-50, 224 px, batch 256, chunks of 64, bf16) under
+- ``syncs``: ``benchmarks/acceptance/sync_check.py``: one chunked step (ResNet-50, 224 px, batch 256, chunks of 64, bf16) under
   ``torch.cuda.set_sync_debug_mode("warn")``, every synchronisation listed with its place (target: none inside the
   chunk loop), and a ``torch.profiler`` trace of two steps kept beside the report (``syncs-trace-*.json.gz``).
 
@@ -66,14 +66,16 @@ from pathlib import Path
 from typing import Any
 
 STARTED = time.monotonic()
-"""The process's start, near enough (before torch is imported): the first part's time counts from here."""
-REPO = Path(__file__).resolve().parent.parent
-# The scripts beside this one, and ddp_rank from the tree this file is in: the GPU machine runs the check from a
-# plain copy of the working tree, where the project is not pip-installed (the deepspeed part builds its shards in
-# this process; the commands get the same through PYTHONPATH).
-sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
-import gpu_targets as targets
-from common import RESULTS_DIR
+"""The process's start, near enough (before torch is imported, which ``benchmarks.common`` does): the first part's
+time counts from here, so these imports come after it."""
+# Run from the repository root as a module (``python -m benchmarks.acceptance.gpu_check``): ddp_rank and the
+# benchmarks come from the tree it runs in, which on the GPU machine is a plain copy of the working tree where the
+# project is not pip-installed (the deepspeed part builds its shards in this process; the commands run from the
+# root too, and get the same through PYTHONPATH).
+from benchmarks.acceptance import gpu_targets as targets  # noqa: E402
+from benchmarks.common import RESULTS_DIR  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
 
 PARTS = ("tests", "loss", "train", "deepspeed", "grads", "feed", "demo", "chunk", "syncs")
 BUDGET_S = 480
@@ -251,7 +253,7 @@ def part_loss(part: Part) -> tuple[str, list[targets.Verdict]]:
     weights = [run[-1] for run in LOSS_RUNS] + [LOSS_PRECISION_RUN[-1]]
     for i, (dtype, kernel, precision, sizes, peer_gb, weight) in enumerate(LOSS_RUNS):
         out = part.scratch / f"loss-{dtype}-{kernel}-{precision}.json"
-        part.run([sys.executable, "benchmarks/loss.py", "--device", "cuda", "--dim", "512", "--sizes", sizes,
+        part.run([sys.executable, "-m", "benchmarks.loss", "--device", "cuda", "--dim", "512", "--sizes", sizes,
                   "--dtype", dtype, "--kernel", kernel, "--matmul-precision", precision, "--repeats", "2",
                   "--time-limit-s", "90", "--peer-memory-gb", str(peer_gb), "--peer-time-s", str(LOSS_PEER_TIME_S),
                   *(["--no-floor"] if floors else []), "--json", str(out)],
@@ -265,7 +267,7 @@ def part_loss(part: Part) -> tuple[str, list[targets.Verdict]]:
         rows += run_rows
     n, dim, _ = LOSS_PRECISION_RUN
     out = part.scratch / "loss-precision.json"
-    part.run([sys.executable, "benchmarks/loss_precision.py", "--device", "cuda", "--n", n, "--dim", dim,
+    part.run([sys.executable, "-m", "benchmarks.loss_precision", "--device", "cuda", "--n", n, "--dim", dim,
               "--repeats", "3", "--json", str(out)])  # fmt: skip
     precision_rows = _json_rows(out)
     body = _loss_table(rows) + "\n\n" + _precision_table(precision_rows)
@@ -291,7 +293,7 @@ def _precision_table(rows: list[dict[str, Any]]) -> str:
 
 def part_train(part: Part) -> tuple[str, list[targets.Verdict]]:
     out = part.scratch / "train.json"
-    part.run([sys.executable, "benchmarks/train.py", "--device", "cuda", "--backbone", "resnet50", "--image-size",
+    part.run([sys.executable, "-m", "benchmarks.train", "--device", "cuda", "--backbone", "resnet50", "--image-size",
               "224", "--batch", "256", "--chunk", "64,32,128", "--capture", "graphs", "--capture-chunks",
               str(targets.CAPTURED_CHUNK), "--precision", "bf16", "--processes", "1", "--deterministic", "--steps",
               "8", "--repeats", "1", "--json", str(out)])  # fmt: skip
@@ -317,8 +319,9 @@ def deepspeed_train_overrides(shards: Path, out: Path, chunked: bool, steps: int
     """The ``train`` overrides of each run of the deepspeed part: a small ResNet-18 on the part's synthetic shards,
     which have no test split (so no evaluation), chunks of 16 or none. BatchNorm normalises groups of 16 images in
     every run, so the direct and the chunked step compute one function (the default would freeze it where the step
-    is chunked and not in the direct step: two functions, whose losses differ by half). ``tests/benchmarks/
-    test_gpu_check.py`` runs them on CPU, so a refused override shows there, not as failed runs on a lent GPU."""
+    is chunked and not in the direct step: two functions, whose losses differ by half).
+    ``tests/benchmarks/acceptance/test_gpu_check.py`` runs them on CPU, so a refused override shows there, not as
+    failed runs on a lent GPU."""
     return [
         f"data.shards={shards}", "data.test_split=", f"train.output_dir={out}", "model.backbone=resnet18",
         "model.weights=none", "data.image_size=64", "data.resize_size=64", "data.global_batch_size=64",
@@ -359,7 +362,7 @@ GRAD_RUNS = [(e, p, "none") for e in ("plain", "ddp", "zero1", "zero2") for p in
     ("zero2", "bf16", "no-coalescing"),
 ]  # fmt: skip
 """(engine, precision, fault) of the grads part on one GPU: every engine and precision, and the broken builds
-the check must FAIL (``benchmarks/grad_check.py``), in both precisions (bf16's tolerance is the looser). With 2+
+the check must FAIL (``benchmarks/acceptance/grad_check.py``), in both precisions (bf16's tolerance is the looser). With 2+
 GPUs, ``GRAD_RUNS_NCCL`` on one process per GPU."""
 GRAD_RUNS_NCCL = [("ddp", "fp32", "none"), ("ddp", "bf16", "none"), ("ddp", "fp32", "drop-chunks")]
 FEED_WORKERS = [0, 12]
@@ -375,7 +378,7 @@ def part_grads(part: Part) -> tuple[str, list[targets.Verdict]]:
     rows: list[dict[str, Any]] = []
     for i, (processes, runs) in enumerate(plan):
         out = part.scratch / f"grads-{processes}.json"
-        part.run([sys.executable, "benchmarks/grad_check.py", "--device", "cuda", "--processes", str(processes),
+        part.run([sys.executable, "-m", "benchmarks.acceptance.grad_check", "--device", "cuda", "--processes", str(processes),
                   "--backbone", "resnet50", "--image-size", "128", "--batch", "128", "--chunk", "32",
                   "--runs", ",".join(":".join(r) for r in runs), "--json", str(out)],
                  0.7 if i == 0 and len(plan) > 1 else 1.0)  # fmt: skip
@@ -402,7 +405,7 @@ def _grads_table(rows: list[dict[str, Any]]) -> str:
 
 def part_feed(part: Part) -> tuple[str, list[targets.Verdict]]:
     out = part.scratch / "feed.json"
-    part.run([sys.executable, "benchmarks/feed_check.py", "--device", "cuda", "--backbone", "resnet50",
+    part.run([sys.executable, "-m", "benchmarks.acceptance.feed_check", "--device", "cuda", "--backbone", "resnet50",
               "--image-size", "224", "--batch", "128", "--workers", ",".join(map(str, FEED_WORKERS)),
               "--steps", "10", "--warmup", "3", "--json", str(out)])  # fmt: skip
     rows = _json_rows(out)
@@ -444,12 +447,12 @@ def part_demo(part: Part) -> tuple[str, list[targets.Verdict]]:
 def part_chunk(part: Part) -> tuple[str, list[targets.Verdict]]:
     """``chunk_size=auto`` on the real setup, then the device feed under CSAN: a clean run and a control run."""
     out = part.scratch / "chunk.json"
-    part.run([sys.executable, "benchmarks/chunk_check.py", "--json", str(out)], 0.6)
+    part.run([sys.executable, "-m", "benchmarks.acceptance.chunk_check", "--json", str(out)], 0.6)
     record = _json_record(out)
     runs: dict[str, dict[str, Any] | None] = {}
     for mode, share in (("clean", 0.5), ("control", 1.0)):
         path = part.scratch / f"sanitizer-{mode}.json"
-        part.run([sys.executable, "benchmarks/chunk_check.py", "--sanitizer", mode, "--json", str(path)], share,
+        part.run([sys.executable, "-m", "benchmarks.acceptance.chunk_check", "--sanitizer", mode, "--json", str(path)], share,
                  env={"TORCH_CUDA_SANITIZER": "1"})  # fmt: skip
         runs[mode] = _json_record(path)
     lines = [f"- {line}" for line in (record or {}).get("log", [])]
@@ -464,7 +467,7 @@ def part_syncs(part: Part) -> tuple[str, list[targets.Verdict]]:
     trace of two steps kept in ``part.artefacts`` (``$OUT`` on the device tool: it comes back with the report)."""
     out = part.scratch / "syncs.json"
     trace = part.artefacts / f"syncs-trace-{time.strftime('%Y-%m-%d-%H%M%S')}.json.gz"
-    part.run([sys.executable, "benchmarks/sync_check.py", "--json", str(out), "--trace", str(trace)])
+    part.run([sys.executable, "-m", "benchmarks.acceptance.sync_check", "--json", str(out), "--trace", str(trace)])
     record = _json_record(out)
     return _syncs_lines(record), targets.syncs_verdicts(record)
 
