@@ -22,6 +22,7 @@ from ddp_rank.model import build_model
 from ddp_rank.model.feature_head import example_input
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
+from ddp_rank.runtime.settings import data_settings
 from ddp_rank.runtime.shards import check_model_input, model_input_dim
 from ddp_rank.train.chunk_choice import auto_chunk, measure_activation_bytes, prepared_input_bytes
 from ddp_rank.train.layout import BatchLayout
@@ -62,18 +63,18 @@ def describe_plan(
     except (OSError, ValueError, KeyError) as exc:
         return facts, [*problems, f"data.shards: {exc}"]
     try:
-        check_model_input(manifest, cfg)
+        check_model_input(manifest, data.shards, cfg.model.backbone)
     except ConfigError as exc:
         return facts, [*problems, str(exc)]
     images = sum(catalog.class_sizes.values())
     facts.append(("usable classes / images", f"{len(catalog.class_sizes):,} / {images:,}"))
     if catalog.singletons:
         facts.append(("single-image classes", f"{catalog.singletons:,} (left out: no positive)"))
-    strategy, why = resolve_sampler(cfg, manifest)
+    strategy, why = resolve_sampler(data_settings(cfg), manifest)
     sampler = strategy + (f", K={data.images_per_class}" if strategy == "pk" else "")
     facts.append(("sampler", sampler + (f" ({why})" if data.sampler == "auto" else "")))
     try:
-        plan = GlobalPlan(catalog, schedule_config(cfg, manifest), data.global_batch_size)
+        plan = GlobalPlan(catalog, schedule_config(data_settings(cfg), manifest), data.global_batch_size)
     except PlanError as exc:
         return facts, [*problems, f"the sampler cannot be met: {exc}"]
     facts.append(("steps per epoch", f"{plan.steps_per_epoch:,}"))
@@ -159,7 +160,7 @@ def _auto_chunk(
     model = build_model(
         dataclasses.replace(cfg.model, weights="none", init_from=""),
         cfg.data.image_size,
-        model_input_dim(cfg, manifest),
+        model_input_dim(cfg.model.backbone, manifest),
     )
     confirm = "; one real step confirms it at start-up, backing off on an out-of-memory error"
     if where.type == "cuda" and not torch.cuda.is_available():

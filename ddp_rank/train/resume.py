@@ -28,7 +28,7 @@ from ddp_rank.model.safe_pickles import (
     unsafe_files,
     weights_only_loads,
 )
-from ddp_rank.runtime.data_setup import data_seed
+from ddp_rank.runtime.settings import data_seed
 from ddp_rank.train.checkpoint import check_world_size
 from ddp_rank.train.optim import lr_factor
 from ddp_rank.train.resume_check import describe_changes, resume_changes, tensor_changes

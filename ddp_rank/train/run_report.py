@@ -24,6 +24,7 @@ from ddp_rank.data.manifest import Manifest
 from ddp_rank.eval.curves import draw_curves, split_curves
 from ddp_rank.eval.report import deployment_lines, format_table
 from ddp_rank.eval.retrieval_record import RetrievalPicture
+from ddp_rank.eval.settings import evaluation_settings
 from ddp_rank.train.console import StepLine, peak_memory
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.run_outputs import MetricsLogger, read_metrics, write_plots, write_summary
@@ -78,7 +79,7 @@ class RunReport:
         self.cfg = cfg
         self.accelerator = accelerator
         """Its trackers (``train.log_with``) receive the metrics and pictures; None: no tracker."""
-        self.picture = RetrievalPicture(cfg, is_main, manifest)
+        self.picture = RetrievalPicture(evaluation_settings(cfg), is_main, manifest)
         """Pass ``picture.capture`` to the evaluation: each evaluation then draws retrieval.png."""
         self.layout = layout
         self.device = device

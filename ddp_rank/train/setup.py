@@ -12,11 +12,12 @@ from torch import nn
 
 from ddp_rank.config import Config, ConfigError
 from ddp_rank.data.manifest import Manifest, is_url
+from ddp_rank.data.settings import DataSettings
 from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.data.stream import ShardStream
-from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.eval.protocols import metric_names
-from ddp_rank.eval.runner import deployment_settings, vehicleid_splits
+from ddp_rank.eval.runner import vehicleid_splits
+from ddp_rank.eval.settings import evaluation_settings
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
 from ddp_rank.runtime import TrainError, open_shards
@@ -93,16 +94,17 @@ def check_evaluation(cfg: Config, manifest: Manifest) -> None:
     VehicleID recipe shards, and ``train.best_metric`` among the metrics the protocol will report."""
     if not cfg.data.test_split:
         return
-    sizes = cfg.eval.vehicleid_sizes
-    if cfg.eval.protocol == "vehicleid":
-        sizes = list(vehicleid_splits(cfg, manifest)) or sizes
+    settings = evaluation_settings(cfg)
+    sizes = list(settings.vehicleid_sizes)
+    if settings.protocol == "vehicleid":
+        sizes = list(vehicleid_splits(settings, manifest)) or sizes
     names = metric_names(
-        cfg.eval.protocol,
-        cfg.eval.ks or None,
-        map_at_r=cfg.eval.map_at_r,
+        settings.protocol,
+        list(settings.ks) or None,
+        map_at_r=settings.map_at_r,
         vehicleid_sizes=sizes,
-        metrics=cfg.eval.metrics,
-        deployment=deployment_settings(cfg),
+        metrics=list(settings.metrics),
+        deployment=settings.deployment,
     )
     if cfg.train.best_metric not in names:
         valid = [n for n in names if not n.rsplit("/", 1)[-1].startswith("num_")]
@@ -115,7 +117,7 @@ def check_evaluation(cfg: Config, manifest: Manifest) -> None:
 def check_inputs(cfg: Config) -> Manifest:
     """Fail fast, before any process group exists, on a missing shard directory or split, or on an evaluation
     setting that would only fail at the first evaluation. Returns the manifest, loaded once for the run."""
-    manifest = open_shards(cfg)
+    manifest = open_shards(cfg.data.shards, cfg.model.backbone)
     for key, split in (("train_split", cfg.data.train_split), ("test_split", cfg.data.test_split)):
         if split and split not in manifest.splits:
             raise TrainError(
@@ -135,23 +137,23 @@ def check_inputs(cfg: Config) -> Manifest:
     return manifest
 
 
-def build_stream(cfg: Config, manifest: Manifest, rank: int, world_size: int) -> ShardStream:
+def build_stream(data: DataSettings, manifest: Manifest, rank: int, world_size: int) -> ShardStream:
     """The data layer's category-aware stream of this rank's local batches (uint8 pixels)."""
-    if rank == 0 and cfg.data.sampler == "auto":
-        strategy, why = resolve_sampler(cfg, manifest)
+    if rank == 0 and data.sampler == "auto":
+        strategy, why = resolve_sampler(data, manifest)
         log.info(f"sampler {strategy}: {why}")
     try:
         return ShardStream(
             manifest,
-            cfg.data.global_batch_size,
-            split=cfg.data.train_split,
-            schedule=schedule_config(cfg, manifest),
-            transform=transform_from_config(cfg.data, augment=cfg.data.augment, pixels="uint8"),
-            augment=cfg.data.augment,
-            num_workers=cfg.data.num_workers,
+            data.global_batch_size,
+            split=data.train_split,
+            schedule=schedule_config(data, manifest),
+            transform=data.transform(augment=data.augment, pixels="uint8"),
+            augment=data.augment,
+            num_workers=data.num_workers,
             rank=rank,
             world_size=world_size,
-            cache_dir=open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb),
+            cache_dir=open_cache(data.cache_dir, data.cache_max_gb),
         )
     except ValueError as exc:  # the sampler settings cannot be met by these shards
         raise TrainError(f"data: {exc}; `ddp-rank plan --config ...` shows what the shards allow") from exc
@@ -162,14 +164,15 @@ def build_network(
     device: torch.device,
     batchnorm: BatchNormMode,
     deepspeed: bool = False,
-    manifest: Manifest | None = None,
+    *,
+    manifest: Manifest,
 ) -> tuple[EmbeddingNet, list[str]]:
     """The embedding network on this device's layout, with what the user must hear about it (``init_from``'s
     report). Channels-last where :func:`wants_channels_last` says; BatchNorm as ``batchnorm`` (the layout's mode)
     says: across ranks with ``model.sync_bn``, over groups of local images with ``model.bn_group_size``.
     ``manifest``: the run's shards (loaded once), whose vectors' length a feature head takes."""
     notes: list[str] = []
-    model = build_model(cfg.model, cfg.data.image_size, model_input_dim(cfg, manifest))
+    model = build_model(cfg.model, cfg.data.image_size, model_input_dim(cfg.model.backbone, manifest))
     if cfg.model.init_from:
         notes.append(init_from(model, cfg.model.init_from).summary())
     if wants_channels_last(model, device, deepspeed):

@@ -33,11 +33,13 @@ from ddp_rank.data.batch import StreamBatch
 from ddp_rank.distributed import GlobalBatchLoss, average_gradients
 from ddp_rank.distributed.agreement import RankFailure
 from ddp_rank.eval.runner import evaluate_model
+from ddp_rank.eval.settings import evaluation_settings
 from ddp_rank.logs import configure_run_logging
 from ddp_rank.model import EmbeddingNet, freeze_batchnorm
 from ddp_rank.runtime import AGREED_ERRORS, TrainError, autocast_dtype, make_accelerator
 from ddp_rank.runtime.determinism import set_deterministic
 from ddp_rank.runtime.failure import end_process_after_failure, end_process_now, launch_rank
+from ddp_rank.runtime.settings import data_settings
 from ddp_rank.train import resume as resume_
 from ddp_rank.train.auto_chunk import choose_chunk_for_run, confirm_chunk_for_run
 from ddp_rank.train.backends import backend_for_accelerator
@@ -111,7 +113,7 @@ class Trainer:
 
         # Same initial weights on every rank (DDP would broadcast them anyway; ZeRO would not check).
         torch.manual_seed(cfg.train.seed)
-        self.stream = build_stream(cfg, self.manifest, self.rank, self.world_size)
+        self.stream = build_stream(data_settings(cfg), self.manifest, self.rank, self.world_size)
         # Given by run_training, which takes the signals over before the (long) start-up; else made here.
         self.stop = stop if stop is not None else StopRequest(cfg.train.stop_signals, cfg.train.stop_grace_s)
         self.batches = TrainBatches(self.stream, self.device, lambda: self.stop.requested)
@@ -300,10 +302,9 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):  # evaluation must not shift the training RNG stream
             return evaluate_model(
                 self.unwrapped,
-                self.cfg,
+                evaluation_settings(self.cfg),
                 device=self.device,
                 autocast_dtype=autocast_dtype(self.accelerator),
-                num_workers=self.cfg.data.num_workers,
                 manifest=self.manifest,
                 on_embedded=self.report.picture.capture,
             )
