@@ -96,7 +96,8 @@ class Bench:
         from ddp_rank.runtime.settings import data_settings
         from ddp_rank.train import PlainBackend
         from ddp_rank.train.optim import build_optimizer
-        from ddp_rank.train.setup import build_loss, build_stream, wants_channels_last
+        from ddp_rank.train.settings import build_loss
+        from ddp_rank.train.setup import build_stream, wants_channels_last
 
         cfg = load_config(None, [f"data.shards={shards}", "data.test_split=", f"data.image_size={args.image_size}",
                                  f"data.resize_size={args.image_size}", f"data.global_batch_size={args.batch}",

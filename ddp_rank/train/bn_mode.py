@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_rank.config import Config, ConfigError
+from ddp_rank.config import ConfigError
+from ddp_rank.train.step_settings import StepSettings
 
 __all__ = ["BatchNormMode"]
 
@@ -48,10 +49,10 @@ class BatchNormMode:
         return 1 if self.frozen else self.group
 
     @classmethod
-    def from_config(cls, cfg: Config, local_batch: int) -> BatchNormMode:
-        """The mode of ``cfg`` for ``local_batch`` images per rank; ConfigError for a combination that would make
+    def from_settings(cls, step: StepSettings, local_batch: int) -> BatchNormMode:
+        """The mode of ``step`` for ``local_batch`` images per rank; ConfigError for a combination that would make
         the chunked step train another function than the direct one (the message names the settings)."""
-        model, chunk = cfg.model, cfg.distributed.fixed_chunk
+        model, chunk = step, step.fixed_chunk
         group = model.bn_group_size
         if model.freeze_bn == "always":
             return cls("frozen")

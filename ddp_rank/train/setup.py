@@ -10,16 +10,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_rank.config import Config, ConfigError
+from ddp_rank.config import ConfigError
 from ddp_rank.data.manifest import Manifest, is_url
 from ddp_rank.data.settings import DataSettings
 from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.data.stream import ShardStream
 from ddp_rank.eval.protocols import metric_names
-from ddp_rank.eval.runner import vehicleid_splits
-from ddp_rank.eval.settings import evaluation_settings
+from ddp_rank.eval.runner import EvalSettings, vehicleid_splits
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
+from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime import TrainError, open_shards
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.shards import model_input_dim
@@ -30,6 +30,7 @@ from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.pml_loss import PML_PREFIX, build_pml
 
 __all__ = [
+    "LossSettings",
     "TrainingLoss",
     "build_loss",
     "build_network",
@@ -43,6 +44,28 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss of a run, from the config keys ``loss.*`` of the same names (made once at start-up by
+    ``ddp_rank.train.settings``); ``embedding_dim`` is ``model.embedding_dim`` (a proxy loss's default
+    ``embedding_size``)."""
+
+    name: str = "fastap"
+    miner: str = ""
+    params_lr_mult: float = 100.0
+    num_bins: int = 10
+    kernel: str = "auto"
+    matmul_precision: str = "highest"
+    normalize: bool = True
+    memory_budget_mb: int = 0
+    pnp_variant: str = "Dq"
+    tau: float = 0.01
+    b: float = 2.0
+    alpha: float = 1.0
+    count_self: bool = True
+    embedding_dim: int = 512
 
 
 @dataclass(frozen=True)
@@ -60,17 +83,16 @@ class TrainingLoss:
         return [p for p in self.loss.parameters() if p.requires_grad]
 
 
-def build_training_loss(cfg: Config, manifest: Manifest) -> TrainingLoss:
-    """The loss of ``cfg.loss``: a pml loss sized on the shards' class count (proxies), else :func:`build_loss`."""
-    if cfg.loss.name.startswith(PML_PREFIX):
-        parts = build_pml(cfg, num_classes=len(manifest.classes))
+def build_training_loss(loss: LossSettings, manifest: Manifest) -> TrainingLoss:
+    """The loss of ``loss``: a pml loss sized on the shards' class count (proxies), else :func:`build_loss`."""
+    if loss.name.startswith(PML_PREFIX):
+        parts = build_pml(loss.name, loss.miner, len(manifest.classes), loss.embedding_dim)
         return TrainingLoss(parts.loss, parts.miner, parts.description)
-    return TrainingLoss(build_loss(cfg))
+    return TrainingLoss(build_loss(loss))
 
 
-def build_loss(cfg: Config) -> ListwiseLoss:
-    """The listwise loss of ``cfg.loss`` (it knows no ranks; :class:`GlobalBatchLoss` spreads it)."""
-    lc = cfg.loss
+def build_loss(lc: LossSettings) -> ListwiseLoss:
+    """The listwise loss ``lc`` names (it knows no ranks; :class:`GlobalBatchLoss` spreads it)."""
     if lc.name.startswith(PML_PREFIX):
         raise ConfigError(f"loss.name={lc.name} is not a listwise loss: build it with build_training_loss")
     budget = lc.memory_budget_mb * 2**20 if lc.memory_budget_mb else None
@@ -89,12 +111,12 @@ def build_loss(cfg: Config) -> ListwiseLoss:
     return SmoothAPLoss(tau=lc.tau, count_self=lc.count_self, **common)
 
 
-def check_evaluation(cfg: Config, manifest: Manifest) -> None:
+def check_evaluation(settings: EvalSettings, best_metric: str, manifest: Manifest) -> None:
     """What the evaluation needs, checked at start-up rather than at the first evaluation: the test lists of
-    VehicleID recipe shards, and ``train.best_metric`` among the metrics the protocol will report."""
-    if not cfg.data.test_split:
+    VehicleID recipe shards, and ``best_metric`` (``train.best_metric``) among the metrics the protocol will
+    report."""
+    if not settings.data.test_split:
         return
-    settings = evaluation_settings(cfg)
     sizes = list(settings.vehicleid_sizes)
     if settings.protocol == "vehicleid":
         sizes = list(vehicleid_splits(settings, manifest)) or sizes
@@ -106,34 +128,37 @@ def check_evaluation(cfg: Config, manifest: Manifest) -> None:
         metrics=list(settings.metrics),
         deployment=settings.deployment,
     )
-    if cfg.train.best_metric not in names:
+    if best_metric not in names:
         valid = [n for n in names if not n.rsplit("/", 1)[-1].startswith("num_")]
         raise ConfigError(
-            f"train.best_metric='{cfg.train.best_metric}' is not among the metrics eval.protocol="
-            f"{cfg.eval.protocol} reports with these settings; valid: {', '.join(valid)}"
+            f"train.best_metric='{best_metric}' is not among the metrics eval.protocol="
+            f"{settings.protocol} reports with these settings; valid: {', '.join(valid)}"
         )
 
 
-def check_inputs(cfg: Config) -> Manifest:
+def check_inputs(evaluation: EvalSettings, backbone: str, best_metric: str) -> Manifest:
     """Fail fast, before any process group exists, on a missing shard directory or split, or on an evaluation
-    setting that would only fail at the first evaluation. Returns the manifest, loaded once for the run."""
-    manifest = open_shards(cfg.data.shards, cfg.model.backbone)
-    for key, split in (("train_split", cfg.data.train_split), ("test_split", cfg.data.test_split)):
+    setting that would only fail at the first evaluation. Returns the manifest, loaded once for the run.
+    ``evaluation``: the evaluation's settings, with the data's; ``backbone``: ``model.backbone``;
+    ``best_metric``: ``train.best_metric``."""
+    data = evaluation.data
+    manifest = open_shards(data.shards, backbone)
+    for key, split in (("train_split", data.train_split), ("test_split", data.test_split)):
         if split and split not in manifest.splits:
             raise TrainError(
-                f"data.{key}='{split}' is not a split of {cfg.data.shards} (it has {sorted(manifest.splits)}); "
+                f"data.{key}='{split}' is not a split of {data.shards} (it has {sorted(manifest.splits)}); "
                 f"set data.{key}"
                 + (" (or data.test_split= to train without evaluation)" if key == "test_split" else "")
             )
     local = not is_url(manifest.location)
-    train_shards = manifest.split(cfg.data.train_split).shards
+    train_shards = manifest.split(data.train_split).shards
     missing = [s.path for s in train_shards if local and not manifest.shard_path(s).is_file()]
     if missing:
         raise TrainError(
-            f"{len(missing)} shard file(s) of {cfg.data.shards} are missing, e.g. {missing[0]}: copy the whole "
+            f"{len(missing)} shard file(s) of {data.shards} are missing, e.g. {missing[0]}: copy the whole "
             "shard directory or rebuild it (`ddp-rank shards verify` checks it)"
         )
-    check_evaluation(cfg, manifest)
+    check_evaluation(evaluation, best_metric, manifest)
     return manifest
 
 
@@ -160,7 +185,7 @@ def build_stream(data: DataSettings, manifest: Manifest, rank: int, world_size: 
 
 
 def build_network(
-    cfg: Config,
+    settings: ModelSettings,
     device: torch.device,
     batchnorm: BatchNormMode,
     deepspeed: bool = False,
@@ -172,14 +197,14 @@ def build_network(
     says: across ranks with ``model.sync_bn``, over groups of local images with ``model.bn_group_size``.
     ``manifest``: the run's shards (loaded once), whose vectors' length a feature head takes."""
     notes: list[str] = []
-    model = build_model(cfg.model, cfg.data.image_size, model_input_dim(cfg.model.backbone, manifest))
-    if cfg.model.init_from:
-        notes.append(init_from(model, cfg.model.init_from).summary())
+    model = build_model(settings, settings.image_size, model_input_dim(settings.backbone, manifest))
+    if settings.init_from:
+        notes.append(init_from(model, settings.init_from).summary())
     if wants_channels_last(model, device, deepspeed):
         model.use_channels_last()
     if batchnorm.kind == "groups":
         convert_to_ghost(model, batchnorm.group)
-    if cfg.model.sync_bn:
+    if settings.sync_bn:
         # In place (an EmbeddingNet is not itself a BatchNorm layer); PyTorch's fused SyncBatchNorm on CUDA.
         convert_to_cross_rank(model, cuda=device.type == "cuda")
     return model, notes

@@ -28,7 +28,7 @@ from ddp_rank.model import build_model
 from ddp_rank.model.feature_head import FeatureHeadNet, image_features, weights_digest
 from ddp_rank.runtime.data_setup import schedule_config
 from ddp_rank.runtime.settings import data_settings
-from ddp_rank.train.setup import build_loss
+from ddp_rank.train.settings import build_loss
 from ddp_rank.train.trainer import run_training
 from tests.helpers.training import REPO, TINY_OVERRIDES, build_tiny_shards, cpu_env, final_weights, launch
 
