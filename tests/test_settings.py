@@ -152,3 +152,45 @@ def test_the_checker_sees_every_way_of_reading_the_config() -> None:
     lines = {int(r.split(":")[0].split()[1]) for r in config_reads(probe)}
     assert lines == {1, 2, 3, 4, 5, 6, 9}
     assert len([r for r in config_reads(probe) if r.startswith("line 2:")]) == 2
+
+
+def test_the_settings_carry_the_config_values() -> None:
+    """Each part's settings hold the config's value under the key's own name (lists as tuples), and the
+    resolved seeds: a key copied from the wrong place, or left at its default by the translation, fails here."""
+    import dataclasses
+
+    from ddp_rank.config import load_config
+    from ddp_rank.eval.settings import evaluation_settings
+    from ddp_rank.runtime.settings import data_settings, model_settings
+    from ddp_rank.train.settings import checkpoint_settings, loss_settings, optim_settings, step_settings
+
+    cfg = load_config(
+        None,
+        [
+            "data.shards=/somewhere", "data.image_size=96", "data.resize_size=128", "data.crop=paper",
+            "data.num_workers=0", "data.sampler=pk", "data.images_per_class=3", "data.cache_max_gb=2",
+            "model.backbone=resnet18", "model.embedding_dim=64", "model.pooling=gem", "model.freeze_bn=never",
+            "loss.name=pnp", "loss.tau=0.05", "loss.pnp_variant=O", "optim.lr=0.001", "optim.betas=[0.8,0.9]",
+            "optim.schedule=cosine", "eval.ks=[1,2]", "eval.protocol=inshop", "eval.batch_size=7",
+            "train.keep_last=5", "train.best_metric=recall@2", "train.seed=11", "train.resume=never",
+        ],
+    )  # fmt: skip
+    pairs = [
+        (data_settings(cfg), cfg.data),
+        (model_settings(cfg), cfg.model),
+        (loss_settings(cfg), cfg.loss),
+        (optim_settings(cfg), cfg.optim),
+        (evaluation_settings(cfg), cfg.eval),
+        (checkpoint_settings(cfg), cfg.train),
+    ]
+    for settings, section in pairs:
+        for f in dataclasses.fields(settings):
+            if f.name == "seed" or not hasattr(section, f.name):
+                continue
+            value = getattr(section, f.name)
+            assert getattr(settings, f.name) == (tuple(value) if isinstance(value, list) else value), f.name
+    assert data_settings(cfg).seed == 11  # data.seed=-1: train.seed
+    assert evaluation_settings(cfg).seed == 11 and model_settings(cfg).init_seed == 11
+    assert model_settings(cfg).image_size == 96 and loss_settings(cfg).embedding_dim == 64
+    step = step_settings(cfg)
+    assert (step.global_batch_size, step.image_size, step.sampler, step.fixed_chunk) == (256, 96, "pk", None)

@@ -226,17 +226,17 @@ def export_embeddings(
     try:
         rank, world = accelerator.process_index, accelerator.num_processes
         skipped: list[str] | None = [] if on_bad == "skip" else None
-        model_part, data = model_settings(cfg), evaluation_settings(cfg).data
-        shards = feature_shards(model_part, data)
+        model_part, data_part = model_settings(cfg), evaluation_settings(cfg).data
+        shards = feature_shards(model_part, data_part)
         model, _ = build_eval_model(model_part, shards, ckpt, None)
         if source["kind"] != "split":
             # Images into a head trained on feature shards: the backbone the shards record goes first.
-            model, data = images_in_front(model, data, shards)
+            model, data_part = images_in_front(model, data_part, shards)
         model.to(accelerator.device)
-        transform, bs = data.transform(), cfg.eval.batch_size
+        transform, bs = data_part.transform(), cfg.eval.batch_size
         if source["kind"] == "split":
             batches = split_batches(
-                data.shards, source["split"], transform, bs, rank, world, data.num_workers
+                data_part.shards, source["split"], transform, bs, rank, world, data_part.num_workers
             )
         elif source["kind"] == "images":
             batches = folder_batches(source["folder"], transform, bs, rank, world, skipped)

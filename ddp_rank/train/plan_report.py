@@ -49,15 +49,15 @@ def describe_plan(
 ) -> tuple[Facts, list[str]]:
     """(facts, problems) of ``cfg`` on ``world_size`` ranks; an empty problem list means the run can start.
     ``device``: where the run will compute (``cuda`` / ``cpu``; default: a GPU if this machine has one)."""
-    s = train_settings(cfg)  # the config translated once, as the trainer does
-    data = s.data
+    settings = train_settings(cfg)  # the config translated once, as the trainer does
+    data = settings.data
     facts: Facts = [("shards", data.shards), ("split", data.train_split)]
     problems: list[str] = []
     if world_size < 1:
         return facts, [f"--world-size must be at least 1, got {world_size}"]
     layout: BatchLayout | None = None
     try:
-        layout = BatchLayout.from_settings(s.step, world_size)
+        layout = BatchLayout.from_settings(settings.step, world_size)
     except ConfigError as exc:
         problems.append(str(exc))
     try:
@@ -66,7 +66,7 @@ def describe_plan(
     except (OSError, ValueError, KeyError) as exc:
         return facts, [*problems, f"data.shards: {exc}"]
     try:
-        check_model_input(manifest, data.shards, s.model.backbone)
+        check_model_input(manifest, data.shards, settings.model.backbone)
     except ConfigError as exc:
         return facts, [*problems, str(exc)]
     images = sum(catalog.class_sizes.values())
@@ -94,18 +94,25 @@ def describe_plan(
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     largest_class = max(catalog.class_sizes.values(), default=1)
     max_positives = data.images_per_class if strategy == "pk" else min(largest_class, data.global_batch_size)
-    work_line, work_bytes = _work_space(s.loss, layout, max_positives, where)
+    work_line, work_bytes = _work_space(settings.loss, layout, max_positives, where)
     try:  # the trainer's accelerator resolves it the same way: ``auto`` follows the launcher
-        precision = resolve_mixed_precision(s.accelerator.mixed_precision)
+        precision = resolve_mixed_precision(settings.accelerator.mixed_precision)
     except ConfigError as exc:
         problems.append(str(exc))
-        precision = s.accelerator.mixed_precision
+        precision = settings.accelerator.mixed_precision
     facts.append(("mixed precision", precision))
     step = _step_line(layout)
-    if s.step.fixed_chunk is None:
+    if settings.step.fixed_chunk is None:
         try:
             chosen, why = _auto_chunk(
-                s.model, s.step, layout, where, work_bytes, world_size, precision_dtype(precision), manifest
+                settings.model,
+                settings.step,
+                layout,
+                where,
+                work_bytes,
+                world_size,
+                precision_dtype(precision),
+                manifest,
             )
             step = (
                 _step_line(chosen)
