@@ -93,9 +93,11 @@ class Bench:
         from ddp_rank.data.loader import StreamLoader
         from ddp_rank.data.manifest import Manifest
         from ddp_rank.model import build_model
+        from ddp_rank.runtime.settings import data_settings
         from ddp_rank.train import PlainBackend
         from ddp_rank.train.optim import build_optimizer
-        from ddp_rank.train.setup import build_loss, build_stream, wants_channels_last
+        from ddp_rank.train.settings import build_loss
+        from ddp_rank.train.setup import build_stream, wants_channels_last
 
         cfg = load_config(None, [f"data.shards={shards}", "data.test_split=", f"data.image_size={args.image_size}",
                                  f"data.resize_size={args.image_size}", f"data.global_batch_size={args.batch}",
@@ -103,7 +105,7 @@ class Bench:
                                  f"model.backbone={args.backbone}", "model.weights=none", "model.embedding_dim=128"])  # fmt: skip
         self.device = torch.device(args.device)
         # The stream's position stays put (track_position=False): every iter starts the same epoch again.
-        self.loader = StreamLoader(build_stream(cfg, Manifest.load(shards), 0, 1),
+        self.loader = StreamLoader(build_stream(data_settings(cfg), Manifest.load(shards), 0, 1),
                                    pin_memory=self.device.type == "cuda", track_position=False)  # fmt: skip
         self.step_s = args.device_step_s
         if self.step_s > 0:

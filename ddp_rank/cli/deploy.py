@@ -200,7 +200,7 @@ def _run_search(args: argparse.Namespace) -> int:
         problems: tuple[type[Exception], ...] = (OSError, ValueError, *_errors())
         try:
             source = searcher.index.info.get("export", {}).get("source", {})
-            data = searcher.cfg.data
+            data = searcher.data
             grid = draw_search_grid(
                 paths,
                 results,

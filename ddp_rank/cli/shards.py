@@ -338,6 +338,7 @@ def _features(args: argparse.Namespace) -> int:
     from ddp_rank.eval.feature_build import FeatureBuildError, FeatureBuildOptions, build_feature_shards
     from ddp_rank.model import ModelError
     from ddp_rank.runtime import make_accelerator
+    from ddp_rank.runtime.settings import data_settings, model_settings
 
     accelerator = None
     try:
@@ -346,7 +347,8 @@ def _features(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         accelerator = make_accelerator(cfg)
         options = FeatureBuildOptions(args.batch_size, args.overwrite, not args.no_progress)
-        manifest = build_feature_shards(cfg, args.source, args.out, accelerator, options)
+        model, data = model_settings(cfg), data_settings(cfg)
+        manifest = build_feature_shards(model, data, args.source, args.out, accelerator, options)
     except (ConfigError, ModelError, FeatureBuildError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,9 +32,6 @@ from PIL import Image
 
 from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
 from ddp_rank.data.decode import decode_image as decode_image  # re-exported: the transforms' callers decode
-
-if TYPE_CHECKING:
-    from ddp_rank.config import DataConfig
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -79,8 +76,23 @@ class TransformConfig:
             raise ValueError(f"max_pixels ({self.max_pixels}) must be a positive number of pixels")
 
 
+class ImageSizes(Protocol):
+    """The image keys of the config's ``data`` section (``DataConfig``, or the data layer's ``DataSettings``)."""
+
+    @property
+    def resize_size(self) -> int: ...
+    @property
+    def image_size(self) -> int: ...
+    @property
+    def crop_scale_min(self) -> float: ...
+    @property
+    def crop(self) -> str: ...
+    @property
+    def max_image_pixels(self) -> int: ...
+
+
 def transform_from_config(
-    data: DataConfig, *, augment: bool = False, pixels: str = "float"
+    data: ImageSizes, *, augment: bool = False, pixels: str = "float"
 ) -> TransformConfig:
     """The transform of ``data.crop`` at the configured sizes, pixels in [0, 1] (or uint8): what our models take.
 

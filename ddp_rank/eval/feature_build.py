@@ -32,17 +32,19 @@ import torch
 from tqdm import tqdm
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.config import FEATURES_BACKBONE, Config, ConfigError
+from ddp_rank.config import FEATURES_BACKBONE, ConfigError
 from ddp_rank.data.decode import ImageDecodeError, decode_image
 from ddp_rank.data.features import BUILD_KEY, FeatureRecord, encode_vector, feature_record
 from ddp_rank.data.manifest import MANIFEST_NAME, ClassSpan, Manifest, ShardInfo, SplitInfo, is_url
 from ddp_rank.data.reader import ClassReader, ClassReadError
+from ddp_rank.data.settings import DataSettings
 from ddp_rank.data.tar_scan import SpanSample
 from ddp_rank.data.tar_writer import shard_writer
-from ddp_rank.data.transforms import collate_images, test_transform, transform_from_config
+from ddp_rank.data.transforms import collate_images, test_transform
 from ddp_rank.eval.embed import autocast
 from ddp_rank.model import EmbeddingNet, build_model
 from ddp_rank.model.feature_head import build_seeded, image_features, weights_digest
+from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime import autocast_dtype
 
 __all__ = [
@@ -79,29 +81,27 @@ class FeatureBuildOptions:
 
 
 def feature_record_for(
-    cfg: Config, backbone: EmbeddingNet, mixed_precision: str, source: str
+    model: ModelSettings, data: DataSettings, backbone: EmbeddingNet, mixed_precision: str, source: str
 ) -> FeatureRecord:
-    """The ``build.features`` record of vectors made by ``backbone`` (built from ``cfg``)."""
+    """The ``build.features`` record of vectors made by ``backbone`` (built from ``model``, its images read
+    with ``data``'s transform)."""
     return FeatureRecord(
-        backbone=cfg.model.backbone,
-        weights=cfg.model.weights,
-        pooling=cfg.model.pooling,
+        backbone=model.backbone,
+        weights=model.weights,
+        pooling=model.pooling,
         weights_digest=weights_digest(backbone.backbone),
         dim=int(backbone.head.in_features),
-        transform={
-            "crop": cfg.data.crop,
-            "resize_size": cfg.data.resize_size,
-            "image_size": cfg.data.image_size,
-        },
+        transform={"crop": data.crop, "resize_size": data.resize_size, "image_size": data.image_size},
         mixed_precision=mixed_precision,
-        init_seed=cfg.train.seed,
+        init_seed=model.init_seed,
         source=source,
-        output_stride=cfg.model.output_stride,
+        output_stride=model.output_stride,
     )
 
 
 def build_feature_shards(
-    cfg: Config,
+    model_settings: ModelSettings,
+    data: DataSettings,
     source: str,
     out: str,
     accelerator: Any,
@@ -109,12 +109,13 @@ def build_feature_shards(
     on_shard: Callable[[ShardInfo], None] | None = None,
 ) -> Manifest | None:
     """Build feature shards of ``source`` in ``out`` on every rank of ``accelerator``; rank 0 returns the
-    manifest it wrote, the other ranks None. ``on_shard`` is called after each shard this rank finished."""
+    manifest it wrote, the other ranks None. ``on_shard`` is called after each shard this rank finished.
+    ``model_settings``: the backbone that makes the vectors; ``data``: the transform of its images."""
     src = _open_source(source, out)
-    model = _backbone(cfg)
+    model = _backbone(model_settings)
     device = accelerator.device
     model.to(device)
-    record = feature_record_for(cfg, model, str(accelerator.mixed_precision), source)
+    record = feature_record_for(model_settings, data, model, str(accelerator.mixed_precision), source)
     dst = Path(out)
     progress = dst / PROGRESS_DIR
     if accelerator.is_main_process:
@@ -122,7 +123,7 @@ def build_feature_shards(
     accelerator.wait_for_everyone()
     todo = [(split, shard) for split, shard in all_shards(src) if not done_path(progress, shard).is_file()]
     mine = todo[accelerator.process_index :: accelerator.num_processes]
-    embed = _Embedder(model, cfg, device, accelerator, options.batch_size)
+    embed = _Embedder(model, data, device, accelerator, options.batch_size)
     total = sum(shard.samples for _, shard in mine)
     desc = (
         f"features (rank 0 of {accelerator.num_processes})" if accelerator.num_processes > 1 else "features"
@@ -168,13 +169,13 @@ def open_build_source(source: str, out: str) -> Manifest:
     return src
 
 
-def _backbone(cfg: Config) -> EmbeddingNet:
-    if cfg.model.backbone == FEATURES_BACKBONE:
+def _backbone(settings: ModelSettings) -> EmbeddingNet:
+    if settings.backbone == FEATURES_BACKBONE:
         raise ConfigError(
             f"model.backbone={FEATURES_BACKBONE} has no image backbone to embed with: the config of "
             "`ddp-rank shards features` names the backbone that makes the vectors (resnet50, timm:..., ...)"
         )
-    model = build_seeded(lambda: build_model(cfg.model, cfg.data.image_size), cfg.train.seed)
+    model = build_seeded(lambda: build_model(settings, settings.image_size), settings.init_seed)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -240,11 +241,13 @@ def done_path(progress: Path, shard: ShardInfo) -> Path:
 class _Embedder:
     """Images to backbone vectors in batches, in eval mode and the launcher's precision."""
 
-    def __init__(self, model: EmbeddingNet, cfg: Config, device: torch.device, accelerator: Any, batch: int):
+    def __init__(
+        self, model: EmbeddingNet, data: DataSettings, device: torch.device, accelerator: Any, batch: int
+    ):
         self.model = model
         self.device = device
         self.dtype = autocast_dtype(accelerator)
-        self.transform_config = transform_from_config(cfg.data, pixels="uint8")
+        self.transform_config = data.transform(pixels="uint8")
         self.transform = test_transform(self.transform_config)
         self.batch = batch
 

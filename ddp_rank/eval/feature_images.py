@@ -13,23 +13,22 @@ import dataclasses
 
 import torch
 
-from ddp_rank.config import FEATURES_BACKBONE, Config, ConfigError, ModelConfig
-from ddp_rank.data.features import feature_record
+from ddp_rank.config import ConfigError, ModelConfig
+from ddp_rank.data.features import FeatureRecord
+from ddp_rank.data.settings import DataSettings
 from ddp_rank.data.whitening import WhiteningError, load_whitening
 from ddp_rank.model import build_model
 from ddp_rank.model.feature_head import FeatureHeadNet, ImageFeatureNet, build_seeded, weights_digest
-from ddp_rank.runtime import open_shards, precision_dtype
+from ddp_rank.runtime import precision_dtype
 
-__all__ = ["image_config", "image_model"]
+__all__ = ["image_data", "image_model"]
 
 
-def image_model(cfg: Config, head: FeatureHeadNet) -> ImageFeatureNet:
-    """The recorded backbone of ``cfg.data.shards`` followed by ``head``; raises ``ConfigError`` when the
-    backbone rebuilt from the record does not have the recorded weights."""
-    record = feature_record(open_shards(cfg))
-    if record is None:  # open_shards refuses this for model.backbone=features; a guard for other callers
-        raise ConfigError(f"{cfg.data.shards}/manifest.json has no build.features record")
-    try:
+def image_model(record: FeatureRecord, shards: str, head: FeatureHeadNet) -> ImageFeatureNet:
+    """The backbone ``record`` (the ``build.features`` record of the feature shards at ``shards``) names,
+    followed by ``head``; raises ``ConfigError`` when the backbone rebuilt from the record does not have the
+    recorded weights."""
+    try:  # the config's own checks of a backbone name
         backbone_cfg = ModelConfig(
             backbone=record.backbone,
             weights=record.weights,
@@ -38,7 +37,7 @@ def image_model(cfg: Config, head: FeatureHeadNet) -> ImageFeatureNet:
         )
     except ConfigError as exc:  # e.g. the synthetic vectors of ddp_rank.data.synthetic_features
         raise ConfigError(
-            f"{cfg.data.shards}/manifest.json records the backbone {record.backbone!r}, which cannot embed an "
+            f"{shards}/manifest.json records the backbone {record.backbone!r}, which cannot embed an "
             f"image ({exc}); search with vectors of shards made by `ddp-rank shards features` instead"
         ) from exc
     image_size = int(record.transform["image_size"])
@@ -46,29 +45,23 @@ def image_model(cfg: Config, head: FeatureHeadNet) -> ImageFeatureNet:
     digest = weights_digest(backbone.backbone)
     if digest != record.weights_digest:
         raise ConfigError(
-            f"{cfg.data.shards}/manifest.json: the vectors were made by {record.backbone} with weights "
+            f"{shards}/manifest.json: the vectors were made by {record.backbone} with weights "
             f"{record.weights} of digest {record.weights_digest[:12]}..., but those weights now have digest "
             f"{digest[:12]}...: restore the weights the shards were made with, or rebuild the feature shards"
         )
     whitening = None
     if record.whitening is not None:
         try:
-            found = load_whitening(str(cfg.data.shards), record.whitening)
+            found = load_whitening(str(shards), record.whitening)
         except WhiteningError as exc:
             raise ConfigError(str(exc)) from exc
         whitening = (torch.from_numpy(found.mean), torch.from_numpy(found.projection))
     return ImageFeatureNet(backbone, head, precision_dtype(record.mixed_precision), whitening)
 
 
-def image_config(cfg: Config) -> Config:
-    """``cfg`` with the recorded transform in ``data`` (crop, resize_size, image_size) for a feature head, so
-    that images are cropped as the shards' images were; ``cfg`` itself for an image backbone."""
-    if cfg.model.backbone != FEATURES_BACKBONE:
-        return cfg
-    record = feature_record(open_shards(cfg))
-    if record is None:
-        raise ConfigError(f"{cfg.data.shards}/manifest.json has no build.features record")
-    data = dataclasses.replace(
-        cfg.data, **{k: record.transform[k] for k in ("crop", "resize_size", "image_size")}
+def image_data(data: DataSettings, record: FeatureRecord) -> DataSettings:
+    """``data`` with the transform ``record`` holds (crop, resize_size, image_size), so that images are cropped
+    as the feature shards' images were."""
+    return dataclasses.replace(
+        data, **{k: record.transform[k] for k in ("crop", "resize_size", "image_size")}
     )
-    return dataclasses.replace(cfg, data=data)

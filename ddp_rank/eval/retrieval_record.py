@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.config import Config
 from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
 from ddp_rank.data.features import feature_dim
 from ddp_rank.data.manifest import Manifest, is_url
@@ -38,6 +37,7 @@ from ddp_rank.data.transforms import decode_image
 from ddp_rank.eval.protocols import EmbeddedSet, subset_mask
 from ddp_rank.eval.retrieval import ExactSearch
 from ddp_rank.eval.retrieval_grid import Cell, GridLayout, draw_grid, save_png
+from ddp_rank.eval.runner import EvalSettings, key_index
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +215,6 @@ def record_from_embedded(
 ) -> RetrievalRecord | None:
     """The record of a gathered test split (its rows carry ``index``, the hash of each sample key); the keys
     are found by reading the classes of the rows shown. None when no query can be sampled."""
-    from ddp_rank.eval.runner import key_index
-
     if data.index is None:
         raise ValueError("the embedded set carries no sample index: embed it with ddp_rank.eval.runner")
     queries, database = sample_query_rows(data, protocol, count, seed)
@@ -320,9 +318,9 @@ class RetrievalPicture:
     no image: no picture, said once in the log.
     """
 
-    def __init__(self, cfg: Config, is_main: bool, manifest: Manifest | None = None) -> None:
-        self.cfg = cfg
-        self.enabled = is_main and cfg.eval.grid_queries > 0
+    def __init__(self, settings: EvalSettings, is_main: bool, manifest: Manifest | None = None) -> None:
+        self.settings = settings
+        self.enabled = is_main and settings.grid_queries > 0
         self.manifest = manifest
         self._captured: tuple[str, EmbeddedSet] | None = None
         self._said_no_images = False
@@ -338,19 +336,19 @@ class RetrievalPicture:
         if captured is None:
             return None
         split, data = captured
-        cfg = self.cfg
-        manifest = self.manifest if self.manifest is not None else Manifest.load(cfg.data.shards)
+        settings, data_settings = self.settings, self.settings.data
+        manifest = self.manifest if self.manifest is not None else Manifest.load(data_settings.shards)
         if feature_dim(manifest) is not None:
             if not self._said_no_images:
                 log.info("no retrieval picture: the test shards hold feature vectors, not images")
                 self._said_no_images = True
             return None
-        cache = open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb)
-        images = ShardImages(manifest, split, cache, cfg.data.max_image_pixels)
+        cache = open_cache(data_settings.cache_dir, data_settings.cache_max_gb)
+        images = ShardImages(manifest, split, cache, data_settings.max_image_pixels)
         try:
             record = record_from_embedded(
-                data, images, shards=_absolute(cfg.data.shards), split=split, protocol=cfg.eval.protocol,
-                count=cfg.eval.grid_queries, k=cfg.eval.grid_k, seed=cfg.eval.grid_seed, device=device,
+                data, images, shards=_absolute(data_settings.shards), split=split, protocol=settings.protocol,
+                count=settings.grid_queries, k=settings.grid_k, seed=settings.grid_seed, device=device,
             )  # fmt: skip
             if record is None:
                 log.info(f"no retrieval picture: no query of split '{split}' has another image of its class")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,12 +21,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddp_rank.config import Config
 from ddp_rank.data.eval_reader import EvalShards
 from ddp_rank.data.loader import ignore_stop_signals
 from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.settings import DataSettings
 from ddp_rank.data.shard_cache import open_cache
-from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.distributed.process_group import is_distributed, rank, world_size
 from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.deployment import DeploymentSettings
@@ -41,13 +41,38 @@ from ddp_rank.eval.protocols import (
 )
 
 __all__ = [
-    "deployment_settings",
+    "EvalSettings",
     "evaluate_model",
     "key_index",
     "read_eval_batches",
     "score",
     "vehicleid_splits",
 ]
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What an evaluation reads of a run, made once at start-up (``ddp_rank.eval.settings``): the config keys
+    ``eval.*`` of the same names (``deployment``: ``eval.fprs``, ``fpirs``, ``enrolled_fraction``,
+    ``gallery_per_identity``, ``max_positive_pairs``, ``block_mb``), ``seed`` = ``train.seed`` (VehicleID's
+    gallery draws, the identification split), and ``data``: the data layer's settings (``data.shards``,
+    ``data.test_split``, the reader's workers and cache, the image sizes)."""
+
+    data: DataSettings
+    protocol: str = "sop"
+    ks: tuple[int, ...] = ()
+    batch_size: int = 128
+    search: str = "auto"
+    map_at_r: bool = True
+    vehicleid_sizes: tuple[str, ...] = VEHICLEID_SIZES
+    vehicleid_repeats: int = 1
+    metrics: tuple[str, ...] = ()
+    deployment: DeploymentSettings = field(default_factory=DeploymentSettings)
+    seed: int = 0
+    grid_queries: int = 8
+    grid_k: int = 5
+    grid_seed: int = 0
+
 
 EmbeddedHook = Callable[[str, EmbeddedSet], None]
 """Called with each split's gathered embeddings (on every rank) before they are scored: the retrieval picture
@@ -64,7 +89,7 @@ def key_index(key: str) -> int:
 
 
 def read_eval_batches(
-    cfg: Config,
+    settings: EvalSettings,
     split: str,
     num_workers: int | None = None,
     rank_: int | None = None,
@@ -73,16 +98,17 @@ def read_eval_batches(
 ) -> Iterator[EvalBatch]:
     """This rank's batches of ``split`` as :class:`EvalBatch` (uint8 images: the models convert them).
     ``manifest``: the already loaded manifest of ``data.shards`` (read from there when None)."""
+    data = settings.data
     reader = EvalShards(
-        manifest if manifest is not None else cfg.data.shards,
+        manifest if manifest is not None else data.shards,
         split=split,
-        batch_size=cfg.eval.batch_size,
-        transform=transform_from_config(cfg.data, pixels="uint8"),  # the model scales them on its device
+        batch_size=settings.batch_size,
+        transform=data.transform(pixels="uint8"),  # the model scales them on its device
         rank=rank() if rank_ is None else rank_,
         world_size=world_size() if world is None else world,
-        cache_dir=open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb),
+        cache_dir=open_cache(data.cache_dir, data.cache_max_gb),
     )
-    workers = cfg.data.num_workers if num_workers is None else num_workers
+    workers = data.num_workers if num_workers is None else num_workers
     # The workers ignore the job's stop signals: a signal during the trainer's evaluation stops the run after the
     # next step, with a checkpoint, rather than killing a worker (ddp_rank.data.loader.ignore_stop_signals).
     loader = DataLoader(reader, batch_size=None, num_workers=workers, worker_init_fn=ignore_stop_signals)
@@ -97,7 +123,7 @@ def read_eval_batches(
 
 def embed_split(
     model: nn.Module,
-    cfg: Config,
+    settings: EvalSettings,
     split: str,
     device: torch.device | str = "cpu",
     autocast_dtype: torch.dtype | None = None,
@@ -105,14 +131,14 @@ def embed_split(
     manifest: Manifest | None = None,
 ) -> EmbeddedSet:
     """Embed ``split`` on all ranks and gather it onto every rank (rows sorted by sample key hash)."""
-    batches = read_eval_batches(cfg, split, num_workers, manifest=manifest)
+    batches = read_eval_batches(settings, split, num_workers, manifest=manifest)
     e, y, bits, idx = embed_batches(model, batches, device=device, autocast_dtype=autocast_dtype)
     return gather_embedded(e, y, bits, idx, device=device)
 
 
 def evaluate_model(
     model: nn.Module,
-    cfg: Config,
+    settings: EvalSettings,
     split: str | None = None,
     device: torch.device | str = "cpu",
     autocast_dtype: torch.dtype | None = None,
@@ -129,18 +155,18 @@ def evaluate_model(
     ``data.shards`` (the trainer passes its own, so a periodic evaluation reads no manifest); loaded once here
     when None.
     """
-    manifest = manifest if manifest is not None else Manifest.load(cfg.data.shards)
-    if cfg.eval.protocol == "vehicleid":
-        per_size = vehicleid_splits(cfg, manifest) if split is None else _vehicleid_list_split(split)
+    manifest = manifest if manifest is not None else Manifest.load(settings.data.shards)
+    if settings.protocol == "vehicleid":
+        per_size = vehicleid_splits(settings, manifest) if split is None else _vehicleid_list_split(split)
         if per_size:
             return _evaluate_vehicleid_splits(
-                model, cfg, per_size, device, autocast_dtype, num_workers, manifest, on_embedded
+                model, settings, per_size, device, autocast_dtype, num_workers, manifest, on_embedded
             )
-    target = split or cfg.data.test_split
-    data = embed_split(model, cfg, target, device, autocast_dtype, num_workers, manifest)
+    target = split or settings.data.test_split
+    data = embed_split(model, settings, target, device, autocast_dtype, num_workers, manifest)
     if on_embedded is not None:
         on_embedded(target, data)
-    return score(data, cfg, device=device, bootstrap=bootstrap)
+    return score(data, settings, device=device, bootstrap=bootstrap)
 
 
 def _vehicleid_list_split(split: str) -> dict[str, str]:
@@ -149,12 +175,12 @@ def _vehicleid_list_split(split: str) -> dict[str, str]:
     return {size: split} if split.startswith("test_") and size in VEHICLEID_SIZES else {}
 
 
-def vehicleid_splits(cfg: Config, manifest: Manifest | None = None) -> dict[str, str]:
+def vehicleid_splits(settings: EvalSettings, manifest: Manifest | None = None) -> dict[str, str]:
     """``{size: split}`` for the VehicleID test lists stored as splits ``test_small`` / ``test_medium`` /
     ``test_large`` (the data layer's VehicleID recipe); empty when the shards carry subset tokens instead."""
-    splits = (manifest if manifest is not None else Manifest.load(cfg.data.shards)).splits
-    found = {size: f"test_{size}" for size in cfg.eval.vehicleid_sizes if f"test_{size}" in splits}
-    missing = [s for s in cfg.eval.vehicleid_sizes if s not in found]
+    splits = (manifest if manifest is not None else Manifest.load(settings.data.shards)).splits
+    found = {size: f"test_{size}" for size in settings.vehicleid_sizes if f"test_{size}" in splits}
+    missing = [s for s in settings.vehicleid_sizes if s not in found]
     if found and missing:
         raise EvalError(
             f"the shards have VehicleID splits {sorted(found.values())} but not test_{missing[0]}: rebuild them or "
@@ -165,7 +191,7 @@ def vehicleid_splits(cfg: Config, manifest: Manifest | None = None) -> dict[str,
 
 def _evaluate_vehicleid_splits(
     model: nn.Module,
-    cfg: Config,
+    settings: EvalSettings,
     per_size: dict[str, str],
     device: torch.device | str,
     autocast_dtype: torch.dtype | None,
@@ -176,36 +202,23 @@ def _evaluate_vehicleid_splits(
     """VehicleID with one split per test list: embed each list, mark it with its size, run the protocol."""
     out: dict[str, Any] = {}
     for size, split in per_size.items():
-        data = embed_split(model, cfg, split, device, autocast_dtype, num_workers, manifest)
+        data = embed_split(model, settings, split, device, autocast_dtype, num_workers, manifest)
         if on_embedded is not None:
             on_embedded(split, data)
         data.subset_bits = data.subset_bits | (1 << SUBSET_TOKENS.index(size))
-        result = score(data, cfg, vehicleid_sizes=[size], device=device)
+        result = score(data, settings, vehicleid_sizes=[size], device=device)
         out.update({k: v for k, v in result.items() if k.startswith(f"{size}/")})
     return with_largest_list_as_headline(out, list(per_size))
 
 
-def deployment_settings(cfg: Config) -> DeploymentSettings:
-    """The verification / identification settings of ``cfg.eval`` (the split seeded with ``train.seed``)."""
-    return DeploymentSettings(
-        fprs=tuple(cfg.eval.fprs),
-        fpirs=tuple(cfg.eval.fpirs),
-        enrolled_fraction=cfg.eval.enrolled_fraction,
-        gallery_per_identity=cfg.eval.gallery_per_identity,
-        max_positive_pairs=cfg.eval.max_positive_pairs,
-        block_bytes=cfg.eval.block_mb << 20,
-        seed=cfg.train.seed,
-    )
-
-
 def score(
     data: EmbeddedSet,
-    cfg: Config,
+    settings: EvalSettings,
     vehicleid_sizes: list[str] | None = None,
     device: torch.device | str | None = None,
     bootstrap: QueryBootstrap | None = None,
 ) -> dict[str, Any]:
-    """Run ``cfg.eval.protocol`` on gathered embeddings on rank 0 and broadcast the result to every rank.
+    """Run ``settings.protocol`` on gathered embeddings on rank 0 and broadcast the result to every rank.
 
     The exact search runs where the model ran (``device``): chunked top-k on a GPU, faiss or top-k on a CPU.
     """
@@ -213,17 +226,17 @@ def score(
     if rank() == 0:
         try:
             result[0] = evaluate(
-                cfg.eval.protocol,
+                settings.protocol,
                 data,
-                cfg.eval.ks or None,
-                map_at_r=cfg.eval.map_at_r,
-                backend=cfg.eval.search,
-                vehicleid_sizes=vehicleid_sizes or cfg.eval.vehicleid_sizes,
-                repeats=cfg.eval.vehicleid_repeats,
-                seed=cfg.train.seed,
+                list(settings.ks) or None,
+                map_at_r=settings.map_at_r,
+                backend=settings.search,
+                vehicleid_sizes=vehicleid_sizes or list(settings.vehicleid_sizes),
+                repeats=settings.vehicleid_repeats,
+                seed=settings.seed,
                 device=device,
-                metrics=cfg.eval.metrics,
-                deployment=deployment_settings(cfg),
+                metrics=list(settings.metrics),
+                deployment=settings.deployment,
                 bootstrap=bootstrap,
             )
         except Exception as exc:  # report on every rank instead of leaving the others waiting

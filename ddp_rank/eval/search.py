@@ -5,6 +5,9 @@ model is rebuilt from what the index records: the checkpoint the export was made
 (image size, crop, backbone) and the precision it embedded in, so a query is embedded exactly like the indexed
 collection. A head trained on feature shards gets the backbone their manifest records in front of it
 (``feature_images``): the query image is embedded as the shards' images were, then by the head.
+
+The index folder goes down once: the index gives the export's record, that record (or the files given) the
+model's and the data's settings (``ddp_rank.eval.settings``), and those the network (``ddp_rank.eval.eval_model``).
 """
 
 from __future__ import annotations
@@ -19,13 +22,12 @@ import torch
 from PIL import Image
 from torch import nn
 
-from ddp_rank.config import Config, config_from_dict, load_config
-from ddp_rank.data.transforms import transform_from_config
+from ddp_rank.data.settings import DataSettings
 from ddp_rank.eval.embed import autocast
-from ddp_rank.eval.feature_images import image_config, image_model
+from ddp_rank.eval.eval_model import build_eval_model, feature_shards, images_in_front
+from ddp_rank.eval.settings import index_settings
 from ddp_rank.eval.sources import open_image, pil_batch
 from ddp_rank.eval.vector_index import SearchIndex
-from ddp_rank.model.feature_head import FeatureHeadNet
 from ddp_rank.runtime.accelerator import precision_dtype
 
 __all__ = ["Hit", "Searcher"]
@@ -47,17 +49,18 @@ class Searcher:
     def __init__(
         self,
         model: nn.Module,
-        cfg: Config,
+        data: DataSettings,
         index: SearchIndex,
         device: torch.device | str = "cpu",
         autocast_dtype: torch.dtype | None = None,
     ) -> None:
+        """``data``: the data settings the indexed images were read with (their transform and pixel limit)."""
         self.model = model.to(device).eval()
-        self.cfg = cfg
+        self.data = data
         self.index = index
         self.device = torch.device(device)
         self.autocast_dtype = autocast_dtype
-        self.transform = transform_from_config(cfg.data)
+        self.transform = data.transform()
 
     @classmethod
     def from_index(
@@ -70,27 +73,20 @@ class Searcher:
     ) -> Searcher:
         """Load the index and the model it was exported with (or ``checkpoint`` / ``config`` if given);
         ``max_pixels`` replaces the config's ``data.max_image_pixels`` for the query images."""
-        from ddp_rank.eval.workflow import build_eval_model, load_run_config
-
         index = SearchIndex.load(index_dir)
         export = index.info.get("export", {})
         checkpoint = checkpoint or export.get("checkpoint")
-        if config is not None:
-            cfg = load_config(config)
-        elif "config" in export:
-            cfg = config_from_dict(export["config"], origin=f"{index_dir}/index.json")
-        else:
-            cfg = load_run_config(None, checkpoint, [])
-        model, _ = build_eval_model(cfg, checkpoint, None)
-        if isinstance(model, FeatureHeadNet):  # queries are images: the shards' recorded backbone first
-            model, cfg = image_model(cfg, model), image_config(cfg)
+        model_settings, data = index_settings(export, f"{index_dir}/index.json", config, checkpoint)
+        manifest = feature_shards(model_settings, data)
+        model, _ = build_eval_model(model_settings, manifest, checkpoint, None)
+        model, data = images_in_front(model, data, manifest)  # queries are images: a feature head's backbone
+        if max_pixels is not None:
+            data = replace(data, max_image_pixels=max_pixels)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = precision_dtype(export.get("mixed_precision", "no"))
-        searcher = cls(model, cfg, index, device, autocast_dtype=dtype)
-        if max_pixels is not None:
-            searcher.transform = replace(searcher.transform, max_pixels=max_pixels)
-        probe = searcher.embed([Image.new("RGB", (cfg.data.image_size,) * 2)])
+        searcher = cls(model, data, index, device, autocast_dtype=dtype)
+        probe = searcher.embed([Image.new("RGB", (data.image_size,) * 2)])
         if probe.shape[1] != index.items.dim:
             raise ValueError(
                 f"the model embeds into {probe.shape[1]} dimensions but the index holds {index.items.dim}: pass the "

@@ -12,31 +12,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from accelerate.utils import gather_object
 
-from ddp_rank.config import Config, ConfigError, config_from_dict, load_config, to_dict
+from ddp_rank.config import Config, ConfigError, to_dict
 from ddp_rank.data.shard_cache import open_cache
-from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.curves import draw_curves, split_curves
+from ddp_rank.eval.eval_model import RAW_PIXEL_SIZE, build_eval_model, feature_shards, images_in_front
 from ddp_rank.eval.export import ExportError, embed_batches_to_arrays, write_manifest, write_part
-from ddp_rank.eval.feature_images import image_config, image_model
 from ddp_rank.eval.protocols import VEHICLEID_SIZES
 from ddp_rank.eval.report import bootstrap_note, deployment_lines, format_table, write_json
 from ddp_rank.eval.retrieval_record import RetrievalPicture
 from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
+from ddp_rank.eval.settings import evaluation_settings, load_run_config
 from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
-from ddp_rank.model import RawPixels, build_model, load_model_weights, read_meta, resolve_checkpoint
-from ddp_rank.model.feature_head import FeatureHeadNet, RawFeatures
+from ddp_rank.model import resolve_checkpoint
 from ddp_rank.runtime import autocast_dtype, make_accelerator, open_shards
+from ddp_rank.runtime.settings import model_settings
 from ddp_rank.runtime.shards import check_split as _check_in_manifest
-from ddp_rank.runtime.shards import model_input_dim
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "RAW_PIXEL_SIZE",
     "Evaluation",
     "build_eval_model",
     "check_split",
@@ -48,39 +47,12 @@ __all__ = [
     "results_table",
 ]
 
-RAW_PIXEL_SIZE = 64
-"""Raw-pixel baseline: images are resized to at most this side before flattening (64 x 64 x 3 = 12,288-d)."""
-
 
 def check_split(cfg: Config, split: str | None) -> None:
     """The shards open (``split`` None) and hold ``split``; errors say how to fix it."""
-    manifest = open_shards(cfg)
+    manifest = open_shards(cfg.data.shards, cfg.model.backbone)
     if split is not None:
-        _check_in_manifest(manifest, cfg, split)
-
-
-def load_run_config(config: str | None, checkpoint: str | None, overrides: list[str]) -> Config:
-    """The config to evaluate with: ``config`` if given, else the run's own ``config.yaml`` found from the
-    checkpoint (a run directory, its ``checkpoints/`` folder or a ``step-*`` directory), else the config stored
-    in the checkpoint's ``meta.json``. Overrides apply on top."""
-    if config is not None or checkpoint is None:
-        return load_config(config, overrides)
-    p = Path(checkpoint)
-    for candidate in (p / "config.yaml", p.parent / "config.yaml", p.parent.parent / "config.yaml"):
-        if candidate.is_file():
-            return load_config(candidate, overrides)
-    try:
-        meta = read_meta(resolve_checkpoint(checkpoint))
-    except Exception as exc:
-        raise ConfigError(
-            f"--checkpoint {checkpoint}: no config.yaml in the run directory and no readable checkpoint ({exc}); "
-            "pass --config with the YAML the run was trained with"
-        ) from exc
-    if "config" not in meta:
-        raise ConfigError(
-            f"--checkpoint {checkpoint}: no config.yaml in the run directory and none in its meta.json; pass --config"
-        )
-    return config_from_dict(meta["config"], overrides, f"{checkpoint} (meta.json)")
+        _check_in_manifest(manifest, cfg.data.shards, split)
 
 
 def _splits_to_evaluate(cfg: Config, split: str | None) -> tuple[str | None, str]:
@@ -90,7 +62,7 @@ def _splits_to_evaluate(cfg: Config, split: str | None) -> tuple[str | None, str
     the evaluation takes every list in ``eval.vehicleid_sizes``, not only ``data.test_split``.
     """
     if split is None and cfg.eval.protocol == "vehicleid":
-        per_size = vehicleid_splits(cfg)
+        per_size = vehicleid_splits(evaluation_settings(cfg))
         if per_size:
             return None, ", ".join(per_size[s] for s in VEHICLEID_SIZES if s in per_size)
     target = split or cfg.data.test_split
@@ -98,22 +70,6 @@ def _splits_to_evaluate(cfg: Config, split: str | None) -> tuple[str | None, str
         raise ConfigError("no split to evaluate: pass --split or set data.test_split")
     check_split(cfg, target)
     return split, target
-
-
-def build_eval_model(
-    cfg: Config, checkpoint: str | None, baseline: str | None
-) -> tuple[torch.nn.Module, str]:
-    """The model to evaluate and its default name: raw pixels, the untrained network, or a checkpoint's."""
-    dim = model_input_dim(cfg)
-    if baseline == "raw-pixels" and dim is not None:  # on feature shards: the frozen backbone's own vectors
-        return RawFeatures(), "raw features"
-    if baseline == "raw-pixels":
-        return RawPixels(min(cfg.data.image_size, RAW_PIXEL_SIZE)), "raw pixels"
-    model = build_model(cfg.model, cfg.data.image_size, dim)
-    if baseline == "untrained" or checkpoint is None:
-        return model, f"{cfg.model.backbone} before training"
-    path = load_model_weights(model, resolve_checkpoint(checkpoint))
-    return model, f"{cfg.model.backbone} trained ({path.name})"
 
 
 def results_table(results: dict[str, dict[str, Any]]) -> str:
@@ -174,15 +130,17 @@ def evaluate_and_record(
     split, described = _splits_to_evaluate(cfg, split)
     if checkpoint is not None and baseline is not None:
         raise ConfigError("pass either --checkpoint or --baseline, not both")
+    settings, model_part = evaluation_settings(cfg), model_settings(cfg)
     accelerator = make_accelerator(cfg)
     try:
-        model, default_name = build_eval_model(cfg, checkpoint, baseline)
+        shards = feature_shards(model_part, settings.data)
+        model, default_name = build_eval_model(model_part, shards, checkpoint, baseline)
         model.to(accelerator.device)
-        picture = RetrievalPicture(cfg, accelerator.is_main_process)
+        picture = RetrievalPicture(settings, accelerator.is_main_process)
         metrics, curves = split_curves(
             evaluate_model(
                 model,
-                cfg,
+                settings,
                 split,
                 device=accelerator.device,
                 autocast_dtype=autocast_dtype(accelerator),
@@ -269,17 +227,18 @@ def export_embeddings(
     try:
         rank, world = accelerator.process_index, accelerator.num_processes
         skipped: list[str] | None = [] if on_bad == "skip" else None
-        model, _ = build_eval_model(cfg, ckpt, None)
-        data_cfg = cfg.data
-        if source["kind"] != "split" and isinstance(model, FeatureHeadNet):
+        model_part, data_part = model_settings(cfg), evaluation_settings(cfg).data
+        shards = feature_shards(model_part, data_part)
+        model, _ = build_eval_model(model_part, shards, ckpt, None)
+        if source["kind"] != "split":
             # Images into a head trained on feature shards: the backbone the shards record goes first.
-            model, data_cfg = image_model(cfg, model), image_config(cfg).data
+            model, data_part = images_in_front(model, data_part, shards)
         model.to(accelerator.device)
-        transform, bs = transform_from_config(data_cfg), cfg.eval.batch_size
-        cache = open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb)
+        transform, bs = data_part.transform(), cfg.eval.batch_size
+        cache = open_cache(data_part.cache_dir, data_part.cache_max_gb)
         if source["kind"] == "split":
             batches = split_batches(
-                cfg.data.shards, source["split"], transform, bs, rank, world, cfg.data.num_workers, cache
+                data_part.shards, source["split"], transform, bs, rank, world, data_part.num_workers, cache
             )
         elif source["kind"] == "images":
             batches = folder_batches(source["folder"], transform, bs, rank, world, skipped)

@@ -27,6 +27,7 @@ from torch import nn
 from ddp_rank.config import BACKBONES, FEATURES_BACKBONE, TIMM_PREFIX, ModelConfig
 from ddp_rank.data.transforms import uint8_to_unit
 from ddp_rank.model.backbones import build_timm_backbone, replace_pooling
+from ddp_rank.model.settings import ModelSettings
 
 __all__ = [
     "BACKBONES",
@@ -356,10 +357,13 @@ def _efficientnet_lite0(weights: str, image_size: int, output_stride: int = 32) 
     return _EfficientNetLiteFeatures(net, output_stride)
 
 
-def build_model(cfg: ModelConfig, image_size: int = 224, feature_dim: int | None = None) -> EmbeddingNet:
-    """Build the embedding network described by ``cfg`` (``image_size`` matters to EfficientNet-Lite and to
-    vision transformers, whose position embeddings are sized for it). ``feature_dim``: the vectors' length of
-    feature shards, which ``model.backbone=features`` (a head only) needs."""
+def build_model(
+    cfg: ModelSettings | ModelConfig, image_size: int = 224, feature_dim: int | None = None
+) -> EmbeddingNet:
+    """Build the embedding network described by ``cfg`` (the model's settings, or the config's ``model``
+    section; ``image_size`` matters to EfficientNet-Lite and to vision transformers, whose position embeddings
+    are sized for it). ``feature_dim``: the vectors' length of feature shards, which ``model.backbone=features``
+    (a head only) needs."""
     name, weights = cfg.backbone, cfg.weights
     if name == FEATURES_BACKBONE:
         from ddp_rank.model.feature_head import FeatureHeadNet  # it builds on EmbeddingNet, defined here

@@ -1,6 +1,6 @@
 """The accelerator of a run and the one precision every part of it uses.
 
-``make_accelerator`` picks gloo on CPU, NCCL on GPUs and DeepSpeed when the launcher asks; ``autocast_dtype``
+``start_accelerator`` picks gloo on CPU, NCCL on GPUs and DeepSpeed when the launcher asks; ``autocast_dtype``
 reads the precision back from that accelerator. Training, its periodic evaluation, ``ddp-rank eval``, ``export``
 and ``search`` all take their autocast dtype from here, so one checkpoint gives one set of numbers whichever
 command evaluates it (reading ``train.mixed_precision`` from the config instead would miss ``auto`` under a bf16
@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ddp_rank.config import Config, ConfigError
+from ddp_rank.config import ConfigError
 from ddp_rank.runtime.errors import TrainError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["autocast_dtype", "make_accelerator", "precision_dtype", "resolve_mixed_precision"]
+__all__ = [
+    "AcceleratorSettings",
+    "autocast_dtype",
+    "precision_dtype",
+    "resolve_mixed_precision",
+    "start_accelerator",
+]
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,7 +59,17 @@ def resolve_mixed_precision(configured: str, launcher: str | None = None) -> str
     return configured
 
 
-def make_accelerator(cfg: Config, tracker_arguments: dict[str, Any] | None = None) -> Any:
+@dataclass(frozen=True)
+class AcceleratorSettings:
+    """What the accelerator of a run is made from: ``distributed.cpu``, ``train.mixed_precision`` (as configured;
+    resolved against the launcher's here) and ``distributed.find_unused_parameters``."""
+
+    cpu: bool = False
+    mixed_precision: str = "auto"
+    find_unused_parameters: bool = False
+
+
+def start_accelerator(settings: AcceleratorSettings, tracker_arguments: dict[str, Any] | None = None) -> Any:
     """An ``Accelerator`` for this machine: gloo on CPU (also under ``accelerate launch --multi_gpu`` with no
     GPU), NCCL on GPUs, DeepSpeed when the launcher config asks for it. ``tracker_arguments``: the trainer's
     experiment trackers (``log_with`` and the logging directory, ``ddp_rank.train.trackers``)."""
@@ -60,7 +77,7 @@ def make_accelerator(cfg: Config, tracker_arguments: dict[str, Any] | None = Non
     from accelerate.utils import DistributedDataParallelKwargs
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    cpu = cfg.distributed.cpu or not torch.cuda.is_available() or _too_few_gpus()
+    cpu = settings.cpu or not torch.cuda.is_available() or _too_few_gpus()
     if deepspeed and cpu:
         # Checked with accelerate 1.15: Accelerator(cpu=True) silently drops the DeepSpeed plugin (plain DDP),
         # and Accelerator(cpu=False) without a GPU reports every process as rank 0 of 1. Neither is what was asked.
@@ -70,9 +87,9 @@ def make_accelerator(cfg: Config, tracker_arguments: dict[str, Any] | None = Non
         )
     return Accelerator(
         cpu=cpu,
-        mixed_precision=resolve_mixed_precision(cfg.train.mixed_precision),
+        mixed_precision=resolve_mixed_precision(settings.mixed_precision),
         kwargs_handlers=[
-            DistributedDataParallelKwargs(find_unused_parameters=cfg.distributed.find_unused_parameters)
+            DistributedDataParallelKwargs(find_unused_parameters=settings.find_unused_parameters)
         ],
         **(tracker_arguments or {}),
     )

@@ -1,19 +1,18 @@
-"""The bridge from the typed config to the data layer's settings (the data layer itself knows no config)."""
+"""The data layer's sampler settings for a run's shards: ``data.sampler=auto`` resolved on the manifest."""
 
 from __future__ import annotations
 
-from ddp_rank.config import Config
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.data.schedule import ScheduleConfig
+from ddp_rank.data.settings import DataSettings
 
-__all__ = ["data_seed", "resolve_sampler", "schedule_config"]
+__all__ = ["resolve_sampler", "schedule_config"]
 
 
-def resolve_sampler(cfg: Config, manifest: Manifest) -> tuple[str, str]:
+def resolve_sampler(data: DataSettings, manifest: Manifest) -> tuple[str, str]:
     """(strategy, why) of ``data.sampler`` on the training split of ``manifest``. ``auto`` is the category-aware
     ``hard`` sampler when the split's classes span enough categories for a batch (at least two, and at least
     ``data.categories_per_batch``), else ``random``: shards made by other tools often carry no category."""
-    data = cfg.data
     if data.sampler != "auto":
         return data.sampler, "set by data.sampler"
     split = manifest.splits.get(data.train_split)
@@ -31,21 +30,14 @@ def resolve_sampler(cfg: Config, manifest: Manifest) -> tuple[str, str]:
     )
 
 
-def schedule_config(cfg: Config, manifest: Manifest) -> ScheduleConfig:
-    """The sampler settings of ``cfg.data`` on ``manifest`` (``auto`` resolved; seeded by :func:`data_seed`)."""
-    data = cfg.data
+def schedule_config(data: DataSettings, manifest: Manifest) -> ScheduleConfig:
+    """The sampler settings of ``data`` on ``manifest`` (``auto`` resolved; seeded by ``data.seed``)."""
     return ScheduleConfig(
-        strategy=resolve_sampler(cfg, manifest)[0],  # type: ignore[arg-type]
+        strategy=resolve_sampler(data, manifest)[0],  # type: ignore[arg-type]
         categories_per_batch=data.categories_per_batch,
         batches_per_pair=data.batches_per_pair,
         steps_per_epoch=data.steps_per_epoch or None,
         images_per_class=data.images_per_class,
         category_aware=data.category_aware,
-        seed=data_seed(cfg),
+        seed=data.seed,
     )
-
-
-def data_seed(cfg: Config) -> int:
-    """The seed of the data schedule, the dealing to ranks and the augmentations: ``data.seed``, or ``train.seed``
-    when it is -1 (so one seed varies everything, and ``data.seed`` varies the data alone)."""
-    return cfg.data.seed if cfg.data.seed >= 0 else cfg.train.seed

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_rank.config import Config
 from ddp_rank.distributed.agreement import RankFailure, min_over_ranks, raise_if_any_failed
 from ddp_rank.losses import ListwiseLoss
 from ddp_rank.runtime import TrainError
@@ -24,6 +23,7 @@ from ddp_rank.train.chunk_choice import ChunkChoice, auto_chunk
 from ddp_rank.train.chunk_confirm import Confirmation, confirm_chunk, trial_step
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.pml_loss import generic_work_space
+from ddp_rank.train.step_settings import StepSettings
 
 __all__ = ["choose_chunk_for_run", "confirm_chunk_for_run"]
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 def choose_chunk_for_run(
-    cfg: Config,
+    step: StepSettings,
     layout: BatchLayout,
     model: nn.Module,
     loss: nn.Module,
@@ -44,9 +44,7 @@ def choose_chunk_for_run(
 ) -> tuple[BatchLayout, ChunkChoice]:
     """Collective: measure, choose, agree on the smallest chunk over the ranks. (The layout of that chunk, this
     rank's choice, whose figures the trial step uses.) A failure on any rank is a TrainError on every rank."""
-    positives = (
-        cfg.data.images_per_class if cfg.data.sampler == "pk" else min(largest_class, layout.global_batch)
-    )
+    positives = step.images_per_class if step.sampler == "pk" else min(largest_class, layout.global_batch)
     if isinstance(loss, ListwiseLoss):
         work, _ = loss.work_space(layout.local_batch, layout.global_batch, positives, device)
     else:
@@ -55,7 +53,7 @@ def choose_chunk_for_run(
     error: str | None = None
     try:
         choice = auto_chunk(
-            model, cfg, layout.local_batch, layout.global_batch, device, autocast_dtype, work,
+            model, step, layout.local_batch, layout.global_batch, device, autocast_dtype, work,
             world_size=layout.world_size, deepspeed=deepspeed, extra_parameters=extra,
         )  # fmt: skip
     except ValueError as exc:  # not even one image fits
@@ -67,7 +65,7 @@ def choose_chunk_for_run(
     except RankFailure as exc:
         raise TrainError(f"distributed.chunk_size=auto: {exc}") from None
     chunk = min_over_ranks(choice.chunk or layout.local_batch)
-    agreed = BatchLayout.from_config(cfg, layout.world_size, chunk_size=chunk)  # whole BatchNorm groups
+    agreed = BatchLayout.from_settings(step, layout.world_size, chunk_size=chunk)  # whole BatchNorm groups
     if is_main:
         ranks = (
             f"; the smallest over the ranks: {chunk:,}"
@@ -81,7 +79,7 @@ def choose_chunk_for_run(
 
 
 def confirm_chunk_for_run(
-    cfg: Config,
+    step: StepSettings,
     layout: BatchLayout,
     choice: ChunkChoice,
     backend: StepBackend,
@@ -102,16 +100,20 @@ def confirm_chunk_for_run(
     if skipped:
         outcome = Confirmation(layout.chunk_size, (), False, skipped)
     else:
-        outcome = _confirm(cfg, layout, choice, backend, device)
+        outcome = _confirm(step, layout, choice, backend, device)
     if is_main:
         (log.warning if outcome.backed_off else log.info)(outcome.describe(layout.local_batch))
     if outcome.chunk == layout.chunk_size:
         return layout
-    return BatchLayout.from_config(cfg, layout.world_size, chunk_size=outcome.chunk or layout.local_batch)
+    return BatchLayout.from_settings(step, layout.world_size, chunk_size=outcome.chunk or layout.local_batch)
 
 
 def _confirm(
-    cfg: Config, layout: BatchLayout, choice: ChunkChoice, backend: StepBackend, device: torch.device
+    settings: StepSettings,
+    layout: BatchLayout,
+    choice: ChunkChoice,
+    backend: StepBackend,
+    device: torch.device,
 ) -> Confirmation:
     # On CPU the budget bounds the trial's saved tensors; the probe's intercept (weights saved for the backward,
     # the parameters themselves) does not grow with the chunk.
@@ -120,7 +122,7 @@ def _confirm(
     autocast: Any = backend.autocast
     step = trial_step(
         backend.bare_module,
-        cfg.data.image_size,
+        settings.image_size,
         autocast,
         layout.batchnorm.frozen,
         hold_aside=choice.fixed.not_yet_allocated,

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_rank.config import Config, ConfigError
+from ddp_rank.config import ConfigError
+from ddp_rank.train.step_settings import StepSettings
 
 __all__ = ["BatchNormMode"]
 
@@ -48,14 +49,13 @@ class BatchNormMode:
         return 1 if self.frozen else self.group
 
     @classmethod
-    def from_config(cls, cfg: Config, local_batch: int) -> BatchNormMode:
-        """The mode of ``cfg`` for ``local_batch`` images per rank; ConfigError for a combination that would make
+    def from_settings(cls, step: StepSettings, local_batch: int) -> BatchNormMode:
+        """The mode of ``step`` for ``local_batch`` images per rank; ConfigError for a combination that would make
         the chunked step train another function than the direct one (the message names the settings)."""
-        model, chunk = cfg.model, cfg.distributed.fixed_chunk
-        group = model.bn_group_size
-        if model.freeze_bn == "always":
+        chunk, group = step.fixed_chunk, step.bn_group_size
+        if step.freeze_bn == "always":
             return cls("frozen")
-        if model.sync_bn and group:
+        if step.sync_bn and group:
             raise ConfigError(
                 f"model.sync_bn=true normalises BatchNorm over the global batch and model.bn_group_size={group} "
                 "over groups of local images: set one of them (model.bn_group_size=0, or model.sync_bn=false)"
@@ -68,9 +68,9 @@ class BatchNormMode:
                     "is whole"
                 )
             mode = cls("groups", group)
-        elif model.sync_bn:
+        elif step.sync_bn:
             mode = cls("global", local_batch)
-        elif model.freeze_bn == "never" or chunk == 0 or (chunk is not None and chunk >= local_batch):
+        elif step.freeze_bn == "never" or chunk == 0 or (chunk is not None and chunk >= local_batch):
             mode = cls("batch", local_batch)
         else:
             return cls("frozen")  # auto, a step that may be chunked and no group size: frozen in both paths

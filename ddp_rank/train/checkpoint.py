@@ -40,6 +40,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -62,6 +63,7 @@ from ddp_rank.model.checkpoints import (
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
+    "CheckpointSettings",
     "atomic_write_text",
     "check_world_size",
     "fsync_tree",
@@ -69,6 +71,19 @@ __all__ = [
     "read_meta",
     "resolve_checkpoint",
 ]
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """The checkpointing of a run, from the config keys ``train.*`` of the same names (``resume``,
+    ``force_resume``, ``keep_last``, ``checkpoint_every``, ``best_metric``: the metric whose best step is kept),
+    made once at start-up by ``ddp_rank.train.settings``."""
+
+    resume: str = "auto"
+    force_resume: bool = False
+    keep_last: int = 3
+    checkpoint_every: int = 0
+    best_metric: str = "recall@1"
 
 
 def check_world_size(meta: dict[str, Any], world_size: int, force: bool, where: str = "") -> None:

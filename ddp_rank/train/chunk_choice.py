@@ -51,12 +51,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ddp_rank.config import Config
 from ddp_rank.model import freeze_batchnorm
 from ddp_rank.model.feature_head import example_input
 from ddp_rank.train.chunked import PreparesBatch
 from ddp_rank.train.host_memory import available_memory
 from ddp_rank.train.step_memory import FixedCosts, fixed_costs
+from ddp_rank.train.step_settings import StepSettings
 
 __all__ = [
     "ActivationProbe",
@@ -127,7 +127,7 @@ class ChunkChoice:
 
 def auto_chunk(
     model: nn.Module,
-    cfg: Config,
+    step: StepSettings,
     local_batch: int,
     global_batch: int,
     device: torch.device,
@@ -142,30 +142,30 @@ def auto_chunk(
     ranks and confirms it with one real step). Besides activations the step holds the fixed costs of
     ``ddp_rank.train.step_memory``; the loss's work space is ``loss_work_space`` plus the gathered database and
     its gradient."""
-    database = 2 * global_batch * cfg.model.embedding_dim * 4
+    database = 2 * global_batch * step.embedding_dim * 4
     fixed = fixed_costs(
         model,
-        cfg.optim.name,
-        cfg.optim.momentum,
+        step.optimizer,
+        step.momentum,
         world_size,
         device,
         database + loss_work_space,
         deepspeed=deepspeed,
         extra_parameters=extra_parameters,
-        input_batch_bytes=local_batch * _input_bytes(model, cfg.data.image_size),
-        prepared_batch_bytes=local_batch * prepared_input_bytes(model, cfg.data.image_size),
+        input_batch_bytes=local_batch * _input_bytes(model, step.image_size),
+        prepared_batch_bytes=local_batch * prepared_input_bytes(model, step.image_size),
     )
     if local_processes is None:  # the processes of this node share its memory
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     budget, decided = memory_budget(
         device,
-        cfg.distributed.memory_fraction,
-        cfg.distributed.memory_budget_mb,
+        step.memory_fraction,
+        step.memory_budget_mb,
         fixed.total,
         local_processes,
     )
     probe = measure_activation_bytes(
-        model, cfg.data.image_size, device, autocast_dtype, budget_bytes=budget, largest=local_batch
+        model, step.image_size, device, autocast_dtype, budget_bytes=budget, largest=local_batch
     )
     if device.type == "cuda":  # what the probe held beyond its gradients and the activations: workspaces
         grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

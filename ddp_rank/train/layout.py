@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_rank.config import Config, ConfigError
+from ddp_rank.config import ConfigError
 from ddp_rank.data.plan import local_batch_size
 from ddp_rank.train.bn_mode import BatchNormMode
 from ddp_rank.train.chunked import runs_chunked
+from ddp_rank.train.step_settings import StepSettings
 
 __all__ = ["BatchLayout"]
 
@@ -31,25 +32,27 @@ class BatchLayout:
     batchnorm: BatchNormMode
 
     @classmethod
-    def from_config(cfg_cls, cfg: Config, world_size: int, chunk_size: int | None = None) -> BatchLayout:
-        """The layout of ``cfg`` on ``world_size`` ranks; ``chunk_size`` is the chunk when it was chosen elsewhere
+    def from_settings(
+        cfg_cls, step: StepSettings, world_size: int, chunk_size: int | None = None
+    ) -> BatchLayout:
+        """The layout of ``step`` on ``world_size`` ranks; ``chunk_size`` is the chunk when it was chosen elsewhere
         (``distributed.chunk_size=auto``: ``ddp_rank.train.chunk_choice``), else the config's. A chunk at least as
         large as the local batch is no chunk (``ddp_rank.train.chunked.runs_chunked``). A chosen chunk is rounded
         down to whole BatchNorm groups; a chunk that cannot hold them is a ConfigError."""
         try:
-            local = local_batch_size(cfg.data.global_batch_size, world_size)
+            local = local_batch_size(step.global_batch_size, world_size)
         except ValueError as exc:
             raise ConfigError(
-                f"data.global_batch_size={cfg.data.global_batch_size} does not split over {world_size} "
+                f"data.global_batch_size={step.global_batch_size} does not split over {world_size} "
                 f"process(es) ({exc}): every rank holds the same number of images; change the batch or "
                 "--num_processes"
             ) from None
-        batchnorm = BatchNormMode.from_config(cfg, local)
-        chunk = chunk_size if chunk_size is not None else cfg.distributed.fixed_chunk
-        if chunk_size and cfg.distributed.fixed_chunk is None:  # chosen by chunk_size=auto: whole groups
+        batchnorm = BatchNormMode.from_settings(step, local)
+        chunk = chunk_size if chunk_size is not None else step.fixed_chunk
+        if chunk_size and step.fixed_chunk is None:  # chosen by chunk_size=auto: whole groups
             chunk = batchnorm.round_chunk(chunk_size, local)
         return cfg_cls(
-            global_batch=cfg.data.global_batch_size,
+            global_batch=step.global_batch_size,
             world_size=world_size,
             local_batch=local,
             chunk_size=chunk if chunk and runs_chunked(local, chunk) else None,

@@ -20,14 +20,17 @@ from ddp_rank.data.plan import Catalog, GlobalPlan, PlanError
 from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
 from ddp_rank.model import build_model
 from ddp_rank.model.feature_head import example_input
+from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.shards import check_model_input, model_input_dim
 from ddp_rank.train.chunk_choice import auto_chunk, measure_activation_bytes, prepared_input_bytes
 from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.pml_loss import GENERIC_MATRICES, PML_PREFIX, generic_work_space
-from ddp_rank.train.setup import build_loss
+from ddp_rank.train.settings import train_settings
+from ddp_rank.train.setup import LossSettings, build_loss
 from ddp_rank.train.step_memory import fixed_costs
+from ddp_rank.train.step_settings import StepSettings
 
 __all__ = ["describe_plan", "format_bytes"]
 
@@ -46,14 +49,15 @@ def describe_plan(
 ) -> tuple[Facts, list[str]]:
     """(facts, problems) of ``cfg`` on ``world_size`` ranks; an empty problem list means the run can start.
     ``device``: where the run will compute (``cuda`` / ``cpu``; default: a GPU if this machine has one)."""
-    data = cfg.data
+    settings = train_settings(cfg)  # the config translated once, as the trainer does
+    data = settings.data
     facts: Facts = [("shards", data.shards), ("split", data.train_split)]
     problems: list[str] = []
     if world_size < 1:
         return facts, [f"--world-size must be at least 1, got {world_size}"]
     layout: BatchLayout | None = None
     try:
-        layout = BatchLayout.from_config(cfg, world_size)
+        layout = BatchLayout.from_settings(settings.step, world_size)
     except ConfigError as exc:
         problems.append(str(exc))
     try:
@@ -62,18 +66,18 @@ def describe_plan(
     except (OSError, ValueError, KeyError) as exc:
         return facts, [*problems, f"data.shards: {exc}"]
     try:
-        check_model_input(manifest, cfg)
+        check_model_input(manifest, data.shards, settings.model.backbone)
     except ConfigError as exc:
         return facts, [*problems, str(exc)]
     images = sum(catalog.class_sizes.values())
     facts.append(("usable classes / images", f"{len(catalog.class_sizes):,} / {images:,}"))
     if catalog.singletons:
         facts.append(("single-image classes", f"{catalog.singletons:,} (left out: no positive)"))
-    strategy, why = resolve_sampler(cfg, manifest)
+    strategy, why = resolve_sampler(data, manifest)
     sampler = strategy + (f", K={data.images_per_class}" if strategy == "pk" else "")
     facts.append(("sampler", sampler + (f" ({why})" if data.sampler == "auto" else "")))
     try:
-        plan = GlobalPlan(catalog, schedule_config(cfg, manifest), data.global_batch_size)
+        plan = GlobalPlan(catalog, schedule_config(data, manifest), data.global_batch_size)
     except PlanError as exc:
         return facts, [*problems, f"the sampler cannot be met: {exc}"]
     facts.append(("steps per epoch", f"{plan.steps_per_epoch:,}"))
@@ -90,18 +94,25 @@ def describe_plan(
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     largest_class = max(catalog.class_sizes.values(), default=1)
     max_positives = data.images_per_class if strategy == "pk" else min(largest_class, data.global_batch_size)
-    work_line, work_bytes = _work_space(cfg, layout, max_positives, where)
+    work_line, work_bytes = _work_space(settings.loss, layout, max_positives, where)
     try:  # the trainer's accelerator resolves it the same way: ``auto`` follows the launcher
-        precision = resolve_mixed_precision(cfg.train.mixed_precision)
+        precision = resolve_mixed_precision(settings.accelerator.mixed_precision)
     except ConfigError as exc:
         problems.append(str(exc))
-        precision = cfg.train.mixed_precision
+        precision = settings.accelerator.mixed_precision
     facts.append(("mixed precision", precision))
     step = _step_line(layout)
-    if cfg.distributed.fixed_chunk is None:
+    if settings.step.fixed_chunk is None:
         try:
             chosen, why = _auto_chunk(
-                cfg, layout, where, work_bytes, world_size, precision_dtype(precision), manifest
+                settings.model,
+                settings.step,
+                layout,
+                where,
+                work_bytes,
+                world_size,
+                precision_dtype(precision),
+                manifest,
             )
             step = (
                 _step_line(chosen)
@@ -143,7 +154,8 @@ def _step_line(layout: BatchLayout) -> str:
 
 
 def _auto_chunk(
-    cfg: Config,
+    model_settings: ModelSettings,
+    step: StepSettings,
     layout: BatchLayout,
     where: torch.device,
     work_bytes: int,
@@ -157,32 +169,34 @@ def _auto_chunk(
     from a machine without it gives the per-image figure only, and no layout. Raises ValueError when not even one
     image fits."""
     model = build_model(
-        dataclasses.replace(cfg.model, weights="none", init_from=""),
-        cfg.data.image_size,
-        model_input_dim(cfg, manifest),
+        dataclasses.replace(model_settings, weights="none", init_from=""),
+        step.image_size,
+        model_input_dim(model_settings.backbone, manifest),
     )
     confirm = "; one real step confirms it at start-up, backing off on an out-of-memory error"
     if where.type == "cuda" and not torch.cuda.is_available():
-        probe = measure_activation_bytes(model, cfg.data.image_size, torch.device("cpu"), dtype)
-        database = 2 * layout.global_batch * cfg.model.embedding_dim * 4
-        inputs = example_input(model, layout.local_batch, cfg.data.image_size, torch.device("meta"))
+        probe = measure_activation_bytes(model, step.image_size, torch.device("cpu"), dtype)
+        database = 2 * layout.global_batch * step.embedding_dim * 4
+        inputs = example_input(model, layout.local_batch, step.image_size, torch.device("meta"))
         fixed = fixed_costs(
-            model, cfg.optim.name, cfg.optim.momentum, world_size, where, database + work_bytes,
+            model, step.optimizer, step.momentum, world_size, where, database + work_bytes,
             input_batch_bytes=inputs.numel() * inputs.element_size(),
-            prepared_batch_bytes=layout.local_batch * prepared_input_bytes(model, cfg.data.image_size),
+            prepared_batch_bytes=layout.local_batch * prepared_input_bytes(model, step.image_size),
         )  # fmt: skip
         return None, (
             f"{format_bytes(probe.per_image)} of activations per image ({probe.how}, on this CPU); fixed "
             f"{format_bytes(fixed.total)} per GPU: {fixed.describe()}, plus the workspaces measured there; the "
             f"chunk is chosen at start-up from the GPU's free memory (distributed.memory_fraction="
-            f"{cfg.distributed.memory_fraction:g}){confirm}"
+            f"{step.memory_fraction:g}){confirm}"
         )
     # On CPU, planned as one node: its processes share the node's memory.
     choice = auto_chunk(
-        model.to(where), cfg, layout.local_batch, layout.global_batch, where, dtype, work_bytes, world_size,
+        model.to(where), step, layout.local_batch, layout.global_batch, where, dtype, work_bytes, world_size,
         world_size=world_size,
     )  # fmt: skip
-    chosen = BatchLayout.from_config(cfg, world_size, chunk_size=choice.chunk or 0)  # whole BatchNorm groups
+    chosen = BatchLayout.from_settings(
+        step, world_size, chunk_size=choice.chunk or 0
+    )  # whole BatchNorm groups
     rounded = (
         f"; {chosen.chunk_size:,} to hold whole BatchNorm groups of {chosen.batchnorm.group}"
         if chosen.chunk_size is not None and chosen.chunk_size != choice.chunk
@@ -191,11 +205,13 @@ def _auto_chunk(
     return chosen, choice.describe() + rounded + confirm
 
 
-def _work_space(cfg: Config, layout: BatchLayout, max_positives: int, where: torch.device) -> tuple[str, int]:
+def _work_space(
+    loss_settings: LossSettings, layout: BatchLayout, max_positives: int, where: torch.device
+) -> tuple[str, int]:
     """What the step's loss will hold on one rank: the gathered database and its gradient (float32), and the
     largest chunk of this rank's query rows as the loss's own chunk plan sizes it, beside the chunk budget."""
-    if cfg.loss.name.startswith(PML_PREFIX):
-        database = layout.global_batch * cfg.model.embedding_dim * 4
+    if loss_settings.name.startswith(PML_PREFIX):
+        database = layout.global_batch * loss_settings.embedding_dim * 4
         work = generic_work_space(layout.global_batch)
         line = (
             f"about {format_bytes(database + work)} on {where.type} (a pytorch-metric-learning loss: the whole "
@@ -203,10 +219,10 @@ def _work_space(cfg: Config, layout: BatchLayout, max_positives: int, where: tor
             f"estimated as {GENERIC_MATRICES} float32 matrices of that size)"
         )
         return line, work
-    loss = build_loss(cfg)
+    loss = build_loss(loss_settings)
     chunk_bytes, rows = loss.work_space(layout.local_batch, layout.global_batch, max_positives, where)
     budget = loss.memory_budget or DEFAULT_BUDGET_BYTES["cuda" if where.type == "cuda" else "cpu"]
-    database = 2 * layout.global_batch * cfg.model.embedding_dim * 4
+    database = 2 * layout.global_batch * loss_settings.embedding_dim * 4
     chunks = -(-layout.local_batch // max(rows, 1))
     line = (
         f"{format_bytes(database + chunk_bytes)} on {where.type} (database {format_bytes(database)} + "

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ddp_rank.config import Config, ConfigError
+from ddp_rank.config import ConfigError
 from ddp_rank.config.call_spec import PML_PREFIX, CallSpec, parse_call
 from ddp_rank.config.checks import _suggest
 
@@ -38,17 +38,18 @@ class PmlParts:
     description: str
 
 
-def build_pml(cfg: Config, num_classes: int) -> PmlParts:
-    """The loss (and miner) ``cfg.loss`` names. ``num_classes`` and ``embedding_size`` default to the shards'
-    class count and ``model.embedding_dim`` for the losses that take them (the proxy losses)."""
-    defaults = {"num_classes": num_classes, "embedding_size": cfg.model.embedding_dim}
-    loss_spec = parse_call(cfg.loss.name, "loss.name", _EXAMPLES["losses"])
-    loss = _build("losses", "loss.name", cfg.loss.name, loss_spec, defaults)
+def build_pml(name: str, miner_name: str, num_classes: int, embedding_size: int) -> PmlParts:
+    """The loss (``loss.name``) and miner (``loss.miner``; empty: none) named. ``num_classes`` and
+    ``embedding_size`` default to the shards' class count and ``model.embedding_dim`` for the losses that take
+    them (the proxy losses)."""
+    defaults = {"num_classes": num_classes, "embedding_size": embedding_size}
+    loss_spec = parse_call(name, "loss.name", _EXAMPLES["losses"])
+    loss = _build("losses", "loss.name", name, loss_spec, defaults)
     miner = None
     description = "pytorch-metric-learning " + _describe(loss, loss_spec, defaults)
-    if cfg.loss.miner:
-        miner_spec = parse_call(cfg.loss.miner, "loss.miner", _EXAMPLES["miners"])
-        miner = _build("miners", "loss.miner", cfg.loss.miner, miner_spec, {})
+    if miner_name:
+        miner_spec = parse_call(miner_name, "loss.miner", _EXAMPLES["miners"])
+        miner = _build("miners", "loss.miner", miner_name, miner_spec, {})
         description += " with the miner " + miner_spec.describe()
     return PmlParts(loss, miner, description)
 

@@ -12,7 +12,6 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddp_rank.config import to_dict
 from ddp_rank.model import init_from
 from ddp_rank.model.checkpoints import (
     CheckpointError,
@@ -28,7 +27,6 @@ from ddp_rank.model.safe_pickles import (
     unsafe_files,
     weights_only_loads,
 )
-from ddp_rank.runtime.data_setup import data_seed
 from ddp_rank.train.checkpoint import check_world_size
 from ddp_rank.train.optim import lr_factor
 from ddp_rank.train.resume_check import describe_changes, resume_changes, tensor_changes
@@ -48,21 +46,21 @@ def state_dict(trainer: Trainer) -> dict[str, Any]:
         "epoch": epoch,
         "step_in_epoch": step_in_epoch,
         "world_size": trainer.world_size,
-        "global_batch_size": trainer.cfg.data.global_batch_size,
+        "global_batch_size": trainer.settings.data.global_batch_size,
         "total_steps": trainer.total_steps,
         "best_value": trainer.progress.best_value,
         "best_step": trainer.progress.best_step,
-        "best_metric": trainer.cfg.train.best_metric,
+        "best_metric": trainer.settings.checkpoints.best_metric,
         "stream": {**trainer.stream.state_dict(), **schedule_signature(trainer)},
-        "config": to_dict(trainer.cfg),
+        "config": trainer.settings.report.config.values,
     }
 
 
 def schedule_signature(trainer: Trainer) -> dict[str, Any]:
     """What decides which samples each step draws, besides the layout the stream itself records."""
-    data = trainer.cfg.data
+    data = trainer.settings.data
     return {
-        "seed": data_seed(trainer.cfg),
+        "seed": data.seed,
         "sampler": trainer.stream.schedule_config.strategy,  # data.sampler=auto resolved
         "categories_per_batch": data.categories_per_batch,
         "batches_per_pair": data.batches_per_pair,
@@ -75,18 +73,18 @@ def schedule_signature(trainer: Trainer) -> dict[str, Any]:
 def load_state_dict(trainer: Trainer, meta: dict[str, Any]) -> None:
     """Continue at ``meta['step']``: the stream is positioned there and the best-so-far restored."""
     if (
-        int(meta.get("global_batch_size", trainer.cfg.data.global_batch_size))
-        != trainer.cfg.data.global_batch_size
+        int(meta.get("global_batch_size", trainer.settings.data.global_batch_size))
+        != trainer.settings.data.global_batch_size
     ):
         raise CheckpointError(
             f"the checkpoint was trained with data.global_batch_size={meta['global_batch_size']}, this run "
-            f"uses {trainer.cfg.data.global_batch_size}; resume with the same global batch or start afresh"
+            f"uses {trainer.settings.data.global_batch_size}; resume with the same global batch or start afresh"
         )
     saved = meta.get("stream", {})
     changed = {
         k: (v, saved[k]) for k, v in schedule_signature(trainer).items() if k in saved and saved[k] != v
     }
-    if changed and not trainer.cfg.train.force_resume:
+    if changed and not trainer.settings.checkpoints.force_resume:
         details = ", ".join(f"{k}: {old} -> {new}" for k, (new, old) in changed.items())
         raise CheckpointError(
             f"the data schedule differs from the checkpoint's ({details}), so the resumed run would not see "
@@ -103,7 +101,7 @@ def load_state_dict(trainer: Trainer, meta: dict[str, Any]) -> None:
 
 def resume(trainer: Trainer) -> Path | None:
     """Apply ``train.resume``; returns the checkpoint continued from, or None for a fresh start."""
-    mode = trainer.cfg.train.resume
+    mode = trainer.settings.checkpoints.resume
     set_aside = trainer.checkpoints.cleanup_partial().set_aside
     if set_aside:
         trainer.report.note(
@@ -125,12 +123,14 @@ def resume(trainer: Trainer) -> Path | None:
         return None
     meta = read_meta(path)
     _refuse_unsafe_files(trainer, path)
-    force = trainer.cfg.train.force_resume
+    force = trainer.settings.checkpoints.force_resume
     # Only DeepSpeed's partitioned optimizer state ties a checkpoint to its world size: the data plan does not.
     check_world_size(meta, trainer.world_size, force or not trainer.deepspeed, str(path))
     # The saved weights' shapes as well: not every shape is a model.* key (a ViT's position embeddings follow
     # data.image_size), and load_state would fail on them with a bare size-mismatch traceback.
-    changes = resume_changes(meta, trainer.cfg, trainer.total_steps) + tensor_changes(path, trainer.unwrapped)
+    changes = resume_changes(meta, trainer.settings.report.config, trainer.total_steps) + tensor_changes(
+        path, trainer.unwrapped
+    )
     if changes and not force:
         reshaped = [c.key for c in changes if c.is_tensor]
         vit = any("pos_embed" in key for key in reshaped)
@@ -238,7 +238,7 @@ def _abandon_later_checkpoints(trainer: Trainer, meta: dict[str, Any]) -> None:
     next ``train.resume=auto`` continues this timeline, not the abandoned one. Collective (all ranks)."""
     best = None
     if meta.get("best_step") is not None and meta.get("best_value") is not None:
-        metric = str(meta.get("best_metric", trainer.cfg.train.best_metric))
+        metric = str(meta.get("best_metric", trainer.settings.checkpoints.best_metric))
         best = (int(meta["best_step"]), metric, float(meta["best_value"]))
     folder, moved = trainer.checkpoints.abandon_after(trainer.step, best)
     if folder is not None:
@@ -252,7 +252,7 @@ def _abandon_later_checkpoints(trainer: Trainer, meta: dict[str, Any]) -> None:
 def _apply_optim_config(trainer: Trainer) -> None:
     """Make this config's optimizer hyper-parameters apply at the current step (the restored optimizer and
     schedule carry the checkpoint's: base rates, weight decay, betas, momentum)."""
-    o = trainer.cfg.optim
+    o = trainer.settings.optim
     fresh = trainer.parameter_groups(trainer.unwrapped)
     factor = lr_factor(o, trainer.total_steps)(trainer.step)
     for group, new in zip(trainer.optimizer.param_groups, fresh):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.config import Config, to_dict
+from ddp_rank.train.run_outputs import ConfigRecord
 
 __all__ = ["ConfigChange", "describe_changes", "resume_changes", "saved_shapes", "tensor_changes"]
 
@@ -67,8 +67,10 @@ def _loss_state_changes(section: str, key: str, old: Any, new: Any) -> bool:
     return (section, key) == ("loss", "name") and any(n.startswith("pml:") for n in names)
 
 
-def resume_changes(meta: dict[str, Any], cfg: Config, total_steps: int | None = None) -> list[ConfigChange]:
-    """The model / optimizer differences between a checkpoint's ``meta.json`` and ``cfg``.
+def resume_changes(
+    meta: dict[str, Any], config: ConfigRecord, total_steps: int | None = None
+) -> list[ConfigChange]:
+    """The model / optimizer differences between a checkpoint's ``meta.json`` and this run's ``config``.
 
     Keys a checkpoint predates are compared with their defaults (what that run used). A checkpoint without a
     stored config (older format) yields no difference.
@@ -76,7 +78,7 @@ def resume_changes(meta: dict[str, Any], cfg: Config, total_steps: int | None = 
     saved_all = meta.get("config")
     if not isinstance(saved_all, dict):
         return []
-    defaults, current = to_dict(Config()), to_dict(cfg)
+    defaults, current = config.defaults, config.values
     changes = []
     for section in ("model", "optim", "loss"):
         saved = {**defaults[section], **(saved_all.get(section) or {})}
@@ -91,7 +93,7 @@ def resume_changes(meta: dict[str, Any], cfg: Config, total_steps: int | None = 
             if old != new:
                 structural = (section, key) in STRUCTURAL or _loss_state_changes(section, key, old, new)
                 changes.append(ConfigChange(f"{section}.{key}", old, new, structural))
-    if total_steps is not None and cfg.optim.schedule in ("cosine", "linear"):
+    if total_steps is not None and current["optim"]["schedule"] in ("cosine", "linear"):
         saved_total = meta.get("total_steps")
         if saved_total is not None and int(saved_total) != total_steps:
             changes.append(

@@ -16,12 +16,25 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ddp_rank.atomic_io import atomic_write_text
 
-__all__ = ["MetricsLogger", "read_metrics", "write_plots", "write_summary"]
+__all__ = ["ConfigRecord", "MetricsLogger", "read_metrics", "write_plots", "write_summary"]
+
+
+@dataclass(frozen=True, eq=False)
+class ConfigRecord:
+    """The whole config as a run's outputs record it, made once at start-up by ``ddp_rank.train.settings``:
+    ``values`` (every ``section.key``, as YAML and JSON hold them: ``run.json``, ``meta.json``, the summary, the
+    trackers' hyper-parameters), ``defaults`` (the same for the defaults: keys an older checkpoint predates are
+    compared with them) and ``write`` (writes ``config.yaml``, the file a run can be started again from)."""
+
+    values: dict[str, dict[str, Any]]
+    defaults: dict[str, dict[str, Any]]
+    write: Callable[[str | os.PathLike[str]], None]
 
 
 class MetricsLogger:

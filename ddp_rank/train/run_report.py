@@ -18,20 +18,20 @@ from typing import Any
 import torch
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.config import Config, save_config, to_dict
 from ddp_rank.data.batch import DataEvents
 from ddp_rank.data.manifest import Manifest
 from ddp_rank.eval.curves import draw_curves, split_curves
 from ddp_rank.eval.report import deployment_lines, format_table
 from ddp_rank.eval.retrieval_record import RetrievalPicture
+from ddp_rank.eval.runner import EvalSettings
 from ddp_rank.train.console import StepLine, peak_memory
 from ddp_rank.train.layout import BatchLayout
-from ddp_rank.train.run_outputs import MetricsLogger, read_metrics, write_plots, write_summary
-from ddp_rank.train.trackers import log_metrics, log_picture, start_trackers
+from ddp_rank.train.run_outputs import ConfigRecord, MetricsLogger, read_metrics, write_plots, write_summary
+from ddp_rank.train.trackers import TrackerSettings, log_metrics, log_picture, start_trackers
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CURVES_FILE", "RunReport", "StepResult", "read_curves"]
+__all__ = ["CURVES_FILE", "ReportSettings", "RunReport", "StepResult", "read_curves"]
 
 CURVES_FILE = "curves.json"
 """The verification / identification curves of each evaluation, ``{"step <s>": curves}`` in the order of the
@@ -63,27 +63,44 @@ class StepResult:
     grad_norm: float | None = None
 
 
+@dataclass(frozen=True)
+class ReportSettings:
+    """What the reporting of a run reads, made once at start-up by ``ddp_rank.train.settings``: the config keys
+    ``train.output_dir``, ``train.progress``, ``train.plots``, ``train.best_metric`` and ``data.test_split`` of
+    the same names; ``tracking`` (``train.log_with``, ...), ``evaluation`` (the retrieval picture's settings) and
+    ``config``, the whole config the run records (``config.yaml``, ``summary.md``)."""
+
+    output_dir: str
+    progress: bool
+    plots: bool
+    best_metric: str
+    test_split: str
+    tracking: TrackerSettings
+    evaluation: EvalSettings
+    config: ConfigRecord
+
+
 class RunReport:
     """The reporting of one training process (``is_main``: rank 0, which writes and prints)."""
 
     def __init__(
         self,
-        cfg: Config,
+        settings: ReportSettings,
         layout: BatchLayout,
         device: torch.device,
         is_main: bool,
         accelerator: Any = None,
         manifest: Manifest | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.settings = settings
         self.accelerator = accelerator
         """Its trackers (``train.log_with``) receive the metrics and pictures; None: no tracker."""
-        self.picture = RetrievalPicture(cfg, is_main, manifest)
+        self.picture = RetrievalPicture(settings.evaluation, is_main, manifest)
         """Pass ``picture.capture`` to the evaluation: each evaluation then draws retrieval.png."""
         self.layout = layout
         self.device = device
         self.is_main = is_main
-        self.out_dir = Path(cfg.train.output_dir)
+        self.out_dir = Path(settings.output_dir)
         self.notes: list[str] = []
         self.logger: MetricsLogger | None = None
         self._bar: Any = None
@@ -108,9 +125,9 @@ class RunReport:
             f"{self.device.type}, global batch {self.layout.describe()} into {self.out_dir}"
         )
         self._write_config(step)
-        acc = self.accelerator if self.cfg.train.log_with else None
+        acc = self.accelerator if self.settings.tracking.log_with else None
         if acc is not None:
-            start_trackers(acc, self.cfg)
+            start_trackers(acc, self.settings.tracking)
         self.logger = MetricsLogger(
             self.out_dir / "metrics.jsonl",
             None if acc is None else lambda kind, step, values: log_metrics(acc, kind, step, values),
@@ -118,7 +135,7 @@ class RunReport:
         # A resumed run drops what the killed one logged after its checkpoint; a fresh one starts empty.
         self.logger.truncate_after(step if resumed else -1)
         self.logger.log("data", step, data_facts)
-        if self.cfg.train.progress and sys.stderr.isatty():
+        if self.settings.progress and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
@@ -136,8 +153,8 @@ class RunReport:
         start = len(list(history.glob("start-*.yaml"))) + (
             0 if (history / "start-000-earlier.yaml").exists() else 1
         )
-        save_config(self.cfg, history / f"start-{start:03d}-step-{step:08d}.yaml")
-        save_config(self.cfg, current)
+        self.settings.config.write(history / f"start-{start:03d}-step-{step:08d}.yaml")
+        self.settings.config.write(current)
 
     def step_done(self, result: StepResult) -> None:
         """Advance the progress bar by one step."""
@@ -206,7 +223,7 @@ class RunReport:
         if self.is_main:
             shown = {k: v for k, v in metrics.items() if not k.rsplit("/", 1)[-1].startswith("num_")}
             log.info(
-                f"evaluation at step {step} ({self.cfg.data.test_split}):\n"
+                f"evaluation at step {step} ({self.settings.test_split}):\n"
                 + format_table({f"step {step}": shown})
             )
 
@@ -224,7 +241,7 @@ class RunReport:
         if not self.is_main:
             return
         records = read_metrics(self.out_dir / "metrics.jsonl")
-        plots = write_plots(records, self.out_dir) if self.cfg.train.plots else []
+        plots = write_plots(records, self.out_dir) if self.settings.plots else []
         plots += self._curve_plots()
         for plot in plots:
             self._log_picture(plot.stem, plot, summary["steps"])
@@ -258,12 +275,12 @@ class RunReport:
             facts[f"note {i}"] = note.replace("\n", " ")
         if summary["best_step"] is not None:
             facts["best"] = (
-                f"{self.cfg.train.best_metric} {100 * summary['best_value']:.2f} at step {summary['best_step']}"
+                f"{self.settings.best_metric} {100 * summary['best_value']:.2f} at step {summary['best_step']}"
             )
         write_summary(
             self.out_dir / "summary.md",
             title=f"Run {self.out_dir.name}",
-            config=to_dict(self.cfg),
+            config=self.settings.config.values,
             records=records,
             facts=facts,
             tables=tables,
@@ -271,13 +288,13 @@ class RunReport:
         )
 
     def _log_picture(self, name: str, path: Path, step: int) -> None:
-        if self.accelerator is not None and self.cfg.train.log_with:
+        if self.accelerator is not None and self.settings.tracking.log_with:
             log_picture(self.accelerator, name, path, step)
 
     def _curve_plots(self) -> list[Path]:
         """roc.png, det.png, pr.png, cmc.png of the first and the last evaluation (``train.plots``)."""
         saved = read_curves(self.out_dir)
-        if not self.cfg.train.plots or not saved:
+        if not self.settings.plots or not saved:
             return []
         names = list(saved)
         return draw_curves({name: saved[name] for name in dict.fromkeys([names[0], names[-1]])}, self.out_dir)

@@ -10,15 +10,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_rank.config import Config, ConfigError
+from ddp_rank.config import ConfigError
 from ddp_rank.data.manifest import Manifest, is_url
+from ddp_rank.data.settings import DataSettings
 from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.data.stream import ShardStream
-from ddp_rank.data.transforms import transform_from_config
 from ddp_rank.eval.protocols import metric_names
-from ddp_rank.eval.runner import deployment_settings, vehicleid_splits
+from ddp_rank.eval.runner import EvalSettings, vehicleid_splits
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
+from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime import TrainError, open_shards
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.shards import model_input_dim
@@ -29,6 +30,7 @@ from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.pml_loss import PML_PREFIX, build_pml
 
 __all__ = [
+    "LossSettings",
     "TrainingLoss",
     "build_loss",
     "build_network",
@@ -42,6 +44,28 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss of a run, from the config keys ``loss.*`` of the same names (made once at start-up by
+    ``ddp_rank.train.settings``); ``embedding_dim`` is ``model.embedding_dim`` (a proxy loss's default
+    ``embedding_size``)."""
+
+    name: str = "fastap"
+    miner: str = ""
+    params_lr_mult: float = 100.0
+    num_bins: int = 10
+    kernel: str = "auto"
+    matmul_precision: str = "highest"
+    normalize: bool = True
+    memory_budget_mb: int = 0
+    pnp_variant: str = "Dq"
+    tau: float = 0.01
+    b: float = 2.0
+    alpha: float = 1.0
+    count_self: bool = True
+    embedding_dim: int = 512
 
 
 @dataclass(frozen=True)
@@ -59,17 +83,16 @@ class TrainingLoss:
         return [p for p in self.loss.parameters() if p.requires_grad]
 
 
-def build_training_loss(cfg: Config, manifest: Manifest) -> TrainingLoss:
-    """The loss of ``cfg.loss``: a pml loss sized on the shards' class count (proxies), else :func:`build_loss`."""
-    if cfg.loss.name.startswith(PML_PREFIX):
-        parts = build_pml(cfg, num_classes=len(manifest.classes))
+def build_training_loss(loss: LossSettings, manifest: Manifest) -> TrainingLoss:
+    """The loss of ``loss``: a pml loss sized on the shards' class count (proxies), else :func:`build_loss`."""
+    if loss.name.startswith(PML_PREFIX):
+        parts = build_pml(loss.name, loss.miner, len(manifest.classes), loss.embedding_dim)
         return TrainingLoss(parts.loss, parts.miner, parts.description)
-    return TrainingLoss(build_loss(cfg))
+    return TrainingLoss(build_loss(loss))
 
 
-def build_loss(cfg: Config) -> ListwiseLoss:
-    """The listwise loss of ``cfg.loss`` (it knows no ranks; :class:`GlobalBatchLoss` spreads it)."""
-    lc = cfg.loss
+def build_loss(lc: LossSettings) -> ListwiseLoss:
+    """The listwise loss ``lc`` names (it knows no ranks; :class:`GlobalBatchLoss` spreads it)."""
     if lc.name.startswith(PML_PREFIX):
         raise ConfigError(f"loss.name={lc.name} is not a listwise loss: build it with build_training_loss")
     budget = lc.memory_budget_mb * 2**20 if lc.memory_budget_mb else None
@@ -88,95 +111,100 @@ def build_loss(cfg: Config) -> ListwiseLoss:
     return SmoothAPLoss(tau=lc.tau, count_self=lc.count_self, **common)
 
 
-def check_evaluation(cfg: Config, manifest: Manifest) -> None:
+def check_evaluation(settings: EvalSettings, best_metric: str, manifest: Manifest) -> None:
     """What the evaluation needs, checked at start-up rather than at the first evaluation: the test lists of
-    VehicleID recipe shards, and ``train.best_metric`` among the metrics the protocol will report."""
-    if not cfg.data.test_split:
+    VehicleID recipe shards, and ``best_metric`` (``train.best_metric``) among the metrics the protocol will
+    report."""
+    if not settings.data.test_split:
         return
-    sizes = cfg.eval.vehicleid_sizes
-    if cfg.eval.protocol == "vehicleid":
-        sizes = list(vehicleid_splits(cfg, manifest)) or sizes
+    sizes = list(settings.vehicleid_sizes)
+    if settings.protocol == "vehicleid":
+        sizes = list(vehicleid_splits(settings, manifest)) or sizes
     names = metric_names(
-        cfg.eval.protocol,
-        cfg.eval.ks or None,
-        map_at_r=cfg.eval.map_at_r,
+        settings.protocol,
+        list(settings.ks) or None,
+        map_at_r=settings.map_at_r,
         vehicleid_sizes=sizes,
-        metrics=cfg.eval.metrics,
-        deployment=deployment_settings(cfg),
+        metrics=list(settings.metrics),
+        deployment=settings.deployment,
     )
-    if cfg.train.best_metric not in names:
+    if best_metric not in names:
         valid = [n for n in names if not n.rsplit("/", 1)[-1].startswith("num_")]
         raise ConfigError(
-            f"train.best_metric='{cfg.train.best_metric}' is not among the metrics eval.protocol="
-            f"{cfg.eval.protocol} reports with these settings; valid: {', '.join(valid)}"
+            f"train.best_metric='{best_metric}' is not among the metrics eval.protocol="
+            f"{settings.protocol} reports with these settings; valid: {', '.join(valid)}"
         )
 
 
-def check_inputs(cfg: Config) -> Manifest:
+def check_inputs(evaluation: EvalSettings, backbone: str, best_metric: str) -> Manifest:
     """Fail fast, before any process group exists, on a missing shard directory or split, or on an evaluation
-    setting that would only fail at the first evaluation. Returns the manifest, loaded once for the run."""
-    manifest = open_shards(cfg)
-    for key, split in (("train_split", cfg.data.train_split), ("test_split", cfg.data.test_split)):
+    setting that would only fail at the first evaluation. Returns the manifest, loaded once for the run.
+    ``evaluation``: the evaluation's settings, with the data's; ``backbone``: ``model.backbone``;
+    ``best_metric``: ``train.best_metric``."""
+    data = evaluation.data
+    manifest = open_shards(data.shards, backbone)
+    for key, split in (("train_split", data.train_split), ("test_split", data.test_split)):
         if split and split not in manifest.splits:
             raise TrainError(
-                f"data.{key}='{split}' is not a split of {cfg.data.shards} (it has {sorted(manifest.splits)}); "
+                f"data.{key}='{split}' is not a split of {data.shards} (it has {sorted(manifest.splits)}); "
                 f"set data.{key}"
                 + (" (or data.test_split= to train without evaluation)" if key == "test_split" else "")
             )
     local = not is_url(manifest.location)
-    train_shards = manifest.split(cfg.data.train_split).shards
+    train_shards = manifest.split(data.train_split).shards
     missing = [s.path for s in train_shards if local and not manifest.shard_path(s).is_file()]
     if missing:
         raise TrainError(
-            f"{len(missing)} shard file(s) of {cfg.data.shards} are missing, e.g. {missing[0]}: copy the whole "
+            f"{len(missing)} shard file(s) of {data.shards} are missing, e.g. {missing[0]}: copy the whole "
             "shard directory or rebuild it (`ddp-rank shards verify` checks it)"
         )
-    check_evaluation(cfg, manifest)
+    check_evaluation(evaluation, best_metric, manifest)
     return manifest
 
 
-def build_stream(cfg: Config, manifest: Manifest, rank: int, world_size: int) -> ShardStream:
+def build_stream(data: DataSettings, manifest: Manifest, rank: int, world_size: int) -> ShardStream:
     """The data layer's category-aware stream of this rank's local batches (uint8 pixels)."""
-    if rank == 0 and cfg.data.sampler == "auto":
-        strategy, why = resolve_sampler(cfg, manifest)
+    if rank == 0 and data.sampler == "auto":
+        strategy, why = resolve_sampler(data, manifest)
         log.info(f"sampler {strategy}: {why}")
     try:
         return ShardStream(
             manifest,
-            cfg.data.global_batch_size,
-            split=cfg.data.train_split,
-            schedule=schedule_config(cfg, manifest),
-            transform=transform_from_config(cfg.data, augment=cfg.data.augment, pixels="uint8"),
-            augment=cfg.data.augment,
-            num_workers=cfg.data.num_workers,
+            data.global_batch_size,
+            split=data.train_split,
+            schedule=schedule_config(data, manifest),
+            transform=data.transform(augment=data.augment, pixels="uint8"),
+            augment=data.augment,
+            num_workers=data.num_workers,
             rank=rank,
             world_size=world_size,
-            cache_dir=open_cache(cfg.data.cache_dir, cfg.data.cache_max_gb),
+            cache_dir=open_cache(data.cache_dir, data.cache_max_gb),
         )
     except ValueError as exc:  # the sampler settings cannot be met by these shards
         raise TrainError(f"data: {exc}; `ddp-rank plan --config ...` shows what the shards allow") from exc
 
 
 def build_network(
-    cfg: Config,
+    settings: ModelSettings,
     device: torch.device,
     batchnorm: BatchNormMode,
     deepspeed: bool = False,
-    manifest: Manifest | None = None,
+    *,
+    manifest: Manifest,
 ) -> tuple[EmbeddingNet, list[str]]:
     """The embedding network on this device's layout, with what the user must hear about it (``init_from``'s
     report). Channels-last where :func:`wants_channels_last` says; BatchNorm as ``batchnorm`` (the layout's mode)
     says: across ranks with ``model.sync_bn``, over groups of local images with ``model.bn_group_size``.
     ``manifest``: the run's shards (loaded once), whose vectors' length a feature head takes."""
     notes: list[str] = []
-    model = build_model(cfg.model, cfg.data.image_size, model_input_dim(cfg, manifest))
-    if cfg.model.init_from:
-        notes.append(init_from(model, cfg.model.init_from).summary())
+    model = build_model(settings, settings.image_size, model_input_dim(settings.backbone, manifest))
+    if settings.init_from:
+        notes.append(init_from(model, settings.init_from).summary())
     if wants_channels_last(model, device, deepspeed):
         model.use_channels_last()
     if batchnorm.kind == "groups":
         convert_to_ghost(model, batchnorm.group)
-    if cfg.model.sync_bn:
+    if settings.sync_bn:
         # In place (an EmbeddingNet is not itself a BatchNorm layer); PyTorch's fused SyncBatchNorm on CUDA.
         convert_to_cross_rank(model, cuda=device.type == "cuda")
     return model, notes

@@ -17,17 +17,22 @@ import importlib.util
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.config import Config, ConfigError, to_dict
-from ddp_rank.runtime import TrainError, make_accelerator
+from ddp_rank.config import Config, ConfigError
+from ddp_rank.runtime import TrainError
+from ddp_rank.runtime.accelerator import AcceleratorSettings, start_accelerator
+from ddp_rank.train.run_outputs import ConfigRecord
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "TrackerSettings",
+    "accelerator_trackers",
     "check_trackers",
     "log_metrics",
     "log_picture",
@@ -66,60 +71,81 @@ def check_trackers(names: list[str]) -> None:
             )
 
 
+@dataclass(frozen=True)
+class TrackerSettings:
+    """The experiment trackers of a run, from the config keys ``train.log_with``, ``train.output_dir`` and
+    ``train.tracker_project`` (made once at start-up by ``ddp_rank.train.settings``); ``config``: the whole
+    config, logged as the run's hyper-parameters."""
+
+    log_with: tuple[str, ...]
+    output_dir: str
+    tracker_project: str
+    config: ConfigRecord
+
+
 def tracker_arguments(cfg: Config) -> dict[str, Any]:
-    """The ``Accelerator`` keyword arguments of ``train.log_with`` (none when it is empty): the trackers and
+    """The ``Accelerator`` keyword arguments of ``cfg``'s ``train.log_with`` (:func:`accelerator_trackers`):
+    ``make_accelerator(cfg, tracker_arguments(cfg))`` builds an accelerator a ``Trainer`` accepts."""
+    return accelerator_trackers(cfg.train.log_with, cfg.train.output_dir)
+
+
+def accelerator_trackers(log_with: Sequence[str], output_dir: str) -> dict[str, Any]:
+    """The ``Accelerator`` keyword arguments of ``log_with`` (none when it is empty): the trackers and
     ``OUTPUT_DIR/tensorboard`` as the logging directory (TensorBoard and Aim write under it)."""
-    names = list(cfg.train.log_with)
+    names = list(log_with)
     if not names:
         return {}
     check_trackers(names)
     from accelerate.utils import ProjectConfiguration
 
-    out = Path(cfg.train.output_dir)
+    out = Path(output_dir)
     return {
         "log_with": names,
         "project_config": ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tensorboard")),
     }
 
 
-def run_accelerator(cfg: Config, accelerator: Any | None = None) -> Any:
-    """The trainer's accelerator: made with the trackers of ``train.log_with`` (:func:`tracker_arguments`), or the
-    caller's, refused unless it was built with them. accelerate takes the trackers only when the Accelerator is
-    made, so one built without them would log nothing: ``accelerator.log`` drops every record without a word."""
+def run_accelerator(
+    tracking: TrackerSettings, settings: AcceleratorSettings, accelerator: Any | None = None
+) -> Any:
+    """The trainer's accelerator: made from ``settings`` with the trackers of ``train.log_with``
+    (:func:`accelerator_trackers`), or the caller's, refused unless it was built with them. accelerate takes the
+    trackers only when the Accelerator is made, so one built without them would log nothing: ``accelerator.log``
+    drops every record without a word."""
     if accelerator is None:
-        return make_accelerator(cfg, tracker_arguments(cfg))
+        return start_accelerator(settings, accelerator_trackers(tracking.log_with, tracking.output_dir))
     # accelerate's log_with: a LoggerType per named tracker (its text is the name), or a custom tracker object.
     kept = getattr(accelerator, "log_with", None) or []
     carried = {str(t) if isinstance(t, (str, Enum)) else str(getattr(t, "name", t)) for t in kept}
-    missing = [name for name in cfg.train.log_with if name not in carried]
+    missing = [name for name in tracking.log_with if name not in carried]
     if missing:
         raise TrainError(
-            f"train.log_with={list(cfg.train.log_with)} but the accelerator passed to Trainer carries no "
-            f"{', '.join(missing)} tracker: build it with Accelerator(log_with={list(cfg.train.log_with)}, "
+            f"train.log_with={list(tracking.log_with)} but the accelerator passed to Trainer carries no "
+            f"{', '.join(missing)} tracker: build it with Accelerator(log_with={list(tracking.log_with)}, "
             f"project_dir=OUTPUT_DIR), or with ddp_rank.runtime.make_accelerator(cfg, tracker_arguments(cfg)), "
             f"or pass no accelerator"
         )
     return accelerator
 
 
-def tracker_config(cfg: Config) -> dict[str, Any]:
+def tracker_config(config: ConfigRecord) -> dict[str, Any]:
     """The config as flat ``section.key`` values of the types every tracker accepts (lists as text)."""
     flat: dict[str, Any] = {}
-    for section, values in to_dict(cfg).items():
+    for section, values in config.values.items():
         for key, value in values.items():
             ok = value is None or isinstance(value, (bool, int, float, str))
             flat[f"{section}.{key}"] = value if ok else str(value)
     return flat
 
 
-def start_trackers(accelerator: Any, cfg: Config) -> None:
+def start_trackers(accelerator: Any, tracking: TrackerSettings) -> None:
     """Start the trackers of ``train.log_with`` on rank 0, the run named after its output folder. MLflow logs to
     MLFLOW_TRACKING_URI, else to a file store in ``OUTPUT_DIR/mlruns`` (nothing leaves the machine)."""
-    if not cfg.train.log_with or not accelerator.is_main_process:
+    if not tracking.log_with or not accelerator.is_main_process:
         return
-    out = Path(cfg.train.output_dir).resolve()
+    out = Path(tracking.output_dir).resolve()
     run = out.name
-    if "mlflow" in cfg.train.log_with and not os.environ.get("MLFLOW_TRACKING_URI"):
+    if "mlflow" in tracking.log_with and not os.environ.get("MLFLOW_TRACKING_URI"):
         import mlflow
 
         # MLflow 3 refuses a file store unless this is set (its database store needs SQLAlchemy, which
@@ -127,8 +153,8 @@ def start_trackers(accelerator: Any, cfg: Config) -> None:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow.set_tracking_uri((out / "mlruns").as_uri())
     accelerator.init_trackers(
-        cfg.train.tracker_project,
-        config=tracker_config(cfg),
+        tracking.tracker_project,
+        config=tracker_config(tracking.config),
         init_kwargs={"wandb": {"name": run, "dir": str(out)}, "mlflow": {"run_name": run}},
     )
 

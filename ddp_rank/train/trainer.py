@@ -8,9 +8,10 @@ One ``Trainer`` per process. Every process of a job runs the same code on its ow
     -> gradient clipping, optimizer step, schedule step (DDP / ZeRO have averaged the gradients)
 
 The layers stay apart: the losses know no ranks, the distributed layer no images, the data layer no losses;
-only the training package knows all three. Its parts: ``setup`` (start-up checks, building the parts),
-``layout`` (the batch layout), ``batches`` (this rank's batches, read ahead), ``resume`` (checkpoint state and
-the resume checks), ``run_report`` (logs, tables, summary). ``train_step`` / ``state_dict`` /
+only the training package knows all three. Its parts: ``settings`` (the config translated once: each part
+below gets its own settings, never the config), ``setup`` (start-up checks, building the parts), ``layout``
+(the batch layout), ``batches`` (this rank's batches, read ahead), ``resume`` (checkpoint state and the resume
+checks), ``run_report`` (logs, tables, summary). ``train_step`` / ``state_dict`` /
 ``load_state_dict`` are the units the tests drive; ``fit`` is the loop with evaluation and checkpoints;
 ``run_training`` is the entry point with guaranteed teardown (``close``).
 """
@@ -57,16 +58,16 @@ from ddp_rank.train.preemption import (
 )
 from ddp_rank.train.run_report import RunReport, StepResult
 from ddp_rank.train.run_state import RunState
+from ddp_rank.train.settings import build_loss, check_inputs, train_settings
 from ddp_rank.train.setup import (
     TrainingLoss,
-    build_loss,
     build_network,
     build_stream,
     build_training_loss,
-    check_inputs,
     configure_deepspeed,
     uses_deepspeed,
 )
+from ddp_rank.train.setup import check_inputs as setup_checks
 from ddp_rank.train.state_files import save_state_files
 from ddp_rank.train.trackers import run_accelerator
 
@@ -97,21 +98,23 @@ class Trainer:
 
     def __init__(self, cfg: Config, accelerator: Any | None = None, stop: StopRequest | None = None) -> None:
         self.cfg = cfg
-        self.manifest = check_inputs(cfg)
+        self.settings = s = train_settings(cfg)  # the config translated once: each part gets its own below
+        self.manifest = setup_checks(s.evaluation, s.model.backbone, s.checkpoints.best_metric)
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
         set_deterministic(cfg.train.deterministic, cfg.train.deterministic_fill)
-        self.accelerator = acc = run_accelerator(cfg, accelerator)  # a passed one must carry train.log_with
+        # A passed accelerator must carry train.log_with.
+        self.accelerator = acc = run_accelerator(s.tracking, s.accelerator, accelerator)
         self.world_size = acc.num_processes
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
         self.device = acc.device
-        self.layout = BatchLayout.from_config(cfg, self.world_size)  # the chunk: below, when 'auto'
+        self.layout = BatchLayout.from_settings(s.step, self.world_size)  # the chunk: below, when 'auto'
         self.out_dir = Path(cfg.train.output_dir)
         configure_run_logging(self.rank, self.out_dir)
 
         # Same initial weights on every rank (DDP would broadcast them anyway; ZeRO would not check).
         torch.manual_seed(cfg.train.seed)
-        self.stream = build_stream(cfg, self.manifest, self.rank, self.world_size)
+        self.stream = build_stream(s.data, self.manifest, self.rank, self.world_size)
         # Given by run_training, which takes the signals over before the (long) start-up; else made here.
         self.stop = stop if stop is not None else StopRequest(cfg.train.stop_signals, cfg.train.stop_grace_s)
         self.batches = TrainBatches(self.stream, self.device, lambda: self.stop.requested)
@@ -119,21 +122,21 @@ class Trainer:
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
         model, notes = build_network(
-            cfg, self.device, self.layout.batchnorm, deepspeed=uses_deepspeed(acc), manifest=self.manifest
+            s.model, self.device, self.layout.batchnorm, deepspeed=uses_deepspeed(acc), manifest=self.manifest
         )
         # After the network: a proxy loss's random proxies leave the model's initial weights as with any loss.
-        training_loss = build_training_loss(cfg, self.manifest)
+        training_loss = build_training_loss(s.loss, self.manifest)
         self.loss_parameters = self._loss_parameters(training_loss)
         choice = None
-        if cfg.distributed.fixed_chunk is None:  # measured with the model still on the CPU
-            largest_class = max(self.manifest.split(cfg.data.train_split).class_counts.values(), default=1)
+        if s.step.fixed_chunk is None:  # measured with the model still on the CPU
+            largest_class = max(self.manifest.split(s.data.train_split).class_counts.values(), default=1)
             self.layout, choice = choose_chunk_for_run(
-                cfg, self.layout, model, training_loss.loss, self.device, autocast_dtype(acc), largest_class,
+                s.step, self.layout, model, training_loss.loss, self.device, autocast_dtype(acc), largest_class,
                 self.loss_parameters, uses_deepspeed(acc), self.is_main,
             )  # fmt: skip
-        optimizer = build_optimizer(self.parameter_groups(model), cfg.optim)
-        self.scheduler = build_scheduler(optimizer, cfg.optim, self.total_steps)
-        self.deepspeed = configure_deepspeed(acc, self.layout, cfg.optim.grad_clip)
+        optimizer = build_optimizer(self.parameter_groups(model), s.optim)
+        self.scheduler = build_scheduler(optimizer, s.optim, self.total_steps)
+        self.deepspeed = configure_deepspeed(acc, self.layout, s.step.grad_clip)
         self.model, self.optimizer = acc.prepare(model, optimizer)
         if self.deepspeed:
             match_batchnorm_buffers_to_weights(self.model)
@@ -143,15 +146,13 @@ class Trainer:
         self.backend = backend_for_accelerator(acc, self.model)
         if choice is not None:  # the model is on its device now: one real step confirms the chunk
             self.layout = confirm_chunk_for_run(
-                cfg, self.layout, choice, self.backend, self.device, self.deepspeed, self.is_main
+                s.step, self.layout, choice, self.backend, self.device, self.deepspeed, self.is_main
             )
         try:  # after the chunk is final: the captured chunk compiles for its shape on the first step
-            self.captured = captured_chunk_for(
-                self.backend, self.layout.chunk_size, cfg.distributed.capture_chunk
-            )
+            self.captured = captured_chunk_for(self.backend, self.layout.chunk_size, s.step.capture_chunk)
         except ValueError as exc:
             raise TrainError(str(exc)) from None
-        self.report = RunReport(cfg, self.layout, self.device, self.is_main, acc, self.manifest)
+        self.report = RunReport(s.report, self.layout, self.device, self.is_main, acc, self.manifest)
         if self.is_main:
             log.info(f"BatchNorm: {self.layout.batchnorm.describe(self.layout.local_batch)}")
         for note in notes:
@@ -160,12 +161,12 @@ class Trainer:
             log.info(f"loss: {training_loss.description}")
         self.loss_fn = GlobalBatchLoss(
             training_loss.loss,
-            grad_reduction="sum" if cfg.distributed.grad_reduction == "sum" else "mean",
+            grad_reduction="sum" if s.step.grad_reduction == "sum" else "mean",
             miner=training_loss.miner,
         )
         self.progress = _Progress()
         self.checkpoints = CheckpointManager(
-            self.out_dir / "checkpoints", cfg.train.keep_last, self.is_main, acc.wait_for_everyone
+            self.out_dir / "checkpoints", s.checkpoints.keep_last, self.is_main, acc.wait_for_everyone
         )
 
     def _loss_parameters(self, training_loss: TrainingLoss) -> list[torch.nn.Parameter]:
@@ -176,7 +177,7 @@ class Trainer:
         acc = self.accelerator
         if uses_deepspeed(acc) or acc.mixed_precision == "fp16":
             raise TrainError(
-                f"loss.name={self.cfg.loss.name} has parameters of its own, which this run cannot train: DeepSpeed "
+                f"loss.name={self.settings.loss.name} has parameters of its own, which this run cannot train: DeepSpeed "
                 "and fp16 loss scaling handle only the model's parameters. Use DDP (no DeepSpeed config) with "
                 "train.mixed_precision=bf16 or no, or a loss without parameters"
             )
@@ -186,10 +187,10 @@ class Trainer:
     def parameter_groups(self, model: EmbeddingNet) -> list[dict[str, Any]]:
         """The optimizer's groups: the model's (backbone, head), then the loss's own parameters, if any, at
         ``optim.lr * loss.params_lr_mult`` without weight decay."""
-        o = self.cfg.optim
+        o = self.settings.optim
         groups = model.parameter_groups(o.lr, o.head_lr_mult, o.weight_decay)
         if self.loss_parameters:
-            lr = o.lr * self.cfg.loss.params_lr_mult
+            lr = o.lr * self.settings.loss.params_lr_mult
             groups.append({"params": self.loss_parameters, "lr": lr, "weight_decay": 0.0, "name": "loss"})
         return groups
 
@@ -236,10 +237,9 @@ class Trainer:
         # bitwise equal on every rank.
         average_gradients(self.loss_parameters)
         grad_norm = None
-        if self.cfg.optim.grad_clip and not self.deepspeed:
-            grad_norm = float(
-                self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-            )
+        clip = self.settings.step.grad_clip
+        if clip and not self.deepspeed:
+            grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = float(self.scheduler.get_last_lr()[0])
@@ -300,16 +300,15 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):  # evaluation must not shift the training RNG stream
             return evaluate_model(
                 self.unwrapped,
-                self.cfg,
+                self.settings.evaluation,
                 device=self.device,
                 autocast_dtype=autocast_dtype(self.accelerator),
-                num_workers=self.cfg.data.num_workers,
                 manifest=self.manifest,
                 on_embedded=self.report.picture.capture,
             )
 
     def _maybe_best(self, metrics: dict[str, Any]) -> None:
-        name = self.cfg.train.best_metric
+        name = self.settings.checkpoints.best_metric
         if name not in metrics:
             raise ConfigError(
                 f"train.best_metric='{name}' is not among the evaluation metrics {sorted(metrics)}"
@@ -351,9 +350,9 @@ class Trainer:
         data_facts = {"steps_per_epoch": self.steps_per_epoch, "categories_left_out": self.stream.left_out}
         self.report.start(self.step, self.total_steps, resumed, data_facts)
         self.accelerator.wait_for_everyone()
-        has_eval = bool(cfg.data.test_split)
+        has_eval = bool(self.settings.data.test_split)
         eval_every = cfg.train.eval_every or self.steps_per_epoch
-        ckpt_every = cfg.train.checkpoint_every
+        ckpt_every = self.settings.checkpoints.checkpoint_every
         last_eval: dict[str, Any] | None = None
         if has_eval and cfg.train.eval_at_start and self.step == 0:
             self.report.evaluation(self.step, self.evaluate())

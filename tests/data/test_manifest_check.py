@@ -292,7 +292,7 @@ def test_train_and_eval_refuse_it_before_any_process_starts(shards: Path) -> Non
     _mutate(shards, _set(_first_span, 3, 10**12))
     cfg = load_config(None, [f"data.shards={shards}"])
     with pytest.raises(TrainError, match=r"splits\.train\.shards\[0\]\.classes\[0\]\[3\]: 1,000,000,000,000"):
-        open_shards(cfg)
+        open_shards(cfg.data.shards, cfg.model.backbone)
 
 
 def test_a_shard_of_another_size_than_recorded_is_not_read(built: Path, tmp_path: Path) -> None:

@@ -101,14 +101,16 @@ def test_settings_are_checked_at_start_up() -> None:
 
 
 def test_best_metric_is_checked_against_the_deployment_figures() -> None:
+    from ddp_rank.eval.settings import evaluation_settings
     from ddp_rank.train.setup import check_evaluation
 
     cfg = load_config(None, ["eval.protocol=verification"])  # best_metric stays recall@1: not reported
     with pytest.raises(
         ConfigError, match=r"valid: tpr@fpr=1e-2, tpr@fpr=1e-3, tpr@fpr=1e-4, roc_auc, eer, pr_auc$"
     ):
-        check_evaluation(cfg, None)  # type: ignore[arg-type]  # the manifest is read for VehicleID only
-    check_evaluation(load_config(None, ["eval.metrics=[identification]", "train.best_metric=cmc@1"]), None)  # type: ignore[arg-type]
+        check_evaluation(evaluation_settings(cfg), cfg.train.best_metric, None)  # type: ignore[arg-type]  # the manifest is read for VehicleID only
+    cfg = load_config(None, ["eval.metrics=[identification]", "train.best_metric=cmc@1"])
+    check_evaluation(evaluation_settings(cfg), cfg.train.best_metric, None)  # type: ignore[arg-type]
 
 
 def test_a_perfect_separation_is_drawn_too(tmp_path: Path) -> None:

@@ -155,6 +155,7 @@ def test_vehicleid_splits_from_the_data_layer_recipe(tmp_path: Path) -> None:
     from ddp_rank.data.listing import read_image_folder
     from ddp_rank.data.synthetic import write_image_folder
     from ddp_rank.eval.runner import evaluate_model
+    from ddp_rank.eval.settings import evaluation_settings
     from ddp_rank.model.net import build_model
 
     write_image_folder(tmp_path / "img", [[3] * 6, [3] * 6], image_size=16)
@@ -171,13 +172,13 @@ def test_vehicleid_splits_from_the_data_layer_recipe(tmp_path: Path) -> None:
     cfg = load_config(None, [f"data.shards={tmp_path / 'shards'}", "data.test_split=test_large",
                              "eval.protocol=vehicleid", "eval.vehicleid_sizes=small,large", "data.image_size=16",
                              "data.resize_size=16", "model.backbone=tiny_cnn", "data.num_workers=0"])  # fmt: skip
-    out = evaluate_model(build_model(cfg.model, 16), cfg)
+    out = evaluate_model(build_model(cfg.model, 16), evaluation_settings(cfg))
     assert out["small/num_queries"] == 2 * 2 * (3 - 1)  # 4 vehicles with 3 images, one in the gallery each
     assert out["large/num_queries"] == 2 * 4 * (3 - 1)
     assert out["recall@1"] == out["large/recall@1"] and "medium/recall@1" not in out
     cfg_medium = load_config(None, [f"data.shards={tmp_path / 'shards'}", "eval.protocol=vehicleid"])
     with pytest.raises(EvalError, match="but not test_medium"):
-        evaluate_model(build_model(cfg.model, 16), cfg_medium)
+        evaluate_model(build_model(cfg.model, 16), evaluation_settings(cfg_medium))
 
 
 def test_counts_print_as_whole_numbers_and_means_keep_one_decimal():

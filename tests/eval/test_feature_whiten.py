@@ -184,16 +184,19 @@ def test_bad_sources_and_settings_get_one_line(built: dict[str, Path], tmp_path:
 def test_an_image_goes_through_the_backbone_then_the_map_as_the_shards_were_made(
     built: dict[str, Path], tmp_path: Path
 ) -> None:
-    from ddp_rank.eval.feature_images import image_config, image_model
+    from ddp_rank.eval.feature_images import image_data, image_model
+    from ddp_rank.runtime.settings import data_settings
 
     cfg = load_config(None, [*HEAD, f"data.shards={built['white']}"])
+    record = feature_record(Manifest.load(built["white"]))
+    assert record is not None
     head = FeatureHeadNet(DIM, 16)
     inputs: list[torch.Tensor] = []
     head.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))  # what the shards hold
-    net = image_model(cfg, head)
+    net = image_model(record, str(built["white"]), head)
     samples = stored(built["white"])
     with torch.no_grad():
-        net(source_batch(samples, image_config(cfg).data))
+        net(source_batch(samples, image_data(data_settings(cfg), record)))
     vectors = inputs[0].numpy()
     expected = np.stack([v for v, _ in samples.values()])
     # float16 rounding of the backbone's output may land one step apart; the map scales that step up.
@@ -205,7 +208,7 @@ def test_an_image_goes_through_the_backbone_then_the_map_as_the_shards_were_made
     shutil.copytree(built["white"], broken)
     (broken / "whitening.safetensors").write_bytes(b"not the map")
     with pytest.raises(ConfigError, match=r"whitening.safetensors: sha256 .* restore it, or whiten"):
-        image_model(load_config(None, [*HEAD, f"data.shards={broken}"]), FeatureHeadNet(DIM, 16))
+        image_model(record, str(broken), FeatureHeadNet(DIM, 16))
     (problem,) = verify_shards(str(broken), workers=1)  # and `shards verify` finds it
     assert problem.shard == "whitening.safetensors" and "was changed or damaged" in problem.message
 

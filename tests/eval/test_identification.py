@@ -141,13 +141,14 @@ def _evaluate_worker(rank: int, world: int, shards: str) -> dict:
 def _evaluate(shards: str) -> dict:
     from ddp_rank.config import load_config
     from ddp_rank.eval.runner import evaluate_model
+    from ddp_rank.eval.settings import evaluation_settings
     from ddp_rank.model.net import build_model
     from tests.helpers.training import TINY_OVERRIDES
 
     cfg = load_config(None, [*TINY_OVERRIDES, f"data.shards={shards}", "eval.protocol=verification",
                              "eval.metrics=[identification]", "eval.enrolled_fraction=0.5"])  # fmt: skip
     torch.manual_seed(0)
-    return evaluate_model(build_model(cfg.model, cfg.data.image_size), cfg)
+    return evaluate_model(build_model(cfg.model, cfg.data.image_size), evaluation_settings(cfg))
 
 
 @pytest.mark.distributed

@@ -35,7 +35,9 @@ from ddp_rank.eval.retrieval_record import (
     sample_query_rows,
 )
 from ddp_rank.eval.runner import embed_split, key_index
+from ddp_rank.eval.settings import evaluation_settings
 from ddp_rank.eval.workflow import build_eval_model
+from ddp_rank.runtime.settings import model_settings
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
 LAYOUT = GridLayout()
@@ -123,8 +125,8 @@ def test_eval_draws_its_own_neighbours_framed_by_their_true_class(shards: Path, 
     assert name == "raw pixels" and record.split == "test" and len(record.queries) == 5
     # The neighbours are those of an exact search over the same embeddings (itself left out).
     cfg = load_config(None, [*TINY_OVERRIDES, f"data.shards={shards}"])
-    model, _ = build_eval_model(cfg, None, "raw-pixels")
-    data = embed_split(model, cfg, "test")
+    model, _ = build_eval_model(model_settings(cfg), None, None, "raw-pixels")
+    data = embed_split(model, evaluation_settings(cfg), "test")
     manifest = Manifest.load(shards)
     reader = ClassReader(manifest, "test")
     by_hash = {key_index(s.key): (s.key, s.image) for c in reader.where for s in reader.read(c)}
@@ -186,7 +188,7 @@ def test_feature_shards_draw_no_picture_and_say_so_once(
         assert main(["eval", *head, "--baseline", "raw-pixels", "--output", str(out / "eval.json")]) == 0
         assert not (out / GRID_FILE).exists() and not (out / RECORD_FILE).exists()
         # A run's evaluations share one RetrievalPicture: the second says nothing more.
-        picture = RetrievalPicture(load_config(None, head), is_main=True)
+        picture = RetrievalPicture(evaluation_settings(load_config(None, head)), is_main=True)
         data = EmbeddedSet(torch.randn(4, 8), torch.tensor([0, 0, 1, 1]), torch.zeros(4, dtype=torch.long))
         for _ in range(2):
             picture.capture("test", data)

@@ -223,6 +223,7 @@ def test_evaluation_equals_the_saved_checkpoint_rescored(sync_bn: bool, tmp_path
     re-scoring the checkpoint in one process gives the logged numbers."""
     from ddp_rank.config import load_config
     from ddp_rank.eval.runner import evaluate_model
+    from ddp_rank.eval.settings import evaluation_settings
     from ddp_rank.model.net import build_model
     from ddp_rank.train.checkpoint import load_model_weights
     from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
@@ -243,6 +244,6 @@ def test_evaluation_equals_the_saved_checkpoint_rescored(sync_bn: bool, tmp_path
     cfg = load_config(None, [*TINY_OVERRIDES, f"data.shards={shards}"])
     model = build_model(cfg.model, cfg.data.image_size)
     load_model_weights(model, got[0]["path"])
-    rescored = evaluate_model(model, cfg)
+    rescored = evaluate_model(model, evaluation_settings(cfg))
     for name, value in got[0]["metrics"].items():
         assert rescored[name] == pytest.approx(value, abs=1e-6), name

@@ -23,6 +23,7 @@ from ddp_rank.model import build_model, freeze_batchnorm
 from ddp_rank.train import chunk_choice
 from ddp_rank.train.chunk_choice import ActivationProbe, auto_chunk, count_saved
 from ddp_rank.train.chunk_confirm import BACK_OFF, Confirmation, confirm_chunk, trial_step
+from ddp_rank.train.settings import step_settings
 from ddp_rank.train.step_memory import FixedCosts, collective_reserve, fixed_costs
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
@@ -180,7 +181,7 @@ def test_the_budget_leaves_out_every_fixed_cost(monkeypatch: pytest.MonkeyPatch)
     params = sum(p.numel() for p in model.parameters()) * 4
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     choice = auto_chunk(
-        model, cfg, 64, 128, torch.device("cpu"), None, 1_000, local_processes=2, world_size=2
+        model, step_settings(cfg), 64, 128, torch.device("cpu"), None, 1_000, local_processes=2, world_size=2
     )
     database = 2 * 128 * 16 * 4
     expected = FixedCosts(

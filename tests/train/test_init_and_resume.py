@@ -278,6 +278,7 @@ def test_config_of_a_run_without_history_is_kept(shards: Path, run: Path) -> Non
 def test_another_pml_loss_is_a_structural_change_a_listwise_one_is_not() -> None:
     from ddp_rank.config import Config, to_dict
     from ddp_rank.train.resume_check import resume_changes
+    from ddp_rank.train.settings import config_record
 
     def meta_of(name: str) -> dict:
         return {"config": {**to_dict(Config()), "loss": {**to_dict(Config())["loss"], "name": name}}}
@@ -285,7 +286,7 @@ def test_another_pml_loss_is_a_structural_change_a_listwise_one_is_not() -> None
     def changes(saved: str, new: str) -> dict:
         cfg = Config()
         cfg.loss.name = new
-        return {c.key: c.structural for c in resume_changes(meta_of(saved), cfg)}
+        return {c.key: c.structural for c in resume_changes(meta_of(saved), config_record(cfg))}
 
     assert changes("fastap", "pnp") == {"loss.name": False}
     assert changes("fastap", "pml:ProxyAnchorLoss(margin=0.1)") == {"loss.name": True}
@@ -300,6 +301,7 @@ def test_a_changed_output_stride_is_refused_as_a_structural_change(
     """resnet18 cut at stride 16 has no layer4 and a 256-wide head input: the checkpoint cannot load as it is."""
     from ddp_rank.config import Config, to_dict
     from ddp_rank.train.resume_check import resume_changes
+    from ddp_rank.train.settings import config_record
 
     run = tmp_path / "run"
     resnet = ("model.backbone=resnet18", "model.weights=none", "distributed.chunk_size=0")  # 0: no chunk trial
@@ -317,9 +319,9 @@ def test_a_changed_output_stride_is_refused_as_a_structural_change(
     older = {"config": {**to_dict(Config()), "model": {"backbone": "resnet18"}}}
     cfg = Config()
     cfg.model.backbone = "resnet18"
-    assert resume_changes(older, cfg) == []
+    assert resume_changes(older, config_record(cfg)) == []
     cfg.model.output_stride = 16
-    assert [(c.key, c.structural) for c in resume_changes(older, cfg)] == [("model.output_stride", True)]
+    assert [(c.key, c.structural) for c in resume_changes(older, config_record(cfg))] == [("model.output_stride", True)]
 
 
 @pytest.mark.slow

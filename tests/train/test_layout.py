@@ -7,6 +7,7 @@ import pytest
 from ddp_rank.config import ConfigError, load_config
 from ddp_rank.train.chunked import runs_chunked
 from ddp_rank.train.layout import BatchLayout
+from ddp_rank.train.settings import step_settings
 
 
 @pytest.mark.parametrize(
@@ -34,7 +35,7 @@ def test_the_layout_splits_the_batch_and_chunks_only_a_batch_that_does_not_fit(
     chunk_setting: str, world_size: int, chosen: int | None, expected_chunk: int | None
 ) -> None:
     cfg = load_config(None, ["data.global_batch_size=128", f"distributed.chunk_size={chunk_setting}"])
-    layout = BatchLayout.from_config(cfg, world_size, chosen)
+    layout = BatchLayout.from_settings(step_settings(cfg), world_size, chosen)
     assert (layout.global_batch, layout.world_size, layout.local_batch) == (128, world_size, 128 // world_size)
     assert layout.chunk_size == expected_chunk
     assert layout.chunked is (expected_chunk is not None)
@@ -43,7 +44,7 @@ def test_the_layout_splits_the_batch_and_chunks_only_a_batch_that_does_not_fit(
 def test_a_batch_that_does_not_split_over_the_ranks_is_refused_naming_the_setting() -> None:
     cfg = load_config(None, ["data.global_batch_size=100"])
     with pytest.raises(ConfigError, match=r"data.global_batch_size=100 does not split over 3"):
-        BatchLayout.from_config(cfg, 3)
+        BatchLayout.from_settings(step_settings(cfg), 3)
 
 
 @pytest.mark.parametrize(
@@ -62,7 +63,7 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_refused_naming_the_settin
 )
 def test_the_batchnorm_mode_follows_from_the_config_alone(settings: list[str], kind: str, group: int) -> None:
     cfg = load_config(None, ["data.global_batch_size=64", *settings])
-    mode = BatchLayout.from_config(cfg, 2).batchnorm  # 32 images per rank
+    mode = BatchLayout.from_settings(step_settings(cfg), 2).batchnorm  # 32 images per rank
     assert (mode.kind, mode.group) == (kind, group)
     assert mode.describe(32).startswith("frozen" if kind == "frozen" else "train mode")
 
@@ -81,7 +82,7 @@ def test_the_batchnorm_mode_follows_from_the_config_alone(settings: list[str], k
 def test_a_batchnorm_the_chunked_step_cannot_compute_is_refused_up_front(settings: list[str], message: str) -> None:
     cfg = load_config(None, ["data.global_batch_size=64", *settings])
     with pytest.raises(ConfigError, match=message):
-        BatchLayout.from_config(cfg, 2)
+        BatchLayout.from_settings(step_settings(cfg), 2)
 
 
 def test_a_group_size_of_one_is_refused() -> None:
@@ -99,11 +100,11 @@ def test_a_group_size_of_one_is_refused() -> None:
 )
 def test_a_chunk_chosen_by_auto_keeps_the_groups_whole(settings: list[str], chosen: int, chunk: int | None) -> None:
     cfg = load_config(None, ["data.global_batch_size=64", *settings])
-    assert BatchLayout.from_config(cfg, 2, chosen).chunk_size == chunk
+    assert BatchLayout.from_settings(step_settings(cfg), 2, chosen).chunk_size == chunk
 
 
 @pytest.mark.parametrize("settings", [["model.bn_group_size=8"], ["model.freeze_bn=never"], ["model.sync_bn=true"]])
 def test_auto_refuses_to_start_when_not_even_one_group_fits(settings: list[str]) -> None:
     cfg = load_config(None, ["data.global_batch_size=64", *settings])
     with pytest.raises(ConfigError, match=r"distributed.chunk_size=auto \(at most 5 images fit"):
-        BatchLayout.from_config(cfg, 2, 5)
+        BatchLayout.from_settings(step_settings(cfg), 2, 5)

@@ -145,12 +145,12 @@ def test_loss_parameters_are_refused_where_they_cannot_be_trained(plugin: object
     from pytorch_metric_learning import losses
 
     from ddp_rank.runtime import TrainError
+    from ddp_rank.train.settings import train_settings
     from ddp_rank.train.setup import TrainingLoss
 
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), mixed_precision=precision)
-    trainer = SimpleNamespace(
-        accelerator=accelerator, device=torch.device("cpu"), cfg=load_config(None, [PROXY[0]])
-    )
+    settings = train_settings(load_config(None, [PROXY[0]]))
+    trainer = SimpleNamespace(accelerator=accelerator, device=torch.device("cpu"), settings=settings)
     with pytest.raises(TrainError, match="has parameters of its own, which this run cannot train"):
         Trainer._loss_parameters(trainer, TrainingLoss(losses.ProxyAnchorLoss(5, 4)))  # type: ignore[arg-type]
     assert Trainer._loss_parameters(trainer, TrainingLoss(losses.ContrastiveLoss())) == []  # type: ignore[arg-type]
