@@ -29,8 +29,9 @@ BASH = frozenset({"bash", "sh", "shell"})
 PYTHON = frozenset({"python", "py", "python3"})
 BLOCK_TIMEOUT_S = 180.0
 # What a reader has at the root of a clone, copied into each page's folder (small: the configs, the launcher
-# files, the example scripts, the dataset recipes); anything else is under $DDP_RANK_REPO.
-COPIED_FOLDERS = ("configs", "launch", "examples", "shards")
+# files, the example scripts; not shards/, whose name tutorials use for their output); anything else is under
+# $DDP_RANK_REPO.
+COPIED_FOLDERS = ("configs", "launch", "examples")
 PYTHON_SESSION = Path(__file__).with_name("python_session.py")
 
 _FENCE = re.compile(r"^(?P<indent>[ ]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>.*)$")
