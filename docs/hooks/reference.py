@@ -176,16 +176,63 @@ class ConfigSection:
 
 
 def config_sections() -> list[ConfigSection]:
-    """The config schema's sections and keys, read from the section dataclasses of :class:`ddp_rank.config.Config`.
+    """The config schema's sections and keys: from ``ddp_rank.config.config_json_schema()`` where the schema
+    provides one (pydantic models), else from the section dataclasses of :class:`ddp_rank.config.Config`."""
+    import ddp_rank.config as config
 
-    The one place that knows how the schema is written: each section is a field of ``Config``, each key a field
-    of its section with ``metadata`` ``doc``, ``choices``, ``min``, ``max`` and ``above`` (what ``--help-config``
-    prints). A schema written another way (pydantic, a JSON schema) needs only this function rewritten.
-    """
+    json_schema = getattr(config, "config_json_schema", None)
+    return sections_from_json_schema(json_schema()) if json_schema else _sections_from_dataclasses()
+
+
+def sections_from_json_schema(schema: dict[str, Any]) -> list[ConfigSection]:
+    """Sections and keys from a JSON schema as pydantic writes it: each top-level property a ``$ref`` to a
+    section's definition, whose properties carry ``type`` (or ``anyOf``), ``default``, ``description``,
+    ``enum`` and the bounds ``minimum``, ``maximum``, ``exclusiveMinimum``; the properties' order is the keys'.
+    Written against ``config_json_schema()`` of the pydantic schema (tests/docs/test_reference.py)."""
+    definitions = schema.get("$defs", {})
+    sections = []
+    for name, ref in schema["properties"].items():
+        definition = definitions[ref["$ref"].rsplit("/", 1)[-1]] if "$ref" in ref else ref
+        keys = tuple(
+            ConfigKey(
+                key=f"{name}.{key}",
+                type=_json_type(prop),
+                default=prop.get("default"),
+                doc=prop.get("description", ""),
+                choices=tuple(prop["enum"]) if "enum" in prop else None,
+                minimum=bounds.get("minimum"),
+                maximum=bounds.get("maximum"),
+                above=bounds.get("exclusiveMinimum"),
+            )
+            for key, prop in definition.get("properties", {}).items()
+            # A list's bounds are its items' (shown as the key's, as the dataclass schema writes them).
+            for bounds in [prop.get("items", prop) if prop.get("type") == "array" else prop]
+        )
+        sections.append(ConfigSection(name, definition.get("description", ref.get("description", "")), keys))
+    return sections
+
+
+_JSON_TYPES = {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "null": "None"}
+
+
+def _json_type(prop: dict[str, Any]) -> str:
+    if "anyOf" in prop:
+        return " | ".join(_json_type(p) for p in prop["anyOf"])
+    kind = prop.get("type", "")
+    if kind == "array":
+        return f"list[{_json_type(prop.get('items', {}))}]" if prop.get("items") else "list"
+    if kind == "object":
+        return "dict"
+    return _JSON_TYPES.get(kind, kind or "any")
+
+
+def _sections_from_dataclasses() -> list[ConfigSection]:
+    """Sections and keys from the section dataclasses: each section a field of ``Config``, each key a field of
+    its section with ``metadata`` ``doc``, ``choices``, ``min``, ``max`` and ``above`` (as ``--help-config``)."""
     from ddp_rank.config import Config
 
     sections = []
-    for section_field in dataclasses.fields(Config):
+    for section_field in dataclasses.fields(Config):  # type: ignore[arg-type]
         cls = typing.get_type_hints(Config)[section_field.name]
         hints = typing.get_type_hints(cls)
         default = cls()

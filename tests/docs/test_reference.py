@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from ddp_rank.cli import build_parser
 from ddp_rank.config import Config, to_dict
 from docs.hooks import reference, results
@@ -55,6 +57,42 @@ def test_every_config_key_is_in_the_config_page_with_its_default() -> None:
             assert f"default `{default!r}`" in _section(page, heading), f"{section}.{key}'s default"
             keys += 1
     assert keys > 100
+
+
+def test_config_sections_from_a_pydantic_json_schema() -> None:
+    """The path the config reference takes once the schema is pydantic models (config_json_schema)."""
+    pydantic = pytest.importorskip("pydantic")
+    from typing import Literal
+
+    class DataConfig(pydantic.BaseModel):
+        """Where the images come from."""
+
+        shards: str = pydantic.Field("", description="Shard directory.")
+        batch: int = pydantic.Field(256, ge=2, description="Global batch.")
+        sampler: Literal["hard", "pk"] = pydantic.Field("hard", description="Batch construction.")
+        betas: list[pydantic.confloat(ge=0.0)] = pydantic.Field([0.9, 0.999], description="Adam betas.")
+        lr: float = pydantic.Field(0.1, gt=0.0, le=1.0, description="Rate.")
+        init: str | None = pydantic.Field(None, description="Weights.")
+
+    class Config(pydantic.BaseModel):
+        data: DataConfig = pydantic.Field(default_factory=DataConfig)
+
+    (section,) = reference.sections_from_json_schema(Config.model_json_schema(mode="validation"))
+    assert section.name == "data" and section.doc == "Where the images come from."
+    keys = {k.key: k for k in section.keys}
+    assert list(keys) == ["data.shards", "data.batch", "data.sampler", "data.betas", "data.lr", "data.init"]
+    assert (keys["data.batch"].type, keys["data.batch"].default, keys["data.batch"].minimum) == (
+        "int",
+        256,
+        2,
+    )
+    assert (
+        keys["data.sampler"].choices == ("hard", "pk") and keys["data.sampler"].doc == "Batch construction."
+    )
+    assert (keys["data.betas"].type, keys["data.betas"].minimum) == ("list[float]", 0.0)
+    assert (keys["data.lr"].above, keys["data.lr"].maximum) == (0.0, 1.0)
+    assert keys["data.init"].type == "str | None"
+    assert reference._range(keys["data.lr"]) == "> 0, <= 1"
 
 
 def test_prose_is_escaped_outside_code_spans() -> None:
