@@ -84,7 +84,9 @@ def _owner(figure: Path, measurements: list[Measurement]) -> Measurement | None:
 
 
 def _demoted(text: str, levels: int, drop_title: bool) -> str:
-    """``text`` with every heading outside code fences ``levels`` deeper (at most h6); its ``# title`` dropped."""
+    """``text`` with every heading outside code fences ``levels`` deeper, between h2 and h6 (the page has its
+    own title: a file that appends sections, each under a ``#`` title of its own, keeps them below it); its
+    first ``# title`` dropped."""
     out, in_fence = [], False
     for line in text.splitlines():
         if _FENCE.match(line):
@@ -94,7 +96,7 @@ def _demoted(text: str, levels: int, drop_title: bool) -> str:
                 drop_title = False
                 continue
             hashes = len(line) - len(line.lstrip("#"))
-            line = "#" * min(hashes + levels, 6) + line[hashes:]
+            line = "#" * min(max(hashes + levels, 2), 6) + line[hashes:]
         out.append(line)
     return "\n".join(out).strip()
 

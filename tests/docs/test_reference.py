@@ -107,7 +107,7 @@ def _results_folder(tmp_path: Path) -> Path:
     (folder / "loss-2026-01-01.md").write_text(
         "# Loss timings\n\nold table\n\n## Part\n\n```text\n# not a heading\n```\n"
     )
-    (folder / "loss-2026-02-01.md").write_text("# Loss timings\n\nnew table\n")
+    (folder / "loss-2026-02-01.md").write_text("# Loss timings\n\nnew table\n\n# Loss timings\n\nappended\n")
     (folder / "loss-floor-2026-02-01.md").write_text("# Against the floor\n\nfloor table\n")
     (folder / "loss-floor-curve-2026-02-01.png").write_bytes(b"png")
     (folder / "study-2026-02-01.md").write_text("## Batch size\n\nsee `roc-2026-02-01.png`\n")
@@ -131,7 +131,8 @@ def test_results_are_grouped_by_topic_newest_first_with_their_figures(tmp_path: 
     loss = pages["results/loss.md"]
     assert isinstance(loss, str)
     assert loss.index("new table") < loss.index("## Earlier measurements") < loss.index("old table")
-    assert loss.count("# Loss timings") == 1  # the older file's title is not repeated
+    assert loss.startswith("# Loss timings\n") and "\n# Loss timings" not in loss  # one title: others demoted
+    assert "\n## Loss timings\n\nappended" in loss
     assert "#### Part" in loss and "# not a heading" in loss  # demoted, but not inside a code fence
     assert "![roc-2026-02-01](roc-2026-02-01.png)" in pages["results/study.md"]
     assert pages["results/roc-2026-02-01.png"] == b"png"
