@@ -4,7 +4,8 @@ Why: a figure typed into prose goes stale the day a benchmark is rerun, and two 
 measurement scripts write dated Markdown tables and plots (``loss-2026-11-23.md``, ``study-batch-2026-11-25.png``);
 this hook groups them by topic (the name before the date) and gives each topic one page, ``results/<topic>.md``,
 with the newest measurement first and the earlier ones below it, so a link such as ``results/loss.md`` always
-shows the current figures. A plot belongs to the measurement of its date whose topic is the longest prefix of its
+shows the current figures; each dated file also has a page of its own (``results/study-2026-11-25.md``), for a
+link to that one measurement. A plot belongs to the measurement of its date whose topic is the longest prefix of its
 name (``study-features-batch-2026-11-26.png`` -> ``study-features``) or whose text names it; the rest are shown on
 ``results/index.md``. Nothing is written into ``docs/``; the pages are added to the build, and the nav gets a
 Results section listing every topic.
@@ -146,17 +147,39 @@ def index_page(results: Results) -> str:
     return "\n".join(out)
 
 
+def measurement_page(m: Measurement, topic: str) -> str:
+    """One dated file alone, at ``results/<its name>.md``: for a link to that measurement (a study of a date)."""
+    out = [
+        f"# {m.title}",
+        "",
+        f"{_label(m)}, from `benchmarks/results/{m.path.name}`. The newest of its topic: "
+        f"[{topic}]({topic}.md).",
+        "",
+    ]
+    return "\n".join([*out, _demoted(m.text, 0, drop_title=True), "", *_figures(m)])
+
+
 def pages(results: Results) -> dict[str, str | bytes]:
-    """Every generated file under ``results/``: the index, a page per topic, the plots."""
+    """Every generated file under ``results/``: the index, a page per topic, a page per dated file (not in the
+    nav), the plots."""
     out: dict[str, str | bytes] = {f"{PAGE_DIR}/index.md": index_page(results)}
     for topic, measurements in results.topics.items():
         out[f"{PAGE_DIR}/{topic}.md"] = topic_page(measurements)
+        for m in measurements:
+            out[f"{PAGE_DIR}/{m.path.stem}.md"] = measurement_page(m, topic)
     for figure in [
         *results.loose_figures,
         *(f for ms in results.topics.values() for m in ms for f in m.figures),
     ]:
         out[f"{PAGE_DIR}/{figure.name}"] = figure.read_bytes()
     return out
+
+
+def nav_pages(results: Results) -> list[tuple[str, str]]:
+    """The Results section of the nav: ``(title, page)`` for the index and each topic."""
+    return [("Overview", f"{PAGE_DIR}/index.md")] + [
+        (ms[0].title, f"{PAGE_DIR}/{topic}.md") for topic, ms in results.topics.items()
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,9 +189,7 @@ def pages(results: Results) -> dict[str, str | bytes]:
 
 def on_config(config: Any) -> Any:
     """Fill the nav's Results section (an entry ``Results: results/index.md``) with a page per topic."""
-    results = collect()
-    entries: list[Any] = [{"Overview": f"{PAGE_DIR}/index.md"}]
-    entries += [{ms[0].title: f"{PAGE_DIR}/{topic}.md"} for topic, ms in results.topics.items()]
+    entries = [{title: page} for title, page in nav_pages(collect())]
     for i, item in enumerate(config["nav"] or []):
         if isinstance(item, dict) and item.get(NAV_TITLE) == f"{PAGE_DIR}/index.md":
             config["nav"][i] = {NAV_TITLE: entries}
@@ -176,8 +197,13 @@ def on_config(config: Any) -> Any:
 
 
 def on_files(files: Any, config: Any) -> Any:
-    from mkdocs.structure.files import File
+    """Add the generated pages and plots; a dated file's own page is linked to, not listed in the nav."""
+    from mkdocs.structure.files import File, InclusionLevel
 
-    for path, content in pages(collect()).items():
-        files.append(File.generated(config, path, content=content))
+    results = collect()
+    in_nav = {page for _, page in nav_pages(results)}
+    for path, content in pages(results).items():
+        hidden = path.endswith(".md") and path not in in_nav
+        inclusion = InclusionLevel.NOT_IN_NAV if hidden else InclusionLevel.UNDEFINED
+        files.append(File.generated(config, path, content=content, inclusion=inclusion))
     return files

@@ -137,6 +137,10 @@ def test_results_are_grouped_by_topic_newest_first_with_their_figures(tmp_path: 
     assert "![roc-2026-02-01](roc-2026-02-01.png)" in pages["results/study.md"]
     assert pages["results/roc-2026-02-01.png"] == b"png"
     assert "2026-02-01 (h100)" in pages["results/index.md"]
+    alone = pages["results/loss-2026-01-01.md"]
+    assert (
+        isinstance(alone, str) and "old table" in alone and "new table" not in alone and "(loss.md)" in alone
+    )
     assert "lonely-2026-03-01.png" in pages["results/index.md"]
 
 
