@@ -40,12 +40,14 @@ test-fast: $(STAMP)
 test-long: $(STAMP)
 	$(PYTEST) -m long
 
-# The examples are code a user copies: linted, formatted and type-checked like the package.
+# The examples are code a user copies, the docs hooks build the reference: linted, formatted and type-checked like
+# the package.
 lint: $(STAMP)
 	$(BIN)/ruff check ddp_rank tests benchmarks examples docs/hooks
 	$(BIN)/ruff format --check ddp_rank examples docs/hooks
 	$(BIN)/mypy
 	$(BIN)/mypy examples
+	$(BIN)/mypy docs/hooks
 
 # The documentation site (mkdocs.yml) into site/: --strict fails on a broken link, a missing anchor or page, or a
 # docstring the API reference cannot read. The reference and results pages are generated from the code and

@@ -64,14 +64,14 @@ def anchor(line: str) -> str:
 
 
 def _usage(parser: argparse.ArgumentParser, line: str) -> str:
-    formatter = parser.formatter_class(prog=line, width=USAGE_WIDTH)
+    formatter = argparse.HelpFormatter(prog=line, width=USAGE_WIDTH)
     formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups)
     return formatter.format_help().strip()
 
 
 def _argument(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     """One option or positional as a list item: its spelling, then its help, default and choices."""
-    formatter = parser.formatter_class(prog=parser.prog)
+    formatter = argparse.HelpFormatter(prog=parser.prog)
     if action.option_strings:
         metavar = "" if action.nargs == 0 else " " + formatter._format_args(action, action.dest.upper())
         spelling = ", ".join(f"`{s}{metavar}`" for s in action.option_strings)
@@ -232,7 +232,7 @@ def _sections_from_dataclasses() -> list[ConfigSection]:
     from ddp_rank.config import Config
 
     sections = []
-    for section_field in dataclasses.fields(Config):  # type: ignore[arg-type]
+    for section_field in dataclasses.fields(typing.cast(Any, Config)):
         cls = typing.get_type_hints(Config)[section_field.name]
         hints = typing.get_type_hints(cls)
         default = cls()
