@@ -35,6 +35,8 @@ COPIED_FOLDERS = ("configs", "launch", "examples")
 PYTHON_SESSION = Path(__file__).with_name("python_session.py")
 
 _FENCE = re.compile(r"^(?P<indent>[ ]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>.*)$")
+# ```bash, ```py title="x.py", ``` { .python title="x.py" } (superfences' attribute form)
+_LANG = re.compile(r"^\{?\s*\.?([\w+-]+)")
 _TITLE = re.compile(r"""title=(?:"([^"]*)"|'([^']*)')""")
 _MARKER = re.compile(r"^\s*<!--\s*not[- _]?run\b(?P<rest>.*?)-->\s*$", re.IGNORECASE)
 _ANY_MARKER = re.compile(r"^\s*<!--\s*not[- _]?run\b", re.IGNORECASE)
@@ -86,7 +88,8 @@ def parse(text: str, page: str) -> tuple[list[Block], list[str]]:
         if i == len(lines):
             problems.append(f"{page}:{start + 1}: the fence opened here is never closed")
         i += 1
-        lang = info.lstrip("{.").split()[0].rstrip("}").lower() if info else ""
+        lang_match = _LANG.match(info)
+        lang = lang_match[1].lower() if lang_match else ""
         title_match = _TITLE.search(info)
         title = next((g for g in title_match.groups() if g is not None), None) if title_match else None
         marker, marker_line = _marker_before(lines, start)

@@ -54,6 +54,10 @@ a: 1
 {FENCE}text
 output
 {FENCE}
+
+~~~ {{ .python title="train.py" }}
+print(1)
+~~~
 """
     blocks, problems = parse(text, "p.md")
     assert problems == []
@@ -63,6 +67,7 @@ output
         ("yaml", "configs/tiny.yaml", None, False),
         ("sh", None, None, True),
         ("text", None, None, False),
+        ("python", "train.py", None, False),
     ]
     assert blocks[0].line == 3 and blocks[0].code == "echo hi\n"
     assert blocks[3].code == "ls\n"  # the admonition's indentation removed
