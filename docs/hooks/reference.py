@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 CLI_PAGE = "reference/cli.md"
 CONFIG_PAGE = "reference/config.md"
 USAGE_WIDTH = 100
+# Options whose default is the building machine's core count (os.cpu_count()): the page says so, not the count.
+_PER_MACHINE = frozenset({"workers"})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,7 +94,8 @@ def _argument(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
         and action.nargs != 0
         and "%(default)" not in (action.help or "")
     ):
-        facts.append(f"default: `{default}`")
+        machine = action.dest in _PER_MACHINE and default == (os.cpu_count() or 1)
+        facts.append("default: the number of CPU cores" if machine else f"default: `{default}`")
     text = " ".join(part for part in (_prose(help_text), f"({'; '.join(facts)})" if facts else "") if part)
     return f"- {spelling}" + (f": {text}" if text else "")
 

@@ -46,6 +46,14 @@ def test_every_command_and_option_is_in_the_cli_page() -> None:
                 assert f"`{spelling}" in text, f"{line} {spelling} is missing from its section"
 
 
+def test_a_default_of_the_core_count_is_not_the_build_machines_number() -> None:
+    import os
+
+    build = _section(reference.cli_page(), "`ddp-rank shards build` {")
+    assert "`--workers WORKERS`: (default: the number of CPU cores)" in build
+    assert f"default: `{os.cpu_count()}`" not in build.split("--workers", 1)[1].split("\n", 1)[0]
+
+
 def test_every_config_key_is_in_the_config_page_with_its_default() -> None:
     page = reference.config_page()
     keys = 0
