@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXTRAS := dev,eval,demo,deepspeed
 
-.PHONY: install test test-fast test-long lint demo demo-shards words-shards words-features words-whitened study-features bench study clean gpu-check gpu-wheels
+.PHONY: install test test-fast test-long lint docs demo demo-shards words-shards words-features words-whitened study-features bench study clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,12 +40,22 @@ test-fast: $(STAMP)
 test-long: $(STAMP)
 	$(PYTEST) -m long
 
-# The examples are code a user copies: linted, formatted and type-checked like the package.
+# The examples are code a user copies, the docs hooks build the reference: linted, formatted and type-checked like
+# the package.
 lint: $(STAMP)
-	$(BIN)/ruff check ddp_rank tests benchmarks examples
-	$(BIN)/ruff format --check ddp_rank examples
+	$(BIN)/ruff check ddp_rank tests benchmarks examples docs/hooks
+	$(BIN)/ruff format --check ddp_rank examples docs/hooks
 	$(BIN)/mypy
 	$(BIN)/mypy examples
+	$(BIN)/mypy docs/hooks
+
+# The documentation site (mkdocs.yml) into site/: --strict fails on a broken link, a missing anchor or page, or a
+# docstring the API reference cannot read. The reference and results pages are generated from the code and
+# benchmarks/results/ during the build (docs/hooks/); nothing is fetched. The code blocks of the pages are run
+# by the suite (tests/docs/test_code_blocks.py, in make test).
+SITE_DIR ?= site
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir $(SITE_DIR)
 
 # Builds the emoji shards (npm pack), trains FastAP on 2 CPU processes, evaluates; outputs in runs/demo/.
 demo: $(STAMP)
@@ -132,4 +142,4 @@ gpu-wheels: $(STAMP)
 		"$$(grep '^deepspeed==' constraints.txt)"
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache

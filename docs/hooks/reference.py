@@ -1,0 +1,323 @@
+"""MkDocs hook: the command-line and config reference pages, generated from the code at every build.
+
+Why generated and not written: a page typed by hand drifts from the argument parsers and the config schema the
+day an option is added; these pages are rendered from the very objects ``ddp-rank`` parses with, so they cannot.
+``reference/cli.md`` walks the parser of ``ddp_rank.cli.build_parser`` (every command and sub-command, every
+option with its default and choices); ``reference/config.md`` lists every config key with its type, default,
+allowed range or choices and meaning. Neither file exists in ``docs/``: they are added to the build here.
+
+The hook is loaded by MkDocs from its path (mkdocs.yml, ``hooks:``) and imported by ``tests/docs`` as
+``docs.hooks.reference``; it imports only the standard library and ``ddp_rank`` at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+CLI_PAGE = "reference/cli.md"
+CONFIG_PAGE = "reference/config.md"
+USAGE_WIDTH = 100
+# Options whose default is the building machine's core count (os.cpu_count()): the page says so, not the count.
+_PER_MACHINE = frozenset({"workers"})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def commands(
+    parser: argparse.ArgumentParser | None = None,
+) -> Iterator[tuple[str, str, argparse.ArgumentParser]]:
+    """Every ``(command line, one-line help, parser)`` of ``ddp-rank``, depth first in ``--help`` order.
+
+    The root (``ddp-rank`` itself) comes first; a group such as ``shards`` comes before its sub-commands.
+    """
+    if parser is None:
+        from ddp_rank.cli import build_parser
+
+        parser = build_parser()
+    yield from _walk(parser, "ddp-rank", parser.description or "")
+
+
+def _walk(
+    parser: argparse.ArgumentParser, line: str, help_text: str
+) -> Iterator[tuple[str, str, argparse.ArgumentParser]]:
+    yield line, help_text, parser
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
+        seen: set[int] = set()
+        for name, sub in action.choices.items():
+            if id(sub) in seen:  # an alias names the same parser again
+                continue
+            seen.add(id(sub))
+            yield from _walk(sub, f"{line} {name}", helps.get(name, ""))
+
+
+def anchor(line: str) -> str:
+    """The heading id of a command: ``ddp-rank shards build`` -> ``ddp-rank-shards-build``."""
+    return line.replace(" ", "-")
+
+
+def _usage(parser: argparse.ArgumentParser, line: str) -> str:
+    formatter = argparse.HelpFormatter(prog=line, width=USAGE_WIDTH)
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups)
+    return formatter.format_help().strip()
+
+
+def _argument(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """One option or positional as a list item: its spelling, then its help, default and choices."""
+    formatter = argparse.HelpFormatter(prog=parser.prog)
+    if action.option_strings:
+        metavar = "" if action.nargs == 0 else " " + formatter._format_args(action, action.dest.upper())
+        spelling = ", ".join(f"`{s}{metavar}`" for s in action.option_strings)
+    else:
+        spelling = f"`{formatter._format_args(action, action.dest)}`"
+    help_text = formatter._expand_help(action) if action.help else ""
+    facts = []
+    if action.choices is not None and not isinstance(action, argparse._SubParsersAction):
+        facts.append("choices: " + ", ".join(f"`{c}`" for c in action.choices))
+    default = action.default
+    if (
+        action.option_strings
+        and default is not None
+        and default is not False
+        and default != argparse.SUPPRESS
+        and default != []
+        and action.nargs != 0
+        and "%(default)" not in (action.help or "")
+    ):
+        machine = action.dest in _PER_MACHINE and default == (os.cpu_count() or 1)
+        facts.append("default: the number of CPU cores" if machine else f"default: `{default}`")
+    text = " ".join(part for part in (_prose(help_text), f"({'; '.join(facts)})" if facts else "") if part)
+    return f"- {spelling}" + (f": {text}" if text else "")
+
+
+def _one_paragraph(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _prose(text: str) -> str:
+    """Help or doc text as Markdown prose on one line: ``<class>``, ``*`` and brackets shown as typed (they would
+    be read as HTML, emphasis or links), code spans in backticks left alone."""
+    parts = _one_paragraph(text).split("`")
+    for i in range(0, len(parts), 2):  # the even parts are outside code spans
+        part = parts[i].replace("\\", "\\\\").replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        for char in "*[]":
+            part = part.replace(char, "\\" + char)
+        parts[i] = part
+    return "`".join(parts)
+
+
+def _sentence(text: str) -> str:
+    text = _prose(text)
+    return text[:1].upper() + text[1:] + ("" if text.endswith((".", ":")) else ".")
+
+
+def cli_page() -> str:
+    """The Markdown of ``reference/cli.md``."""
+    out = [
+        "# Command line",
+        "",
+        "Every `ddp-rank` command with its options, generated from the argument parsers at each build of this "
+        "site (`ddp-rank COMMAND --help` prints the same). Commands that take `--config FILE` also take "
+        "`section.key=value` overrides, before or after the flags; the keys are listed in the "
+        "[config reference](config.md).",
+        "",
+    ]
+    for line, help_text, parser in commands():
+        depth = line.count(" ")
+        heading = "##" if depth <= 1 else "###"
+        out += [f"{heading} `{line}` {{ #{anchor(line)} }}", ""]
+        if help_text:
+            out += [_sentence(help_text), ""]
+        if parser.description and parser.description != help_text:
+            out += [_sentence(parser.description), ""]
+        out += ["```text", _usage(parser, line), "```", ""]
+        arguments = [
+            a
+            for a in parser._actions
+            if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+            and a.help != argparse.SUPPRESS
+        ]
+        out += [_argument(parser, a) for a in arguments]
+        if arguments:
+            out.append("")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The config
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigKey:
+    """One config key as the reference shows it, whatever the schema is written with."""
+
+    key: str  # section.name
+    type: str
+    default: Any
+    doc: str
+    choices: tuple[Any, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    above: float | None = None  # exclusive lower bound
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSection:
+    name: str
+    doc: str
+    keys: tuple[ConfigKey, ...]
+
+
+def config_sections() -> list[ConfigSection]:
+    """The config schema's sections and keys: from ``ddp_rank.config.config_json_schema()`` where the schema
+    provides one (pydantic models), else from the section dataclasses of :class:`ddp_rank.config.Config`."""
+    import ddp_rank.config as config
+
+    json_schema = getattr(config, "config_json_schema", None)
+    return sections_from_json_schema(json_schema()) if json_schema else _sections_from_dataclasses()
+
+
+def sections_from_json_schema(schema: dict[str, Any]) -> list[ConfigSection]:
+    """Sections and keys from a JSON schema as pydantic writes it: each top-level property a ``$ref`` to a
+    section's definition, whose properties carry ``type`` (or ``anyOf``), ``default``, ``description``,
+    ``enum`` and the bounds ``minimum``, ``maximum``, ``exclusiveMinimum``; the properties' order is the keys'.
+    Written against ``config_json_schema()`` of the pydantic schema (tests/docs/test_reference.py)."""
+    definitions = schema.get("$defs", {})
+    sections = []
+    for name, ref in schema["properties"].items():
+        definition = definitions[ref["$ref"].rsplit("/", 1)[-1]] if "$ref" in ref else ref
+        keys = tuple(
+            ConfigKey(
+                key=f"{name}.{key}",
+                type=_json_type(prop),
+                default=prop.get("default"),
+                doc=prop.get("description", ""),
+                choices=tuple(prop["enum"]) if "enum" in prop else None,
+                minimum=bounds.get("minimum"),
+                maximum=bounds.get("maximum"),
+                above=bounds.get("exclusiveMinimum"),
+            )
+            for key, prop in definition.get("properties", {}).items()
+            # A list's bounds are its items' (shown as the key's, as the dataclass schema writes them).
+            for bounds in [prop.get("items", prop) if prop.get("type") == "array" else prop]
+        )
+        sections.append(ConfigSection(name, definition.get("description", ref.get("description", "")), keys))
+    return sections
+
+
+_JSON_TYPES = {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "null": "None"}
+
+
+def _json_type(prop: dict[str, Any]) -> str:
+    if "anyOf" in prop:
+        return " | ".join(_json_type(p) for p in prop["anyOf"])
+    kind = prop.get("type", "")
+    if kind == "array":
+        return f"list[{_json_type(prop.get('items', {}))}]" if prop.get("items") else "list"
+    if kind == "object":
+        return "dict"
+    return _JSON_TYPES.get(kind, kind or "any")
+
+
+def _sections_from_dataclasses() -> list[ConfigSection]:
+    """Sections and keys from the section dataclasses: each section a field of ``Config``, each key a field of
+    its section with ``metadata`` ``doc``, ``choices``, ``min``, ``max`` and ``above`` (as ``--help-config``)."""
+    from ddp_rank.config import Config
+
+    sections = []
+    for section_field in dataclasses.fields(typing.cast(Any, Config)):
+        cls = typing.get_type_hints(Config)[section_field.name]
+        hints = typing.get_type_hints(cls)
+        default = cls()
+        keys = []
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            keys.append(
+                ConfigKey(
+                    key=f"{section_field.name}.{f.name}",
+                    type=_type_name(hints[f.name]),
+                    default=getattr(default, f.name),
+                    doc=meta.get("doc", ""),
+                    choices=tuple(meta["choices"]) if meta.get("choices") else None,
+                    minimum=meta.get("min"),
+                    maximum=meta.get("max"),
+                    above=meta.get("above"),
+                )
+            )
+        sections.append(ConfigSection(section_field.name, cls.__doc__ or "", tuple(keys)))
+    return sections
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is None:
+        return getattr(tp, "__name__", str(tp))
+    return str(tp).replace("typing.", "")
+
+
+def _range(key: ConfigKey) -> str:
+    low = (
+        f"> {key.above:g}"
+        if key.above is not None
+        else f">= {key.minimum:g}"
+        if key.minimum is not None
+        else ""
+    )
+    high = f"<= {key.maximum:g}" if key.maximum is not None else ""
+    return ", ".join(part for part in (low, high) if part)
+
+
+def config_page() -> str:
+    """The Markdown of ``reference/config.md``."""
+    sections = config_sections()
+    out = [
+        "# Config keys",
+        "",
+        "Every key of the experiment config, generated from the schema at each build of this site "
+        "(`ddp-rank train --help-config` prints the same). A config is a YAML file of sections "
+        f"({', '.join(f'[`{s.name}`](#{s.name})' for s in sections)}); any key can be overridden on the command "
+        "line as `section.key=value`. An unknown key or a value out of range stops the run at start-up with the "
+        "valid keys or values.",
+        "",
+    ]
+    for section in sections:
+        out += [f"## `{section.name}` {{ #{section.name} }}", "", _sentence(section.doc), ""]
+        for key in section.keys:
+            facts = [f"`{key.type}`", f"default `{key.default!r}`"]
+            if key.choices:
+                facts.append("one of " + ", ".join(f"`{c}`" for c in key.choices))
+            if _range(key):
+                facts.append(_range(key))
+            out += [
+                f"### `{key.key}` {{ #{key.key} }}",
+                "",
+                "; ".join(facts) + ".",
+                "",
+                _sentence(key.doc),
+                "",
+            ]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MkDocs events
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def on_files(files: Any, config: Any) -> Any:
+    """Add the two generated pages to the build."""
+    from mkdocs.structure.files import File
+
+    for path, render in ((CLI_PAGE, cli_page), (CONFIG_PAGE, config_page)):
+        files.append(File.generated(config, path, content=render()))
+    return files

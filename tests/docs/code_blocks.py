@@ -1,0 +1,351 @@
+"""The documentation's code blocks: found in Markdown, checked, and run page by page (docs/code-blocks.md).
+
+Why a runner of our own rather than pytest-examples, sybil or mktestdocs: a tutorial is a sequence of shell
+commands and Python snippets that build on each other's files (shards built in one block, trained on in the
+next), with config files shown as titled blocks; the runner has to interleave the two languages in page order in
+one folder, write titled blocks to disk, and honour a marker that says why a block cannot run here. That is
+about two hundred lines; the libraries each cover part of it.
+
+Only the standard library: the tests import it, and so can a contributor's script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BASH = frozenset({"bash", "sh", "shell"})
+PYTHON = frozenset({"python", "py", "python3"})
+BLOCK_TIMEOUT_S = 180.0
+# What a reader has at the root of a clone, copied into each page's folder (small: the configs, the launcher
+# files, the example scripts; not shards/, whose name tutorials use for their output); anything else is under
+# $DDP_RANK_REPO.
+COPIED_FOLDERS = ("configs", "launch", "examples")
+PYTHON_SESSION = Path(__file__).with_name("python_session.py")
+
+_FENCE = re.compile(r"^(?P<indent>[ ]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>.*)$")
+# ```bash, ```py title="x.py", ``` { .python title="x.py" } (superfences' attribute form)
+_LANG = re.compile(r"^\{?\s*\.?([\w+-]+)")
+_TITLE = re.compile(r"""title=(?:"([^"]*)"|'([^']*)')""")
+_MARKER = re.compile(r"^\s*<!--\s*not[- _]?run\b(?P<rest>.*?)-->\s*$", re.IGNORECASE)
+_ANY_MARKER = re.compile(r"^\s*<!--\s*not[- _]?run\b", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a page. ``line`` is the 1-based line of its opening fence."""
+
+    page: str
+    line: int
+    lang: str
+    title: str | None
+    code: str
+    marker: str | None = None  # the not-run reason ("" for a marker without one); None: no marker
+
+    @property
+    def runs(self) -> bool:
+        """Whether the suite runs this block (bash or python, no title, no marker)."""
+        return self.title is None and self.marker is None and self.lang in BASH | PYTHON
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def parse(text: str, page: str) -> tuple[list[Block], list[str]]:
+    """The fenced blocks of a Markdown page, and the problems of its fences and markers (each a one-line
+    message naming ``page:line``): a fence without a language, an unclosed fence, a not-run marker without
+    its reason, on a block that would not run anyway, or on no block, a title that leaves the page's folder."""
+    lines = text.splitlines()
+    blocks: list[Block] = []
+    problems: list[str] = []
+    markers_used: set[int] = set()
+    i = 0
+    while i < len(lines):
+        match = _FENCE.match(lines[i])
+        if not match:
+            i += 1
+            continue
+        start, indent, fence = i, len(match["indent"]), match["fence"]
+        info = match["info"].strip()
+        closing = re.compile(rf"^[ ]*{re.escape(fence[0])}{{{len(fence)},}}\s*$")
+        i += 1
+        body = []
+        while i < len(lines) and not closing.match(lines[i]):
+            body.append(_dedent(lines[i], indent))
+            i += 1
+        if i == len(lines):
+            problems.append(f"{page}:{start + 1}: the fence opened here is never closed")
+        i += 1
+        lang_match = _LANG.match(info)
+        lang = lang_match[1].lower() if lang_match else ""
+        title_match = _TITLE.search(info)
+        title = next((g for g in title_match.groups() if g is not None), None) if title_match else None
+        marker, marker_line = _marker_before(lines, start)
+        block = Block(page, start + 1, lang, title, "\n".join(body) + "\n" if body else "", marker)
+        blocks.append(block)
+        if marker_line is not None:
+            markers_used.add(marker_line)
+        problems += _problems(block)
+    for n, line in enumerate(lines):
+        if _ANY_MARKER.search(line) and n not in markers_used and not _inside_block(n, blocks, lines):
+            problems.append(
+                f"{page}:{n + 1}: a not-run marker must be the last non-blank line before a fence, alone on its "
+                f"line, as <!-- not-run: the reason -->"
+            )
+    return blocks, problems
+
+
+def _dedent(line: str, indent: int) -> str:
+    stripped = len(line) - len(line.lstrip(" "))
+    return line[min(indent, stripped) :]
+
+
+def _marker_before(lines: list[str], fence: int) -> tuple[str | None, int | None]:
+    n = fence - 1
+    while n >= 0 and not lines[n].strip():
+        n -= 1
+    match = _MARKER.match(lines[n]) if n >= 0 else None
+    if not match:
+        return None, None
+    rest = match["rest"].strip()
+    return (rest[1:].strip() if rest.startswith(":") else ""), n
+
+
+def _inside_block(n: int, blocks: list[Block], lines: list[str]) -> bool:
+    """Whether line ``n`` (0-based) lies inside a fenced block (a page may show the marker as an example)."""
+    for block in blocks:
+        first = block.line  # 0-based index of the first body line
+        if first <= n < first + block.code.count("\n"):
+            return True
+    return False
+
+
+def _problems(block: Block) -> list[str]:
+    out = []
+    if not block.lang:
+        out.append(f"{block.where}: a fence without a language; name it (```text for output or plain text)")
+    if block.marker is not None:
+        if not block.marker:
+            out.append(
+                f"{block.where}: the not-run marker gives no reason; write <!-- not-run: the reason -->"
+            )
+        if block.title is not None or block.lang not in BASH | PYTHON:
+            out.append(
+                f"{block.where}: a not-run marker on a block that is not run anyway ({block.lang or 'no language'}"
+                f"{', titled' if block.title is not None else ''}); remove the marker"
+            )
+    if block.title is not None:
+        path = Path(block.title)
+        if not block.title or path.is_absolute() or ".." in path.parts:
+            out.append(
+                f"{block.where}: title={block.title!r} must be a relative path inside the page's folder"
+            )
+    return out
+
+
+def doc_pages(repo: Path) -> list[Path]:
+    """README.md and every Markdown page under docs/ (the build hooks' folder excluded)."""
+    pages = [repo / "README.md"] if (repo / "README.md").exists() else []
+    pages += sorted(
+        p for p in (repo / "docs").rglob("*.md") if "hooks" not in p.relative_to(repo / "docs").parts
+    )
+    return pages
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running a page
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    block: Block
+    status: str  # "ran", "written", "not run" (marked), "data", "failed"
+    output: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class PageRun:
+    page: str
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    @property
+    def failure(self) -> Outcome | None:
+        return next((o for o in self.outcomes if o.status == "failed"), None)
+
+    def report(self, tail_lines: int = 40) -> str:
+        failed = self.failure
+        if failed is None:
+            return f"{self.page}: every block ran"
+        output = "\n".join(failed.output.rstrip().splitlines()[-tail_lines:])
+        return (
+            f"{failed.block.where}: this ```{failed.block.lang} block failed (mark it <!-- not-run: the reason --> "
+            f"if it cannot run in the suite):\n{failed.block.code}\n--- its output (last {tail_lines} lines) ---\n"
+            f"{output}"
+        )
+
+
+def prepare_folder(folder: Path, repo: Path) -> None:
+    """A page's folder as the root of a clone looks to a reader: copies of :data:`COPIED_FOLDERS`."""
+    for name in COPIED_FOLDERS:
+        if (repo / name).is_dir():
+            shutil.copytree(repo / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def block_env(repo: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a page's blocks: the venv's bin first on PATH, this checkout's ``ddp_rank`` importable,
+    ``DDP_RANK_REPO`` the repository root."""
+    env = dict(os.environ if base is None else base)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    env["DDP_RANK_REPO"] = str(repo)
+    env.setdefault("MPLBACKEND", "Agg")
+    return env
+
+
+def run_page(
+    page: Path,
+    repo: Path,
+    folder: Path,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = BLOCK_TIMEOUT_S,
+) -> PageRun:
+    """Run the blocks of ``page`` in order in ``folder`` (empty; prepared here), stopping at the first failure."""
+    name = page.relative_to(repo).as_posix() if page.is_relative_to(repo) else page.name
+    blocks, problems = parse(page.read_text(encoding="utf-8"), name)
+    if problems:
+        raise ValueError("\n".join(problems))
+    prepare_folder(folder, repo)
+    run = PageRun(name)
+    env = block_env(repo, env)
+    with (
+        tempfile.TemporaryDirectory(prefix="docs-state-") as state,
+        _PythonSession(folder, env, Path(state)) as py,
+    ):
+        shell = _Shell(folder, env, Path(state))
+        for block in blocks:
+            started = time.monotonic()
+            if block.title is not None:
+                target = folder / block.title
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(block.code, encoding="utf-8")
+                run.outcomes.append(Outcome(block, "written"))
+                continue
+            if block.marker is not None:
+                run.outcomes.append(Outcome(block, "not run"))
+                continue
+            if not block.runs:
+                run.outcomes.append(Outcome(block, "data"))
+                continue
+            ok, output = shell.run(block, timeout) if block.lang in BASH else py.run(block, timeout)
+            run.outcomes.append(Outcome(block, "ran" if ok else "failed", output, time.monotonic() - started))
+            if not ok:
+                break
+    return run
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+class _Shell:
+    """The page's bash blocks, each in its own ``bash -euo pipefail``; the exported variables and the working
+    directory a block ends with are where the next one starts (as in one terminal)."""
+
+    def __init__(self, folder: Path, env: dict[str, str], state: Path) -> None:
+        self.env, self.state = env, state
+        (state / "cwd").write_text(str(folder))
+
+    def run(self, block: Block, timeout: float) -> tuple[bool, str]:
+        exports, cwd, script = self.state / "exports", self.state / "cwd", self.state / "block.sh"
+        script.write_text(
+            f'if [ -f "{exports}" ]; then . "{exports}"; fi\n'
+            f'cd "$(cat "{cwd}")"\n'
+            f'trap \'__status=$?; export -p > "{exports}.new"; pwd > "{cwd}.new"; exit $__status\' EXIT\n'
+            + "\n" * max(0, block.line - 3)  # bash's error lines then name the page's lines
+            + block.code
+        )
+        proc = subprocess.Popen(
+            ["bash", "-euo", "pipefail", str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return False, f"timed out after {timeout:g} s"
+        if proc.returncode == 0:
+            for path in (exports, cwd):
+                Path(f"{path}.new").replace(path)
+            return True, output
+        return False, output + f"\n(exit status {proc.returncode})"
+
+
+class _PythonSession:
+    """The page's python blocks in one namespace: a child process (tests/docs/python_session.py) that runs each
+    block it is sent and answers on its own pipe, so a block's output and a hung block cannot confuse the runner.
+    Started on the first python block."""
+
+    def __init__(self, folder: Path, env: dict[str, str], state: Path) -> None:
+        self.folder, self.env, self.state = folder, env, state
+        self.proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> _PythonSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            _kill_group(self.proc)
+
+    def run(self, block: Block, timeout: float) -> tuple[bool, str]:
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(PYTHON_SESSION)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=(self.state / "session.err").open("w"),
+                cwd=self.folder,
+                env=self.env,
+                text=True,
+                start_new_session=True,
+            )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        log = self.state / "python.log"
+        request = {"code": "\n" * block.line + block.code, "name": block.where, "log": str(log)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            ready = selector.select(timeout)
+        output = log.read_text(errors="replace") if log.exists() else ""
+        if not ready:
+            _kill_group(self.proc)
+            self.proc = None
+            return False, output + f"\ntimed out after {timeout:g} s"
+        line = self.proc.stdout.readline()
+        if not line:
+            errors = (self.state / "session.err").read_text(errors="replace")
+            return False, output + "\nthe Python session ended:\n" + errors
+        reply = json.loads(line)
+        return bool(reply["ok"]), output + reply["error"]

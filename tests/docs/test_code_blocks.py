@@ -1,0 +1,40 @@
+"""Every fenced block of README.md and docs/**/*.md: well formed, and run (docs/code-blocks.md).
+
+The fences and markers are checked for every page (fast); the blocks of each page then run in a fresh folder,
+in page order (slow: the tutorials build tiny shards and train a few steps). An unmarked bash or python block
+that fails, fails its page's test with the block, its page:line and the end of its output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.docs.code_blocks import doc_pages, parse, run_page
+from tests.helpers.training import cpu_env
+
+REPO = Path(__file__).resolve().parents[2]
+PAGES = doc_pages(REPO)
+
+
+def _id(page: Path) -> str:
+    return page.relative_to(REPO).as_posix()
+
+
+def _runs_something(page: Path) -> bool:
+    blocks, _ = parse(page.read_text(encoding="utf-8"), _id(page))
+    return any(block.runs for block in blocks)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_id)
+def test_fences_and_markers_are_well_formed(page: Path) -> None:
+    _, problems = parse(page.read_text(encoding="utf-8"), _id(page))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [p for p in PAGES if _runs_something(p)], ids=_id)
+def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
+    result = run_page(page, REPO, tmp_path, env=cpu_env())
+    assert result.failure is None, result.report()

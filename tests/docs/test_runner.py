@@ -1,0 +1,212 @@
+"""The code-block runner itself (tests/docs/code_blocks.py), on small synthetic pages: what it parses, what it
+refuses, what it runs and how a page's blocks share (or do not share) their folder, variables and namespace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.docs.code_blocks import parse, run_page
+
+FENCE = "```"
+
+
+def page(tmp_path: Path, text: str, name: str = "page.md") -> tuple[Path, Path]:
+    """A repository with one page (and a configs/ folder the runner copies) -> (repo, page)."""
+    repo = tmp_path / "repo"
+    (repo / "configs").mkdir(parents=True, exist_ok=True)
+    (repo / "configs" / "demo.yaml").write_text("train:\n  steps: 2\n")
+    path = repo / name
+    path.write_text(text)
+    return repo, path
+
+
+def run(tmp_path: Path, text: str, name: str = "page.md", timeout: float = 30):
+    repo, path = page(tmp_path, text, name)
+    folder = tmp_path / f"run-{name}"
+    folder.mkdir()
+    return run_page(path, repo, folder, timeout=timeout), folder
+
+
+def test_parse_languages_titles_markers_and_indented_fences() -> None:
+    text = f"""# T
+
+{FENCE}bash
+echo hi
+{FENCE}
+
+<!-- not-run: needs a GPU -->
+
+{FENCE}python
+import torch
+{FENCE}
+
+{FENCE}yaml title="configs/tiny.yaml"
+a: 1
+{FENCE}
+
+!!! note
+    {FENCE}sh
+    ls
+    {FENCE}
+
+{FENCE}text
+output
+{FENCE}
+
+~~~ {{ .python title="train.py" }}
+print(1)
+~~~
+"""
+    blocks, problems = parse(text, "p.md")
+    assert problems == []
+    assert [(b.lang, b.title, b.marker, b.runs) for b in blocks] == [
+        ("bash", None, None, True),
+        ("python", None, "needs a GPU", False),
+        ("yaml", "configs/tiny.yaml", None, False),
+        ("sh", None, None, True),
+        ("text", None, None, False),
+        ("python", "train.py", None, False),
+    ]
+    assert blocks[0].line == 3 and blocks[0].code == "echo hi\n"
+    assert blocks[3].code == "ls\n"  # the admonition's indentation removed
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (f"{FENCE}\nx\n{FENCE}\n", "without a language"),
+        (f"<!-- not-run -->\n{FENCE}bash\nx\n{FENCE}\n", "gives no reason"),
+        (f"<!-- not-run: -->\n{FENCE}bash\nx\n{FENCE}\n", "gives no reason"),
+        (f"<!-- not-run: output -->\n{FENCE}text\nx\n{FENCE}\n", "not run anyway"),
+        (f'<!-- not-run: a file -->\n{FENCE}yaml title="a.yaml"\nx\n{FENCE}\n', "not run anyway"),
+        ("<!-- not-run: nothing follows -->\n\ntext\n", "last non-blank line before a fence"),
+        (f'{FENCE}yaml title="../a.yaml"\nx\n{FENCE}\n', "relative path inside"),
+        (f"{FENCE}bash\nx\n", "never closed"),
+    ],
+)
+def test_parse_reports_bad_fences_and_markers(text: str, message: str) -> None:
+    _, problems = parse(text, "p.md")
+    assert len(problems) == 1 and message in problems[0] and problems[0].startswith("p.md:")
+
+
+def test_a_marker_shown_inside_a_longer_fence_is_an_example_not_a_marker() -> None:
+    text = f"````markdown\n<!-- not-run: needs a GPU -->\n{FENCE}bash\nx\n{FENCE}\n````\n"
+    blocks, problems = parse(text, "p.md")
+    assert problems == [] and [b.lang for b in blocks] == ["markdown"]
+
+
+def test_an_unmarked_failing_block_fails_the_page_and_stops_it(tmp_path: Path) -> None:
+    result, folder = run(
+        tmp_path,
+        f"{FENCE}bash\necho before\nfalse\necho never\n{FENCE}\n\n{FENCE}bash\ntouch later\n{FENCE}\n",
+    )
+    failed = result.failure
+    assert failed is not None and failed.block.line == 1 and "before" in failed.output
+    assert "never" not in failed.output and not (folder / "later").exists()
+    assert "page.md:1" in result.report()
+
+
+def test_a_failing_pipeline_and_an_unset_variable_fail(tmp_path: Path) -> None:
+    assert run(tmp_path, f"{FENCE}bash\nfalse | cat\n{FENCE}\n")[0].failure is not None
+    assert run(tmp_path, f"{FENCE}sh\necho $NOT_SET_ANYWHERE\n{FENCE}\n", "b.md")[0].failure is not None
+
+
+def test_a_marked_block_is_skipped(tmp_path: Path) -> None:
+    result, _ = run(tmp_path, f"<!-- not-run: needs a GPU -->\n{FENCE}bash\nexit 1\n{FENCE}\n")
+    assert result.failure is None and [o.status for o in result.outcomes] == ["not run"]
+
+
+def test_a_failing_python_block_reports_the_page_line(tmp_path: Path) -> None:
+    result, _ = run(tmp_path, f"# T\n\n{FENCE}python\nx = 1\nraise RuntimeError('boom')\n{FENCE}\n")
+    failed = result.failure
+    assert failed is not None and "boom" in failed.output and 'page.md:3", line 5' in failed.output
+
+
+def test_titled_blocks_are_written_and_later_blocks_read_them(tmp_path: Path) -> None:
+    text = f"""{FENCE}yaml title="configs/tiny.yaml"
+train:
+  steps: 3
+{FENCE}
+
+{FENCE}python title="hello.py"
+import sys
+print("hello", sys.argv[1])
+{FENCE}
+
+{FENCE}bash
+grep -q 'steps: 3' configs/tiny.yaml
+grep -q 'steps: 2' configs/demo.yaml
+python hello.py there > said.txt
+{FENCE}
+
+{FENCE}python
+assert open("said.txt").read() == "hello there\\n"
+{FENCE}
+"""
+    result, folder = run(tmp_path, text)
+    assert result.failure is None, result.report()
+    assert [o.status for o in result.outcomes] == ["written", "written", "ran", "ran"]
+    assert (folder / "configs" / "tiny.yaml").read_text() == "train:\n  steps: 3\n"
+
+
+def test_bash_blocks_share_exports_and_directory_python_blocks_a_namespace(tmp_path: Path) -> None:
+    text = f"""{FENCE}bash
+export GREETING=hi
+LOCAL_ONLY=x
+mkdir sub && cd sub
+{FENCE}
+
+{FENCE}bash
+test "$GREETING" = hi
+test -z "${{LOCAL_ONLY:-}}"
+test "$(basename "$PWD")" = sub
+test -d "$DDP_RANK_REPO/configs"
+command -v python
+{FENCE}
+
+{FENCE}python
+import os
+value = 41
+{FENCE}
+
+{FENCE}python
+assert value + 1 == 42
+assert os.path.isdir("configs")
+{FENCE}
+"""
+    result, _ = run(tmp_path, text)
+    assert result.failure is None, result.report()
+
+
+def test_pages_are_isolated(tmp_path: Path) -> None:
+    first, folder_a = run(
+        tmp_path,
+        f"{FENCE}bash\nexport ONE=1\ntouch mine\n{FENCE}\n\n{FENCE}python\nshared = 1\n{FENCE}\n",
+        "a.md",
+    )
+    second, folder_b = run(
+        tmp_path,
+        f"{FENCE}bash\ntest ! -e mine\ntest -z \"${{ONE:-}}\"\n{FENCE}\n\n{FENCE}python\nassert 'shared' not in globals()\n{FENCE}\n",
+        "b.md",
+    )
+    assert first.failure is None and second.failure is None, second.report()
+    assert (folder_a / "mine").exists() and folder_a != folder_b
+
+
+def test_a_hung_block_times_out(tmp_path: Path) -> None:
+    result, _ = run(tmp_path, f"{FENCE}bash\nsleep 30\n{FENCE}\n", timeout=1)
+    assert result.failure is not None and "timed out" in result.failure.output
+    result, _ = run(tmp_path, f"{FENCE}python\nimport time\ntime.sleep(30)\n{FENCE}\n", "p.md", timeout=1)
+    assert result.failure is not None and "timed out" in result.failure.output
+
+
+def test_a_page_with_a_bad_marker_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="gives no reason"):
+        run(tmp_path, f"<!-- not-run -->\n{FENCE}bash\ntouch ran\n{FENCE}\n")
+
+
+def test_a_marker_named_inside_a_sentence_is_prose() -> None:
+    _, problems = parse("Write `<!-- not-run: why -->` before the fence.\n\ntext\n", "p.md")
+    assert problems == []
