@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import markdown_table, write_result
-from ddp_rank.file_checks import digest_files
-from ddp_rank.model.checkpoints import FILES_KEY, META_NAME, checkpoint_problem
+from ddp_rank.checkpoints.file_checks import digest_files
+from ddp_rank.checkpoints.read import FILES_KEY, META_NAME, checkpoint_problem
 
 
 def make_state(params: int) -> tuple[dict[str, torch.Tensor], dict[str, object]]:

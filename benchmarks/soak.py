@@ -48,11 +48,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import accelerate_cpu_cmd, cpu_job_env, markdown_table, write_result
 
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.serve import RangeRequestHandler
-from ddp_rank.data.synthetic import write_image_folder
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.serve import RangeRequestHandler
 
 REPO = Path(__file__).resolve().parent.parent
 EXIT_REQUEUE = 75

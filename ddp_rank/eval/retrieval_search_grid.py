@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
-from ddp_rank.data.manifest import Manifest, confined_join
+from ddp_rank.data.format.manifest import Manifest, confined_join
+from ddp_rank.data.reading.decode import DEFAULT_MAX_IMAGE_PIXELS
 from ddp_rank.eval.retrieval_grid import Cell, GridLayout, draw_grid, save_png
 from ddp_rank.eval.retrieval_record import ImageFetch, RecordError, ShardImages, decode_thumbnail
 

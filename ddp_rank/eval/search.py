@@ -20,12 +20,12 @@ from PIL import Image
 from torch import nn
 
 from ddp_rank.config import Config, config_from_dict, load_config
-from ddp_rank.data.transforms import transform_from_config
+from ddp_rank.data.reading.transforms import transform_from_config
 from ddp_rank.eval.embed import autocast
-from ddp_rank.eval.feature_images import image_config, image_model
 from ddp_rank.eval.sources import open_image, pil_batch
 from ddp_rank.eval.vector_index import SearchIndex
-from ddp_rank.model.feature_head import FeatureHeadNet
+from ddp_rank.features.head import FeatureHeadNet
+from ddp_rank.features.images import image_config, image_model
 from ddp_rank.runtime.accelerator import precision_dtype
 
 __all__ = ["Hit", "Searcher"]

@@ -17,18 +17,18 @@ import torch.distributed as dist
 from accelerate.utils import gather_object
 
 from ddp_rank.config import Config, ConfigError, config_from_dict, load_config, to_dict
-from ddp_rank.data.transforms import transform_from_config
+from ddp_rank.data.reading.transforms import transform_from_config
 from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.curves import draw_curves, split_curves
 from ddp_rank.eval.export import ExportError, embed_batches_to_arrays, write_manifest, write_part
-from ddp_rank.eval.feature_images import image_config, image_model
 from ddp_rank.eval.protocols import VEHICLEID_SIZES
 from ddp_rank.eval.report import bootstrap_note, deployment_lines, format_table, write_json
 from ddp_rank.eval.retrieval_record import RetrievalPicture
 from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
 from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
+from ddp_rank.features.head import FeatureHeadNet, RawFeatures
+from ddp_rank.features.images import image_config, image_model
 from ddp_rank.model import RawPixels, build_model, load_model_weights, read_meta, resolve_checkpoint
-from ddp_rank.model.feature_head import FeatureHeadNet, RawFeatures
 from ddp_rank.runtime import autocast_dtype, make_accelerator, open_shards
 from ddp_rank.runtime.shards import check_split as _check_in_manifest
 from ddp_rank.runtime.shards import model_input_dim

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_rank.config import BACKBONES, FEATURES_BACKBONE, TIMM_PREFIX, ModelConfig
-from ddp_rank.data.transforms import uint8_to_unit
+from ddp_rank.data.reading.transforms import uint8_to_unit
 from ddp_rank.model.backbones import build_timm_backbone, replace_pooling
 
 __all__ = [
@@ -362,7 +362,7 @@ def build_model(cfg: ModelConfig, image_size: int = 224, feature_dim: int | None
     feature shards, which ``model.backbone=features`` (a head only) needs."""
     name, weights = cfg.backbone, cfg.weights
     if name == FEATURES_BACKBONE:
-        from ddp_rank.model.feature_head import FeatureHeadNet  # it builds on EmbeddingNet, defined here
+        from ddp_rank.features.head import FeatureHeadNet  # it builds on EmbeddingNet, defined here
 
         if feature_dim is None:
             raise ModelError(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ddp_rank.config import Config
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.schedule import ScheduleConfig
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.sampling.schedule import ScheduleConfig
 
 __all__ = ["data_seed", "resolve_sampler", "schedule_config"]
 

@@ -302,7 +302,7 @@ def test_serve_refuses_a_folder_that_does_not_exist(tmp_path: Path, capsys: pyte
 
 @pytest.fixture()
 def http_shards(tiny: dict[str, Path]) -> Iterator[str]:
-    from ddp_rank.data.serve import serve_directory
+    from ddp_rank.data.reading.serve import serve_directory
 
     with serve_directory(tiny["shards"]) as url:
         yield url

@@ -1,0 +1,74 @@
+"""Images in front of a feature head: the backbone a feature shard set records, rebuilt and checked.
+
+A head trained on feature shards (``model.backbone=features``) takes vectors; to embed an image (a ``search``
+query, an ``export --images`` folder) the image must first go through the backbone that made the shards'
+vectors, with the same weights, transform and precision. The manifest's ``build.features`` record says which;
+the weights rebuilt here must have the digest it records, or the query would land in another space. Whitened
+shards add their map (``whitening.safetensors``, checked against the sha256 the record holds) after the backbone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ddp_rank.config import FEATURES_BACKBONE, Config, ConfigError, ModelConfig
+from ddp_rank.features.head import FeatureHeadNet, ImageFeatureNet, build_seeded, weights_digest
+from ddp_rank.features.records import feature_record
+from ddp_rank.features.whitening import WhiteningError, load_whitening
+from ddp_rank.model import build_model
+from ddp_rank.runtime import open_shards, precision_dtype
+
+__all__ = ["image_config", "image_model"]
+
+
+def image_model(cfg: Config, head: FeatureHeadNet) -> ImageFeatureNet:
+    """The recorded backbone of ``cfg.data.shards`` followed by ``head``; raises ``ConfigError`` when the
+    backbone rebuilt from the record does not have the recorded weights."""
+    record = feature_record(open_shards(cfg))
+    if record is None:  # open_shards refuses this for model.backbone=features; a guard for other callers
+        raise ConfigError(f"{cfg.data.shards}/manifest.json has no build.features record")
+    try:
+        backbone_cfg = ModelConfig(
+            backbone=record.backbone,
+            weights=record.weights,
+            pooling=record.pooling,
+            output_stride=record.output_stride,
+        )
+    except ConfigError as exc:  # e.g. the synthetic vectors of ddp_rank.features.synthetic
+        raise ConfigError(
+            f"{cfg.data.shards}/manifest.json records the backbone {record.backbone!r}, which cannot embed an "
+            f"image ({exc}); search with vectors of shards made by `ddp-rank shards features` instead"
+        ) from exc
+    image_size = int(record.transform["image_size"])
+    backbone = build_seeded(lambda: build_model(backbone_cfg, image_size), record.init_seed)
+    digest = weights_digest(backbone.backbone)
+    if digest != record.weights_digest:
+        raise ConfigError(
+            f"{cfg.data.shards}/manifest.json: the vectors were made by {record.backbone} with weights "
+            f"{record.weights} of digest {record.weights_digest[:12]}..., but those weights now have digest "
+            f"{digest[:12]}...: restore the weights the shards were made with, or rebuild the feature shards"
+        )
+    whitening = None
+    if record.whitening is not None:
+        try:
+            found = load_whitening(str(cfg.data.shards), record.whitening)
+        except WhiteningError as exc:
+            raise ConfigError(str(exc)) from exc
+        whitening = (torch.from_numpy(found.mean), torch.from_numpy(found.projection))
+    return ImageFeatureNet(backbone, head, precision_dtype(record.mixed_precision), whitening)
+
+
+def image_config(cfg: Config) -> Config:
+    """``cfg`` with the recorded transform in ``data`` (crop, resize_size, image_size) for a feature head, so
+    that images are cropped as the shards' images were; ``cfg`` itself for an image backbone."""
+    if cfg.model.backbone != FEATURES_BACKBONE:
+        return cfg
+    record = feature_record(open_shards(cfg))
+    if record is None:
+        raise ConfigError(f"{cfg.data.shards}/manifest.json has no build.features record")
+    data = dataclasses.replace(
+        cfg.data, **{k: record.transform[k] for k in ("crop", "resize_size", "image_size")}
+    )
+    return dataclasses.replace(cfg, data=data)
