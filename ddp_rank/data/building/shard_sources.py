@@ -34,7 +34,7 @@ from ddp_rank.data.format.compressed import (
     compressed_suffix,
     compression_of,
 )
-from ddp_rank.data.format.manifest import is_url, shard_path_problem, split_name_problem
+from ddp_rank.data.format.manifest_parts import is_url, shard_path_problem, split_name_problem
 
 _GLOB = "*?["
 _PATTERN = "{" + _GLOB

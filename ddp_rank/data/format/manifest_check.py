@@ -15,7 +15,7 @@ refused with a ``ManifestError`` of one line: the file, the field as a JSON path
   least a tar header (512 bytes) per sample, a span at most ``MAX_SPAN_BYTES`` (a span is read into memory in
   one piece: a forged length of 1e12 must not become a 1 TB allocation), a shard at most ``MAX_SHARD_BYTES``;
 - digests of the right length and alphabet;
-- shard paths that stay inside the shard root (``manifest.shard_path_problem``: relative, no ``..``, no scheme,
+- shard paths that stay inside the shard root (``manifest_parts.shard_path_problem``: relative, no ``..``, no scheme,
   host or drive); ``Manifest.shard_url`` checks again where a path is resolved for reading.
 
 ``build`` stays free-form (each tool records what it likes there); unknown keys are ignored, so a newer writer's
@@ -27,15 +27,14 @@ from __future__ import annotations
 import itertools
 import re
 from collections import defaultdict
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
-from ddp_rank.data.format.manifest import (
+from ddp_rank.data.format.manifest_parts import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
     ClassInfo,
     ClassSpan,
-    Manifest,
     ManifestError,
     ShardInfo,
     SplitInfo,
@@ -44,7 +43,7 @@ from ddp_rank.data.format.manifest import (
     split_name_problem,
 )
 
-__all__ = ["MAX_SHARD_BYTES", "MAX_SPAN_BYTES", "parse_manifest"]
+__all__ = ["MAX_SHARD_BYTES", "MAX_SPAN_BYTES", "ManifestFields", "parse_manifest"]
 
 TAR_BLOCK = 512
 """Every tar member starts with a header of this size, so a sample takes at least this many bytes."""
@@ -115,8 +114,19 @@ class _Checker:
         return value
 
 
-def parse_manifest(data: Any, root: str | None = None) -> Manifest:
-    """The ``Manifest`` of ``data`` (the parsed JSON of ``<root>/manifest.json``), or ``ManifestError``."""
+class ManifestFields(NamedTuple):
+    """A manifest's checked contents: ``Manifest.from_json`` makes the ``Manifest`` of them (this module does
+    not import ``Manifest``, whose loading calls it)."""
+
+    categories: tuple[str, ...]
+    classes: tuple[ClassInfo, ...]
+    splits: dict[str, SplitInfo]
+    build: dict[str, Any]
+    shards_root: str | None
+
+
+def parse_manifest(data: Any, root: str | None = None) -> ManifestFields:
+    """The checked fields of ``data`` (the parsed JSON of ``<root>/manifest.json``), or ``ManifestError``."""
     check = _Checker(join_location(root, MANIFEST_NAME) if root else MANIFEST_NAME)
     top = (
         data
@@ -146,13 +156,8 @@ def parse_manifest(data: Any, root: str | None = None) -> Manifest:
     shards_root = top.get("shards_root")
     if shards_root is not None:
         _check_shards_root(check, shards_root)
-    return Manifest(
-        categories=categories,
-        classes=classes,
-        splits=splits,
-        build=dict(build),
-        root=root,
-        shards_root=shards_root,
+    return ManifestFields(
+        categories=categories, classes=classes, splits=splits, build=dict(build), shards_root=shards_root
     )
 
 
