@@ -23,7 +23,7 @@ from torch import nn
 
 from ddp_rank.autocast_off import outside_autocast
 from ddp_rank.data.reading.transforms import uint8_to_unit
-from ddp_rank.model.net import EmbeddingNet
+from ddp_rank.model.embedding import EmbeddingNet
 
 __all__ = [
     "FeatureHeadNet",
