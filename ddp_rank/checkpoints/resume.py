@@ -3,14 +3,15 @@ resume (world size, model and optimizer settings, weight shapes, the data schedu
 
 The stream is a pure function of (seed, epoch, step), so a resumed run restarts it at the checkpoint's step on any
 world size and worker count and ends with the parameters of an uninterrupted one. Functions of the trainer they
-continue (``Trainer.resume`` / ``state_dict`` / ``load_state_dict`` call them).
+continue (``Trainer.resume`` / ``state_dict`` / ``load_state_dict`` call them), written against ``ResumedRun``:
+what they read and restore of the run, so this module does not import the trainer that imports it.
 """
 
 from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddp_rank.checkpoints.read import (
     CheckpointError,
@@ -35,12 +36,66 @@ from ddp_rank.runtime.data_setup import data_seed
 from ddp_rank.train.optim import lr_factor
 
 if TYPE_CHECKING:
-    from ddp_rank.train.trainer import Trainer
+    from ddp_rank.checkpoints.write import CheckpointManager
+    from ddp_rank.config import Config
+    from ddp_rank.data.reading.stream import ShardStream
+    from ddp_rank.model import EmbeddingNet
+    from ddp_rank.train.batches import TrainBatches
+    from ddp_rank.train.run_report import RunReport
 
-__all__ = ["load_state_dict", "resume", "schedule_signature", "state_dict"]
+__all__ = ["ResumedRun", "load_state_dict", "resume", "schedule_signature", "state_dict"]
 
 
-def state_dict(trainer: Trainer) -> dict[str, Any]:
+class RunProgress(Protocol):
+    """The loop's own counters, recorded in ``meta.json`` and set back on a resume."""
+
+    step: int
+    best_value: float | None
+    best_step: int | None
+
+
+class ResumedRun(Protocol):
+    """What a resume reads and restores of the run it continues; ``Trainer`` is one. Read-only members: the
+    functions here change the objects (the scheduler, the stream, the progress), never which objects they are."""
+
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def accelerator(self) -> Any: ...
+    @property
+    def optimizer(self) -> Any: ...
+    @property
+    def scheduler(self) -> Any: ...
+    @property
+    def loss_state(self) -> Any: ...
+    @property
+    def deepspeed(self) -> bool: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def out_dir(self) -> Path: ...
+    @property
+    def stream(self) -> ShardStream: ...
+    @property
+    def batches(self) -> TrainBatches: ...
+    @property
+    def checkpoints(self) -> CheckpointManager: ...
+    @property
+    def report(self) -> RunReport: ...
+    @property
+    def progress(self) -> RunProgress: ...
+    @property
+    def steps_per_epoch(self) -> int: ...
+    @property
+    def total_steps(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def unwrapped(self) -> EmbeddingNet: ...
+    def parameter_groups(self, model: EmbeddingNet) -> list[dict[str, Any]]: ...
+
+
+def state_dict(trainer: ResumedRun) -> dict[str, Any]:
     """The loop state that goes to ``meta.json`` (the rest is in the accelerate checkpoint)."""
     epoch, step_in_epoch = divmod(trainer.progress.step, trainer.steps_per_epoch)
     return {
@@ -58,7 +113,7 @@ def state_dict(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def schedule_signature(trainer: Trainer) -> dict[str, Any]:
+def schedule_signature(trainer: ResumedRun) -> dict[str, Any]:
     """What decides which samples each step draws, besides the layout the stream itself records."""
     data = trainer.cfg.data
     return {
@@ -72,7 +127,7 @@ def schedule_signature(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def load_state_dict(trainer: Trainer, meta: dict[str, Any]) -> None:
+def load_state_dict(trainer: ResumedRun, meta: dict[str, Any]) -> None:
     """Continue at ``meta['step']``: the stream is positioned there and the best-so-far restored."""
     if (
         int(meta.get("global_batch_size", trainer.cfg.data.global_batch_size))
@@ -101,7 +156,7 @@ def load_state_dict(trainer: Trainer, meta: dict[str, Any]) -> None:
     trainer.batches.restart()
 
 
-def resume(trainer: Trainer) -> Path | None:
+def resume(trainer: ResumedRun) -> Path | None:
     """Apply ``train.resume``; returns the checkpoint continued from, or None for a fresh start."""
     mode = trainer.cfg.train.resume
     set_aside = trainer.checkpoints.cleanup_partial().set_aside
@@ -169,7 +224,7 @@ def resume(trainer: Trainer) -> Path | None:
     return path
 
 
-def _intact_latest(trainer: Trainer) -> Path | None:
+def _intact_latest(trainer: ResumedRun) -> Path | None:
     """The newest checkpoint of this run whose files are intact (``ddp_rank.checkpoints.read``), each newer,
     damaged one noted in one line; it is moved aside with the other later checkpoints once the resume is done
     (:func:`_abandon_later_checkpoints`). Every rank checks (each reads the files it loads anyway)."""
@@ -185,7 +240,7 @@ def _intact_latest(trainer: Trainer) -> Path | None:
     return path
 
 
-def _load_accelerate_state(trainer: Trainer, path: Path) -> None:
+def _load_accelerate_state(trainer: ResumedRun, path: Path) -> None:
     """``accelerator.load_state`` of a checked checkpoint, then the state the trainer writes itself
     (``ddp_rank.checkpoints.state_files``); what a parser still refuses (a file the checks could not judge: a
     checkpoint of an older version) becomes one line naming the checkpoint.
@@ -204,13 +259,13 @@ def _load_accelerate_state(trainer: Trainer, path: Path) -> None:
     load_state_files(path, trainer.scheduler, trainer.loss_state)
 
 
-def _allowed_types(trainer: Trainer) -> list[Any]:
+def _allowed_types(trainer: ResumedRun) -> list[Any]:
     """The types beyond torch's defaults a checkpoint of this run may hold: numpy's random state, and DeepSpeed's
     own classes under DeepSpeed (``ddp_rank.checkpoints.safe_pickles``)."""
     return [*RNG_STATE_TYPES, *(deepspeed_types() if trainer.deepspeed else [])]
 
 
-def _refuse_unsafe_files(trainer: Trainer, path: Path) -> None:
+def _refuse_unsafe_files(trainer: ResumedRun, path: Path) -> None:
     """No file of a checkpoint is unpickled without restriction: every torch file in it is scanned before
     anything reads it, and refused by name when it names a function or class outside :func:`_allowed_types`.
 
@@ -232,7 +287,7 @@ def _load_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def _abandon_later_checkpoints(trainer: Trainer, meta: dict[str, Any]) -> None:
+def _abandon_later_checkpoints(trainer: ResumedRun, meta: dict[str, Any]) -> None:
     """A rewind (this run continues at step s while its output_dir holds checkpoints after s, e.g. resumed
     from an earlier one after a divergence): move those aside, as metrics.jsonl is cut back to s, so that the
     next ``train.resume=auto`` continues this timeline, not the abandoned one. Collective (all ranks)."""
@@ -249,7 +304,7 @@ def _abandon_later_checkpoints(trainer: Trainer, meta: dict[str, Any]) -> None:
         )
 
 
-def _apply_optim_config(trainer: Trainer) -> None:
+def _apply_optim_config(trainer: ResumedRun) -> None:
     """Make this config's optimizer hyper-parameters apply at the current step (the restored optimizer and
     schedule carry the checkpoint's: base rates, weight decay, betas, momentum)."""
     o = trainer.cfg.optim
