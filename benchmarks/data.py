@@ -37,17 +37,17 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from benchmarks.common import machine_description, markdown_table, write_result
-from ddp_rank.data.batch import StreamBatch
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.dealing import deal
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.loader import StreamLoader
-from ddp_rank.data.manifest import ClassInfo, ClassSpan, Manifest, ShardInfo, SplitInfo
-from ddp_rank.data.plan import Catalog, GlobalPlan
-from ddp_rank.data.schedule import ScheduleConfig
-from ddp_rank.data.serve import serve_directory
-from ddp_rank.data.stream import ShardStream
-from ddp_rank.data.transforms import TransformConfig, decode_image, normalize_batch, train_transform
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.format.manifest import ClassInfo, ClassSpan, Manifest, ShardInfo, SplitInfo
+from ddp_rank.data.reading.batch import StreamBatch
+from ddp_rank.data.reading.loader import StreamLoader
+from ddp_rank.data.reading.serve import serve_directory
+from ddp_rank.data.reading.stream import ShardStream
+from ddp_rank.data.reading.transforms import TransformConfig, decode_image, normalize_batch, train_transform
+from ddp_rank.data.sampling.dealing import deal
+from ddp_rank.data.sampling.plan import Catalog, GlobalPlan
+from ddp_rank.data.sampling.schedule import ScheduleConfig
 
 
 def parse_args() -> argparse.Namespace:

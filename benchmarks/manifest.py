@@ -1,5 +1,5 @@
 """What checking ``manifest.json`` costs at load: ``Manifest.load`` (parse + every field checked,
-``ddp_rank.data.manifest_check``) against ``json.loads`` alone and against building the same objects while
+``ddp_rank.data.format.manifest_check``) against ``json.loads`` alone and against building the same objects while
 trusting the file (what the loader did before the checks), on manifests of 20,000 and 200,000 classes (five
 images each, 500 classes a shard, 100 categories). Times are CPU seconds of this process (the best of three),
 so other load on the machine weighs less.
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import markdown_table, write_result
-from ddp_rank.data.manifest import ClassInfo, ClassSpan, Manifest, ShardInfo, SplitInfo
+from ddp_rank.data.format.manifest import ClassInfo, ClassSpan, Manifest, ShardInfo, SplitInfo
 
 SAMPLE_BYTES = 3 * 1024
 

@@ -32,10 +32,10 @@ import webdataset as wds
 from PIL import Image
 
 from benchmarks.common import machine_description, markdown_table, write_result
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.reshard import ReshardOptions, reshard
-from ddp_rank.data.serve import serve_directory
-from ddp_rank.data.shard_index import IndexOptions, find_splits, index_shards
+from ddp_rank.data.building.reshard import ReshardOptions, reshard
+from ddp_rank.data.building.shard_index import IndexOptions, find_splits, index_shards
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.serve import serve_directory
 
 
 def parse_args() -> argparse.Namespace:

@@ -52,7 +52,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.experiments.intervals import paired_t_interval
 from ddp_rank.experiments.runs import RunSummary, read_run
 
@@ -329,7 +329,7 @@ def _report(args: argparse.Namespace, manifest: Manifest, n_train: int, batch_po
 
 def _whitened(manifest: Manifest) -> bool:
     """Whether the vectors were whitened after the backbone (``ddp-rank shards whiten``)."""
-    from ddp_rank.data.features import feature_record
+    from ddp_rank.features.records import feature_record
 
     record = feature_record(manifest)
     return record is not None and record.whitening is not None

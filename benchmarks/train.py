@@ -237,7 +237,7 @@ def trainer_worker(args: argparse.Namespace) -> None:
 
     trainer = Trainer(load_config(None, _overrides(args)))
     if args.capture != "none" and args.compiler != "inductor":  # the small CPU form in the tests
-        from ddp_rank.train.captured_chunk import captured_chunk_for
+        from ddp_rank.train.chunking.captured import captured_chunk_for
 
         trainer.captured = captured_chunk_for(
             trainer.backend, trainer.chunk_size, args.capture, args.compiler
@@ -534,9 +534,9 @@ def main() -> int:
     default_processes = sorted({1, gpus}) if args.device == "cuda" and gpus > 1 else ([1] if gpus else [1, 2])
     processes = [int(p) for p in args.processes.split(",")] if args.processes else default_processes
 
-    from ddp_rank.data.build import BuildOptions, build_shards
-    from ddp_rank.data.listing import read_image_folder
-    from ddp_rank.data.synthetic import write_image_folder
+    from ddp_rank.data.building.build import BuildOptions, build_shards
+    from ddp_rank.data.building.listing import read_image_folder
+    from ddp_rank.data.building.synthetic import write_image_folder
 
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)

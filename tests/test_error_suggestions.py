@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ddp_rank.config import Config, ConfigError, load_config
-from ddp_rank.data.schedule import ScheduleConfig
+from ddp_rank.data.sampling.schedule import ScheduleConfig
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ddp_rank"
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}

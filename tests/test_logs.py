@@ -39,7 +39,7 @@ def test_rank_zero_logs_events_and_problems_to_the_console_and_the_run(
 
 def test_other_ranks_show_only_their_problems_tagged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     configure_run_logging(3, tmp_path / "run")
-    log = logging.getLogger("ddp_rank.data.stream")
+    log = logging.getLogger("ddp_rank.data.reading.stream")
     log.info("an event every rank meets alike")
     log.warning("class 7 of shard a.tar unreadable; replaced from the plan's reserve")
     out, err = capsys.readouterr()

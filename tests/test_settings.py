@@ -31,7 +31,7 @@ READS_CONFIG: dict[str, str] = {
     # The commands' tops: they take the config a user wrote and translate it at start-up.
     "train/trainer.py": "the trainer's top: Trainer(cfg), run_training(cfg)",
     "eval/workflow.py": "the top of `ddp-rank eval` / `export`: translates the run's config at its start",
-    "train/plan_report.py::describe_plan": "the top of `ddp-rank plan`: translates the config at its start",
+    "train/chunking/plan_report.py::describe_plan": "the top of `ddp-rank plan`: translates the config at its start",
     "train/trackers.py::tracker_arguments": "public (README): make_accelerator(cfg, tracker_arguments(cfg))",
     "cli": "the command line: loads the config files and overrides",
     "experiments": "sweeps and comparisons edit and compare whole configs",

@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from ddp_rank.config import load_config
-from ddp_rank.data.batch import StreamBatch
-from ddp_rank.train.chunk_choice import count_saved
+from ddp_rank.data.reading.batch import StreamBatch
+from ddp_rank.train.chunking.choice import count_saved
 
 CSAN_REPORT = "CSAN detected a possible data race"
 
@@ -202,9 +202,9 @@ class _LogLines(logging.Handler):
 
 def synthetic_shards(root: Path, classes: int, image_size: int = 32) -> Path:
     """4 categories of ``classes // 4`` classes of 4 small images: the trainer resizes them to the run's size."""
-    from ddp_rank.data.build import BuildOptions, build_shards
-    from ddp_rank.data.listing import read_image_folder
-    from ddp_rank.data.synthetic import write_image_folder
+    from ddp_rank.data.building.build import BuildOptions, build_shards
+    from ddp_rank.data.building.listing import read_image_folder
+    from ddp_rank.data.building.synthetic import write_image_folder
 
     write_image_folder(root / "images", [[4] * (classes // 4)] * 4, image_size=image_size, seed=0)
     build_shards(read_image_folder(root / "images"), root / "shards", BuildOptions(progress=False))

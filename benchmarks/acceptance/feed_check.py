@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ddp_rank.data.batch import StreamBatch
+from ddp_rank.data.reading.batch import StreamBatch
 
 
 class SynchronousFeed:
@@ -90,8 +90,8 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, shards: Path, workers: int) -> None:
         from ddp_rank.config import load_config
-        from ddp_rank.data.loader import StreamLoader
-        from ddp_rank.data.manifest import Manifest
+        from ddp_rank.data.format.manifest import Manifest
+        from ddp_rank.data.reading.loader import StreamLoader
         from ddp_rank.model import build_model
         from ddp_rank.runtime.settings import data_settings
         from ddp_rank.train import PlainBackend
@@ -194,9 +194,9 @@ def measure(args: argparse.Namespace, shards: Path, workers: int) -> dict[str, A
 def synthetic_shards(root: Path, image_size: int, images: int) -> Path:
     """Shards of at least ``images`` images (4 categories of classes of 4) at ``image_size``, built by the data
     layer as the trainer's would be."""
-    from ddp_rank.data.build import BuildOptions, build_shards
-    from ddp_rank.data.listing import read_image_folder
-    from ddp_rank.data.synthetic import write_image_folder
+    from ddp_rank.data.building.build import BuildOptions, build_shards
+    from ddp_rank.data.building.listing import read_image_folder
+    from ddp_rank.data.building.synthetic import write_image_folder
 
     classes = max(10, -(-images // 16))
     write_image_folder(root / "images", [[4] * classes] * 4, image_size=image_size, image_format="jpg", seed=0)

@@ -526,9 +526,9 @@ def _json_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def _synthetic_shards(root: Path, image_size: int) -> Path:
-    from ddp_rank.data.build import BuildOptions, build_shards
-    from ddp_rank.data.listing import read_image_folder
-    from ddp_rank.data.synthetic import write_image_folder
+    from ddp_rank.data.building.build import BuildOptions, build_shards
+    from ddp_rank.data.building.listing import read_image_folder
+    from ddp_rank.data.building.synthetic import write_image_folder
 
     write_image_folder(root / "images", [[4] * 40] * 4, image_size=image_size, seed=0)
     build_shards(read_image_folder(root / "images"), root / "shards", BuildOptions(progress=False))

@@ -45,11 +45,11 @@ import psutil
 import torch
 
 from benchmarks.common import accelerate_cpu_cmd, cpu_job_env, markdown_table, write_result
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.serve import RangeRequestHandler
-from ddp_rank.data.synthetic import write_image_folder
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.serve import RangeRequestHandler
 
 REPO = Path(__file__).resolve().parents[2]
 EXIT_REQUEUE = 75

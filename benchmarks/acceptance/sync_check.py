@@ -8,7 +8,7 @@ The step is the trainer's: ``forward_backward`` on uint8 images (channels-last, 
 global-batch loss, an Adam step, and the loss value read for the log. After one warm-up step (cuDNN's search,
 Adam's first state), one step runs under ``torch.cuda.set_sync_debug_mode("warn")``: each synchronising call warns,
 and its Python stack is recorded; a synchronisation whose stack passes through the chunk loops
-(``_forward_no_grad``, ``_forward_backward`` of ``ddp_rank.train.chunked``) is "in the loop", where the target is
+(``_forward_no_grad``, ``_forward_backward`` of ``ddp_rank.train.chunking.step``) is "in the loop", where the target is
 none (each one there makes the host wait for the GPU once per chunk). Then two steps run under
 ``torch.profiler`` (CPU and CUDA activities), their trace kept, gzipped, for Perfetto or chrome://tracing, and the
 CUDA runtime's synchronising calls in it counted.
@@ -44,7 +44,7 @@ from ddp_rank.train import PlainBackend, forward_backward
 REPO = Path(__file__).resolve().parents[2]
 
 LOOP_FUNCTIONS = frozenset({"_forward_no_grad", "_forward_backward"})
-"""The chunk loops of ``ddp_rank.train.chunked``: a synchronisation while one of them runs is in the loop (also
+"""The chunk loops of ``ddp_rank.train.chunking.step``: a synchronisation while one of them runs is in the loop (also
 one that the autograd engine's device thread reports, whose Python stack does not show the loop)."""
 _IN_LOOP = [False]
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -77,8 +77,8 @@ def _event(kind: str, stack: traceback.StackSummary, in_loop: bool) -> dict[str,
 
 @contextlib.contextmanager
 def marking_the_loops() -> Iterator[None]:
-    """While a chunk loop of ``ddp_rank.train.chunked`` runs, ``_IN_LOOP[0]`` is True."""
-    from ddp_rank.train import chunked
+    """While a chunk loop of ``ddp_rank.train.chunking.step`` runs, ``_IN_LOOP[0]`` is True."""
+    from ddp_rank.train.chunking import step as chunked
 
     def marked(function: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:

@@ -194,7 +194,7 @@ def _run_search(args: argparse.Namespace) -> int:
             category = f"  {hit.category}" if hit.category else ""
             print(f"  {rank:>2}  {hit.score:.4f}  {hit.key}{label}{category}")
     if args.grid:
-        from ddp_rank.data.shard_cache import open_cache
+        from ddp_rank.data.reading.shard_cache import open_cache
         from ddp_rank.eval.retrieval_search_grid import draw_search_grid
 
         problems: tuple[type[Exception], ...] = (OSError, ValueError, *_errors())

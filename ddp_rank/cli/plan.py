@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if not cfg.data.shards:
         print("ddp-rank plan: error: data.shards is empty; pass data.shards=DIR_OR_URL", file=sys.stderr)
         return EXIT_USAGE
-    from ddp_rank.train.plan_report import describe_plan
+    from ddp_rank.train.chunking.plan_report import describe_plan
 
     facts, problems = describe_plan(cfg, args.world_size, args.steps, args.device)
     width = max(len(k) for k, _ in facts)

@@ -27,10 +27,8 @@ from typing import Any
 
 from ddp_rank.cli.arguments import pixel_count
 from ddp_rank.cli.shards_convert import convert_command
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
-from ddp_rank.data.info import format_info
-from ddp_rank.data.listing import (
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import (
     ListingError,
     Record,
     Report,
@@ -38,8 +36,10 @@ from ddp_rank.data.listing import (
     read_image_folder,
     write_csv_listing,
 )
-from ddp_rank.data.recipes import RECIPES, run_recipe
-from ddp_rank.data.verify import verify_shards
+from ddp_rank.data.building.recipes import RECIPES, run_recipe
+from ddp_rank.data.building.verify import verify_shards
+from ddp_rank.data.format.info import format_info
+from ddp_rank.data.reading.decode import DEFAULT_MAX_IMAGE_PIXELS
 
 
 def register(subparsers: Any) -> None:
@@ -130,7 +130,7 @@ def _add_index_options(p: argparse.ArgumentParser, category_default: str | None)
 
 
 def _index_options(args: argparse.Namespace) -> Any:
-    from ddp_rank.data.shard_index import IndexOptions, read_category_map
+    from ddp_rank.data.building.shard_index import IndexOptions, read_category_map
 
     category_field = "category" if args.category_field is None else args.category_field
     return IndexOptions(
@@ -169,7 +169,7 @@ def _add_reshard(sub: Any) -> None:
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    from ddp_rank.data.reshard import ReshardOptions, reshard
+    from ddp_rank.data.building.reshard import ReshardOptions, reshard
 
     named = (args.class_field, args.class_from_key, args.category_field, args.category_map)
     try:
@@ -335,7 +335,7 @@ def _features(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from ddp_rank.config import ConfigError, load_config
-    from ddp_rank.eval.feature_build import FeatureBuildError, FeatureBuildOptions, build_feature_shards
+    from ddp_rank.features.build import FeatureBuildError, FeatureBuildOptions, build_feature_shards
     from ddp_rank.model import ModelError
     from ddp_rank.runtime import make_accelerator
     from ddp_rank.runtime.settings import data_settings, model_settings
@@ -363,8 +363,8 @@ def _features(args: argparse.Namespace) -> int:
 
 
 def _whiten(args: argparse.Namespace) -> int:
-    from ddp_rank.eval.feature_build import FeatureBuildError
-    from ddp_rank.eval.feature_whiten import WhitenOptions, whiten_feature_shards
+    from ddp_rank.features.build import FeatureBuildError
+    from ddp_rank.features.whiten import WhitenOptions, whiten_feature_shards
 
     try:
         options = WhitenOptions(args.dim, args.shrinkage, args.split, args.overwrite, not args.no_progress)
@@ -406,9 +406,14 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from ddp_rank.data.compressed import CompressedShardError
-    from ddp_rank.data.manifest import is_url
-    from ddp_rank.data.shard_index import ShardIndexError, index_shards, source_splits, upgrade_manifest
+    from ddp_rank.data.building.shard_index import (
+        ShardIndexError,
+        index_shards,
+        source_splits,
+        upgrade_manifest,
+    )
+    from ddp_rank.data.format.compressed import CompressedShardError
+    from ddp_rank.data.format.manifest import is_url
 
     out = args.out
     try:
@@ -439,7 +444,7 @@ def _index(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ddp_rank.data.serve import serve_forever
+    from ddp_rank.data.reading.serve import serve_forever
 
     def announce(url: str) -> None:
         print(f"serving {args.directory} at {url} (Ctrl-C stops)", flush=True)

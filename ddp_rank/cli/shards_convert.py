@@ -35,8 +35,8 @@ def reshard_command(args: argparse.Namespace, out: str) -> str:
 def plain_out(args: argparse.Namespace) -> str:
     """Where the reshard that converts ``index``'s compressed shards writes: ``--out`` when it names another
     directory than the shards' own, else a sibling of theirs, ``<DIR>-plain``."""
-    from ddp_rank.data.manifest import is_url
-    from ddp_rank.data.shard_index import split_source
+    from ddp_rank.data.building.shard_index import split_source
+    from ddp_rank.data.format.manifest import is_url
 
     root = split_source(args.directory)[0]
     if args.out and (is_url(root) or Path(args.out).resolve() != Path(root).resolve()):

@@ -1,5 +1,9 @@
 """The data layer: shard format, build and index, the global sampling plan, ranged reads, the stream, the eval reader.
 
+Four parts: ``format`` (the manifest and the tar layout), ``building`` (making and checking shard sets),
+``sampling`` (the global plan of each step and its dealing to the ranks) and ``reading`` (ranged reads, the
+cache, decoding, the training stream, the evaluation reader). Feature shards are the ``ddp_rank.features`` slice.
+
 It knows nothing of losses or training. Public names are imported lazily, so the shard tools (and the worker
 processes they start) do not pay for importing torch.
 """
@@ -10,32 +14,32 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Manifest": "ddp_rank.data.manifest",
-    "BuildOptions": "ddp_rank.data.build",
-    "build_shards": "ddp_rank.data.build",
-    "Record": "ddp_rank.data.listing",
-    "read_image_folder": "ddp_rank.data.listing",
-    "read_csv_listing": "ddp_rank.data.listing",
-    "verify_shards": "ddp_rank.data.verify",
-    "format_info": "ddp_rank.data.info",
-    "ScheduleConfig": "ddp_rank.data.schedule",
-    "CategorySchedule": "ddp_rank.data.schedule",
-    "Catalog": "ddp_rank.data.plan",
-    "GlobalPlan": "ddp_rank.data.plan",
-    "PlanError": "ddp_rank.data.plan",
-    "deal": "ddp_rank.data.dealing",
-    "ClassReader": "ddp_rank.data.reader",
-    "ShardStore": "ddp_rank.data.storage",
-    "index_shards": "ddp_rank.data.shard_index",
-    "reshard": "ddp_rank.data.reshard",
-    "ReshardOptions": "ddp_rank.data.reshard",
-    "fragmentation": "ddp_rank.data.fragmentation",
-    "DataError": "ddp_rank.data.stream",
-    "ShardStream": "ddp_rank.data.stream",
-    "StreamLoader": "ddp_rank.data.loader",
-    "EvalShards": "ddp_rank.data.eval_reader",
-    "EvalSplitBatch": "ddp_rank.data.eval_reader",
-    "TransformConfig": "ddp_rank.data.transforms",
+    "Manifest": "ddp_rank.data.format.manifest",
+    "BuildOptions": "ddp_rank.data.building.build",
+    "build_shards": "ddp_rank.data.building.build",
+    "Record": "ddp_rank.data.building.listing",
+    "read_image_folder": "ddp_rank.data.building.listing",
+    "read_csv_listing": "ddp_rank.data.building.listing",
+    "verify_shards": "ddp_rank.data.building.verify",
+    "format_info": "ddp_rank.data.format.info",
+    "ScheduleConfig": "ddp_rank.data.sampling.schedule",
+    "CategorySchedule": "ddp_rank.data.sampling.schedule",
+    "Catalog": "ddp_rank.data.sampling.plan",
+    "GlobalPlan": "ddp_rank.data.sampling.plan",
+    "PlanError": "ddp_rank.data.sampling.plan",
+    "deal": "ddp_rank.data.sampling.dealing",
+    "ClassReader": "ddp_rank.data.reading.reader",
+    "ShardStore": "ddp_rank.data.reading.storage",
+    "index_shards": "ddp_rank.data.building.shard_index",
+    "reshard": "ddp_rank.data.building.reshard",
+    "ReshardOptions": "ddp_rank.data.building.reshard",
+    "fragmentation": "ddp_rank.data.format.fragmentation",
+    "DataError": "ddp_rank.data.reading.stream",
+    "ShardStream": "ddp_rank.data.reading.stream",
+    "StreamLoader": "ddp_rank.data.reading.loader",
+    "EvalShards": "ddp_rank.data.reading.eval_reader",
+    "EvalSplitBatch": "ddp_rank.data.reading.eval_reader",
+    "TransformConfig": "ddp_rank.data.reading.transforms",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_rank.data.transforms import TransformConfig, transform_from_config
+from ddp_rank.data.reading.transforms import TransformConfig, transform_from_config
 
 __all__ = ["DataSettings"]
 
@@ -44,5 +44,5 @@ class DataSettings:
 
     def transform(self, *, augment: bool = False, pixels: str = "float") -> TransformConfig:
         """The image transform at these sizes (``augment``: the training crop and flip; ``pixels``: ``float`` in
-        [0, 1] or ``uint8``); see :func:`~ddp_rank.data.transforms.transform_from_config`."""
+        [0, 1] or ``uint8``); see :func:`~ddp_rank.data.reading.transforms.transform_from_config`."""
         return transform_from_config(self, augment=augment, pixels=pixels)

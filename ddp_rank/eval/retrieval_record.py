@@ -28,16 +28,16 @@ import numpy as np
 import torch
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
-from ddp_rank.data.features import feature_dim
-from ddp_rank.data.manifest import Manifest, is_url
-from ddp_rank.data.reader import ClassReader, ClassReadError
-from ddp_rank.data.shard_cache import open_cache
-from ddp_rank.data.transforms import decode_image
+from ddp_rank.data.format.manifest import Manifest, is_url
+from ddp_rank.data.reading.decode import DEFAULT_MAX_IMAGE_PIXELS
+from ddp_rank.data.reading.reader import ClassReader, ClassReadError
+from ddp_rank.data.reading.shard_cache import open_cache
+from ddp_rank.data.reading.transforms import decode_image
 from ddp_rank.eval.protocols import EmbeddedSet, subset_mask
 from ddp_rank.eval.retrieval import ExactSearch
 from ddp_rank.eval.retrieval_grid import Cell, GridLayout, draw_grid, save_png
 from ddp_rank.eval.runner import EvalSettings, key_index
+from ddp_rank.features.records import feature_dim
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.data.decode import DEFAULT_MAX_IMAGE_PIXELS
-from ddp_rank.data.manifest import IMAGE_EXTENSIONS, Manifest, confined_join
-from ddp_rank.data.named_shards import NamedShards, ShardReadError
-from ddp_rank.data.shard_cache import ShardCache
+from ddp_rank.data.format.manifest import IMAGE_EXTENSIONS, Manifest, confined_join
+from ddp_rank.data.reading.decode import DEFAULT_MAX_IMAGE_PIXELS
+from ddp_rank.data.reading.named_shards import NamedShards, ShardReadError
+from ddp_rank.data.reading.shard_cache import ShardCache
 from ddp_rank.eval.retrieval_grid import Cell, GridLayout, draw_grid, save_png
 from ddp_rank.eval.retrieval_record import ImageFetch, RecordError, ShardImages, decode_thumbnail
 

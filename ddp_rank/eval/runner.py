@@ -1,7 +1,7 @@
 """Evaluate a model on a test split of a shard directory: read (by rank), embed, gather, search, score.
 
 Used by the trainer (periodic evaluation) and by ``ddp-rank eval``. Every rank reads and embeds its contiguous
-part of the split (``ddp_rank.data.eval_reader.EvalShards``); the embeddings are gathered (padded) onto every
+part of the split (``ddp_rank.data.reading.eval_reader.EvalShards``); the embeddings are gathered (padded) onto every
 rank; rank 0 runs the exact search and the protocol and broadcasts the numbers, so all ranks return the same
 dict (the trainer's best-checkpoint decision must be the same on every rank).
 
@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddp_rank.data.eval_reader import EvalShards
-from ddp_rank.data.loader import ignore_stop_signals
-from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.eval_reader import EvalShards
+from ddp_rank.data.reading.loader import ignore_stop_signals
+from ddp_rank.data.reading.shard_cache import open_cache
 from ddp_rank.data.settings import DataSettings
-from ddp_rank.data.shard_cache import open_cache
 from ddp_rank.distributed.process_group import is_distributed, rank, world_size
 from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.deployment import DeploymentSettings
@@ -110,7 +110,7 @@ def read_eval_batches(
     )
     workers = data.num_workers if num_workers is None else num_workers
     # The workers ignore the job's stop signals: a signal during the trainer's evaluation stops the run after the
-    # next step, with a checkpoint, rather than killing a worker (ddp_rank.data.loader.ignore_stop_signals).
+    # next step, with a checkpoint, rather than killing a worker (ddp_rank.data.reading.loader.ignore_stop_signals).
     loader = DataLoader(reader, batch_size=None, num_workers=workers, worker_init_fn=ignore_stop_signals)
     for b in loader:
         yield EvalBatch(

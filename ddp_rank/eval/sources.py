@@ -9,7 +9,7 @@ reads its own contiguous part (a split, an image folder) or every W-th shard (UR
 disjoint parts that cover the source once.
 
 Only images, ``.cls`` and ``.json`` are decoded (never pickles), as in the data layer, and images only by
-``ddp_rank.data.decode`` (the pixel limit of the transform, every decoder failure named): an image file or URL
+``ddp_rank.data.reading.decode`` (the pixel limit of the transform, every decoder failure named): an image file or URL
 sample that does not decode is an error naming it, or, given a ``skipped`` list (``--on-bad skip``), left out and
 recorded there as ``name: why``.
 """
@@ -26,12 +26,12 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from ddp_rank.data.decode import ImageDecodeError, decode_image, failure_reason
-from ddp_rank.data.eval_reader import EvalShards, contiguous_range
-from ddp_rank.data.loader import ignore_stop_signals
-from ddp_rank.data.named_shards import NamedShards, ShardReadError, ShardSample
-from ddp_rank.data.shard_cache import ShardCache
-from ddp_rank.data.transforms import TransformConfig, normalize_batch, test_transform
+from ddp_rank.data.reading.decode import ImageDecodeError, decode_image, failure_reason
+from ddp_rank.data.reading.eval_reader import EvalShards, contiguous_range
+from ddp_rank.data.reading.loader import ignore_stop_signals
+from ddp_rank.data.reading.named_shards import NamedShards, ShardReadError, ShardSample
+from ddp_rank.data.reading.shard_cache import ShardCache
+from ddp_rank.data.reading.transforms import TransformConfig, normalize_batch, test_transform
 
 __all__ = [
     "IMAGE_EXTENSIONS",

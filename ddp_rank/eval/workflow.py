@@ -16,7 +16,7 @@ import torch.distributed as dist
 from accelerate.utils import gather_object
 
 from ddp_rank.config import Config, ConfigError, to_dict
-from ddp_rank.data.shard_cache import open_cache
+from ddp_rank.data.reading.shard_cache import open_cache
 from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.curves import draw_curves, split_curves
 from ddp_rank.eval.eval_model import RAW_PIXEL_SIZE, build_eval_model, feature_shards, images_in_front

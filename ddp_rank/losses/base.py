@@ -16,11 +16,10 @@ Everything else (validation (``checks``), normalisation, chunking, the two gradi
 from __future__ import annotations
 
 import abc
-import contextlib
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -35,6 +34,7 @@ from ddp_rank.losses.checks import (
     check_rows_inputs,
     check_unit_rows,
 )
+from ddp_rank.losses.matmul import MATMUL_PRECISIONS, affine_operands, bf16_mm, matmuls_in
 from ddp_rank.losses.rows import (
     CPU_PASS_BYTES,
     DEFAULT_BUDGET_BYTES,
@@ -225,7 +225,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
         scale, shift = self._similarity_affine()
         low_precision = self.matmul_precision == "bf16"
         # bf16 operands carry only the scaled similarity; the shift is added after, in the compute dtype.
-        scaled_queries, block_database = _affine_operands(
+        scaled_queries, block_database = affine_operands(
             queries, database, scale, 0.0 if low_precision else shift
         )
         if low_precision:
@@ -236,15 +236,15 @@ class ListwiseLoss(nn.Module, abc.ABC):
             q_c = queries[idx]
             chunk = ChunkInputs(query_labels[idx], query_index[idx], labels, width, workspace, fused)
             b_cn = workspace.take("block", (q_c.shape[0], n_database), dtype)
-            with _matmul_precision(self.matmul_precision):
+            with matmuls_in(self.matmul_precision):
                 if low_precision:
-                    b_cn.copy_(_bf16_mm(scaled_queries[idx], block_database.T)).add_(shift)
+                    b_cn.copy_(bf16_mm(scaled_queries[idx], block_database.T)).add_(shift)
                 else:
                     torch.mm(scaled_queries[idx], block_database.T, out=b_cn)
             losses[idx], valid[idx], g_cn = self._score_chunk(b_cn, chunk, need_grad)
             if need_grad:
                 assert g_cn is not None and grad_queries is not None and grad_database is not None
-                with _matmul_precision(self.matmul_precision):
+                with matmuls_in(self.matmul_precision):
                     grad_queries[idx] = torch.mm(g_cn, database).mul_(scale)
                     grad_database.addmm_(g_cn.T, q_c, alpha=scale)
         return RowsOutput(losses, valid, grad_queries, grad_database)
@@ -374,7 +374,6 @@ class _ListwiseLossFunction(torch.autograd.Function):
         return grad * grad_output.to(grad.dtype), None, None, None
 
 
-MATMUL_PRECISIONS = ("highest", "tf32", "bf16")
 KERNELS = ("auto", "torch", "triton")
 # Work space per same-class column of a query row: the int64 index, bool masks, and a dozen float [c, P]
 # values (scores, ranks, penalties, weights, gradients), with room to spare.
@@ -422,65 +421,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-@contextlib.contextmanager
-def _matmul_precision(precision: str) -> Iterator[None]:
-    """TF32 for the loss's matmuls when asked (CUDA only; CPU float32 matmuls are unaffected), the caller's
-    setting put back after. Through ``fp32_precision`` where torch has it: once a program has set that one,
-    reading the legacy ``allow_tf32`` raises (torch refuses a mix of the two), while saving and restoring
-    ``fp32_precision`` keeps either kind of setting as the caller left it."""
-    if precision != "tf32":
-        yield
-        return
-    matmul = torch.backends.cuda.matmul
-    new_api = hasattr(matmul, "fp32_precision")
-    previous = matmul.fp32_precision if new_api else matmul.allow_tf32
-    if new_api:
-        matmul.fp32_precision = "tf32"
-    else:
-        matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        if new_api:
-            matmul.fp32_precision = previous
-        else:
-            matmul.allow_tf32 = previous
-
-
-def _bf16_mm(a: Tensor, b: Tensor) -> Tensor:
-    """bf16 operands, float32 accumulation and result on CUDA (``out_dtype``); on CPU, which has no such kernel
-    and no bf16 speed-up either, the product is rounded to bf16 before it is widened."""
-    if a.is_cuda:
-        return _mm_float32_out(a, b)
-    return torch.mm(a, b).float()
-
-
-def _mm_float32_out(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` accumulated and returned in float32. A torch whose ``mm`` has no ``out_dtype`` (older than the
-    project's tested versions) gets float32 operands instead: the same accuracy, without bf16's speed."""
-    if _mm_takes_out_dtype():
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
-
-
-@functools.cache
-def _mm_takes_out_dtype() -> bool:
-    """Whether ``torch.mm`` knows the ``out_dtype`` keyword (asked once, on two 1 x 1 tensors)."""
-    one = torch.ones(1, 1, dtype=torch.bfloat16)
-    try:
-        torch.mm(one, one, out_dtype=torch.float32)
-    except TypeError:
-        warnings.warn(
-            f"torch {torch.__version__} has no torch.mm(out_dtype=...): loss.matmul_precision=bf16 multiplies in "
-            "float32 (same accuracy, no bf16 speed-up); a newer torch has the bf16 kernel",
-            stacklevel=2,
-        )
-        return False
-    except RuntimeError:
-        pass  # the keyword is known; this device or dtype has no kernel for it, which CUDA bf16 does
-    return True
-
-
 def refuse_double_backward() -> None:
     """Raise when a backward runs with ``create_graph=True`` (autograd enables grad mode only then).
 
@@ -494,13 +434,3 @@ def refuse_double_backward() -> None:
             "the listwise losses are once-differentiable: their gradient is a closed form with no graph, so "
             "create_graph=True (double backward, Hessian-vector products) is not supported"
         )
-
-
-def _affine_operands(queries: Tensor, database: Tensor, scale: float, shift: float) -> tuple[Tensor, Tensor]:
-    """Operands whose product is ``shift + scale * Q E^T``: the scale goes into the queries and the shift
-    into an extra column of ones, so each block comes out of one plain matmul with no pass of its own."""
-    scaled = queries * scale
-    if shift == 0.0:
-        return scaled, database
-    scaled = torch.cat([scaled, scaled.new_full((scaled.shape[0], 1), shift)], dim=1)
-    return scaled, torch.cat([database, database.new_ones(database.shape[0], 1)], dim=1)

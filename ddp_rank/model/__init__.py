@@ -1,17 +1,45 @@
 """The embedding network and its weights: backbones, pooling, the head, weight files, ``init_from``, and reading a
-run's checkpoints. What training, evaluation and deployment share; it knows no ranks, losses or loops."""
+run's checkpoints. What training, evaluation and deployment share; it knows no ranks, losses or loops.
 
-from ddp_rank.model.checkpoints import CheckpointError, load_model_weights, read_meta, resolve_checkpoint
-from ddp_rank.model.init_weights import InitReport, init_from, read_weights
-from ddp_rank.model.net import (
-    EmbeddingNet,
-    ModelError,
-    RawPixels,
-    build_model,
-    freeze_batchnorm,
-    has_batchnorm,
-    is_convolutional,
-)
+The public names load on first use (as in ``ddp_rank.data``): ``features.head`` builds on ``model.embedding``
+while ``model.net`` builds the head, so an ``__init__`` that imported ``net`` would make importing the head
+import the head again, half-defined.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the same names for type checkers; at run time ``__getattr__`` below loads them
+    from ddp_rank.checkpoints.read import CheckpointError, load_model_weights, read_meta, resolve_checkpoint
+    from ddp_rank.model.init_weights import InitReport, init_from, read_weights
+    from ddp_rank.model.net import (
+        EmbeddingNet,
+        ModelError,
+        RawPixels,
+        build_model,
+        freeze_batchnorm,
+        has_batchnorm,
+        is_convolutional,
+    )
+
+_EXPORTS = {
+    "CheckpointError": "ddp_rank.checkpoints.read",
+    "load_model_weights": "ddp_rank.checkpoints.read",
+    "read_meta": "ddp_rank.checkpoints.read",
+    "resolve_checkpoint": "ddp_rank.checkpoints.read",
+    "InitReport": "ddp_rank.model.init_weights",
+    "init_from": "ddp_rank.model.init_weights",
+    "read_weights": "ddp_rank.model.init_weights",
+    "EmbeddingNet": "ddp_rank.model.net",
+    "ModelError": "ddp_rank.model.net",
+    "RawPixels": "ddp_rank.model.net",
+    "build_model": "ddp_rank.model.net",
+    "freeze_batchnorm": "ddp_rank.model.net",
+    "has_batchnorm": "ddp_rank.model.net",
+    "is_convolutional": "ddp_rank.model.net",
+}
 
 __all__ = [
     "CheckpointError",
@@ -29,3 +57,9 @@ __all__ = [
     "read_weights",
     "resolve_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ddp_rank.model' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

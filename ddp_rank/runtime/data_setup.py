@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.schedule import ScheduleConfig
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.sampling.schedule import ScheduleConfig
 from ddp_rank.data.settings import DataSettings
 
 __all__ = ["resolve_sampler", "schedule_config"]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ddp_rank.config import FEATURES_BACKBONE, ConfigError
-from ddp_rank.data.features import FeatureRecordError, feature_dim, feature_record
-from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.features.records import FeatureRecordError, feature_dim, feature_record
 from ddp_rank.runtime.errors import TrainError
 
 __all__ = ["check_model_input", "check_split", "model_input_dim", "open_shards"]

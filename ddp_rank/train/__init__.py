@@ -9,7 +9,7 @@ from ddp_rank.train.backends import (
     backend_for_accelerator,
     frozen_batchnorm,
 )
-from ddp_rank.train.chunked import StepOutput, forward_backward
+from ddp_rank.train.chunking.step import StepOutput, forward_backward
 from ddp_rank.train.ghost_batchnorm import GhostBatchNorm, convert_to_ghost
 
 __all__ = [

@@ -1,6 +1,6 @@
 """How one training step talks to its engine: plain PyTorch, DDP, DeepSpeed ZeRO-1/2, or accelerate.
 
-The step (``ddp_rank.train.chunked``) needs only a few things from an engine: the module to call with
+The step (``ddp_rank.train.chunking.step``) needs only a few things from an engine: the module to call with
 autograd, the bare module for the no-grad pass, a way to skip gradient synchronisation for one
 forward+backward, a context around all the backwards of one step, a backward that applies the engine's loss
 scaling exactly once, and the largest local batch over ranks (to pick the path). A backend supplies them;

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from ddp_rank.data.batch import DataEvents, StreamBatch
-from ddp_rank.data.loader import StreamLoader
-from ddp_rank.data.stream import DataError, ShardStream
+from ddp_rank.data.reading.batch import DataEvents, StreamBatch
+from ddp_rank.data.reading.loader import StreamLoader
+from ddp_rank.data.reading.stream import DataError, ShardStream
 from ddp_rank.distributed.agreement import RankFailure, agree, gather_counts
 from ddp_rank.runtime import TrainError
 from ddp_rank.train.device_feed import DeviceFeed

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ddp_rank.data.batch import StreamBatch
+from ddp_rank.data.reading.batch import StreamBatch
 
 __all__ = ["DeviceFeed"]
 

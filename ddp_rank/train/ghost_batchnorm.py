@@ -1,7 +1,7 @@
 """Ghost batch normalisation: BatchNorm statistics over fixed groups of images (``model.bn_group_size``).
 
 Why: in train mode a BatchNorm layer normalises with the statistics of the rows it is given, so a chunked step
-(``ddp_rank.train.chunked``) that embeds a local batch in chunks would normalise each chunk by itself, and the
+(``ddp_rank.train.chunking.step``) that embeds a local batch in chunks would normalise each chunk by itself, and the
 function trained would depend on the chunk, which ``distributed.chunk_size=auto`` picks from the memory of the
 machine. Here the statistics are taken over groups of ``group_size`` consecutive rows (Hoffer, Hubara and Soudry,
 NeurIPS 2017, "ghost batch normalisation"). Groups are counted from the first row of whatever the layer is given,

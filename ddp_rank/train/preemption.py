@@ -17,11 +17,11 @@ Under SLURM, rank 0 then requeues the job (``scontrol requeue``, :func:`requeue_
 the run does, once every rank's files are written: a requeue makes SLURM signal every process of the job at once.
 A launcher between the scheduler and the ranks (torchrun, ``accelerate launch``) turns a rank's status 75 into a
 failure status of its own; only the requeue carries through it. The ranks' DataLoader workers ignore the stop
-signals (``ddp_rank.data.loader.ignore_stop_signals``): a scheduler or launcher signals them too.
+signals (``ddp_rank.data.reading.loader.ignore_stop_signals``): a scheduler or launcher signals them too.
 
 A second signal ends the process at once, and so does ``stop_grace_s`` running out. Neither can leave a
 half-written checkpoint: checkpoints are written to a temporary folder and renamed into place
-(``ddp_rank.train.checkpoint``), so the previous ones stay and the next start removes the partial one. A
+(``ddp_rank.checkpoints.write``), so the previous ones stay and the next start removes the partial one. A
 signal repeated within ``debounce_s`` of the first is the same request (a launcher such as torchrun forwards
 the scheduler's SIGTERM to ranks that already received it), not a second one.
 """

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.data.batch import DataEvents
-from ddp_rank.data.manifest import Manifest
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.batch import DataEvents
 from ddp_rank.eval.curves import draw_curves, split_curves
 from ddp_rank.eval.report import deployment_lines, format_table
 from ddp_rank.eval.retrieval_record import RetrievalPicture
 from ddp_rank.eval.runner import EvalSettings
+from ddp_rank.train.chunking.layout import BatchLayout
 from ddp_rank.train.console import StepLine, peak_memory
-from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.run_outputs import ConfigRecord, MetricsLogger, read_metrics, write_plots, write_summary
 from ddp_rank.train.trackers import TrackerSettings, log_metrics, log_picture, start_trackers
 

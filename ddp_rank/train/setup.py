@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from ddp_rank.config import ConfigError
-from ddp_rank.data.manifest import Manifest, is_url
+from ddp_rank.data.format.manifest import Manifest, is_url
+from ddp_rank.data.reading.shard_cache import open_cache
+from ddp_rank.data.reading.stream import ShardStream
 from ddp_rank.data.settings import DataSettings
-from ddp_rank.data.shard_cache import open_cache
-from ddp_rank.data.stream import ShardStream
 from ddp_rank.eval.protocols import metric_names
 from ddp_rank.eval.runner import EvalSettings, vehicleid_splits
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
@@ -25,8 +25,8 @@ from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.shards import model_input_dim
 from ddp_rank.train.batchnorm import convert_to_cross_rank
 from ddp_rank.train.bn_mode import BatchNormMode
+from ddp_rank.train.chunking.layout import BatchLayout
 from ddp_rank.train.ghost_batchnorm import convert_to_ghost
-from ddp_rank.train.layout import BatchLayout
 from ddp_rank.train.pml_loss import PML_PREFIX, build_pml
 
 __all__ = [

@@ -29,8 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddp_rank.checkpoints import resume as resume_
+from ddp_rank.checkpoints.state_files import save_state_files
+from ddp_rank.checkpoints.write import CheckpointManager
 from ddp_rank.config import Config, ConfigError
-from ddp_rank.data.batch import StreamBatch
+from ddp_rank.data.reading.batch import StreamBatch
 from ddp_rank.distributed import GlobalBatchLoss, average_gradients
 from ddp_rank.distributed.agreement import RankFailure
 from ddp_rank.eval.runner import evaluate_model
@@ -39,15 +42,13 @@ from ddp_rank.model import EmbeddingNet, freeze_batchnorm
 from ddp_rank.runtime import AGREED_ERRORS, TrainError, autocast_dtype, make_accelerator
 from ddp_rank.runtime.determinism import set_deterministic
 from ddp_rank.runtime.failure import end_process_after_failure, end_process_now, launch_rank
-from ddp_rank.train import resume as resume_
-from ddp_rank.train.auto_chunk import choose_chunk_for_run, confirm_chunk_for_run
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batches import TrainBatches
 from ddp_rank.train.batchnorm import match_batchnorm_buffers_to_weights, sync_batchnorm_buffers
-from ddp_rank.train.captured_chunk import captured_chunk_for
-from ddp_rank.train.checkpoint import CheckpointManager
-from ddp_rank.train.chunked import forward_backward
-from ddp_rank.train.layout import BatchLayout
+from ddp_rank.train.chunking.auto import choose_chunk_for_run, confirm_chunk_for_run
+from ddp_rank.train.chunking.captured import captured_chunk_for
+from ddp_rank.train.chunking.layout import BatchLayout
+from ddp_rank.train.chunking.step import forward_backward
 from ddp_rank.train.optim import build_optimizer, build_scheduler
 from ddp_rank.train.preemption import (
     EXIT_REQUEUE,
@@ -68,7 +69,6 @@ from ddp_rank.train.setup import (
     uses_deepspeed,
 )
 from ddp_rank.train.setup import check_inputs as setup_checks
-from ddp_rank.train.state_files import save_state_files
 from ddp_rank.train.trackers import run_accelerator
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class Trainer:
         if self.deepspeed:
             match_batchnorm_buffers_to_weights(self.model)
         # The scheduler and a loss's own parameters are saved by the trainer as JSON and safetensors
-        # (ddp_rank.train.state_files), not registered with accelerate, which unpickles those without restriction.
+        # (ddp_rank.checkpoints.state_files), not registered with accelerate, which unpickles those without restriction.
         self.loss_state = training_loss.loss if self.loss_parameters else None
         self.backend = backend_for_accelerator(acc, self.model)
         if choice is not None:  # the model is on its device now: one real step confirms the chunk
@@ -253,7 +253,7 @@ class Trainer:
             )
         return StepResult(loss, out.chunks, t1 - t0, time.perf_counter() - t0, lr, grad_norm)
 
-    # ------------------------------------------------------------------ state (ddp_rank.train.resume)
+    # ------------------------------------------------------------------ state (ddp_rank.checkpoints.resume)
     def state_dict(self) -> dict[str, Any]:
         """The loop state that goes to ``meta.json`` (the rest is in the accelerate checkpoint)."""
         return resume_.state_dict(self)

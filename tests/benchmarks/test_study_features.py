@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.study_features import Slots, _categories_to_fill, _difference, _flat
-from ddp_rank.data.manifest import ClassInfo, Manifest, SplitInfo
+from ddp_rank.data.format.manifest import ClassInfo, Manifest, SplitInfo
 from ddp_rank.experiments.runs import RunSummary
 
 
@@ -129,7 +129,7 @@ def test_the_study_sweeps_every_point_extends_it_until_flat_and_replicates_it(
     import json
 
     import benchmarks.study_features as study
-    from ddp_rank.data.synthetic_features import write_feature_shards
+    from ddp_rank.features.synthetic import write_feature_shards
 
     shards = write_feature_shards(tmp_path / "shards", [20, 20, 20], images=8, dim=4)
     simulated = _SimulatedTraining()

@@ -9,8 +9,8 @@ import torch
 
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.train.plan_report import describe_plan
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.train.chunking.plan_report import describe_plan
 from tests.helpers.dataset_shapes import write
 
 # Tests of seconds (every config's plan on its dataset's full shape): in make test, out of make test-fast.

@@ -11,10 +11,10 @@ import pytest
 
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
-from ddp_rank.data.manifest import ClassInfo, ClassSpan, Manifest, ShardInfo, SplitInfo
+from ddp_rank.data.format.manifest import ClassInfo, ClassSpan, Manifest, ShardInfo, SplitInfo
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.settings import data_settings
-from ddp_rank.train.plan_report import describe_plan
+from ddp_rank.train.chunking.plan_report import describe_plan
 
 SAMPLE = 3 * 1024  # an image, a .cls and a .json member of one block each
 

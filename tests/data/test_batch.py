@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ddp_rank.data.batch import DataEvents, StreamBatch
+from ddp_rank.data.reading.batch import DataEvents, StreamBatch
 
 
 def _batch(step: int, events: DataEvents | None = None) -> StreamBatch:

@@ -1,4 +1,4 @@
-"""The one image decoder (``ddp_rank.data.decode``): the pixel limit is read from the header before any pixel
+"""The one image decoder (``ddp_rank.data.reading.decode``): the pixel limit is read from the header before any pixel
 is decoded, whatever PIL's own limit says; every failure is one ``ImageDecodeError`` naming the image."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import pytest
 from PIL import Image
 
 from ddp_rank.config import ConfigError, load_config
-from ddp_rank.data.build import check_image
-from ddp_rank.data.decode import (
+from ddp_rank.data.building.build import check_image
+from ddp_rank.data.reading.decode import (
     DEFAULT_MAX_IMAGE_PIXELS,
     ImageDecodeError,
     decode_image,
     open_image_header,
 )
-from ddp_rank.data.transforms import transform_from_config
+from ddp_rank.data.reading.transforms import transform_from_config
 from tests.helpers.image_fuzz import FuzzCase, forge_png_size, not_images
 
 

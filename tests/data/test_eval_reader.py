@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_rank.data import transforms
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.eval_reader import EvalShards, contiguous_range
-from ddp_rank.data.listing import read_csv_listing
-from ddp_rank.data.synthetic import write_image_folder
-from ddp_rank.data.transforms import TransformConfig, normalize_batch
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_csv_listing
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.reading import transforms
+from ddp_rank.data.reading.eval_reader import EvalShards, contiguous_range
+from ddp_rank.data.reading.transforms import TransformConfig, normalize_batch
 
 
 @pytest.fixture(scope="module")

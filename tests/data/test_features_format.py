@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from ddp_rank.data.eval_reader import EvalShards
-from ddp_rank.data.features import FeatureRecord, FeatureRecordError, decode_vector, encode_vector
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.schedule import ScheduleConfig
-from ddp_rank.data.stream import ShardStream
-from ddp_rank.data.synthetic_features import write_feature_shards
-from ddp_rank.data.verify import verify_shards
+from ddp_rank.data.building.verify import verify_shards
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.eval_reader import EvalShards
+from ddp_rank.data.reading.stream import ShardStream
+from ddp_rank.data.sampling.schedule import ScheduleConfig
+from ddp_rank.features.records import FeatureRecord, FeatureRecordError, decode_vector, encode_vector
+from ddp_rank.features.synthetic import write_feature_shards
 from tests.helpers.feature_shards import RECORD
 
 

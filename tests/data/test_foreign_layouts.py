@@ -18,19 +18,19 @@ import pytest
 import webdataset as wds
 
 from ddp_rank.cli import main
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.eval_reader import EvalShards
-from ddp_rank.data.fragmentation import Fragmentation, fragmentation
-from ddp_rank.data.info import format_info
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.reader import ClassReader, ClassReadError
-from ddp_rank.data.schedule import ScheduleConfig
-from ddp_rank.data.serve import RangeRequestHandler
-from ddp_rank.data.shard_index import IndexOptions, ShardIndexError, find_splits, index_shards
-from ddp_rank.data.stream import ShardStream
-from ddp_rank.data.transforms import TransformConfig
-from ddp_rank.data.verify import verify_shards
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.building.shard_index import IndexOptions, ShardIndexError, find_splits, index_shards
+from ddp_rank.data.building.verify import verify_shards
+from ddp_rank.data.format.fragmentation import Fragmentation, fragmentation
+from ddp_rank.data.format.info import format_info
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.eval_reader import EvalShards
+from ddp_rank.data.reading.reader import ClassReader, ClassReadError
+from ddp_rank.data.reading.serve import RangeRequestHandler
+from ddp_rank.data.reading.stream import ShardStream
+from ddp_rank.data.reading.transforms import TransformConfig
+from ddp_rank.data.sampling.schedule import ScheduleConfig
 from tests.helpers.foreign_shards import (
     foreign_samples,
     index_options,
@@ -237,8 +237,8 @@ def test_a_class_of_several_spans_is_read_from_a_url_with_concurrent_requests(tm
 def test_reads_per_step_are_what_the_stream_requests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``ddp-rank plan``'s count (spans of each class dealt to each rank) against the requests the two ranks'
     streams make for the same steps."""
-    from ddp_rank.data.dealing import deal
-    from ddp_rank.data.storage import ShardStore
+    from ddp_rank.data.reading.storage import ShardStore
+    from ddp_rank.data.sampling.dealing import deal
 
     root = tmp_path / "wds"
     write_with_shardwriter(root, ordered(SAMPLES, "shuffled"), "json", maxcount=25)
@@ -277,7 +277,7 @@ def test_reshard_is_advised_only_where_classes_are_fragmented(tmp_path: Path) ->
 
 
 def test_info_counts_a_shard_that_mixes_categories_under_each_of_them(tmp_path: Path) -> None:
-    from ddp_rank.data.info import info_rows
+    from ddp_rank.data.format.info import info_rows
 
     root = tmp_path / "wds"
     write_with_shardwriter(root, ordered(SAMPLES, "shuffled"), "cls", maxcount=30)

@@ -19,12 +19,12 @@ import pytest
 import webdataset as wds
 
 from ddp_rank.cli import main
-from ddp_rank.data.eval_reader import EvalShards
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.schedule import ScheduleConfig
-from ddp_rank.data.shard_index import IndexOptions, find_splits, index_shards
-from ddp_rank.data.stream import ShardStream
-from ddp_rank.data.transforms import TransformConfig
+from ddp_rank.data.building.shard_index import IndexOptions, find_splits, index_shards
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.eval_reader import EvalShards
+from ddp_rank.data.reading.stream import ShardStream
+from ddp_rank.data.reading.transforms import TransformConfig
+from ddp_rank.data.sampling.schedule import ScheduleConfig
 from tests.helpers.image_fuzz import FuzzCase, fuzz_cases, legitimate_images
 
 pytestmark = pytest.mark.slow
@@ -111,7 +111,7 @@ def test_stream_replaces_and_counts_every_image_that_does_not_decode(
     loaded: set[str] = set()
     replaced = decode_errors = 0
     slowest = 0.0
-    caplog.set_level(logging.WARNING, logger="ddp_rank.data.stream")
+    caplog.set_level(logging.WARNING, logger="ddp_rank.data.reading.stream")
     try:
         for epoch in range(20):
             for step in range(stream.steps_per_epoch):
@@ -144,7 +144,7 @@ def test_the_evaluation_reader_leaves_out_each_image_that_does_not_decode(
     fuzzed: tuple[Path, list[FuzzCase]], caplog: pytest.LogCaptureFixture
 ) -> None:
     root, cases = fuzzed
-    caplog.set_level(logging.WARNING, logger="ddp_rank.data.eval_reader")
+    caplog.set_level(logging.WARNING, logger="ddp_rank.data.reading.eval_reader")
     reader = EvalShards(
         root, "train", batch_size=16, transform=TransformConfig(resize=8, crop=8), rank=0, world_size=1
     )

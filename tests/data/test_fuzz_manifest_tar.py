@@ -20,14 +20,14 @@ from typing import Any
 import pytest
 
 from ddp_rank.cli import main
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.info import info_rows
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.manifest import Manifest, ManifestError, span_digest
-from ddp_rank.data.schedule import ScheduleConfig
-from ddp_rank.data.stream import DataError, PlanError, ShardStream
-from ddp_rank.data.synthetic import write_image_folder
-from ddp_rank.data.transforms import TransformConfig
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.format.info import info_rows
+from ddp_rank.data.format.manifest import Manifest, ManifestError, span_digest
+from ddp_rank.data.reading.stream import DataError, PlanError, ShardStream
+from ddp_rank.data.reading.transforms import TransformConfig
+from ddp_rank.data.sampling.schedule import ScheduleConfig
 
 MANIFEST_CASES = 300
 TAR_CASES = 100

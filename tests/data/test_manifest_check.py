@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from ddp_rank.cli import main
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.manifest import Manifest, ManifestError, confined_join, shard_path_problem
-from ddp_rank.data.reader import ClassReader, ClassReadError
-from ddp_rank.data.synthetic import write_image_folder
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.format.manifest import Manifest, ManifestError, confined_join, shard_path_problem
+from ddp_rank.data.reading.reader import ClassReader, ClassReadError
 
 Mutation = Callable[[dict[str, Any]], Any]
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.manifest import MANIFEST_NAME, Manifest
-from ddp_rank.data.named_shards import NamedShards, ShardReadError, ShardSample
-from ddp_rank.data.serve import RangeRequestHandler, serve_directory
-from ddp_rank.data.synthetic import write_image_folder
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.format.manifest import MANIFEST_NAME, Manifest
+from ddp_rank.data.reading.named_shards import NamedShards, ShardReadError, ShardSample
+from ddp_rank.data.reading.serve import RangeRequestHandler, serve_directory
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ddp_rank"
 

@@ -8,8 +8,8 @@ import torch
 from PIL import Image
 
 from ddp_rank.config import load_config
-from ddp_rank.data import transforms
-from ddp_rank.data.transforms import TransformConfig, transform_from_config
+from ddp_rank.data.reading import transforms
+from ddp_rank.data.reading.transforms import TransformConfig, transform_from_config
 
 
 def noise_image(width: int, height: int, seed: int = 0) -> Image.Image:

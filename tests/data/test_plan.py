@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddp_rank.data import dealing as dealing_module
-from ddp_rank.data.dealing import deal
-from ddp_rank.data.pack import PackError, best_take, pack
-from ddp_rank.data.plan import Catalog, GlobalPlan, Piece, PlanError, StepPlan
-from ddp_rank.data.schedule import ALL, UNLABELLED, ScheduleConfig
+from ddp_rank.data.sampling import dealing as dealing_module
+from ddp_rank.data.sampling.dealing import deal
+from ddp_rank.data.sampling.pack import PackError, best_take, pack
+from ddp_rank.data.sampling.plan import Catalog, GlobalPlan, Piece, PlanError, StepPlan
+from ddp_rank.data.sampling.schedule import ALL, UNLABELLED, ScheduleConfig
 
 
 def catalog(class_sizes: list[list[int]], unlabelled: list[int] = ()) -> Catalog:  # type: ignore[assignment]

@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from ddp_rank.cli import main
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.reshard import STATE_DIR, ReshardError, ReshardOptions, reshard
-from ddp_rank.data.schedule import ScheduleConfig
-from ddp_rank.data.serve import serve_directory
-from ddp_rank.data.shard_index import IndexOptions, find_splits, index_shards
-from ddp_rank.data.storage import ShardStore
-from ddp_rank.data.stream import ShardStream
-from ddp_rank.data.transforms import TransformConfig
-from ddp_rank.data.verify import verify_shards
+from ddp_rank.data.building.reshard import STATE_DIR, ReshardError, ReshardOptions, reshard
+from ddp_rank.data.building.shard_index import IndexOptions, find_splits, index_shards
+from ddp_rank.data.building.verify import verify_shards
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.serve import serve_directory
+from ddp_rank.data.reading.storage import ShardStore
+from ddp_rank.data.reading.stream import ShardStream
+from ddp_rank.data.reading.transforms import TransformConfig
+from ddp_rank.data.sampling.schedule import ScheduleConfig
 from tests.helpers.foreign_shards import foreign_samples, ordered, write_with_shardwriter
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddp_rank.data.schedule import (
+from ddp_rank.data.sampling.schedule import (
     ALL,
     UNLABELLED,
     CategorySchedule,

@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.serve import serve_directory
-from ddp_rank.data.shard_cache import CachedShard, ShardCache, Uncached, auto_cap_bytes, open_cache
-from ddp_rank.data.storage import ShardStore
-from ddp_rank.data.stream import ShardStream
-from ddp_rank.data.synthetic import write_image_folder
-from ddp_rank.data.transforms import TransformConfig
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.serve import serve_directory
+from ddp_rank.data.reading.shard_cache import CachedShard, ShardCache, Uncached, auto_cap_bytes, open_cache
+from ddp_rank.data.reading.storage import ShardStore
+from ddp_rank.data.reading.stream import ShardStream
+from ddp_rank.data.reading.transforms import TransformConfig
 
 SIZE = 100
 

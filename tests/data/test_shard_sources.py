@@ -15,12 +15,18 @@ from typing import Any
 import pytest
 
 from ddp_rank.cli import main
-from ddp_rank.data.compressed import compression_of, plain_name
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.reshard import ReshardError, ReshardOptions, reshard
-from ddp_rank.data.serve import serve_directory
-from ddp_rank.data.shard_index import IndexOptions, ShardIndexError, index_shards, source_splits, split_source
-from ddp_rank.data.verify import verify_shards
+from ddp_rank.data.building.reshard import ReshardError, ReshardOptions, reshard
+from ddp_rank.data.building.shard_index import (
+    IndexOptions,
+    ShardIndexError,
+    index_shards,
+    source_splits,
+    split_source,
+)
+from ddp_rank.data.building.verify import verify_shards
+from ddp_rank.data.format.compressed import compression_of, plain_name
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.serve import serve_directory
 from tests.helpers.foreign_shards import foreign_samples, ordered, write_with_shardwriter
 
 SAMPLES = ordered(foreign_samples(classes_per_category=3, categories=2), "shuffled")
@@ -152,7 +158,7 @@ def test_a_killed_conversion_resumes_and_a_changed_source_is_refused(
         pass
 
     with pytest.MonkeyPatch.context() as patch:  # killed after decompressing two of the four shards
-        import ddp_rank.data.reshard_source as reshard_source
+        import ddp_rank.data.building.reshard_source as reshard_source
 
         calls: list[str] = []
         write_plain = reshard_source._write_plain
@@ -372,7 +378,7 @@ def test_a_damaged_zstd_stream_is_one_decompress_error_whatever_the_library_rais
     import importlib
     import types
 
-    from ddp_rank.data import compressed
+    from ddp_rank.data.format import compressed
 
     class ZstdError(Exception):
         pass

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from ddp_rank.data import build as build_module
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.listing import ListingError, Record, Report, read_csv_listing, read_image_folder
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.synthetic import write_image_folder
+from ddp_rank.data.building import build as build_module
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import ListingError, Record, Report, read_csv_listing, read_image_folder
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.format.manifest import Manifest
 
 QUIET = {"progress": False}
 
@@ -324,8 +324,8 @@ def test_ids_of_names_that_tie_as_numbers_do_not_depend_on_the_hash_seed() -> No
     iteration order of a set, which changes with PYTHONHASHSEED."""
     script = (
         "import json\n"
-        "from ddp_rank.data.build import _number\n"
-        "from ddp_rank.data.listing import Record, assign_splits\n"
+        "from ddp_rank.data.building.build import _number\n"
+        "from ddp_rank.data.building.listing import Record, assign_splits\n"
         "recs = [Record(f'/x/{g}/{c}/{i}.png', c, g) for g in ('1', '01') for c in ('7', '07', '007', '8')"
         " for i in range(2)]\n"
         "cats, classes, _ = _number(recs)\n"
@@ -350,7 +350,7 @@ def test_ids_of_names_that_tie_as_numbers_do_not_depend_on_the_hash_seed() -> No
 
 def test_the_pixel_limit_is_the_users(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from ddp_rank.cli import main
-    from ddp_rank.data.decode import ImageDecodeError
+    from ddp_rank.data.reading.decode import ImageDecodeError
 
     root = _folder(tmp_path, [[2, 2]])  # 8 x 8 = 64 pixels each
     args = ["shards", "build", str(root), "--no-progress", "--workers", "1"]

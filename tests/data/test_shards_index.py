@@ -19,9 +19,7 @@ import webdataset as wds
 from PIL import Image
 
 from ddp_rank.cli import main
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.schedule import ScheduleConfig
-from ddp_rank.data.shard_index import (
+from ddp_rank.data.building.shard_index import (
     IndexOptions,
     ShardIndexError,
     find_splits,
@@ -29,9 +27,11 @@ from ddp_rank.data.shard_index import (
     read_category_map,
     upgrade_manifest,
 )
-from ddp_rank.data.stream import ShardStream
-from ddp_rank.data.transforms import TransformConfig
-from ddp_rank.data.verify import verify_shards
+from ddp_rank.data.building.verify import verify_shards
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.stream import ShardStream
+from ddp_rank.data.reading.transforms import TransformConfig
+from ddp_rank.data.sampling.schedule import ScheduleConfig
 
 TINY = TransformConfig(resize=8, crop=6)
 
@@ -136,9 +136,9 @@ def test_a_class_that_comes_back_later_is_two_spans(tmp_path: Path) -> None:
 
 
 def test_a_v1_manifest_is_refused_then_upgraded(tmp_path: Path) -> None:
-    from ddp_rank.data.build import BuildOptions, build_shards
-    from ddp_rank.data.listing import read_image_folder
-    from ddp_rank.data.synthetic import write_image_folder
+    from ddp_rank.data.building.build import BuildOptions, build_shards
+    from ddp_rank.data.building.listing import read_image_folder
+    from ddp_rank.data.building.synthetic import write_image_folder
 
     write_image_folder(tmp_path / "images", [[2, 3, 4], [3, 3, 2]], image_size=8)
     built = build_shards(
@@ -174,7 +174,7 @@ def test_long_member_names_go_through_pax_headers(tmp_path: Path) -> None:
 def test_shards_behind_a_url_are_indexed_into_a_local_manifest(tmp_path: Path) -> None:
     """Object-storage style: tars at a URL, named with a brace range; the manifest lives on local disk and
     points at the URL, and training reads the classes from there."""
-    from ddp_rank.data.serve import serve_directory
+    from ddp_rank.data.reading.serve import serve_directory
 
     write_foreign(tmp_path / "bucket", [(f"s{i}", f"f{i % 2}") for i in range(8)], maxcount=6)
     tars = sorted(p.name for p in (tmp_path / "bucket").glob("*.tar"))
@@ -335,7 +335,7 @@ def test_class_ids_do_not_depend_on_the_hash_seed(tmp_path: Path) -> None:
     """Names whose natural keys tie ("7", "07", "007") are ordered by the raw name, in every process."""
     write_foreign(tmp_path / "wds", [(name, "f") for name in ("7", "07", "8", "007")], maxcount=100)
     script = (
-        "import sys; from ddp_rank.data.shard_index import IndexOptions, find_splits, index_shards; "
+        "import sys; from ddp_rank.data.building.shard_index import IndexOptions, find_splits, index_shards; "
         "m = index_shards(sys.argv[1], find_splits(sys.argv[1], []), IndexOptions(class_field='label')).manifest; "
         "print([c.name for c in m.classes])"
     )

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from ddp_rank.cli import main
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.listing import ListingError, read_csv_listing
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.recipes import emoji, inshop, npm, run_recipe, sop, vehicleid
-from ddp_rank.data.synthetic import write_image_folder
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import ListingError, read_csv_listing
+from ddp_rank.data.building.recipes import emoji, inshop, npm, run_recipe, sop, vehicleid
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.format.manifest import Manifest
 
 
 def _image(path: Path) -> None:

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from ddp_rank.cli import main
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.info import format_info
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.synthetic import write_image_folder
-from ddp_rank.data.verify import verify_shards
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.building.verify import verify_shards
+from ddp_rank.data.format.info import format_info
+from ddp_rank.data.format.manifest import Manifest
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def _pax_shard(tmp_path: Path) -> Path:
 
 def test_scan_reads_tars_from_other_writers(tmp_path: Path) -> None:
     """Shards written by another tool (pax headers, long names) are indexed through tarfile instead."""
-    from ddp_rank.data.tar_scan import scan_shard
+    from ddp_rank.data.format.tar_scan import scan_shard
 
     scan = scan_shard(_pax_shard(tmp_path), expected=2)
     assert scan.error is None
@@ -138,7 +138,7 @@ def test_scan_reads_tars_from_other_writers(tmp_path: Path) -> None:
 def test_scan_of_tars_from_other_writers_sees_where_tarfile_stops_quietly(tmp_path: Path) -> None:
     """tarfile ends its walk without an error at a corrupt header after the first, or where a file was cut
     between members: the scan names that place instead of reporting a sound shard (even with no count)."""
-    from ddp_rank.data.tar_scan import scan_shard
+    from ddp_rank.data.format.tar_scan import scan_shard
 
     path = _pax_shard(tmp_path)
     with tarfile.open(path) as tar:

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.eval_reader import EvalShards
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.loader import StreamLoader
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.schedule import ScheduleConfig
-from ddp_rank.data.serve import serve_directory
-from ddp_rank.data.stream import DataError, ShardStream
-from ddp_rank.data.synthetic import write_image_folder
-from ddp_rank.data.transforms import TransformConfig
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.eval_reader import EvalShards
+from ddp_rank.data.reading.loader import StreamLoader
+from ddp_rank.data.reading.serve import serve_directory
+from ddp_rank.data.reading.stream import DataError, ShardStream
+from ddp_rank.data.reading.transforms import TransformConfig
+from ddp_rank.data.sampling.schedule import ScheduleConfig
 
 # Tests of seconds (a local HTTP server and DataLoader workers): in make test, out of make test-fast.
 pytestmark = pytest.mark.slow

@@ -17,12 +17,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.manifest import Manifest, ShardInfo
-from ddp_rank.data.serve import RangeRequestHandler, serve_directory
-from ddp_rank.data.storage import ShardStore
-from ddp_rank.data.synthetic import write_image_folder
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.format.manifest import Manifest, ShardInfo
+from ddp_rank.data.reading.serve import RangeRequestHandler, serve_directory
+from ddp_rank.data.reading.storage import ShardStore
 
 # Tests of seconds (a local HTTP server that restarts and drops connections): in make test, out of make test-fast.
 pytestmark = pytest.mark.slow

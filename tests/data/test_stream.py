@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 import torch
 
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.loader import StreamLoader
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.schedule import ScheduleConfig
-from ddp_rank.data.stream import DataError, ShardStream
-from ddp_rank.data.synthetic import write_image_folder
-from ddp_rank.data.transforms import TransformConfig
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.loader import StreamLoader
+from ddp_rank.data.reading.stream import DataError, ShardStream
+from ddp_rank.data.reading.transforms import TransformConfig
+from ddp_rank.data.sampling.schedule import ScheduleConfig
 
 GLOBAL_BATCH = 24  # divisible by 1, 2, 3 and 4 ranks
 TINY = TransformConfig(resize=8, crop=6)

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddp_rank.data import tar_scan
-from ddp_rank.data.manifest import span_digest
-from ddp_rank.data.tar_scan import CorruptHeader, SpanError, decode_header, parse_span, scan_shard
-from ddp_rank.data.tar_writer import shard_writer
+from ddp_rank.data.format import tar_scan
+from ddp_rank.data.format.manifest import span_digest
+from ddp_rank.data.format.tar_scan import CorruptHeader, SpanError, decode_header, parse_span, scan_shard
+from ddp_rank.data.format.tar_writer import shard_writer
 
 _SAMPLES = [(f"k{i}", bytes([i]) * (100 + 300 * i)) for i in range(3)]
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ddp_rank.data.build import BuildOptions, image_bytes
-from ddp_rank.data.transforms import decode_image
+from ddp_rank.data.building.build import BuildOptions, image_bytes
+from ddp_rank.data.reading.transforms import decode_image
 
 
 def _png(array: np.ndarray) -> bytes:

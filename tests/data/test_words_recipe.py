@@ -13,10 +13,10 @@ import pytest
 from PIL import Image
 
 from ddp_rank.cli import main
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.listing import ListingError, read_csv_listing
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.recipes import npm, words
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import ListingError, read_csv_listing
+from ddp_rank.data.building.recipes import npm, words
+from ddp_rank.data.format.manifest import Manifest
 from tests.helpers.recipe_datasets import fake_words_packages
 
 FONTS = ("roboto", "lora", "caveat")

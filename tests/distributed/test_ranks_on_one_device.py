@@ -21,7 +21,7 @@ from torch.testing import assert_close
 from ddp_rank.distributed import GlobalBatchLoss
 from ddp_rank.losses import FastAPLoss, PNPLoss
 from ddp_rank.train import DDPBackend, PlainBackend, forward_backward
-from ddp_rank.train.captured_chunk import CapturedChunk
+from ddp_rank.train.chunking.captured import CapturedChunk
 from tests.helpers.distributed import run_distributed
 
 SIZES, CHUNK, D_IN = (6, 10), 3, 6  # uneven ranks; chunks of 3: 2 and 3 full chunks and a last one of 1

@@ -151,9 +151,9 @@ def test_vehicleid_splits_from_the_data_layer_recipe(tmp_path: Path) -> None:
     from dataclasses import replace
 
     from ddp_rank.config import load_config
-    from ddp_rank.data.build import BuildOptions, build_shards
-    from ddp_rank.data.listing import read_image_folder
-    from ddp_rank.data.synthetic import write_image_folder
+    from ddp_rank.data.building.build import BuildOptions, build_shards
+    from ddp_rank.data.building.listing import read_image_folder
+    from ddp_rank.data.building.synthetic import write_image_folder
     from ddp_rank.eval.runner import evaluate_model
     from ddp_rank.eval.settings import evaluation_settings
     from ddp_rank.model.net import build_model

@@ -16,8 +16,8 @@ import torch
 
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.serve import serve_directory
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.serve import serve_directory
 from ddp_rank.eval.export import load_export
 from ddp_rank.eval.retrieval import ExactSearch, knn_search
 from ddp_rank.eval.runner import embed_split, key_index
@@ -307,7 +307,7 @@ def test_serve_refuses_a_folder_that_does_not_exist(tmp_path: Path, capsys: pyte
 
 @pytest.fixture()
 def http_shards(tiny: dict[str, Path]) -> Iterator[str]:
-    from ddp_rank.data.serve import serve_directory
+    from ddp_rank.data.reading.serve import serve_directory
 
     with serve_directory(tiny["shards"]) as url:
         yield url

@@ -13,9 +13,9 @@ from PIL import Image
 
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
-from ddp_rank.data.manifest import Manifest
-from ddp_rank.data.reader import ClassReader
-from ddp_rank.data.transforms import decode_image
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.reading.reader import ClassReader
+from ddp_rank.data.reading.transforms import decode_image
 from ddp_rank.eval.protocols import EmbeddedSet
 from ddp_rank.eval.retrieval_grid import (
     GREEN,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddp_rank.data.manifest import ClassInfo, ClassSpan, Manifest, ShardInfo, SplitInfo
+from ddp_rank.data.format.manifest import ClassInfo, ClassSpan, Manifest, ShardInfo, SplitInfo
 
 
 def _fit(sizes: np.ndarray, total: int, low: int, high: int) -> np.ndarray:

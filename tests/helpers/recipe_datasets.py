@@ -106,7 +106,7 @@ def fake_words_packages(cache: Path, tiers: dict[int, list[str]], fonts: tuple[s
 
     from PIL import ImageFont
 
-    from ddp_rank.data.recipes import npm, words
+    from ddp_rank.data.building.recipes import npm, words
 
     package, version = words.WORD_LIST
     _tgz(

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from ddp_rank.data.build import BuildOptions, build_shards
-from ddp_rank.data.listing import read_image_folder
-from ddp_rank.data.synthetic import write_image_folder
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import read_image_folder
+from ddp_rank.data.building.synthetic import write_image_folder
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,7 @@ def final_weights(run_dir: Path, step: int | None = None) -> dict[str, torch.Ten
     """The model weights of checkpoint ``step`` of a run (default: its latest)."""
     from safetensors.torch import load_file
 
-    from ddp_rank.train.checkpoint import resolve_checkpoint
+    from ddp_rank.checkpoints.write import resolve_checkpoint
 
     ckpt = (
         run_dir / "checkpoints" / f"step-{step:08d}"

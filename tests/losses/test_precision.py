@@ -48,7 +48,7 @@ def test_a_torch_without_mm_out_dtype_multiplies_in_float32(monkeypatch: pytest.
     """matmul_precision=bf16 on CUDA asks torch.mm for a float32 result of bf16 operands (``out_dtype``), a
     keyword older torch releases lack: there the product falls back to float32 operands instead of failing
     with a TypeError at the first step."""
-    from ddp_rank.losses import base
+    from ddp_rank.losses import matmul
 
     a = torch.randn(5, 8).to(torch.bfloat16)
     b = torch.randn(8, 3).to(torch.bfloat16)
@@ -57,17 +57,17 @@ def test_a_torch_without_mm_out_dtype_multiplies_in_float32(monkeypatch: pytest.
     def old_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # no out_dtype keyword
         return real_mm(x, y)
 
-    base._mm_takes_out_dtype.cache_clear()
+    matmul.mm_takes_out_dtype.cache_clear()
     monkeypatch.setattr(torch, "mm", old_mm)
     try:
         with pytest.warns(UserWarning, match="no torch.mm\\(out_dtype"):
-            product = base._mm_float32_out(a, b)
+            product = matmul.mm_float32_out(a, b)
         assert product.dtype == torch.float32
         torch.testing.assert_close(product, a.float() @ b.float())
     finally:
-        base._mm_takes_out_dtype.cache_clear()
+        matmul.mm_takes_out_dtype.cache_clear()
     monkeypatch.undo()
-    assert base._mm_takes_out_dtype()  # the torch the suite runs on has the keyword
+    assert matmul.mm_takes_out_dtype()  # the torch the suite runs on has the keyword
 
 
 @pytest.mark.parametrize("name", sorted(MAKE))

@@ -112,7 +112,7 @@ def _chunk_after_direct_worker(rank: int, world: int) -> dict[str, object]:
     from ddp_rank.losses import FastAPLoss
     from ddp_rank.model import freeze_batchnorm
     from ddp_rank.train.backends import DDPBackend
-    from ddp_rank.train.chunked import forward_backward
+    from ddp_rank.train.chunking.step import forward_backward
 
     model = DistributedDataParallel(small_net().double())
     backend = DDPBackend(model)
@@ -221,11 +221,11 @@ def _trainer_worker(rank: int, world: int, shards: str, out: str, extra: tuple[s
 def test_evaluation_equals_the_saved_checkpoint_rescored(sync_bn: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """2 ranks: the evaluation and the checkpoint see one model (the ranks' averaged BatchNorm statistics), so
     re-scoring the checkpoint in one process gives the logged numbers."""
+    from ddp_rank.checkpoints.write import load_model_weights
     from ddp_rank.config import load_config
     from ddp_rank.eval.runner import evaluate_model
     from ddp_rank.eval.settings import evaluation_settings
     from ddp_rank.model.net import build_model
-    from ddp_rank.train.checkpoint import load_model_weights
     from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
     shards = build_tiny_shards(tmp_path / "data")

@@ -23,7 +23,7 @@ from ddp_rank.model import freeze_batchnorm
 from ddp_rank.model.net import build_model
 from ddp_rank.train import PlainBackend, convert_to_ghost, forward_backward
 from ddp_rank.train.backends import DeepSpeedBackend
-from ddp_rank.train.captured_chunk import CapturedChunk, captured_chunk_for
+from ddp_rank.train.chunking.captured import CapturedChunk, captured_chunk_for
 
 
 def mlp(dropout: float = 0.0) -> nn.Module:
@@ -162,7 +162,7 @@ def test_refusals_and_the_config_key() -> None:
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("ddp_rank.train.captured_chunk")
+    logger = logging.getLogger("ddp_rank.train.chunking.captured")
     logger.addHandler(handler)
     level, logger.level = logger.level, logging.INFO
     try:

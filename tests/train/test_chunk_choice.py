@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from ddp_rank.config import ModelConfig, load_config
 from ddp_rank.model import build_model
-from ddp_rank.train import chunk_choice
-from ddp_rank.train.chunk_choice import choose_chunk, measure_activation_bytes, memory_budget, probe_sizes
-from ddp_rank.train.host_memory import available_memory
+from ddp_rank.train.chunking import choice as chunk_choice
+from ddp_rank.train.chunking.choice import choose_chunk, measure_activation_bytes, memory_budget, probe_sizes
+from ddp_rank.train.chunking.host_memory import available_memory
 from tests.helpers.training import TINY_OVERRIDES
 
 
@@ -217,9 +217,9 @@ def test_chunk_size_accepts_auto_or_a_number() -> None:
 @pytest.fixture(scope="module")
 def big_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 categories x 540 classes x 4 images of 16 px: enough for a hard-sampled global batch of 4,096."""
-    from ddp_rank.data.build import BuildOptions, build_shards
-    from ddp_rank.data.listing import read_image_folder
-    from ddp_rank.data.synthetic import write_image_folder
+    from ddp_rank.data.building.build import BuildOptions, build_shards
+    from ddp_rank.data.building.listing import read_image_folder
+    from ddp_rank.data.building.synthetic import write_image_folder
 
     root = tmp_path_factory.mktemp("big")
     write_image_folder(root / "images", [[4] * 540] * 2, image_size=16, seed=0)

@@ -20,11 +20,11 @@ from torch import nn
 from ddp_rank.config import ModelConfig, load_config
 from ddp_rank.distributed.agreement import RankFailure
 from ddp_rank.model import build_model, freeze_batchnorm
-from ddp_rank.train import chunk_choice
-from ddp_rank.train.chunk_choice import ActivationProbe, auto_chunk, count_saved
-from ddp_rank.train.chunk_confirm import BACK_OFF, Confirmation, confirm_chunk, trial_step
+from ddp_rank.train.chunking import choice as chunk_choice
+from ddp_rank.train.chunking.choice import ActivationProbe, auto_chunk, count_saved
+from ddp_rank.train.chunking.confirm import BACK_OFF, Confirmation, confirm_chunk, trial_step
+from ddp_rank.train.chunking.step_memory import FixedCosts, collective_reserve, fixed_costs
 from ddp_rank.train.settings import step_settings
-from ddp_rank.train.step_memory import FixedCosts, collective_reserve, fixed_costs
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
@@ -247,8 +247,8 @@ def test_the_trainer_confirms_its_chunk_and_backs_off_from_a_probe_that_under_co
 
 def test_the_prepared_batch_is_counted_where_the_chunked_step_holds_one() -> None:
     """uint8 images become float32 (4 bytes a pixel) once for both passes; feature vectors are taken as they are."""
-    from ddp_rank.model.feature_head import FeatureHeadNet
-    from ddp_rank.train.chunk_choice import prepared_input_bytes
+    from ddp_rank.features.head import FeatureHeadNet
+    from ddp_rank.train.chunking.choice import prepared_input_bytes
 
     assert prepared_input_bytes(_model(), 16) == 4 * 3 * 16 * 16
     assert prepared_input_bytes(FeatureHeadNet(32, 8), 16) == 0

@@ -19,10 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.acceptance.host_syncs import HostSyncs, count_host_syncs
 from ddp_rank.config import load_config
-from ddp_rank.data.transforms import TransformConfig, normalize_batch, uint8_to_unit
+from ddp_rank.data.reading.transforms import TransformConfig, normalize_batch, uint8_to_unit
 from ddp_rank.model.net import EmbeddingNet, TinyCNN, freeze_batchnorm
 from ddp_rank.train import PlainBackend, forward_backward
-from ddp_rank.train.chunked import RngState
+from ddp_rank.train.chunking.step import RngState
 from ddp_rank.train.trainer import Trainer
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 

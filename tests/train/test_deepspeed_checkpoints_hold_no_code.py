@@ -15,7 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from ddp_rank.model.safe_pickles import RNG_STATE_TYPES, deepspeed_types, unsafe_files, weights_only_loads
+from ddp_rank.checkpoints.safe_pickles import (
+    RNG_STATE_TYPES,
+    deepspeed_types,
+    unsafe_files,
+    weights_only_loads,
+)
 from tests.helpers.distributed import run_distributed
 
 

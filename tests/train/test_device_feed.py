@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ddp_rank.config import ModelConfig
-from ddp_rank.data.batch import StreamBatch
-from ddp_rank.data.transforms import TransformConfig, collate_images, normalize_batch, uint8_to_unit
+from ddp_rank.data.reading.batch import StreamBatch
+from ddp_rank.data.reading.transforms import TransformConfig, collate_images, normalize_batch, uint8_to_unit
 from ddp_rank.model.net import RawPixels, build_model, is_convolutional
 from ddp_rank.train.device_feed import DeviceFeed
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ddp_rank.config import ConfigError, load_config
-from ddp_rank.train.chunked import runs_chunked
-from ddp_rank.train.layout import BatchLayout
+from ddp_rank.train.chunking.layout import BatchLayout
+from ddp_rank.train.chunking.step import runs_chunked
 from ddp_rank.train.settings import step_settings
 
 

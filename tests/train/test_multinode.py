@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_rank.data.serve import RangeRequestHandler, serve_directory
+from ddp_rank.data.reading.serve import RangeRequestHandler, serve_directory
 from tests.helpers.training import REPO, TINY_OVERRIDES, build_tiny_shards, cpu_env, final_weights, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

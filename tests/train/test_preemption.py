@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from ddp_rank.data.loader import STOP_SIGNALS, ignore_stop_signals
+from ddp_rank.data.reading.loader import STOP_SIGNALS, ignore_stop_signals
 from ddp_rank.train.preemption import EXIT_REQUEUE, StopRequest
 from tests.helpers.training import (
     REPO,
@@ -125,7 +125,7 @@ def test_the_export_readers_workers_ignore_the_stop_signals(
 ) -> None:
     """``ddp-rank export`` / ``search`` read a split with their own DataLoader (the training and evaluation
     loaders: test_dataloader_workers_ignore_a_signal_to_the_whole_process_group)."""
-    from ddp_rank.data.transforms import TransformConfig
+    from ddp_rank.data.reading.transforms import TransformConfig
     from ddp_rank.eval import sources
 
     made: list[dict[str, Any]] = []

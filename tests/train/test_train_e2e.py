@@ -149,7 +149,7 @@ def test_unreadable_data_stops_every_rank_with_one_message(shards: Path, tmp_pat
     (not one dying while the other waits in a collective)."""
     import shutil
 
-    from ddp_rank.data.manifest import Manifest
+    from ddp_rank.data.format.manifest import Manifest
 
     bad = tmp_path / "bad"
     shutil.copytree(shards, bad)

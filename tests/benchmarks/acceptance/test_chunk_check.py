@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from benchmarks.acceptance import chunk_check, gpu_check
 from benchmarks.acceptance import gpu_targets as targets
 from ddp_rank.model import freeze_batchnorm
-from ddp_rank.train import chunk_choice
-from ddp_rank.train.chunk_choice import ActivationProbe, count_saved
+from ddp_rank.train.chunking import choice as chunk_choice
+from ddp_rank.train.chunking.choice import ActivationProbe, count_saved
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
 
@@ -136,7 +136,7 @@ def test_on_cpu_a_miscounting_probe_makes_the_verdict_fail(
 
     monkeypatch.setattr(chunk_choice, "measure_activation_bytes", probe)
     if miscount < 1:
-        from ddp_rank.train import auto_chunk
+        from ddp_rank.train.chunking import auto as auto_chunk
 
         monkeypatch.setattr(auto_chunk, "trial_step", lambda *args, **kwargs: lambda rows: None)
     overrides = [o for o in TINY_OVERRIDES if not o.startswith(("data.image_size", "data.resize_size"))]

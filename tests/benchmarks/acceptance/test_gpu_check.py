@@ -831,7 +831,7 @@ def test_the_syncs_part_runs_its_check_and_keeps_the_trace_beside_the_report(
     assert cmd[1:3] == ["-m", "benchmarks.acceptance.sync_check"] and "--device" not in cmd, "the GPU run takes the defaults"
     assert _status(verdicts, "no synchronisation inside the chunk loop") == targets.PASS
     assert "IN THE CHUNK LOOP" not in body and "benchmarks/acceptance/sync_check.py" in body, body
-    assert "ddp_rank/train/chunked.py" not in body
+    assert "ddp_rank/train/chunking/step.py" not in body
     (trace,) = results.glob("syncs-trace-*.json.gz")
     assert "traceEvents" in json.loads(gzip.decompress(trace.read_bytes()))
     assert _status(verdicts, "trace of two steps") == targets.INFO
@@ -839,7 +839,7 @@ def test_the_syncs_part_runs_its_check_and_keeps_the_trace_beside_the_report(
 
 def test_a_synchronisation_in_the_chunk_loop_fails_the_syncs_part() -> None:
     record = {"setup": "s", "chunks": 4, "trace": "t.json.gz", "trace_sync_calls": {"cudaStreamSynchronize": 8},
-              "syncs": [{"kind": "cudaMemcpy", "place": "ddp_rank/data/transforms.py:268 in uint8_to_unit",
+              "syncs": [{"kind": "cudaMemcpy", "place": "ddp_rank/data/reading/transforms.py:268 in uint8_to_unit",
                          "in_loop": True, "stack": []},
                         {"kind": "item", "place": "x.py:1 in step", "in_loop": False, "stack": []}]}  # fmt: skip
     verdicts = targets.syncs_verdicts(record)

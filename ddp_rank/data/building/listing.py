@@ -1,0 +1,238 @@
+"""Listings: the table of (path, class, category, split, subset) a shard build starts from.
+
+Two sources: an image folder (``root/<category>/<class>/<image>`` or ``root/<class>/<image>``) and a CSV/TSV
+file with a header. Dataset recipes (``ddp_rank.data.building.recipes``) write such CSVs from a public dataset's own
+files. Bad input is reported by name; with ``on_bad="skip"`` the offending rows are dropped and listed in the
+report instead of stopping the build.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+OnBad = Literal["error", "skip"]
+KNOWN_COLUMNS: tuple[str, ...] = ("path", "class", "category", "split", "subset")
+REQUIRED_COLUMNS: tuple[str, ...] = ("path", "class")
+FOLDER_IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+
+
+@dataclass(frozen=True)
+class Record:
+    """One image of a listing. ``category`` None means unlabelled; ``split`` None means "not decided yet"."""
+
+    path: str
+    cls: str
+    category: str | None = None
+    split: str | None = None
+    subset: str | None = None
+
+
+class ListingError(ValueError):
+    """Bad listing input; the message names the rows and the way out."""
+
+
+@dataclass
+class Report:
+    """What was skipped (``on_bad="skip"``) or noticed, for the CLI to print."""
+
+    skipped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def extend(self, other: Report) -> None:
+        self.skipped.extend(other.skipped)
+        self.notes.extend(other.notes)
+
+
+def _fail_or_skip(on_bad: OnBad, report: Report, problems: Sequence[str], fix: str) -> None:
+    if not problems:
+        return
+    if on_bad == "error":
+        shown = "\n  ".join(problems[:10])
+        more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise ListingError(f"{len(problems)} problem(s) in the listing:\n  {shown}{more}\n{fix}")
+    report.skipped.extend(problems)
+
+
+def read_image_folder(root: str | os.PathLike[str], report: Report | None = None) -> list[Record]:
+    """List ``root/<class>/<image>`` or ``root/<category>/<class>/<image>`` (the depth must be the same everywhere).
+
+    A class is identified by (category, class folder): the same folder name under two categories is two classes.
+    Files that are not images of a known suffix, and hidden files and folders (``.DS_Store``, macOS ``._*``
+    resource forks), are left out and counted in ``report.notes``.
+    """
+    base = Path(root)
+    if not base.is_dir():
+        raise ListingError(f"{base} is not a directory")
+    files, ignored = [], []
+    for p in sorted(base.rglob("*")):
+        if not p.is_file():
+            continue
+        hidden = any(part.startswith(".") for part in p.relative_to(base).parts)
+        if hidden or p.suffix.lower() not in FOLDER_IMAGE_SUFFIXES:
+            ignored.append(str(p.relative_to(base)))
+        else:
+            files.append(p)
+    if not files:
+        raise ListingError(f"no images ({', '.join(sorted(FOLDER_IMAGE_SUFFIXES))}) found under {base}")
+    if ignored and report is not None:
+        shown = ", ".join(ignored[:5]) + (f", ... ({len(ignored) - 5} more)" if len(ignored) > 5 else "")
+        report.notes.append(
+            f"ignored {len(ignored)} file(s) under {base} that are hidden or not images "
+            f"({', '.join(sorted(FOLDER_IMAGE_SUFFIXES))}): {shown}"
+        )
+    depths = Counter(len(p.relative_to(base).parts) for p in files)
+    if set(depths) not in ({2}, {3}):
+        raise ListingError(
+            f"{base}: images must all be at root/<class>/<image> or all at root/<category>/<class>/<image>; "
+            f"found path depths {dict(sorted(depths.items()))}"
+        )
+    records = []
+    for p in files:
+        parts = p.relative_to(base).parts
+        category = parts[0] if len(parts) == 3 else None
+        records.append(Record(path=str(p), cls=parts[-2], category=category))
+    return records
+
+
+def read_csv_listing(
+    path: str | os.PathLike[str], on_bad: OnBad = "error", report: Report | None = None
+) -> list[Record]:
+    """Read a CSV (``,``) or TSV (``.tsv``: tab) listing with a header; relative paths are taken from its folder."""
+    report = report if report is not None else Report()
+    src = Path(path)
+    delimiter = "\t" if src.suffix.lower() == ".tsv" else ","
+    # utf-8-sig: Excel's "CSV UTF-8" starts the file with a byte-order mark, which would glue onto "path"
+    with src.open(newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f, delimiter=delimiter)
+        header = [h.strip() for h in (reader.fieldnames or [])]
+        missing = [c for c in REQUIRED_COLUMNS if c not in header]
+        if missing:
+            raise ListingError(
+                f"{src}: missing column(s) {missing}; the header must name {list(KNOWN_COLUMNS)}"
+            )
+        unknown = [c for c in header if c not in KNOWN_COLUMNS]
+        _fail_or_skip(
+            on_bad,
+            report,
+            [f"{src}: unknown column {c!r}" for c in unknown],
+            f"known columns: {', '.join(KNOWN_COLUMNS)}; rename the column or pass --on-bad skip to ignore it",
+        )
+        records = []
+        for row in reader:
+            row = {k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
+            p = Path(row["path"])
+            if not p.is_absolute():
+                p = src.parent / p
+            records.append(
+                Record(
+                    path=str(p),
+                    cls=row["class"],
+                    category=row.get("category") or None,
+                    split=row.get("split") or None,
+                    subset=row.get("subset") or None,
+                )
+            )
+    return records
+
+
+def write_csv_listing(records: Iterable[Record], path: str | os.PathLike[str]) -> int:
+    """Write a listing CSV (paths relative to its folder when below it), atomically; returns the row count."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial")
+    n = 0
+    with tmp.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(KNOWN_COLUMNS)
+        for r in records:
+            p = Path(r.path)
+            try:
+                shown = str(p.resolve().relative_to(out.parent.resolve()))
+            except ValueError:
+                shown = str(p)
+            writer.writerow([shown, r.cls, r.category or "", r.split or "", r.subset or ""])
+            n += 1
+    os.replace(tmp, out)
+    return n
+
+
+def check_records(
+    records: Sequence[Record], min_class_size: int = 2, on_bad: OnBad = "error", report: Report | None = None
+) -> list[Record]:
+    """Reject duplicate paths and classes smaller than ``min_class_size`` per split. A class is identified by
+    (category, class): the same class name under two categories is two classes."""
+    report = report if report is not None else Report()
+    seen: dict[tuple[str | None, str], int] = {}
+    dupes = []
+    unique = []
+    for i, r in enumerate(records):
+        key = (r.split, os.path.normpath(r.path))
+        if key in seen:
+            dupes.append(f"duplicate path {r.path} (rows {seen[key] + 1} and {i + 1})")
+            continue
+        seen[key] = i
+        unique.append(r)
+    _fail_or_skip(on_bad, report, dupes, "remove the repeated rows, or pass --on-bad skip to keep the first")
+
+    sizes = Counter((r.split, r.category, r.cls) for r in unique)
+    small = sorted((k for k, n in sizes.items() if n < min_class_size), key=lambda k: tuple(map(str, k)))
+    _fail_or_skip(
+        on_bad,
+        report,
+        [
+            f"class {c!r}{f' of category {g!r}' if g else ''} has {sizes[(s, g, c)]} image(s) in split "
+            f"{s or '(all)'}"
+            for s, g, c in small
+        ],
+        f"every class needs at least {min_class_size} images to have a positive pair; pass --on-bad skip to drop "
+        "such classes or --min-class-size 1 to keep them",
+    )
+    small_set = set(small)
+    return [r for r in unique if (r.split, r.category, r.cls) not in small_set]
+
+
+def assign_splits(records: Sequence[Record], test_fraction: float, seed: int) -> list[Record]:
+    """Split by class: within each category, ``round(test_fraction * n_classes)`` seeded classes go to test.
+
+    Stratifying by category keeps every category in both splits, so the held-out classes look like the train ones
+    (the SOP protocol: train classes vs disjoint test classes). Records that already have a split keep it.
+    """
+    if not 0.0 <= test_fraction < 1.0:
+        raise ListingError(f"test fraction must be in [0, 1), got {test_fraction}")
+    by_category: dict[str | None, set[str]] = defaultdict(set)
+    for r in records:
+        if r.split is None:
+            by_category[r.category].add(r.cls)
+    test_classes: set[tuple[str | None, str]] = set()
+    rng = np.random.default_rng(seed)
+    for category in sorted(by_category, key=lambda c: (c is None, c or "")):
+        names = sorted(by_category[category], key=natural_key)
+        n_test = round(test_fraction * len(names))
+        chosen = rng.permutation(len(names))[:n_test]
+        test_classes.update((category, names[i]) for i in chosen)
+    return [
+        r
+        if r.split is not None
+        else replace(r, split="test" if (r.category, r.cls) in test_classes else "train")
+        for r in records
+    ]
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(text: str) -> tuple[tuple[tuple[int, int | str], ...], str]:
+    """Sort key with numbers compared as numbers (class "10" after "9"), so ids follow the dataset's own order;
+    then the text itself: "7", "07" and "007" tie as numbers, and sorting a set by the numbers alone would order
+    them as the set iterates (which changes with PYTHONHASHSEED)."""
+    parts = tuple((0, int(p)) if p.isdigit() else (1, p) for p in _DIGITS.split(text) if p)
+    return parts, text

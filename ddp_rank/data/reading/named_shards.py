@@ -1,0 +1,267 @@
+"""Shards named by a URL or a path pattern, read whole and in stored order through the checked read path.
+
+``ddp-rank export --shards-url`` and the pictures of ``ddp-rank search --grid`` read WebDataset shards that a
+pattern names (``https://host/d/test-{0000..0009}.tar``, ``DIR/q-000000.tar``; brace ranges expand as
+webdataset expands them, ``::`` joins patterns). They read every sample of a shard, so a shard is read whole:
+the same storage as training's reads (``storage.ShardStore``: fsspec, the retries of a transient failure, the
+node-local cache) and the same tar walk as ``shards verify`` (``tar_scan``), never a reader that trusts the tar.
+
+The manifest is looked for in the shards' folder and the folder above it (ddp_rank's own layout keeps a split's
+shards in a sub-folder of the manifest's). Where one lists the named shards, each is checked as training checks
+its shards: its size and sha256 against the manifest's, so a shard replaced or damaged since is refused naming
+it; a URL's shard is fetched once per node into ``cache_dir`` when one is given (content-addressed by that
+sha256, checked before it is kept). A manifest that lists some of the named shards and not others is refused:
+the others could not be checked. Shards without a manifest (other tools' shards) have nothing to be checked
+against: they are read as they are, with the same retries and tar walk.
+
+A URL's shard not in the cache is downloaded to a scratch file (removed once it is read), and a compressed tar
+is decompressed to one (a stream has no byte ranges to walk): the disk holds one shard at a time. Any failure
+(no such shard, a network error that outlasts the retries, a size or sha256 that differs, a corrupt header, a
+file cut short, a compressed stream that does not decompress) is one ``ShardReadError`` line naming the shard,
+the fault and what to do. Samples are the members that share a key, grouped as WebDataset groups them
+(consecutive members); only image, ``.cls`` and ``.json`` bytes are read, and nothing is decoded here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from braceexpand import braceexpand
+
+from ddp_rank.data.format.compressed import DecompressError, decompress, sniff
+from ddp_rank.data.format.manifest import (
+    IMAGE_EXTENSIONS,
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    ShardInfo,
+    is_url,
+    join_location,
+)
+from ddp_rank.data.format.tar_scan import Member, sample_key, tar_members
+from ddp_rank.data.reading.shard_cache import ShardCache
+from ddp_rank.data.reading.storage import RETRY_S, ShardStore, retrying, url_filesystem
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NamedShards", "ShardReadError", "ShardSample", "expand_shards"]
+
+_KEPT = (*IMAGE_EXTENSIONS, "cls", "json")
+"""The members whose bytes a sample carries."""
+_REBUILD = (
+    "rebuild the manifest (`ddp-rank shards build`, or `ddp-rank shards index` for other tools' shards)"
+)
+
+
+class ShardReadError(ValueError):
+    """A named shard that cannot be read as it is; the one-line message names it, the fault and the fix."""
+
+
+@dataclass(frozen=True)
+class ShardSample:
+    """One sample of a shard: its key (WebDataset's ``__key__``) and the bytes of its image, ``.cls`` and
+    ``.json`` members by lower-case extension (whichever it has)."""
+
+    key: str
+    members: dict[str, bytes]
+
+
+def expand_shards(source: str) -> list[str]:
+    """The shards ``source`` names, in order: each ``::``-separated pattern brace-expanded."""
+    urls = [url for pattern in source.split("::") if pattern for url in braceexpand(pattern)]
+    if not urls:
+        raise ShardReadError(
+            f"'{source}' names no shard; write e.g. https://host/data/shard-{{000000..000009}}.tar"
+        )
+    return urls
+
+
+class NamedShards:
+    """The shards ``source`` names (``urls``), each read whole by ``samples(url)``; see the module docstring."""
+
+    def __init__(
+        self,
+        source: str,
+        cache_dir: str | os.PathLike[str] | ShardCache | None = None,
+        retry_s: float = RETRY_S,
+    ) -> None:
+        self.source = source
+        self.urls = expand_shards(source)
+        self.retry_s = retry_s
+        manifest, self.listed = _listing(self.urls)
+        """Shard -> its manifest entry, for shards a manifest lists (empty: none does)."""
+        self.store = None if manifest is None else ShardStore(manifest, cache_dir=cache_dir, retry_s=retry_s)
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
+
+    def samples(self, url: str) -> Iterator[ShardSample]:
+        """The samples of the shard ``url`` in stored order; ``ShardReadError`` before the first one when the
+        shard cannot be read whole or fails its checks."""
+        with ExitStack() as stack:
+            f = self._open(url, stack)
+            members, problem = tar_members(f)
+            if problem is not None:
+                raise ShardReadError(
+                    f"shard {url}: {problem}: the shard is damaged; replace it with a sound copy, or leave it "
+                    "out of the pattern"
+                )
+            yield from _grouped(f, members)
+
+    def close(self) -> None:
+        """Close the files the store holds open and remove the scratch folder."""
+        if self.store is not None:
+            self.store.close()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _open(self, url: str, stack: ExitStack) -> BinaryIO:
+        """The whole shard open as a plain tar on this machine, checked against the manifest where one lists it."""
+        shard = self.listed.get(url)
+        try:
+            if shard is not None:
+                assert self.store is not None
+                f = self.store.open_whole(shard)  # the store closes it
+                cached = f is not None and self.store.cache is not None
+                if f is None:
+                    path = self._scratch_file(stack, "download.tar")
+                    self.store.download(shard, path)
+                    f = _opened(stack, path)
+                if not cached:  # a cached copy was checked when it was fetched
+                    self._check(url, shard, f)
+            elif is_url(url):
+                path = self._scratch_file(stack, "download.tar")
+                retrying(lambda: url_filesystem(url).get_file(url, path), url, self.retry_s)
+                f = _opened(stack, path)
+            else:
+                f = _opened(stack, url)
+            compression = sniff(f)
+            if compression is not None:
+                path = self._scratch_file(stack, "plain.tar")
+                with open(path, "wb") as plain:
+                    decompress(f, plain, compression, f"shard {url}")
+                f = _opened(stack, path)
+        except (ShardReadError, DecompressError) as exc:
+            raise ShardReadError(str(exc)) from exc
+        except FileNotFoundError as exc:
+            raise ShardReadError(
+                f"shard {url}: no such shard; fix the pattern (or the range) to name only the shards there"
+            ) from exc
+        except EOFError as exc:  # open_sized: not the size the manifest records
+            raise ShardReadError(f"shard {url}: {exc}: restore the shard, or {_REBUILD}") from exc
+        # What else the storage raised (an HTTP status, the network), past the retries.
+        except Exception as exc:
+            raise ShardReadError(
+                f"shard {url} cannot be read ({type(exc).__name__}: {exc}); check that it is there and reachable"
+            ) from exc
+        return f
+
+    def _check(self, url: str, shard: ShardInfo, f: BinaryIO) -> None:
+        """Refuse a shard whose size or sha256 is not the manifest's."""
+        size = os.fstat(f.fileno()).st_size
+        if size != shard.bytes:
+            raise ShardReadError(
+                f"shard {url} is {size:,} bytes, the manifest says {shard.bytes:,} (a truncated or replaced "
+                f"shard?): restore the shard, or {_REBUILD}"
+            )
+        digest = hashlib.sha256()
+        f.seek(0)
+        while block := f.read(1 << 20):
+            digest.update(block)
+        if digest.hexdigest() != shard.sha256:
+            raise ShardReadError(
+                f"shard {url}: its sha256 differs from the manifest's (replaced or damaged since the manifest was "
+                f"written): restore the shard, or {_REBUILD}"
+            )
+
+    def _scratch_file(self, stack: ExitStack, name: str) -> str:
+        """A path in the scratch folder, removed when ``stack`` closes (one shard at a time on the disk)."""
+        if self._scratch is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="ddp_rank-shard-")
+        path = Path(self._scratch.name) / name
+        stack.callback(path.unlink, missing_ok=True)
+        return str(path)
+
+
+def _opened(stack: ExitStack, path: str) -> BinaryIO:
+    """``path`` opened for reading until ``stack`` closes."""
+    return stack.enter_context(open(path, "rb"))
+
+
+def _grouped(f: BinaryIO, members: list[Member]) -> Iterator[ShardSample]:
+    """The samples of ``members`` (consecutive members sharing a key), with the bytes of their kept members."""
+    key: str | None = None
+    parts: dict[str, bytes] = {}
+    for member in members:
+        name, ext = sample_key(member.name)
+        if name != key:
+            if key is not None:
+                yield ShardSample(key, parts)
+            key, parts = name, {}
+        if ext in _KEPT:
+            if member.data is not None:
+                parts[ext] = member.data
+            else:
+                f.seek(member.offset_data)
+                parts[ext] = f.read(member.size)
+    if key is not None:
+        yield ShardSample(key, parts)
+
+
+def _folder(location: str) -> str | None:
+    """The folder of a path or URL (a local one made absolute); None above a URL's host."""
+    if is_url(location):
+        if "/" not in location.partition("://")[2]:
+            return None
+        return location.rsplit("/", 1)[0]
+    return os.path.dirname(os.path.abspath(location))
+
+
+def _same(location: str) -> str:
+    """``location`` in the form two names of one shard compare equal in (local paths absolute, normalised)."""
+    return location if is_url(location) else os.path.normpath(os.path.abspath(location))
+
+
+def _listing(urls: list[str]) -> tuple[Manifest | None, dict[str, ShardInfo]]:
+    """The manifest in the shards' folder or the one above that lists them, and shard -> its entry there; (None,
+    {}) when no manifest lists any. Refused (``ShardReadError``): a manifest that does not read, and one that
+    lists some of the shards but not all."""
+    folder = _folder(urls[0])
+    parent = None if folder is None else _folder(folder)
+    for root in dict.fromkeys(r for r in (folder, parent) if r is not None):
+        try:
+            manifest = Manifest.load(root)
+        except FileNotFoundError:
+            continue
+        except ManifestError as exc:
+            raise ShardReadError(str(exc)) from exc
+        except Exception as exc:  # the storage's own errors (an HTTP status other than 404, the network)
+            raise ShardReadError(
+                f"{join_location(root, MANIFEST_NAME)} cannot be read ({type(exc).__name__}: {exc}); check that "
+                "the server is up and reachable"
+            ) from exc
+        entries = {
+            _same(manifest.shard_url(s)): s for split in manifest.splits.values() for s in split.shards
+        }
+        listed = {url: entries[_same(url)] for url in urls if _same(url) in entries}
+        if not listed:
+            continue
+        missing = next((url for url in urls if url not in listed), None)
+        if missing is not None:
+            raise ShardReadError(
+                f"shard {missing} is not listed in {join_location(root, MANIFEST_NAME)}, which lists "
+                f"{len(listed)} of the {len(urls)} shard(s) named, so it cannot be checked: name only the listed "
+                f"shards, or {_REBUILD}"
+            )
+        log.info(f"checking the {len(urls)} shard(s) against {join_location(root, MANIFEST_NAME)}")
+        return manifest, listed
+    return None, {}
