@@ -33,8 +33,14 @@ def test_fences_and_markers_are_well_formed(page: Path) -> None:
     assert not problems, "\n".join(problems)
 
 
+def _tutorial(page: Path) -> bool:
+    return page.parent.name == "tutorials"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [p for p in PAGES if _runs_something(p)], ids=_id)
+@pytest.mark.parametrize("page", [p for p in PAGES if _runs_something(p) and not _tutorial(p)], ids=_id)
 def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
+    """The pages but the tutorials (tests/docs/test_tutorials_run.py: a file of their own, so that the suite's
+    workers, one file each, run the two halves side by side)."""
     result = run_page(page, REPO, tmp_path, env=cpu_env())
     assert result.failure is None, result.report()

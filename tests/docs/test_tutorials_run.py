@@ -1,0 +1,26 @@
+"""Every tutorial's blocks run, in page order, in a fresh folder (docs/code-blocks.md); the other pages are in
+tests/docs/test_code_blocks.py. A file of its own so that the suite's workers (one file each) share the runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.docs.code_blocks import doc_pages, run_page
+from tests.docs.test_code_blocks import _id, _runs_something, _tutorial
+from tests.helpers.training import cpu_env
+
+REPO = Path(__file__).resolve().parents[2]
+TUTORIALS = [p for p in doc_pages(REPO) if _tutorial(p) and _runs_something(p)]
+
+
+def test_there_are_tutorials_to_run() -> None:
+    assert len(TUTORIALS) >= 6, [_id(p) for p in TUTORIALS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", TUTORIALS, ids=_id)
+def test_tutorial_runs(page: Path, tmp_path: Path) -> None:
+    result = run_page(page, REPO, tmp_path, env=cpu_env())
+    assert result.failure is None, result.report()
