@@ -9,7 +9,7 @@ shards add their map (``whitening.safetensors``, checked against the sha256 the 
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any
 
 import torch
 
@@ -29,13 +29,15 @@ def image_model(cfg: Config, head: FeatureHeadNet) -> ImageFeatureNet:
     record = feature_record(open_shards(cfg))
     if record is None:  # open_shards refuses this for model.backbone=features; a guard for other callers
         raise ConfigError(f"{cfg.data.shards}/manifest.json has no build.features record")
+    # The record's values are checked as a file's are (a record is read from a manifest, not trusted).
+    recorded: dict[str, Any] = {
+        "backbone": record.backbone,
+        "weights": record.weights,
+        "pooling": record.pooling,
+        "output_stride": record.output_stride,
+    }
     try:
-        backbone_cfg = ModelConfig(
-            backbone=record.backbone,
-            weights=record.weights,
-            pooling=record.pooling,
-            output_stride=record.output_stride,
-        )
+        backbone_cfg = ModelConfig(**recorded)
     except ConfigError as exc:  # e.g. the synthetic vectors of ddp_rank.data.synthetic_features
         raise ConfigError(
             f"{cfg.data.shards}/manifest.json records the backbone {record.backbone!r}, which cannot embed an "
@@ -68,7 +70,5 @@ def image_config(cfg: Config) -> Config:
     record = feature_record(open_shards(cfg))
     if record is None:
         raise ConfigError(f"{cfg.data.shards}/manifest.json has no build.features record")
-    data = dataclasses.replace(
-        cfg.data, **{k: record.transform[k] for k in ("crop", "resize_size", "image_size")}
-    )
-    return dataclasses.replace(cfg, data=data)
+    data = cfg.data.replaced(**{k: record.transform[k] for k in ("crop", "resize_size", "image_size")})
+    return cfg.replaced(data=data)

@@ -153,7 +153,9 @@ def vehicleid_splits(cfg: Config, manifest: Manifest | None = None) -> dict[str,
     """``{size: split}`` for the VehicleID test lists stored as splits ``test_small`` / ``test_medium`` /
     ``test_large`` (the data layer's VehicleID recipe); empty when the shards carry subset tokens instead."""
     splits = (manifest if manifest is not None else Manifest.load(cfg.data.shards)).splits
-    found = {size: f"test_{size}" for size in cfg.eval.vehicleid_sizes if f"test_{size}" in splits}
+    found: dict[str, str] = {
+        size: f"test_{size}" for size in cfg.eval.vehicleid_sizes if f"test_{size}" in splits
+    }
     missing = [s for s in cfg.eval.vehicleid_sizes if s not in found]
     if found and missing:
         raise EvalError(

@@ -7,7 +7,6 @@ dealt as a check. No process group, no images, no GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -157,7 +156,7 @@ def _auto_chunk(
     from a machine without it gives the per-image figure only, and no layout. Raises ValueError when not even one
     image fits."""
     model = build_model(
-        dataclasses.replace(cfg.model, weights="none", init_from=""),
+        cfg.model.replaced(weights="none", init_from=""),
         cfg.data.image_size,
         model_input_dim(cfg, manifest),
     )

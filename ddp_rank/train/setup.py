@@ -93,7 +93,7 @@ def check_evaluation(cfg: Config, manifest: Manifest) -> None:
     VehicleID recipe shards, and ``train.best_metric`` among the metrics the protocol will report."""
     if not cfg.data.test_split:
         return
-    sizes = cfg.eval.vehicleid_sizes
+    sizes: list[str] = list(cfg.eval.vehicleid_sizes)
     if cfg.eval.protocol == "vehicleid":
         sizes = list(vehicleid_splits(cfg, manifest)) or sizes
     names = metric_names(

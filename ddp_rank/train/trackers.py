@@ -69,7 +69,7 @@ def check_trackers(names: list[str]) -> None:
 def tracker_arguments(cfg: Config) -> dict[str, Any]:
     """The ``Accelerator`` keyword arguments of ``train.log_with`` (none when it is empty): the trackers and
     ``OUTPUT_DIR/tensorboard`` as the logging directory (TensorBoard and Aim write under it)."""
-    names = list(cfg.train.log_with)
+    names: list[str] = list(cfg.train.log_with)
     if not names:
         return {}
     check_trackers(names)
