@@ -159,6 +159,13 @@ def test_yaml_values_are_read_as_the_key_types(tmp_path: Path) -> None:
     f.write_text("train:\n  steps: true\n")
     with pytest.raises(ConfigError, match=r"train\.steps=True must be an integer"):
         load_config(f)
+    # A whole float in a file is the integer it equals, as the loader always read it (not in Python: above).
+    f.write_text("data:\n  image_size: 64.0\nmodel:\n  output_stride: 16.0\n")
+    cfg = load_config(f)
+    assert type(cfg.data.image_size) is int and cfg.data.image_size == 64 and cfg.model.output_stride == 16
+    f.write_text("data:\n  image_size: 64.5\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: data\.image_size=64\.5 must be an integer"):
+        load_config(f)
 
 
 def test_replaced_checks_the_new_values_again() -> None:

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, ValidationInfo
 from pydantic_core import PydanticCustomError
 
 
@@ -31,6 +31,12 @@ def _suggest(name: str, valid: Sequence[str]) -> str:
     return f" Did you mean '{close[0]}'?" if close else ""
 
 
+LOADED = {"loaded": True}
+"""The validation context of values read from a file or the command line (:mod:`~ddp_rank.config.loader`): there
+a whole float (``image_size: 224.0``) is the integer it equals, as the loader has always read it; a section built
+in Python gets no such help (``ModelConfig(output_stride=16.0)`` is refused)."""
+
+
 def _int(value: Any) -> Any:
     if isinstance(value, str):
         try:
@@ -40,10 +46,17 @@ def _int(value: Any) -> Any:
     return value
 
 
-def _whole(value: Any) -> int:
+def _read_int(value: Any, info: ValidationInfo) -> Any:
+    """:func:`_int`, and a whole float read from a file (:data:`LOADED`) as the integer it equals."""
+    if isinstance(value, float) and value.is_integer() and info.context == LOADED:
+        return int(value)
+    return _int(value)
+
+
+def _whole(value: Any, info: ValidationInfo) -> int:
     """An integer (or its text) as an int, anything else refused: for a ``Literal`` of numbers, which would
     take 16.0 for 16."""
-    value = _int(value)
+    value = _read_int(value, info)
     if type(value) is not int:
         raise PydanticCustomError("int_type", "Input should be a valid integer")
     return value
@@ -63,14 +76,11 @@ def _float(value: Any) -> Any:
 def _bool(value: Any) -> Any:
     if isinstance(value, str):
         word = value.strip().lower()
-        return (
-            True
-            if word in ("true", "yes", "on", "1")
-            else False
-            if word in ("false", "no", "off", "0")
-            else value
-        )
-    if type(value) is int and value in (0, 1):
+        if word in ("true", "yes", "on", "1"):
+            return True
+        if word in ("false", "no", "off", "0"):
+            return False
+    elif type(value) is int and value in (0, 1):
         return bool(value)
     return value
 
@@ -96,11 +106,11 @@ def _list(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-Int = Annotated[int, BeforeValidator(_int), Strict()]
+Int = Annotated[int, BeforeValidator(_read_int), Strict()]
 Float = Annotated[float, BeforeValidator(_float), Strict()]
 Bool = Annotated[bool, BeforeValidator(_bool), Strict()]
 Text = Annotated[str, BeforeValidator(_text), Strict()]
-Positive = Annotated[int, Field(ge=1), BeforeValidator(_int), Strict()]
+Positive = Annotated[int, Field(ge=1), BeforeValidator(_read_int), Strict()]
 NonNegative = Annotated[float, Field(ge=0.0), BeforeValidator(_float), Strict()]
 Rate = Annotated[float, Field(gt=0.0, le=1.0), BeforeValidator(_float), Strict()]
 """Items of lists with bounds (the bounds first: the JSON schema shows them as ``minimum``, ``maximum``)."""
@@ -163,6 +173,11 @@ class _Model(BaseModel):
             super().__init__(**data)
         except ValidationError as exc:
             raise ConfigError(explain(exc, type(self))) from None
+
+    # Marked as pydantic marks its own: a section inside the config is then validated by pydantic directly (with
+    # the loader's context and the whole path of an error), not through this __init__. Without the mark (a
+    # pydantic that drops it) the checks stay the same; only a nested error's origin is the section's.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
 
     def replaced(self: _M, **changes: Any) -> _M:
         """A copy with ``changes``, checked as a new one is (``dataclasses.replace`` did that with the dataclass

@@ -21,7 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.config.checks import ConfigError, _bool, _list, _suggest, explain, field_choices
+from ddp_rank.config.checks import LOADED, ConfigError, _bool, _list, _suggest, explain, field_choices
 from ddp_rank.config.schema import _SECTIONS, Config
 
 
@@ -114,7 +114,7 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 def _build(values: Mapping[str, Mapping[str, Any]], origins: Origins) -> Config:
     try:
-        return Config.model_validate(values)
+        return Config.model_validate(values, context=LOADED)
     except ValidationError as exc:
         raise ConfigError(explain(exc, Config, origins)) from None
 
