@@ -192,6 +192,10 @@ class _Checker:
             bound = "at least" if kind == "greater_than_equal" else "at most"
             self.fail(where, f"{value:,} is out of range ({bound} {next(iter(ctx.values())):,})")
         expected = _EXPECTED.get(kind.split("_")[0])
+        if where.endswith(".category"):
+            expected = "a category id (or null)"
+        elif (where.endswith("].id") and where.startswith("splits.")) or where.endswith("][0]"):
+            expected = "a class id"
         if expected is not None and kind.endswith("_type"):
             self.fail(where, f"{_kind(value)} where {expected} is expected")
         self.fail(where, f"{_kind(value)}: {error['msg']}")
