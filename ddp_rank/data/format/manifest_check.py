@@ -3,20 +3,21 @@
 Every reader of a shard set (``plan``, ``train``, ``eval``, ``shards verify`` / ``info``, the stream) loads its
 manifest through ``Manifest.load`` / ``Manifest.from_json``, which call :func:`parse_manifest`. A manifest is
 refused with a ``ManifestError`` of one line: the file, the field as a JSON path
-(``splits.train.shards[3].classes[0][3]``), what is wrong and how to fix it. Checked:
+(``splits.train.shards[3].classes[0][3]``), what is wrong and how to fix it. Two passes:
 
-- types: objects, lists, strings and integers where the format has them (``true`` is not a number, ``1e12``
-  not an integer);
-- ids that agree: class ``i`` of ``classes`` has id ``i``, each class's category and each span's class exist,
-  a split lists each class once, and the split's count of a class is the sum of the counts of its spans (a class
-  may be several spans, in one shard or several: shards made by other tools), a shard's ``samples`` the sum of
-  its spans' counts, a shard's category (null when its classes mix categories) that of each of its classes;
-- ranges: offsets >= 0, each span inside its shard's bytes and apart from the other spans of the shard, at
-  least a tar header (512 bytes) per sample, a span at most ``MAX_SPAN_BYTES`` (a span is read into memory in
-  one piece: a forged length of 1e12 must not become a 1 TB allocation), a shard at most ``MAX_SHARD_BYTES``;
-- digests of the right length and alphabet;
-- shard paths that stay inside the shard root (``manifest_parts.shard_path_problem``: relative, no ``..``, no scheme,
-  host or drive); ``Manifest.shard_url`` checks again where a path is resolved for reading.
+1. the file's shape, a pydantic model of typed dicts (:data:`MANIFEST_FILE`, whose JSON schema documents the
+   format): objects, lists, strings and integers where the format has them, strictly (``true`` is not a number,
+   ``1e12`` not an integer); bounds that need no other field (offsets >= 0, a span at least a tar header and
+   at most ``MAX_SPAN_BYTES``: a span is read into memory in one piece, so a forged length of 1e12 must not
+   become a 1 TB allocation; a shard at most ``MAX_SHARD_BYTES``); digests of the right length and alphabet;
+   shard paths that stay inside the shard root (``manifest_parts.shard_path_problem``: relative, no ``..``, no
+   scheme, host or drive; ``Manifest.shard_url`` checks again where a path is resolved for reading);
+2. what ties fields together, in Python on the validated values: class ``i`` of ``classes`` has id ``i``, each
+   class's category and each span's class exist, a split lists each class once and its count of a class is the
+   sum of the counts of its spans (a class may be several spans, in one shard or several: shards made by other
+   tools), a shard's ``samples`` the sum of its spans' counts, a shard's category (null when its classes mix
+   categories) that of each of its classes, each span inside its shard's bytes and apart from the other spans,
+   at least a tar header (512 bytes) per sample.
 
 ``build`` stays free-form (each tool records what it likes there); unknown keys are ignored, so a newer writer's
 additions do not break an older reader.
@@ -25,9 +26,12 @@ additions do not break an older reader.
 from __future__ import annotations
 
 import itertools
-import re
 from collections import defaultdict
-from typing import Any, NamedTuple, NoReturn
+from typing import Annotated, Any, NamedTuple, NoReturn
+
+from pydantic import AfterValidator, Field, Strict, TypeAdapter, ValidationError
+from pydantic_core import PydanticCustomError
+from typing_extensions import NotRequired, TypedDict
 
 from ddp_rank.data.format.manifest_parts import (
     FORMAT_NAME,
@@ -43,7 +47,7 @@ from ddp_rank.data.format.manifest_parts import (
     split_name_problem,
 )
 
-__all__ = ["MAX_SHARD_BYTES", "MAX_SPAN_BYTES", "ManifestFields", "parse_manifest"]
+__all__ = ["MANIFEST_FILE", "MAX_SHARD_BYTES", "MAX_SPAN_BYTES", "ManifestFields", "parse_manifest"]
 
 TAR_BLOCK = 512
 """Every tar member starts with a header of this size, so a sample takes at least this many bytes."""
@@ -52,9 +56,6 @@ MAX_SPAN_BYTES = 1 << 32
 in memory while it checks its digest."""
 MAX_SHARD_BYTES = 1 << 40
 """Largest shard a manifest may describe (1 TiB)."""
-_MISSING = object()
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_SPAN_DIGEST = re.compile(r"[0-9a-f]{32}")
 _REBUILD = (
     "rebuild the manifest with `ddp-rank shards build` (or `ddp-rank shards index` for other tools' shards)"
 )
@@ -62,10 +63,105 @@ _PATH_FIX = (
     "a shard path is relative to the manifest's folder (or its shards_root) and stays inside it: move the "
     "shard there and record its relative path"
 )
+_ROOT_FIX = "set it to where the shards are (`ddp-rank shards index URL --out DIR` records it)"
+
+
+def _safe_path(path: str) -> str:
+    problem = shard_path_problem(path)
+    if problem is not None:
+        raise PydanticCustomError(
+            "manifest", "{text} {problem}", {"text": repr(path[:120]), "problem": problem}
+        )
+    return path
+
+
+def _absolute_root(text: str) -> str:
+    """``shards_root`` is the manifest writer's choice of where the shards are (``shards index URL --out``):
+    an absolute local path or a URL with a host, without ``..``."""
+    scheme, sep, rest = text.partition("://")
+    absolute = text.startswith("/") or (sep and scheme.isidentifier() and rest and not rest.startswith("/"))
+    if sep and scheme == "file":
+        absolute = rest.startswith("/")
+    if not absolute or any(ord(c) < 32 for c in text) or ".." in text.split("/"):
+        raise PydanticCustomError(
+            "manifest",
+            "{text} is not an absolute directory or a URL with a host",
+            {"text": repr(text[:120]), "fix": _ROOT_FIX},
+        )
+    return text
+
+
+Integer = Annotated[int, Strict()]
+Count = Annotated[int, Strict(), Field(ge=0)]
+Text = Annotated[str, Strict()]
+Id = Annotated[int | None, Strict()]
+"""A category's id, or null (unlabelled; a shard whose classes mix categories); its range is checked in pass 2."""
+
+
+class ClassEntry(TypedDict):
+    """``classes[i]``: class ``i`` of the whole set."""
+
+    id: Count
+    name: Text
+    category: Id
+
+
+class SplitClass(TypedDict):
+    """``splits.<name>.classes[j]``: a class of the split and its image count there."""
+
+    id: Integer
+    count: Annotated[int, Strict(), Field(ge=1)]
+
+
+SpanRow = tuple[
+    Integer,
+    Annotated[int, Strict(), Field(ge=1)],
+    Count,
+    Annotated[int, Strict(), Field(ge=TAR_BLOCK, le=MAX_SPAN_BYTES)],
+    Annotated[str, Strict(), Field(pattern=r"^[0-9a-f]{32}$")],
+]
+"""``[class id, count, offset, length, digest]``: a class's byte range in its shard (a compact row: manifests of
+200,000 classes)."""
+
+
+class ShardEntry(TypedDict):
+    """``splits.<name>.shards[k]``: one tar shard and the spans of its classes, in the order they are stored."""
+
+    path: Annotated[str, Strict(), AfterValidator(_safe_path)]
+    category: Id
+    bytes: Annotated[int, Strict(), Field(ge=0, le=MAX_SHARD_BYTES)]
+    samples: Count
+    sha256: Annotated[str, Strict(), Field(pattern=r"^[0-9a-f]{64}$")]
+    classes: list[SpanRow]
+
+
+class SplitEntry(TypedDict):
+    classes: list[SplitClass]
+    shards: list[ShardEntry]
+
+
+class ManifestFile(TypedDict):
+    """``manifest.json`` of format ``ddp_rank-shards`` version 2 (its ``format`` and ``version`` are checked
+    first, apart: a v1 manifest gets the command that upgrades it)."""
+
+    format: Text
+    version: Integer
+    categories: list[Text]
+    classes: list[ClassEntry]
+    splits: dict[str, SplitEntry]
+    build: NotRequired[dict[str, Any]]
+    shards_root: NotRequired[Annotated[str, Strict(), AfterValidator(_absolute_root)]]
+
+
+MANIFEST_FILE: TypeAdapter[ManifestFile] = TypeAdapter(ManifestFile)
+"""The validator of the file's shape (``MANIFEST_FILE.json_schema()``: the format for the documentation)."""
+
+_EXPECTED = {"int": "an integer", "string": "a string", "dict": "a JSON object", "list": "a JSON list"}
+_EXPECTED.update(tuple="a JSON list", model="a JSON object")
 
 
 class _Checker:
-    """Typed reads of a parsed JSON value that fail with the file and the JSON path of the field."""
+    """The failures of pass 2, with the file and the JSON path of the field."""
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -73,43 +169,38 @@ class _Checker:
     def fail(self, where: str, problem: str, fix: str = _REBUILD) -> NoReturn:
         raise ManifestError(f"{self.source}: {where}: {problem}; {fix}")
 
-    def obj(self, value: Any, where: str) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            self.fail(where, f"{_kind(value)} where a JSON object is expected")
-        return value
-
-    def array(self, value: Any, where: str) -> list[Any]:
-        if not isinstance(value, list):
-            self.fail(where, f"{_kind(value)} where a JSON list is expected")
-        return value
-
-    def key(self, obj: dict[str, Any], name: str, where: str) -> Any:
-        if name not in obj:
-            self.fail(_join(where, name), "missing")
-        return obj[name]
-
-    def text(self, value: Any, where: str, pattern: re.Pattern[str] | None = None) -> str:
-        if not isinstance(value, str):
-            self.fail(where, f"{_kind(value)} where a string is expected")
-        if pattern is not None and not pattern.fullmatch(value):
-            size = pattern.pattern.rsplit("{", 1)[-1].rstrip("}")
+    def shape(self, exc: ValidationError) -> NoReturn:
+        """Pass 1's first error as one line."""
+        error = exc.errors()[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"]).lstrip(".")
+        kind, value, ctx = error["type"], error["input"], error.get("ctx") or {}
+        if kind == "missing" and isinstance(error["loc"][-1], int):  # a span row of fewer than 5 values
+            kind, where = "too_short", where.rsplit("[", 1)[0]
+        if kind == "missing":
+            self.fail(where, "missing")
+        if kind == "manifest":
+            self.fail(where, error["msg"], ctx.get("fix", _PATH_FIX))
+        if kind in ("too_short", "too_long") and isinstance(value, list) and ".classes[" in where:
+            self.fail(
+                where, f"{len(value)} values where a span row is [class id, count, offset, length, digest]"
+            )
+        if kind == "string_pattern_mismatch":
+            size = str(ctx["pattern"]).rsplit("{", 1)[-1].split("}")[0]
             self.fail(where, f"{value[:80]!r} is not a digest ({size} lowercase hex digits)")
-        return value
+        if kind in ("greater_than_equal", "less_than_equal"):
+            bound = "at least" if kind == "greater_than_equal" else "at most"
+            self.fail(where, f"{value:,} is out of range ({bound} {next(iter(ctx.values())):,})")
+        expected = _EXPECTED.get(kind.split("_")[0])
+        if where.endswith(".category"):
+            expected = "a category id (or null)"
+        elif (where.endswith("].id") and where.startswith("splits.")) or where.endswith("][0]"):
+            expected = "a class id"
+        if expected is not None and kind.endswith("_type"):
+            self.fail(where, f"{_kind(value)} where {expected} is expected")
+        self.fail(where, f"{_kind(value)}: {error['msg']}")
 
-    def integer(self, value: Any, where: str, minimum: int = 0, maximum: int | None = None) -> int:
-        if type(value) is not int:  # bool is an int subclass: ``true`` is not a count
-            self.fail(where, f"{_kind(value)} where an integer is expected")
-        if value < minimum or (maximum is not None and value > maximum):
-            upper = "" if maximum is None else f" and at most {maximum:,}"
-            self.fail(where, f"{value:,} is out of range (at least {minimum:,}{upper})")
-        return value
-
-    def optional_id(self, value: Any, where: str, count: int, what: str) -> int | None:
-        if value is None:
-            return None
-        if type(value) is not int:
-            self.fail(where, f"{_kind(value)} where a {what} id (or null) is expected")
-        if not 0 <= value < count:
+    def optional_id(self, value: int | None, where: str, count: int, what: str) -> int | None:
+        if value is not None and not 0 <= value < count:
             self.fail(where, f"{what} {value} does not exist (the manifest has {count:,} {what}s)")
         return value
 
@@ -128,12 +219,9 @@ class ManifestFields(NamedTuple):
 def parse_manifest(data: Any, root: str | None = None) -> ManifestFields:
     """The checked fields of ``data`` (the parsed JSON of ``<root>/manifest.json``), or ``ManifestError``."""
     check = _Checker(join_location(root, MANIFEST_NAME) if root else MANIFEST_NAME)
-    top = (
-        data
-        if isinstance(data, dict)
-        else check.fail("(top level)", f"{_kind(data)} where a manifest object is expected")
-    )
-    fmt, version = top.get("format"), top.get("version")
+    if not isinstance(data, dict):
+        check.fail("(top level)", f"{_kind(data)} where a manifest object is expected")
+    fmt, version = data.get("format"), data.get("version")
     if fmt == FORMAT_NAME and version == 1:
         check.fail(
             "version",
@@ -146,96 +234,66 @@ def parse_manifest(data: Any, root: str | None = None) -> ManifestFields:
             f"not a {FORMAT_NAME} v{FORMAT_VERSION} manifest (format={str(fmt)[:40]!r}, version={str(version)[:20]!r})",
             "rebuild the shards with `ddp-rank shards build`",
         )
-    categories = _categories(check, check.key(top, "categories", ""))
-    classes = _classes(check, check.key(top, "classes", ""), len(categories))
-    raw_splits = check.obj(check.key(top, "splits", ""), "splits")
-    if not raw_splits:
+    try:
+        top = MANIFEST_FILE.validate_python(data)
+    except ValidationError as exc:
+        check.shape(exc)
+    categories = _categories(check, top["categories"])
+    classes = _classes(check, top["classes"], len(categories))
+    if not top["splits"]:
         check.fail("splits", "empty: the manifest has no split")
-    splits = {name: _split(check, name, raw, classes, len(categories)) for name, raw in raw_splits.items()}
-    build = check.obj(top.get("build", {}), "build")
-    shards_root = top.get("shards_root")
-    if shards_root is not None:
-        _check_shards_root(check, shards_root)
+    splits = {name: _split(check, name, raw, classes, len(categories)) for name, raw in top["splits"].items()}
     return ManifestFields(
-        categories=categories, classes=classes, splits=splits, build=dict(build), shards_root=shards_root
+        categories=categories,
+        classes=classes,
+        splits=splits,
+        build=dict(top.get("build", {})),
+        shards_root=top.get("shards_root"),
     )
 
 
-def _categories(check: _Checker, raw: Any) -> tuple[str, ...]:
-    names = tuple(check.text(v, f"categories[{i}]") for i, v in enumerate(check.array(raw, "categories")))
+def _categories(check: _Checker, names: list[str]) -> tuple[str, ...]:
     seen: dict[str, int] = {}
     for i, name in enumerate(names):
         if name in seen:
             check.fail(f"categories[{i}]", f"{name[:80]!r} is listed twice (also categories[{seen[name]}])")
         seen[name] = i
-    return names
+    return tuple(names)
 
 
-def _classes(check: _Checker, raw: Any, n_categories: int) -> tuple[ClassInfo, ...]:
+def _classes(check: _Checker, raw: list[ClassEntry], n_categories: int) -> tuple[ClassInfo, ...]:
     out = []
-    for i, c in enumerate(check.array(raw, "classes")):
-        # The common case in one expression (manifests of 200,000 classes); any doubt goes to the field checks.
-        category = c.get("category", _MISSING) if type(c) is dict else _MISSING
-        if (
-            type(c) is dict
-            and type(c.get("id")) is int
-            and c["id"] == i
-            and type(c.get("name")) is str
-            and (category is None or (type(category) is int and 0 <= category < n_categories))
-        ):
-            out.append(ClassInfo(i, c["name"], category))
-        else:
-            out.append(_class(check, i, c, n_categories))
+    for i, c in enumerate(raw):
+        category = c["category"]
+        if c["id"] != i:
+            check.fail(f"classes[{i}].id", f"{c['id']} where the class at position {i} must have id {i}")
+        if category is not None and not 0 <= category < n_categories:
+            check.optional_id(category, f"classes[{i}].category", n_categories, "category")
+        out.append(ClassInfo(i, c["name"], category))
     return tuple(out)
 
 
-def _class(check: _Checker, i: int, raw: Any, n_categories: int) -> ClassInfo:
-    where = f"classes[{i}]"
-    c = check.obj(raw, where)
-    class_id = check.integer(check.key(c, "id", where), f"{where}.id")
-    if class_id != i:
-        check.fail(f"{where}.id", f"{class_id} where the class at position {i} must have id {i}")
-    name = check.text(check.key(c, "name", where), f"{where}.name")
-    category = check.optional_id(
-        check.key(c, "category", where), f"{where}.category", n_categories, "category"
-    )
-    return ClassInfo(class_id, name, category)
-
-
 def _split(
-    check: _Checker, name: str, raw: Any, classes: tuple[ClassInfo, ...], n_categories: int
+    check: _Checker, name: str, raw: SplitEntry, classes: tuple[ClassInfo, ...], n_categories: int
 ) -> SplitInfo:
     where = f"splits.{name}"
     if not name:
         check.fail(where, "a split with an empty name")
     if problem := split_name_problem(name):
         check.fail(where, problem)
-    split = check.obj(raw, where)
     counts: dict[int, int] = {}
     positions: dict[int, int] = {}
-    for i, entry in enumerate(check.array(check.key(split, "classes", where), f"{where}.classes")):
-        cid, count = (entry.get("id"), entry.get("count")) if type(entry) is dict else (None, None)
-        if (
-            type(cid) is int
-            and 0 <= cid < len(classes)
-            and cid not in counts
-            and type(count) is int
-            and count >= 1
-        ):
-            counts[cid], positions[cid] = count, i  # the common case; any doubt goes to the field checks
-            continue
-        at = f"{where}.classes[{i}]"
-        c = check.obj(entry, at)
-        cid = check.optional_id(check.key(c, "id", at), f"{at}.id", len(classes), "class")
-        if cid is None:
-            check.fail(f"{at}.id", "null where a class id is expected")
+    for i, entry in enumerate(raw["classes"]):
+        cid = entry["id"]
+        check.optional_id(cid, f"{where}.classes[{i}].id", len(classes), "class")
         if cid in counts:
-            check.fail(f"{at}.id", f"class {cid} is listed twice (also {where}.classes[{positions[cid]}])")
-        counts[cid] = check.integer(check.key(c, "count", at), f"{at}.count", minimum=1)
-        positions[cid] = i
-    raw_shards = check.array(check.key(split, "shards", where), f"{where}.shards")
+            check.fail(
+                f"{where}.classes[{i}].id",
+                f"class {cid} is listed twice (also {where}.classes[{positions[cid]}])",
+            )
+        counts[cid], positions[cid] = entry["count"], i
     shards = tuple(
-        _shard(check, f"{where}.shards[{i}]", s, classes, n_categories) for i, s in enumerate(raw_shards)
+        _shard(check, f"{where}.shards[{i}]", s, classes, n_categories) for i, s in enumerate(raw["shards"])
     )
     paths: dict[str, int] = {}
     held: dict[int, int] = defaultdict(int)
@@ -265,22 +323,14 @@ def _split(
 
 
 def _shard(
-    check: _Checker, where: str, raw: Any, classes: tuple[ClassInfo, ...], n_categories: int
+    check: _Checker, where: str, s: ShardEntry, classes: tuple[ClassInfo, ...], n_categories: int
 ) -> ShardInfo:
-    s = check.obj(raw, where)
-    path = check.text(check.key(s, "path", where), f"{where}.path")
-    problem = shard_path_problem(path)
-    if problem is not None:
-        check.fail(f"{where}.path", f"{path[:120]!r} {problem}", _PATH_FIX)
-    category = check.optional_id(
-        check.key(s, "category", where), f"{where}.category", n_categories, "category"
-    )
-    size = check.integer(check.key(s, "bytes", where), f"{where}.bytes", maximum=MAX_SHARD_BYTES)
-    samples = check.integer(check.key(s, "samples", where), f"{where}.samples", maximum=size // TAR_BLOCK)
-    sha256 = check.text(check.key(s, "sha256", where), f"{where}.sha256", _SHA256)
+    category = check.optional_id(s["category"], f"{where}.category", n_categories, "category")
+    size, samples = s["bytes"], s["samples"]
+    if samples > size // TAR_BLOCK:
+        check.fail(f"{where}.samples", f"{samples:,} is out of range (at most {size // TAR_BLOCK:,})")
     spans = tuple(
-        _span(check, where, j, row, len(classes), size)
-        for j, row in enumerate(check.array(check.key(s, "classes", where), f"{where}.classes"))
+        _span(check, f"{where}.classes[{j}]", row, len(classes), size) for j, row in enumerate(s["classes"])
     )
     by_offset = sorted(range(len(spans)), key=lambda j: spans[j].offset)
     for before, after in itertools.pairwise(by_offset):
@@ -298,65 +348,28 @@ def _shard(
                     f"class {span.id} has category {classes[span.id].category}, the shard category {category} "
                     "(a shard whose classes mix categories has category null)",
                 )
-    return ShardInfo(path=path, category=category, classes=spans, samples=samples, bytes=size, sha256=sha256)
-
-
-def _span(check: _Checker, shard: str, j: int, raw: Any, n_classes: int, shard_bytes: int) -> ClassSpan:
-    """Span row ``j`` of the shard at JSON path ``shard``."""
-    if type(raw) is list and len(raw) == 5:  # the common case in one expression; any doubt: the field checks
-        class_id, count, offset, length, digest = raw
-        if (
-            type(class_id) is int
-            and type(count) is int
-            and type(offset) is int
-            and type(length) is int
-            and type(digest) is str
-            and 0 <= class_id < n_classes
-            and offset >= 0
-            and TAR_BLOCK <= length <= MAX_SPAN_BYTES
-            and offset + length <= shard_bytes
-            and 1 <= count <= length // TAR_BLOCK
-            and _SPAN_DIGEST.fullmatch(digest)
-        ):
-            return ClassSpan(class_id, count, offset, length, digest)
-    where = f"{shard}.classes[{j}]"
-    row = check.array(raw, where)
-    if len(row) != 5:
-        check.fail(where, f"{len(row)} values where a span row is [class id, count, offset, length, digest]")
-    class_id = check.optional_id(row[0], f"{where}[0]", n_classes, "class")
-    if class_id is None:
-        check.fail(f"{where}[0]", "null where a class id is expected")
-    count = check.integer(row[1], f"{where}[1]", minimum=1)
-    offset = check.integer(row[2], f"{where}[2]", maximum=max(0, shard_bytes - TAR_BLOCK))
-    length = check.integer(
-        row[3], f"{where}[3]", minimum=TAR_BLOCK, maximum=min(MAX_SPAN_BYTES, shard_bytes - offset)
+    return ShardInfo(
+        path=s["path"], category=category, classes=spans, samples=samples, bytes=size, sha256=s["sha256"]
     )
-    if count > length // TAR_BLOCK:
+
+
+def _span(check: _Checker, where: str, row: tuple[Any, ...], n_classes: int, shard_bytes: int) -> ClassSpan:
+    """Span row ``where`` (types and static bounds already checked) against its shard and the class list."""
+    class_id, count, offset, length, digest = row
+    if 0 <= class_id < n_classes and offset + length <= shard_bytes and count <= length // TAR_BLOCK:
+        return ClassSpan(class_id, count, offset, length, digest)  # the common case in one expression
+    check.optional_id(class_id, f"{where}[0]", n_classes, "class")
+    if offset > max(0, shard_bytes - TAR_BLOCK):
         check.fail(
-            f"{where}[1]", f"{count:,} samples cannot fit in {length:,} bytes (a tar header is {TAR_BLOCK})"
+            f"{where}[2]",
+            f"{offset:,} is out of range (at least 0 and at most {max(0, shard_bytes - TAR_BLOCK):,})",
         )
-    digest = check.text(row[4], f"{where}[4]", _SPAN_DIGEST)
-    return ClassSpan(class_id, count, offset, length, digest)
-
-
-def _check_shards_root(check: _Checker, value: Any) -> None:
-    """``shards_root`` is the manifest writer's choice of where the shards are (``shards index URL --out``):
-    an absolute local path or a URL with a host, without ``..``."""
-    text = check.text(value, "shards_root")
-    scheme, sep, rest = text.partition("://")
-    absolute = text.startswith("/") or (sep and scheme.isidentifier() and rest and not rest.startswith("/"))
-    if sep and scheme == "file":
-        absolute = rest.startswith("/")
-    if not absolute or any(ord(c) < 32 for c in text) or ".." in text.split("/"):
-        check.fail(
-            "shards_root",
-            f"{text[:120]!r} is not an absolute directory or a URL with a host",
-            "set it to where the shards are (`ddp-rank shards index URL --out DIR` records it)",
-        )
-
-
-def _join(where: str, name: str) -> str:
-    return f"{where}.{name}" if where else name
+    if offset + length > shard_bytes:
+        most = min(MAX_SPAN_BYTES, shard_bytes - offset)
+        check.fail(f"{where}[3]", f"{length:,} is out of range (at least {TAR_BLOCK:,} and at most {most:,})")
+    check.fail(
+        f"{where}[1]", f"{count:,} samples cannot fit in {length:,} bytes (a tar header is {TAR_BLOCK})"
+    )
 
 
 def _kind(value: Any) -> str:
@@ -369,4 +382,4 @@ def _kind(value: Any) -> str:
         return f"the number {value!r}"[:60]
     if isinstance(value, str):
         return f"the string {value[:40]!r}"
-    return "a JSON list" if isinstance(value, list) else "a JSON object"
+    return "a JSON list" if isinstance(value, list | tuple) else "a JSON object"

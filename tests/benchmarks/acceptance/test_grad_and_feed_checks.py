@@ -192,7 +192,7 @@ def test_the_feed_part_runs_both_worker_settings(tmp_path: Path, monkeypatch: py
     ((cmd),) = commands
     assert cmd[cmd.index("--workers") + 1] == "0,12" and cmd[cmd.index("--device") + 1] == "cuda"
     assert [v.status for v in verdicts] == [NOT_MEASURED, NOT_MEASURED]
-    assert {"grads", "feed"} <= set(gpu_check.PARTS) and gpu_check.PART_NEEDS["feed"] == ("webdataset",)
+    assert {"grads", "feed"} <= set(gpu_check.PARTS) and gpu_check.PART_NEEDS["feed"] == ("pydantic", "webdataset")
 
 
 # ----------------------------------------------------------------------------------------- on CPU, for real
