@@ -43,8 +43,8 @@ reports a pass it did not measure.
 
 The GPU machine has no network: ``make gpu-wheels`` (here) puts the wheels it lacks in ``.gpu-wheels/demo/``
 (what the demo part needs) and ``.gpu-wheels/more/`` (the rest); ``--wheels`` installs, before the first part,
-the ones the chosen parts need and the machine lacks (``PART_NEEDS``). The README's section "GPU acceptance"
-gives the device workflow.
+the ones the chosen parts need and the machine lacks (``PART_NEEDS``). The documentation's "GPU acceptance"
+(docs/contributing.md) gives the whole workflow.
 """
 
 from __future__ import annotations
@@ -587,7 +587,7 @@ def install_missing(wheels: Path, parts: list[str] | tuple[str, ...] = PARTS) ->
         if done.returncode != 0:
             raise SystemExit(
                 f"gpu-check: pip could not install {', '.join(missing)} from {wheels}/ (exit {done.returncode}): "
-                "did the device call carry the part's wheels? (README, GPU acceptance)"
+                "were the part's wheels copied over with the tree? (`make gpu-wheels`; docs/contributing.md, GPU acceptance)"
             )
         importlib.invalidate_caches()
     return missing
