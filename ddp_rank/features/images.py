@@ -10,6 +10,7 @@ shards add their map (``whitening.safetensors``, checked against the sha256 the 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -28,13 +29,15 @@ def image_model(record: FeatureRecord, shards: str, head: FeatureHeadNet) -> Ima
     """The backbone ``record`` (the ``build.features`` record of the feature shards at ``shards``) names,
     followed by ``head``; raises ``ConfigError`` when the backbone rebuilt from the record does not have the
     recorded weights."""
-    try:  # the config's own checks of a backbone name
-        backbone_cfg = ModelConfig(
-            backbone=record.backbone,
-            weights=record.weights,
-            pooling=record.pooling,
-            output_stride=record.output_stride,
-        )
+    # The record's strings are checked by the config's own validation (choices of a backbone, pooling, stride).
+    recorded: dict[str, Any] = {
+        "backbone": record.backbone,
+        "weights": record.weights,
+        "pooling": record.pooling,
+        "output_stride": record.output_stride,
+    }
+    try:
+        backbone_cfg = ModelConfig(**recorded)
     except ConfigError as exc:  # e.g. the synthetic vectors of ddp_rank.features.synthetic
         raise ConfigError(
             f"{shards}/manifest.json records the backbone {record.backbone!r}, which cannot embed an "
