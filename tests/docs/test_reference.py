@@ -196,6 +196,38 @@ def test_results_are_grouped_by_topic_newest_first_with_their_figures(tmp_path: 
     assert "lonely-2026-03-01.png" in pages["results/index.md"]
 
 
+def test_a_findings_file_is_the_write_up_of_its_measurement_not_a_newer_one(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "study-2026-01-01.md").write_text("## Batch size\n\nold table\n")
+    (folder / "study-2026-02-01.md").write_text("## Batch size\n\nthat day's table\n")
+    (folder / "study-2026-02-01-findings.md").write_text(
+        "# Does a bigger batch help? (findings, 2026-02-01)\n\n## Answer\n\nyes, see `plot-2026-02-01.png`\n"
+    )
+    (folder / "plot-2026-02-01.png").write_bytes(b"png")
+    (folder / "other-2026-03-01-findings.md").write_text("# A write-up alone\n\nno table of its date\n")
+
+    found = results.collect(folder)
+    study = found.topics["study"]
+    assert [(m.date, m.tag) for m in study] == [("2026-02-01", ""), ("2026-01-01", "")]
+    assert study[0].findings is not None and study[0].findings.path.name == "study-2026-02-01-findings.md"
+    assert study[0].title == "Does a bigger batch help?"
+    assert [(m.date, m.tag) for m in found.topics["other"]] == [("2026-03-01", "findings")]  # stands alone
+
+    pages = results.pages(found)
+    page = pages["results/study.md"]
+    assert isinstance(page, str)
+    # that day's table, its findings under it, then the earlier measurement
+    assert page.index("that day's table") < page.index("## Findings") < page.index("yes, see")
+    assert page.index("yes, see") < page.index("## Earlier measurements") < page.index("old table")
+    assert "### Answer" in page and "![plot-2026-02-01](plot-2026-02-01.png)" in page
+    assert "2026-02-01 (findings)" not in page and "2026-02-01 (findings)" not in pages["results/index.md"]
+    assert "| 2026-02-01 | 2 |" in pages["results/index.md"]
+    alone = pages["results/study-2026-02-01-findings.md"]
+    assert isinstance(alone, str) and "yes, see" in alone
+    assert "yes, see" in str(pages["results/study-2026-02-01.md"])
+
+
 def test_every_result_file_of_the_repository_is_on_a_page() -> None:
     pages = results.pages(results.collect())
     text = "\n".join(p for p in pages.values() if isinstance(p, str))
