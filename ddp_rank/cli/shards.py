@@ -41,6 +41,8 @@ from ddp_rank.data.building.verify import verify_shards
 from ddp_rank.data.format.info import format_info
 from ddp_rank.data.reading.decode import DEFAULT_MAX_IMAGE_PIXELS
 
+_CORES = os.cpu_count() or 1  # the default of --workers
+
 
 def register(subparsers: Any) -> None:
     shards = subparsers.add_parser("shards", help="prepare, check and describe WebDataset shards")
@@ -49,12 +51,7 @@ def register(subparsers: Any) -> None:
     verify = sub.add_parser("verify", help="check checksums, counts and that every image decodes")
     verify.add_argument("directory", help="shard directory or URL (holding manifest.json)")
     verify.add_argument("--no-decode", action="store_true", help="skip decoding the images (faster)")
-    verify.add_argument(
-        "--workers",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="processes checking shards (default: the CPU cores)",
-    )
+    verify.add_argument("--workers", type=int, default=_CORES, help="processes (default: the CPU cores)")
     add_max_image_pixels(verify, "is a problem, as in training")
     verify.set_defaults(func=_verify)
     info = sub.add_parser("info", help="table of classes, images, shards and size per split and category")
@@ -245,18 +242,11 @@ def _add_build(sub: Any) -> None:
     p.add_argument("--max-mb", type=float, default=256.0, help="most MB of images per shard")
     p.add_argument("--resize", type=int, default=None, help="shrink the shorter side to this (re-encodes)")
     p.add_argument(
-        "--format",
-        dest="image_format",
-        choices=("jpg", "png", "webp"),
-        default=None,
-        help="re-encode the images to this format (default: keep the source bytes and format)",
+        "--format", dest="image_format", choices=("jpg", "png", "webp"), help="re-encode (default: keep)"
     )
     p.add_argument("--quality", type=int, default=90, help="jpg/webp quality of re-encoded images")
     p.add_argument(
-        "--min-class-size",
-        type=int,
-        default=2,
-        help="fewest images of a class in a split (a positive pair needs 2; smaller is bad input, see --on-bad)",
+        "--min-class-size", type=int, default=2, help="fewest images of a class per split (see --on-bad)"
     )
     p.add_argument(
         "--on-bad",
@@ -265,9 +255,7 @@ def _add_build(sub: Any) -> None:
         help="stop on bad input (default) or skip it and list what was skipped",
     )
     add_max_image_pixels(p, "is unreadable (see --on-bad)")
-    p.add_argument(
-        "--workers", type=int, default=os.cpu_count() or 1, help="encoding processes (default: the CPU cores)"
-    )
+    p.add_argument("--workers", type=int, default=_CORES, help="encoding processes (default: the CPU cores)")
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -298,7 +286,7 @@ def _add_listing(sub: Any) -> None:
         "--train-list", default=None, help="inat: the published train split (image paths or class ids)"
     )
     p.add_argument("--test-list", default=None, help="inat: the published test split")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="emoji, words: render workers")
+    p.add_argument("--workers", type=int, default=_CORES, help="emoji, words: render workers")
     p.set_defaults(func=_listing)
 
 
