@@ -7,6 +7,7 @@ would."""
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,23 @@ def test_the_names_the_docs_use_are_exported(package: str) -> None:
     module = importlib.import_module(package)
     for name in USED_BY_THE_DOCS[package]:
         assert name in module.__all__, f"{name} is used by the docs but not in {package}.__all__"
+
+
+def test_every_name_the_pages_import_is_public_in_its_package() -> None:
+    """``from ddp_rank.eval.search import Searcher`` in a page: ``Searcher`` must be in ``ddp_rank.eval.__all__``
+    (and so on the API page), whichever module of the package the page imports it from."""
+    pattern = re.compile(r"from (ddp_rank(?:\.\w+)+) import (?:\(([^)]*)\)|([^\n#]*))")
+    missing = []
+    for path in [REPO / "README.md", *_pages()]:
+        for module, wrapped, line in pattern.findall(path.read_text(encoding="utf-8")):
+            package = ".".join(module.split(".")[:2])
+            if package not in api.PACKAGES:
+                continue
+            public = importlib.import_module(package).__all__
+            for name in (n.split()[0] for n in (wrapped or line).split(",") if n.strip()):
+                if name not in public:
+                    missing.append(f"{path.relative_to(REPO)}: {module}.{name} is not in {package}.__all__")
+    assert not missing, "\n".join(missing)
 
 
 def _pages() -> list[Path]:
