@@ -3,7 +3,7 @@
 Why generated and not written: a page typed by hand drifts from the argument parsers and the config schema the
 day an option is added; these pages are rendered from the very objects ``ddp-rank`` parses with, so they cannot.
 ``reference/cli.md`` walks the parser of ``ddp_rank.cli.build_parser`` (every command and sub-command, every
-option with its default and choices); ``reference/config.md`` lists every config key with its type, default,
+option with its default and choices) and those of the modules the docs run with ``python -m``; ``reference/config.md`` lists every config key with its type, default,
 allowed range or choices and meaning. Neither file exists in ``docs/``: they are added to the build here.
 
 The hook is loaded by MkDocs from its path (mkdocs.yml, ``hooks:``) and imported by ``tests/docs`` as
