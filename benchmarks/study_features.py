@@ -1,5 +1,5 @@
-"""The feature study: does retrieval grow with the global batch, and where does it stop? (README, "Does a bigger
-batch help? The word study"; ``make study-features``.)
+"""The feature study: does retrieval grow with the global batch, and where does it stop? (its write-up:
+``benchmarks/results/study-features-2026-11-26-findings.md``; ``make study-features``.)
 
 A linear head on the word set's frozen feature shards (``make words-features``: 20,802 training words and 5,198
 held-out words, 8 fonts each, 1,792 values per image) is trained with ``ddp-rank train`` for every point below,
@@ -27,7 +27,7 @@ both, the stream being Python), the waiting first-seed runs before the waiting r
 Outputs in ``--out``: one folder per run, ``study.json`` (every figure the tables hold) and ``study.md``;
 ``--results`` copies the table and the plots into ``benchmarks/results/`` with the date.
 
-    make study-features                      # the study as the README quotes it
+    make study-features                      # the study as its write-up reports it
     .venv/bin/python -m benchmarks.study_features --batches 256,1024 --sweep-epochs 1 --max-epochs 2   # quick
 """
 

@@ -32,7 +32,7 @@ READS_CONFIG: dict[str, str] = {
     "train/trainer.py": "the trainer's top: Trainer(cfg), run_training(cfg)",
     "eval/workflow.py": "the top of `ddp-rank eval` / `export`: translates the run's config at its start",
     "train/chunking/plan_report.py::describe_plan": "the top of `ddp-rank plan`: translates the config at its start",
-    "train/trackers.py::tracker_arguments": "public (README): make_accelerator(cfg, tracker_arguments(cfg))",
+    "train/trackers.py::tracker_arguments": "public: make_accelerator(cfg, tracker_arguments(cfg)) (runtime/settings.py)",
     "cli": "the command line: loads the config files and overrides",
     "experiments": "sweeps and comparisons edit and compare whole configs",
     "config": "the config itself",

@@ -54,8 +54,13 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's options (also what the command-line reference shows for ``python -m ddp_rank.cli.demo``)."""
+    p = argparse.ArgumentParser(
+        prog="python -m ddp_rank.cli.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", default="runs/demo", help="demo directory (shards, runs, results)")
     p.add_argument(
         "--cache", default=os.path.expanduser("~/.cache/ddp_rank/emoji"), help="npm download cache"
@@ -71,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards-only", action="store_true", help="build the listing and the shards, then stop")
     add_config_arguments(p, "experiment YAML (default: configs/demo.yaml)")
     p.set_defaults(config=str(REPO / "configs" / "demo.yaml"))
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     t_start = time.perf_counter()
     gpus = _visible_gpus()

@@ -41,19 +41,21 @@ from ddp_rank.data.building.verify import verify_shards
 from ddp_rank.data.format.info import format_info
 from ddp_rank.data.reading.decode import DEFAULT_MAX_IMAGE_PIXELS
 
+_CORES = os.cpu_count() or 1  # the default of --workers
+
 
 def register(subparsers: Any) -> None:
     shards = subparsers.add_parser("shards", help="prepare, check and describe WebDataset shards")
     sub = shards.add_subparsers(dest="shards_command", metavar="SUBCOMMAND", required=True)
     _add_build(sub)
     verify = sub.add_parser("verify", help="check checksums, counts and that every image decodes")
-    verify.add_argument("directory")
+    verify.add_argument("directory", help="shard directory or URL (holding manifest.json)")
     verify.add_argument("--no-decode", action="store_true", help="skip decoding the images (faster)")
-    verify.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    verify.add_argument("--workers", type=int, default=_CORES, help="processes (default: the CPU cores)")
     add_max_image_pixels(verify, "is a problem, as in training")
     verify.set_defaults(func=_verify)
     info = sub.add_parser("info", help="table of classes, images, shards and size per split and category")
-    info.add_argument("directory")
+    info.add_argument("directory", help="shard directory or URL (holding manifest.json)")
     info.set_defaults(func=_info)
     _add_index(sub)
     _add_reshard(sub)
@@ -61,9 +63,9 @@ def register(subparsers: Any) -> None:
     _add_whiten(sub)
     _add_listing(sub)
     serve = sub.add_parser("serve", help="serve a shard directory over HTTP with Range requests")
-    serve.add_argument("directory")
+    serve.add_argument("directory", help="shard directory to serve")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.set_defaults(func=_serve)
 
 
@@ -163,7 +165,7 @@ def _add_reshard(sub: Any) -> None:
     )
     p.add_argument("--decode", action="store_true", help="also decode every image in the final verification")
     add_max_image_pixels(p, "fails that --decode")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_index_options(p, None)
     p.set_defaults(func=_reshard)
 
@@ -203,7 +205,7 @@ def _add_features(sub: Any) -> None:
     add_config_arguments(p, "experiment YAML: model.backbone/weights/pooling and data.* sizes and crop")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
     p.add_argument("--overwrite", action="store_true", help="replace the feature shards in OUT")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_features)
 
 
@@ -224,7 +226,7 @@ def _add_whiten(sub: Any) -> None:
     )
     p.add_argument("--split", default="train", help="the split the map is fitted on (default: train)")
     p.add_argument("--overwrite", action="store_true", help="replace the whitened shards in OUT")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_whiten)
 
 
@@ -235,13 +237,17 @@ def _add_build(sub: Any) -> None:
     )
     p.add_argument("out", help="output directory (must be new or empty, see --overwrite)")
     p.add_argument("--test-fraction", type=float, default=0.0, help="fraction of classes held out as test")
-    p.add_argument("--split-seed", type=int, default=0)
+    p.add_argument("--split-seed", type=int, default=0, help="seed of the draw of the held-out classes")
     p.add_argument("--max-samples", type=int, default=1000, help="most samples per shard")
     p.add_argument("--max-mb", type=float, default=256.0, help="most MB of images per shard")
     p.add_argument("--resize", type=int, default=None, help="shrink the shorter side to this (re-encodes)")
-    p.add_argument("--format", dest="image_format", choices=("jpg", "png", "webp"), default=None)
-    p.add_argument("--quality", type=int, default=90)
-    p.add_argument("--min-class-size", type=int, default=2)
+    p.add_argument(
+        "--format", dest="image_format", choices=("jpg", "png", "webp"), help="re-encode (default: keep)"
+    )
+    p.add_argument("--quality", type=int, default=90, help="jpg/webp quality of re-encoded images")
+    p.add_argument(
+        "--min-class-size", type=int, default=2, help="fewest images of a class per split (see --on-bad)"
+    )
     p.add_argument(
         "--on-bad",
         choices=("error", "skip"),
@@ -249,19 +255,19 @@ def _add_build(sub: Any) -> None:
         help="stop on bad input (default) or skip it and list what was skipped",
     )
     add_max_image_pixels(p, "is unreadable (see --on-bad)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--workers", type=int, default=_CORES, help="encoding processes (default: the CPU cores)")
     p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace the shards and manifest of an earlier build in OUT (nothing else there is touched)",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_build)
 
 
 def _add_listing(sub: Any) -> None:
     p = sub.add_parser("listing", help="write a listing CSV from a public dataset's own files (a recipe)")
-    p.add_argument("recipe", choices=sorted(RECIPES))
+    p.add_argument("recipe", choices=sorted(RECIPES), help="the public dataset whose files are read")
     p.add_argument("root", help="the dataset folder (emoji: the download cache folder)")
     p.add_argument("out", help="listing CSV to write")
     p.add_argument(
@@ -280,7 +286,7 @@ def _add_listing(sub: Any) -> None:
         "--train-list", default=None, help="inat: the published train split (image paths or class ids)"
     )
     p.add_argument("--test-list", default=None, help="inat: the published test split")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="emoji, words: render workers")
+    p.add_argument("--workers", type=int, default=_CORES, help="emoji, words: render workers")
     p.set_defaults(func=_listing)
 
 

@@ -6,7 +6,7 @@ rotated onto the principal axes and scaled to unit variance on each), the same h
 few epochs. Measured by the word study (``make study-features``: the word set's EfficientNet-Lite0 grid
 features, 1,792 values, a linear FastAP head at batch 1,024, its rate swept): on the raw vectors 75.35 R@1 after
 8 epochs, still gaining 1.5 points over the last quarter; on the whitened ones 80.77, flat (0.3) at 4 epochs
-(README, "Whitened feature shards").
+(``benchmarks/results/study-features-2026-11-26-findings.md``, "Whitening").
 
 The map is ``w = (v - mean) @ projection``: ``projection`` is ``[D, K]``, the top ``K`` eigenvectors of the
 covariance divided by ``sqrt(eigenvalue + shrinkage * mean eigenvalue)`` (``shrinkage`` keeps directions of

@@ -9,7 +9,8 @@ Pooling (``model.pooling``) turns a backbone's last feature map ``[n, C, H, W]``
 - ``grid``: no pooling, ``[n, H*W*C]``: every position's features side by side. Global pooling forgets where a
   feature lies, which is what tells apart images made of the same parts in another order (the letters of a word:
   on the word set's held-out words, a frozen EfficientNet-Lite0 finds the same word in another font as its top
-  neighbour 1.15% of the time with its averaged features, 7.7% with its stride-16 map kept whole; README).
+  neighbour 1.15% of the time with its averaged features, 7.7% with its stride-16 map kept whole;
+  ``benchmarks/results/study-features-2026-11-26-findings.md``).
 
 timm models are named ``timm:<model>`` and used without their classifier. With
 ``pooling=default`` the model's own pooled features are used (class token + final norm for a ViT, average pool

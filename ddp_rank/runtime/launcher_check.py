@@ -9,6 +9,7 @@ lose the checkpoint silently.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from typing import Any
@@ -36,7 +37,18 @@ def shutdown_timeout_problem(launch_config: Any = None, version: str | None = No
     )
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The check takes no options; its parser gives it ``--help`` (and the command-line reference its entry)."""
+    return argparse.ArgumentParser(
+        prog="python -m ddp_rank.runtime.launcher_check",
+        description="Exit 1 with the reason when this torch's launcher would ignore "
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT (it would kill the ranks 30 s after a stop signal, which can cut the "
+        "stop's checkpoint); exit 0 when it honours it. A job script runs it before it starts the launchers.",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    build_parser().parse_args(argv)
     problem = shutdown_timeout_problem()
     if problem is not None:
         print(f"launcher check: {problem}", file=sys.stderr)

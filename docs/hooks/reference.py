@@ -3,7 +3,7 @@
 Why generated and not written: a page typed by hand drifts from the argument parsers and the config schema the
 day an option is added; these pages are rendered from the very objects ``ddp-rank`` parses with, so they cannot.
 ``reference/cli.md`` walks the parser of ``ddp_rank.cli.build_parser`` (every command and sub-command, every
-option with its default and choices); ``reference/config.md`` lists every config key with its type, default,
+option with its default and choices) and those of the modules the docs run with ``python -m``; ``reference/config.md`` lists every config key with its type, default,
 allowed range or choices and meaning. Neither file exists in ``docs/``: they are added to the build here.
 
 The hook is loaded by MkDocs from its path (mkdocs.yml, ``hooks:``) and imported by ``tests/docs`` as
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +25,12 @@ CONFIG_PAGE = "reference/config.md"
 USAGE_WIDTH = 100
 # Options whose default is the building machine's core count (os.cpu_count()): the page says so, not the count.
 _PER_MACHINE = frozenset({"workers"})
+# A help text that already states its default ("(default 256)", "(default: train)", "%(default)s"): the page
+# does not add it a second time.
+_DEFAULT_IN_HELP = re.compile(r"\bdefault\b|%\(default\)", re.IGNORECASE)
+# Entry points the documentation tells users to run besides ``ddp-rank``: (module, the parser's factory). Each
+# module's ``build_parser()`` is the parser its ``main`` parses with.
+OTHER_ENTRY_POINTS = ("ddp_rank.cli.demo", "ddp_rank.runtime.launcher_check")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,9 +68,19 @@ def _walk(
             yield from _walk(sub, f"{line} {name}", helps.get(name, ""))
 
 
+def other_entry_points() -> Iterator[tuple[str, str, argparse.ArgumentParser]]:
+    """``(command line, first line of its description, parser)`` of each of :data:`OTHER_ENTRY_POINTS`, run as
+    ``python -m MODULE``."""
+    for module in OTHER_ENTRY_POINTS:
+        parser = importlib.import_module(module).build_parser()
+        summary = (parser.description or "").strip().split("\n\n", 1)[0]
+        yield f"python -m {module}", summary, parser
+
+
 def anchor(line: str) -> str:
-    """The heading id of a command: ``ddp-rank shards build`` -> ``ddp-rank-shards-build``."""
-    return line.replace(" ", "-")
+    """The heading id of a command: ``ddp-rank shards build`` -> ``ddp-rank-shards-build``,
+    ``python -m ddp_rank.cli.demo`` -> ``python-m-ddp_rank.cli.demo``."""
+    return line.replace(" -m ", " m ").replace(" ", "-")
 
 
 def _usage(parser: argparse.ArgumentParser, line: str) -> str:
@@ -91,7 +109,8 @@ def _argument(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
         and default != argparse.SUPPRESS
         and default != []
         and action.nargs != 0
-        and "%(default)" not in (action.help or "")
+        and default != ""
+        and not _DEFAULT_IN_HELP.search(action.help or "")
     ):
         machine = action.dest in _PER_MACHINE and default == (os.cpu_count() or 1)
         facts.append("default: the number of CPU cores" if machine else f"default: `{default}`")
@@ -132,24 +151,39 @@ def cli_page() -> str:
         "",
     ]
     for line, help_text, parser in commands():
-        depth = line.count(" ")
-        heading = "##" if depth <= 1 else "###"
-        out += [f"{heading} `{line}` {{ #{anchor(line)} }}", ""]
-        if help_text:
-            out += [_sentence(help_text), ""]
-        if parser.description and parser.description != help_text:
-            out += [_sentence(parser.description), ""]
-        out += ["```text", _usage(parser, line), "```", ""]
-        arguments = [
-            a
-            for a in parser._actions
-            if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
-            and a.help != argparse.SUPPRESS
-        ]
-        out += [_argument(parser, a) for a in arguments]
-        if arguments:
-            out.append("")
+        heading = "##" if line.count(" ") <= 1 else "###"
+        description = parser.description if parser.description != help_text else None
+        out += _command(line, heading, help_text, description, parser)
+    out += [
+        "## Other entry points { #other-entry-points }",
+        "",
+        "Modules run with `python -m`, which the tutorials and the Makefile use.",
+        "",
+    ]
+    for line, summary, parser in other_entry_points():
+        out += _command(line, "###", summary, None, parser)
     return "\n".join(out)
+
+
+def _command(
+    line: str, heading: str, help_text: str, description: str | None, parser: argparse.ArgumentParser
+) -> list[str]:
+    out = [f"{heading} `{line}` {{ #{anchor(line)} }}", ""]
+    if help_text:
+        out += [_sentence(help_text), ""]
+    if description:
+        out += [_sentence(description), ""]
+    out += ["```text", _usage(parser, line), "```", ""]
+    arguments = [
+        a
+        for a in parser._actions
+        if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+        and a.help != argparse.SUPPRESS
+    ]
+    out += [_argument(parser, a) for a in arguments]
+    if arguments:
+        out.append("")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ measurement scripts write dated Markdown tables and plots (``loss-2026-11-23.md`
 this hook groups them by topic (the name before the date) and gives each topic one page, ``results/<topic>.md``,
 with the newest measurement first and the earlier ones below it, so a link such as ``results/loss.md`` always
 shows the current figures; each dated file also has a page of its own (``results/study-2026-11-25.md``), for a
-link to that one measurement. A plot belongs to the measurement of its date whose topic is the longest prefix of its
+link to that one measurement. A file tagged ``findings`` (``study-2026-11-25-findings.md``) is the written
+analysis of the measurement of its topic and date, not a newer measurement: it is shown under that measurement's
+tables (and on a page of its own); only without such a measurement does it stand as one. A plot belongs to the measurement of its date whose topic is the longest prefix of its
 name (``study-features-batch-2026-11-26.png`` -> ``study-features``) or whose text names it; the rest are shown on
 ``results/index.md``. Nothing is written into ``docs/``; the pages are added to the build, and the nav gets a
 Results section listing every topic.
@@ -23,6 +25,7 @@ PAGE_DIR = "results"
 NAV_TITLE = "Results"
 _DATED = re.compile(r"^(?P<topic>.+?)-(?P<date>\d{4}-\d{2}-\d{2})(?:-(?P<tag>[^.]+))?$")
 _FENCE = re.compile(r"^\s*(```|~~~)")
+FINDINGS = "findings"
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Measurement:
     date: str
     tag: str
     figures: list[Path] = field(default_factory=list)
+    findings: Measurement | None = None  # the write-up of this measurement (``<topic>-<date>-findings.md``)
 
     @property
     def text(self) -> str:
@@ -42,6 +46,8 @@ class Measurement:
         for line in self.text.splitlines():
             if line.startswith("# "):
                 return line[2:].strip()
+        if self.findings is not None:  # a table without a title: its write-up's, less "(findings, date)"
+            return re.sub(r"\s*\(findings\b[^)]*\)\s*$", "", self.findings.title)
         return self.topic.replace("-", " ").capitalize()
 
 
@@ -65,10 +71,26 @@ def collect(folder: Path = RESULTS) -> Results:
             loose.append(figure)
         else:
             owner.figures.append(figure)
+    measurements = _attach_findings(measurements)
     topics: dict[str, list[Measurement]] = {}
     for m in sorted(measurements, key=lambda m: (m.date, m.tag), reverse=True):
         topics.setdefault(m.topic, []).append(m)
     return Results(dict(sorted(topics.items())), loose)
+
+
+def _attach_findings(measurements: list[Measurement]) -> list[Measurement]:
+    """The measurements without the findings files that belong to one (same topic and date; the untagged file
+    first, else the first tagged one): each such file becomes its measurement's ``findings``."""
+    kept = [m for m in measurements if m.tag != FINDINGS]
+    for write_up in (m for m in measurements if m.tag == FINDINGS):
+        same = sorted(
+            (m for m in kept if (m.topic, m.date) == (write_up.topic, write_up.date)), key=lambda m: m.tag
+        )
+        if same and same[0].findings is None:
+            same[0].findings = write_up
+        else:
+            kept.append(write_up)
+    return kept
 
 
 def _owner(figure: Path, measurements: list[Measurement]) -> Measurement | None:
@@ -107,18 +129,30 @@ def _label(m: Measurement) -> str:
 
 
 def topic_page(measurements: list[Measurement]) -> str:
-    """One topic's page: the newest measurement in full, then each earlier one as a section of its own."""
+    """One topic's page: the newest measurement in full, then each earlier one as a section of its own; a
+    measurement's findings follow its tables."""
     newest = measurements[0]
     out = [f"# {newest.title}", "", f"{_label(newest)}, from `benchmarks/results/{newest.path.name}`.", ""]
-    out += [_demoted(newest.text, 0, drop_title=True), "", *_figures(newest)]
+    out += _body(newest, level=1)
     if len(measurements) > 1:
         out += ["## Earlier measurements", ""]
     for m in measurements[1:]:
         out += [f"### {_label(m)}", "", f"From `benchmarks/results/{m.path.name}`.", ""]
         if m.title != newest.title:
             out += [f"*{m.title}*", ""]
-        out += [_demoted(m.text, 2, drop_title=True), "", *_figures(m)]
+        out += _body(m, level=3)
     return "\n".join(out)
+
+
+def _body(m: Measurement, level: int) -> list[str]:
+    """A measurement's text (under a heading of ``level``), its plots, then its findings a level below."""
+    out = [_demoted(m.text, level - 1, drop_title=True), "", *_figures(m)]
+    if m.findings is not None:
+        f = m.findings
+        heading = "#" * min(level + 1, 6)
+        out += [f"{heading} Findings", "", f"*{f.title}*, from `benchmarks/results/{f.path.name}`.", ""]
+        out += [_demoted(f.text, level, drop_title=True), "", *_figures(f)]
+    return out
 
 
 def _figures(m: Measurement) -> list[str]:
@@ -156,7 +190,7 @@ def measurement_page(m: Measurement, topic: str) -> str:
         f"[{topic}]({topic}.md).",
         "",
     ]
-    return "\n".join([*out, _demoted(m.text, 0, drop_title=True), "", *_figures(m)])
+    return "\n".join([*out, *_body(m, level=1)])
 
 
 def pages(results: Results) -> dict[str, str | bytes]:
@@ -167,12 +201,20 @@ def pages(results: Results) -> dict[str, str | bytes]:
         out[f"{PAGE_DIR}/{topic}.md"] = topic_page(measurements)
         for m in measurements:
             out[f"{PAGE_DIR}/{m.path.stem}.md"] = measurement_page(m, topic)
+            if m.findings is not None:  # for a link to the write-up alone
+                out[f"{PAGE_DIR}/{m.findings.path.stem}.md"] = measurement_page(m.findings, topic)
     for figure in [
         *results.loose_figures,
-        *(f for ms in results.topics.values() for m in ms for f in m.figures),
+        *(f for m in _all(results) for f in m.figures),
     ]:
         out[f"{PAGE_DIR}/{figure.name}"] = figure.read_bytes()
     return out
+
+
+def _all(results: Results) -> list[Measurement]:
+    """Every measurement and findings file of ``results``."""
+    out = [m for ms in results.topics.values() for m in ms]
+    return out + [m.findings for m in out if m.findings is not None]
 
 
 def nav_pages(results: Results) -> list[tuple[str, str]]:

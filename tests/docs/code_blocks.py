@@ -27,6 +27,9 @@ from pathlib import Path
 
 BASH = frozenset({"bash", "sh", "shell"})
 PYTHON = frozenset({"python", "py", "python3"})
+# Languages shown as data: output, files, diagrams. Any other language (```console, ```pycon, ```zsh, ...) looks
+# like something a reader runs, yet the runner would neither run it nor fail it: the fence check refuses it.
+DATA = frozenset({"text", "yaml", "yml", "json", "toml", "ini", "csv", "mermaid", "markdown", "md", "diff"})
 BLOCK_TIMEOUT_S = 180.0
 # What a reader has at the root of a clone, copied into each page's folder (small: the configs, the launcher
 # files, the example scripts; not shards/, whose name tutorials use for their output); anything else is under
@@ -66,7 +69,8 @@ class Block:
 def parse(text: str, page: str) -> tuple[list[Block], list[str]]:
     """The fenced blocks of a Markdown page, and the problems of its fences and markers (each a one-line
     message naming ``page:line``): a fence without a language, an unclosed fence, a not-run marker without
-    its reason, on a block that would not run anyway, or on no block, a title that leaves the page's folder."""
+    its reason, on a block that would not run anyway, or on no block, a language neither run nor data, a title
+    that leaves the page's folder, a titled file no later block names."""
     lines = text.splitlines()
     blocks: list[Block] = []
     problems: list[str] = []
@@ -98,6 +102,7 @@ def parse(text: str, page: str) -> tuple[list[Block], list[str]]:
         if marker_line is not None:
             markers_used.add(marker_line)
         problems += _problems(block)
+    problems += _unused_files(blocks)
     for n, line in enumerate(lines):
         if _ANY_MARKER.search(line) and n not in markers_used and not _inside_block(n, blocks, lines):
             problems.append(
@@ -136,6 +141,11 @@ def _problems(block: Block) -> list[str]:
     out = []
     if not block.lang:
         out.append(f"{block.where}: a fence without a language; name it (```text for output or plain text)")
+    elif block.title is None and block.lang not in BASH | PYTHON | DATA:  # a titled block is a file
+        out.append(
+            f"{block.where}: ```{block.lang} is neither run (```bash, ```python) nor data "
+            f"({', '.join(sorted(DATA))}); write the commands as ```bash or ```python, output as ```text"
+        )
     if block.marker is not None:
         if not block.marker:
             out.append(
@@ -155,9 +165,28 @@ def _problems(block: Block) -> list[str]:
     return out
 
 
+def _unused_files(blocks: list[Block]) -> list[str]:
+    """A titled block is a file the page's later blocks use; one that no later block names (by its path or its
+    file name) is data shown under a title, and belongs in an untitled data block."""
+    out = []
+    for i, block in enumerate(blocks):
+        if block.title is None or not block.title:
+            continue
+        names = {block.title, Path(block.title).name}
+        if not any(name in later.code for later in blocks[i + 1 :] for name in names):
+            out.append(
+                f"{block.where}: title={block.title!r} writes a file that no later block uses; drop the title "
+                f"(or use the file below it)"
+            )
+    return out
+
+
 def doc_pages(repo: Path) -> list[Path]:
-    """README.md and every Markdown page under docs/ (the build hooks' folder excluded)."""
-    pages = [repo / "README.md"] if (repo / "README.md").exists() else []
+    """README.md, ARCHITECTURE.md (the site includes it), every Markdown page under docs/ (the build hooks'
+    folder excluded) and the READMEs under benchmarks/."""
+    pages = [repo / name for name in ("README.md", "ARCHITECTURE.md") if (repo / name).exists()]
+    if (repo / "benchmarks").is_dir():
+        pages += sorted((repo / "benchmarks").rglob("README.md"))
     pages += sorted(
         p for p in (repo / "docs").rglob("*.md") if "hooks" not in p.relative_to(repo / "docs").parts
     )
@@ -265,8 +294,9 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
 
 
 class _Shell:
-    """The page's bash blocks, each in its own ``bash -euo pipefail``; the exported variables and the working
-    directory a block ends with are where the next one starts (as in one terminal)."""
+    """The page's bash blocks, each in its own ``bash -euo pipefail`` with ``inherit_errexit`` (a failing
+    command inside ``$(...)`` fails the block too, bash >= 4.4); the exported variables and the working directory
+    a block ends with are where the next one starts (as in one terminal)."""
 
     def __init__(self, folder: Path, env: dict[str, str], state: Path) -> None:
         self.env, self.state = env, state
@@ -275,10 +305,11 @@ class _Shell:
     def run(self, block: Block, timeout: float) -> tuple[bool, str]:
         exports, cwd, script = self.state / "exports", self.state / "cwd", self.state / "block.sh"
         script.write_text(
+            "shopt -s inherit_errexit\n"
             f'if [ -f "{exports}" ]; then . "{exports}"; fi\n'
             f'cd "$(cat "{cwd}")"\n'
             f'trap \'__status=$?; export -p > "{exports}.new"; pwd > "{cwd}.new"; exit $__status\' EXIT\n'
-            + "\n" * max(0, block.line - 3)  # bash's error lines then name the page's lines
+            + "\n" * max(0, block.line - 4)  # bash's error lines then name the page's lines
             + block.code
         )
         proc = subprocess.Popen(

@@ -7,6 +7,7 @@ that fails, fails its page's test with the block, its page:line and the end of i
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,24 @@ def _runs_something(page: Path) -> bool:
     return any(block.runs for block in blocks)
 
 
+# A launcher in a block the suite runs: the page's test starts several processes.
+_LAUNCHER = re.compile(r"\baccelerate\s+launch\b|\btorchrun\b|\bpython\s+-m\s+torch\.distributed\.run\b")
+
+
+def _starts_processes(page: Path) -> bool:
+    blocks, _ = parse(page.read_text(encoding="utf-8"), _id(page))
+    return any(block.runs and _LAUNCHER.search(block.code) for block in blocks)
+
+
+def page_params(pages: list[Path]) -> list[object]:
+    """``pages`` as test parameters, those that start several processes marked ``distributed`` (as every test
+    that starts several processes is, docs/contributing.md), by their path as id."""
+    return [
+        pytest.param(page, id=_id(page), marks=[pytest.mark.distributed] if _starts_processes(page) else [])
+        for page in pages
+    ]
+
+
 @pytest.mark.parametrize("page", PAGES, ids=_id)
 def test_fences_and_markers_are_well_formed(page: Path) -> None:
     _, problems = parse(page.read_text(encoding="utf-8"), _id(page))
@@ -38,7 +57,7 @@ def _tutorial(page: Path) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [p for p in PAGES if _runs_something(p) and not _tutorial(p)], ids=_id)
+@pytest.mark.parametrize("page", page_params([p for p in PAGES if _runs_something(p) and not _tutorial(p)]))
 def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
     """The pages but the tutorials (tests/docs/test_tutorials_run.py: a file of their own, so that the suite's
     workers, one file each, run the two halves side by side)."""

@@ -5,6 +5,7 @@ Checked against the parsers and the config themselves, walked here independently
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -49,9 +50,52 @@ def test_every_command_and_option_is_in_the_cli_page() -> None:
 def test_a_default_of_the_core_count_is_not_the_build_machines_number() -> None:
     import os
 
-    build = _section(reference.cli_page(), "`ddp-rank shards build` {")
-    assert "`--workers WORKERS`: (default: the number of CPU cores)" in build
-    assert f"default: `{os.cpu_count()}`" not in build.split("--workers", 1)[1].split("\n", 1)[0]
+    listing = _section(reference.cli_page(), "`ddp-rank shards listing` {")
+    assert "`--workers WORKERS`: emoji, words: render workers (default: the number of CPU cores)" in listing
+    assert f"default: `{os.cpu_count()}`" not in listing.split("--workers", 1)[1].split("\n", 1)[0]
+
+
+def _all_parsers():
+    yield from _parsers(build_parser(), "ddp-rank")
+    for line, _, parser in reference.other_entry_points():
+        yield line, parser
+
+
+def test_every_argument_of_every_parser_has_help() -> None:
+    """An option without help is a bare spelling on the reference page and in ``--help``."""
+    missing = []
+    for line, parser in _all_parsers():
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                missing += [f"{line} {c.dest}" for c in action._choices_actions if not c.help]
+            elif not action.help:
+                missing.append(f"{line} {'/'.join(action.option_strings) or action.dest}")
+    assert not missing, "arguments without help: " + ", ".join(missing)
+
+
+def test_a_default_is_shown_once_and_never_empty() -> None:
+    page = reference.cli_page()
+    features = _section(page, "`ddp-rank shards features` {")
+    assert "`--batch-size BATCH_SIZE`: images per forward pass (default 256)\n" in features
+    assert "(default: ``)" not in page
+    sweep = _section(page, "`ddp-rank sweep` {")
+    assert "default" not in sweep.split("`--launch", 1)[1].split("\n", 1)[0]
+    for line in page.splitlines():
+        if line.startswith("- `"):
+            assert line.lower().count("default") <= 1, line
+
+
+def test_the_python_m_entry_points_the_docs_run_are_in_the_cli_page() -> None:
+    page = reference.cli_page()
+    for module in reference.OTHER_ENTRY_POINTS:
+        line = f"python -m {module}"
+        assert f"`{line}` {{ #{reference.anchor(line)} }}" in page
+    demo = _section(page, "`python -m ddp_rank.cli.demo` {")
+    assert "`--shards-only`: build the listing and the shards, then stop" in demo
+    docs = "\n".join(p.read_text() for p in (REPO / "docs").rglob("*.md"))
+    for module in re.findall(r"python -m (ddp_rank[\w.]*)", docs):
+        if module not in ("ddp_rank.cli",):  # ddp-rank itself
+            assert module in reference.OTHER_ENTRY_POINTS, f"the docs run {module}; the CLI page omits it"
 
 
 def test_every_config_key_is_in_the_config_page_with_its_default() -> None:
@@ -150,6 +194,38 @@ def test_results_are_grouped_by_topic_newest_first_with_their_figures(tmp_path: 
         isinstance(alone, str) and "old table" in alone and "new table" not in alone and "(loss.md)" in alone
     )
     assert "lonely-2026-03-01.png" in pages["results/index.md"]
+
+
+def test_a_findings_file_is_the_write_up_of_its_measurement_not_a_newer_one(tmp_path: Path) -> None:
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "study-2026-01-01.md").write_text("## Batch size\n\nold table\n")
+    (folder / "study-2026-02-01.md").write_text("## Batch size\n\nthat day's table\n")
+    (folder / "study-2026-02-01-findings.md").write_text(
+        "# Does a bigger batch help? (findings, 2026-02-01)\n\n## Answer\n\nyes, see `plot-2026-02-01.png`\n"
+    )
+    (folder / "plot-2026-02-01.png").write_bytes(b"png")
+    (folder / "other-2026-03-01-findings.md").write_text("# A write-up alone\n\nno table of its date\n")
+
+    found = results.collect(folder)
+    study = found.topics["study"]
+    assert [(m.date, m.tag) for m in study] == [("2026-02-01", ""), ("2026-01-01", "")]
+    assert study[0].findings is not None and study[0].findings.path.name == "study-2026-02-01-findings.md"
+    assert study[0].title == "Does a bigger batch help?"
+    assert [(m.date, m.tag) for m in found.topics["other"]] == [("2026-03-01", "findings")]  # stands alone
+
+    pages = results.pages(found)
+    page = pages["results/study.md"]
+    assert isinstance(page, str)
+    # that day's table, its findings under it, then the earlier measurement
+    assert page.index("that day's table") < page.index("## Findings") < page.index("yes, see")
+    assert page.index("yes, see") < page.index("## Earlier measurements") < page.index("old table")
+    assert "### Answer" in page and "![plot-2026-02-01](plot-2026-02-01.png)" in page
+    assert "2026-02-01 (findings)" not in page and "2026-02-01 (findings)" not in pages["results/index.md"]
+    assert "| 2026-02-01 | 2 |" in pages["results/index.md"]
+    alone = pages["results/study-2026-02-01-findings.md"]
+    assert isinstance(alone, str) and "yes, see" in alone
+    assert "yes, see" in str(pages["results/study-2026-02-01.md"])
 
 
 def test_every_result_file_of_the_repository_is_on_a_page() -> None:

@@ -58,6 +58,10 @@ output
 ~~~ {{ .python title="train.py" }}
 print(1)
 ~~~
+
+{FENCE}bash
+python train.py && cat configs/tiny.yaml
+{FENCE}
 """
     blocks, problems = parse(text, "p.md")
     assert problems == []
@@ -68,6 +72,7 @@ print(1)
         ("sh", None, None, True),
         ("text", None, None, False),
         ("python", "train.py", None, False),
+        ("bash", None, None, True),
     ]
     assert blocks[0].line == 3 and blocks[0].code == "echo hi\n"
     assert blocks[3].code == "ls\n"  # the admonition's indentation removed
@@ -80,10 +85,25 @@ print(1)
         (f"<!-- not-run -->\n{FENCE}bash\nx\n{FENCE}\n", "gives no reason"),
         (f"<!-- not-run: -->\n{FENCE}bash\nx\n{FENCE}\n", "gives no reason"),
         (f"<!-- not-run: output -->\n{FENCE}text\nx\n{FENCE}\n", "not run anyway"),
-        (f'<!-- not-run: a file -->\n{FENCE}yaml title="a.yaml"\nx\n{FENCE}\n', "not run anyway"),
+        (
+            f'<!-- not-run: a file -->\n{FENCE}yaml title="a.yaml"\nx\n{FENCE}\n{FENCE}bash\ncat a.yaml\n{FENCE}\n',
+            "not run anyway",
+        ),
         ("<!-- not-run: nothing follows -->\n\ntext\n", "last non-blank line before a fence"),
-        (f'{FENCE}yaml title="../a.yaml"\nx\n{FENCE}\n', "relative path inside"),
+        (
+            f'{FENCE}yaml title="../a.yaml"\nx\n{FENCE}\n{FENCE}bash\ncat ../a.yaml\n{FENCE}\n',
+            "relative path inside",
+        ),
         (f"{FENCE}bash\nx\n", "never closed"),
+        (f"{FENCE}console\n$ ddp-rank --help\n{FENCE}\n", "neither run"),
+        (f"{FENCE}pycon\n>>> 1 + 1\n{FENCE}\n", "neither run"),
+        (f"{FENCE}zsh\nls\n{FENCE}\n", "neither run"),
+        (f"{FENCE}shell-session\n$ ls\n{FENCE}\n", "neither run"),
+        (f"{FENCE}ipython\nIn [1]: 1\n{FENCE}\n", "neither run"),
+        (
+            f'{FENCE}yaml title="unused.yaml"\na: 1\n{FENCE}\n\n{FENCE}bash\nls\n{FENCE}\n',
+            "no later block uses",
+        ),
     ],
 )
 def test_parse_reports_bad_fences_and_markers(text: str, message: str) -> None:
@@ -111,6 +131,27 @@ def test_an_unmarked_failing_block_fails_the_page_and_stops_it(tmp_path: Path) -
 def test_a_failing_pipeline_and_an_unset_variable_fail(tmp_path: Path) -> None:
     assert run(tmp_path, f"{FENCE}bash\nfalse | cat\n{FENCE}\n")[0].failure is not None
     assert run(tmp_path, f"{FENCE}sh\necho $NOT_SET_ANYWHERE\n{FENCE}\n", "b.md")[0].failure is not None
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        'x="$(false; echo still)"\necho "after: $x"',  # set -e inside the substitution (inherit_errexit)
+        "count=$(false | wc -l)\necho $count",  # a failing non-final element of a substituted pipeline
+        "false | true | cat\necho after",  # a failing non-final pipeline element
+        "f() { false; echo inside; }\nout=$(f)\necho $out",
+    ],
+)
+def test_a_failure_inside_a_substitution_or_a_pipeline_fails_the_block(tmp_path: Path, code: str) -> None:
+    result, _ = run(tmp_path, f"{FENCE}bash\n{code}\n{FENCE}\n")
+    failed = result.failure
+    assert failed is not None, f"this block passed: {code!r}"
+    assert "after" not in failed.output and "inside" not in failed.output
+
+
+def test_an_unknown_language_in_a_titled_block_is_a_file() -> None:
+    text = f'{FENCE}ini title="setup.cfg"\n[x]\n{FENCE}\n\n{FENCE}bash\ncat setup.cfg\n{FENCE}\n'
+    assert parse(text, "p.md")[1] == []
 
 
 def test_a_marked_block_is_skipped(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs.code_blocks import doc_pages, run_page
-from tests.docs.test_code_blocks import _id, _runs_something, _tutorial
+from tests.docs.test_code_blocks import _id, _runs_something, _starts_processes, _tutorial, page_params
 from tests.helpers.training import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,8 +19,14 @@ def test_there_are_tutorials_to_run() -> None:
     assert len(TUTORIALS) >= 6, [_id(p) for p in TUTORIALS]
 
 
+def test_the_tutorials_that_launch_several_processes_are_marked_distributed() -> None:
+    launching = {_id(p) for p in TUTORIALS if _starts_processes(p)}
+    assert {"docs/tutorials/own-training-loop.md", "docs/tutorials/slurm.md"} <= launching
+    assert "docs/tutorials/one-gpu-chunks.md" not in launching
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("page", TUTORIALS, ids=_id)
+@pytest.mark.parametrize("page", page_params(TUTORIALS))
 def test_tutorial_runs(page: Path, tmp_path: Path) -> None:
     result = run_page(page, REPO, tmp_path, env=cpu_env())
     assert result.failure is None, result.report()

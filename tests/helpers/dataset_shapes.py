@@ -127,7 +127,7 @@ def emoji() -> Manifest:
 
 def words() -> Manifest:
     """The word set: 20,802 training words of 8 images (one a font) in 125 categories of first letter and
-    length, from a handful of words to about a thousand each (README, the word set)."""
+    length, from a handful of words to about a thousand each (docs/tutorials/own-shards.md, "A large set that installs offline")."""
     rng = np.random.default_rng(0)
     share = rng.lognormal(5.0, 1.0, size=125)
     category_of = [int(c) for c in np.sort(rng.choice(125, size=20_802, p=share / share.sum()))]

@@ -65,7 +65,7 @@ def load_case(file: str) -> ReferenceCase:
 
 
 def _expected_grad(file: str, data: np.lib.npyio.NpzFile) -> np.ndarray:
-    # The authors' FastAP backward is not the gradient of their loss (README): compare with the true one.
+    # The authors' FastAP backward is not the gradient of their loss (tests/assets/reference/README.md): compare with the true one.
     if file.startswith("fastap_official"):
         return data["grad_autograd"]
     return data["grad"]
