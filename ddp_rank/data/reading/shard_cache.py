@@ -91,6 +91,17 @@ class ShardCache:
         if self.max_bytes < 0:
             raise ValueError(f"cache cap must be >= 0 bytes, got {self.max_bytes}")
 
+    def unusable(self) -> str | None:
+        """Why this process cannot use the cache (its directory cannot be made, or a file in it written), or
+        None; asked once by a reader before its first shard, so that the reason is said once."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(self.directory / ".cache.lock", "a+b"):
+                pass
+        except OSError as exc:
+            return f"{type(exc).__name__}: {exc.strerror or exc}"
+        return None
+
     def acquire(self, key: str, size: int, fetch: Callable[[Path], bool]) -> CachedShard | Uncached:
         """The shard ``key`` (``size`` bytes) open, downloaded first with ``fetch(path)`` if absent; ``fetch``
         returns False when what it wrote is not the shard (not cached, lasting)."""
