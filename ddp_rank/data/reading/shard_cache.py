@@ -67,11 +67,12 @@ class CachedShard:
 
 
 def auto_cap_bytes(directory: Path) -> int:
-    """Half of the free space of ``directory``'s file system plus what the cache already holds."""
+    """Half of the free space of ``directory``'s file system plus what the cache already holds. Never raises for a
+    directory that cannot be made or entered (``os.path`` answers False there): ``ShardCache.unusable`` says why."""
     existing = directory
-    while not existing.exists() and existing != existing.parent:
+    while not os.path.exists(existing) and existing != existing.parent:
         existing = existing.parent
-    held = sum(_size(p) for p in directory.glob("*.tar")) if directory.is_dir() else 0
+    held = sum(_size(p) for p in directory.glob("*.tar")) if os.path.isdir(directory) else 0
     return int(AUTO_FRACTION * (shutil.disk_usage(existing).free + held))
 
 
