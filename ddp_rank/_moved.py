@@ -19,7 +19,8 @@ import importlib.machinery
 import sys
 import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 MOVED: dict[str, str] = {
     # feature shards: one slice across the data, model and eval layers
@@ -83,6 +84,29 @@ MOVED: dict[str, str] = {
     "ddp_rank.data.serve": "ddp_rank.data.reading.serve",
     "ddp_rank.data.span_samples": "ddp_rank.data.reading.span_samples",
 }
+
+
+def moved_attributes(
+    module: str, moved: dict[str, str], gone: dict[str, str] | None = None
+) -> Callable[[str], Any]:
+    """A module-level ``__getattr__`` for ``module`` serving the public names that moved out of it (name -> the
+    module that defines it now), each access with a ``DeprecationWarning`` naming the new place; a name in
+    ``gone`` (name -> what replaces it, and how) was removed and raises an ``AttributeError`` saying so, where a
+    shim of another signature would fail further from the cause. Kept for one release, like ``MOVED``."""
+
+    def __getattr__(name: str) -> Any:
+        if name in moved:
+            warnings.warn(
+                f"{module}.{name} moved to {moved[name]}.{name}; the old import path goes in the next release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(importlib.import_module(moved[name]), name)
+        if gone is not None and name in gone:
+            raise AttributeError(f"{module}.{name} was removed: {gone[name]}", name=name, obj=module)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}", name=name, obj=module)
+
+    return __getattr__
 
 
 def new_name(old: str) -> str | None:

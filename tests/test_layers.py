@@ -170,6 +170,15 @@ def test_imports_go_down_only(path: Path) -> None:
     assert not wrong, f"{path.relative_to(PACKAGE)} ({layer}) imports a layer above it: {'; '.join(wrong)}"
 
 
+@pytest.mark.parametrize("path", sorted((PACKAGE / "data" / "format").rglob("*.py")), ids=lambda p: p.name)
+def test_the_shard_format_is_the_bottom_of_the_data_layer(path: Path) -> None:
+    """``data.format`` is what building, sampling and reading shards share: it imports none of them (an error
+    message it needs from above is moved down, as ``no_manifest`` was out of ``building.shard_sources``)."""
+    above = ("ddp_rank.data.building", "ddp_rank.data.sampling", "ddp_rank.data.reading")
+    bad = [f"{path.name}:{line}: {name}" for line, name in _imports(path) if name.startswith(above)]
+    assert bad == [], f"the shard format imports from above it: {bad}"
+
+
 def test_the_checker_sees_a_late_upward_import(tmp_path: Path) -> None:
     """The test itself: late, relative, package-name and ``import_module`` imports of the trainer from the
     evaluation are all found, and the check fails on them."""

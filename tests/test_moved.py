@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ddp_rank import _moved
 
 PACKAGE = Path(_moved.__file__).resolve().parent
@@ -97,3 +99,55 @@ def test_names_outside_the_map_are_not_touched() -> None:
     assert _moved.new_name("ddp_rank.data.manifesto") is None
     assert _moved.new_name("ddp_rank.data.recipes.sop") == "ddp_rank.data.building.recipes.sop"
     assert _moved.MovedFinder().find_spec("ddp_rank.losses.fastap") is None
+
+
+_NAMES_PROBE = """
+import json, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from ddp_rank.runtime.accelerator import make_accelerator
+    from ddp_rank.runtime.data_setup import data_seed
+    from ddp_rank.eval.runner import deployment_settings
+    import ddp_rank.runtime.settings as runtime_settings, ddp_rank.eval.settings as eval_settings
+    same = [
+        make_accelerator is runtime_settings.make_accelerator,
+        data_seed is runtime_settings.data_seed,
+        deployment_settings is eval_settings.deployment_settings,
+    ]
+import ddp_rank.eval.feature_images as old_images
+try:
+    old_images.image_config
+    gone = ""
+except AttributeError as exc:
+    gone = str(exc)
+mine = [w for w in caught if issubclass(w.category, DeprecationWarning) and "moved to" in str(w.message)]
+print(json.dumps({"same": same, "messages": [str(w.message) for w in mine], "files": [w.filename for w in mine],
+                  "gone": gone}))
+"""
+
+
+def test_public_names_that_moved_out_of_a_module_keep_their_old_import_with_a_warning() -> None:
+    got = _run(_NAMES_PROBE)
+    assert got["same"] == [True, True, True]
+    assert got["messages"] == [
+        "ddp_rank.runtime.accelerator.make_accelerator moved to ddp_rank.runtime.settings.make_accelerator; the old "
+        "import path goes in the next release",
+        "ddp_rank.runtime.data_setup.data_seed moved to ddp_rank.runtime.settings.data_seed; the old import path "
+        "goes in the next release",
+        "ddp_rank.eval.runner.deployment_settings moved to ddp_rank.eval.settings.deployment_settings; the old "
+        "import path goes in the next release",
+    ]
+    assert set(got["files"]) == {"<string>"}, "the warning points at the importing line"
+
+
+def test_a_removed_name_of_another_signature_names_its_replacement() -> None:
+    """``image_config(cfg)`` became ``image_data(data, record)``: no shim could keep the call, so the old name
+    fails at once, saying what to call instead (through the old module path too; ``from ... import`` gets
+    Python's own "cannot import name", which replaces a module ``__getattr__``'s AttributeError)."""
+    import ddp_rank.features.images as images
+
+    with pytest.raises(AttributeError, match=r"image_config was removed: use image_data\(data_settings, "):
+        images.image_config  # noqa: B018
+    assert "image_data(data_settings" in _run(_NAMES_PROBE)["gone"]
+    with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
+        images.nothing_here  # noqa: B018

@@ -68,7 +68,7 @@ def url_images(
     cache_dir: str | os.PathLike[str] | ShardCache | None = None,
 ) -> ImageFetch:
     """``fetch`` for WebDataset shards at ``url`` (brace patterns expand), read through the data layer's checked
-    path (``data.named_shards``): the first call reads the shards in order once, keeping the images of the keys
+    path (``data.reading.named_shards``): the first call reads the shards in order once, keeping the images of the keys
     announced with ``fetch.want(keys)`` before it (as :func:`draw_search_grid` does), and stops when it holds
     them all. A shard that cannot be read is named in one warning and passed over (its hits show no picture)."""
     wanted: set[str] = set()

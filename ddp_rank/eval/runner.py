@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ddp_rank._moved import moved_attributes
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.reading.eval_reader import EvalShards
 from ddp_rank.data.reading.loader import ignore_stop_signals
@@ -246,3 +247,7 @@ def score(
     if isinstance(result[0], Exception):
         raise result[0]
     return dict(result[0])
+
+
+# ``deployment_settings(cfg)`` moved to ``eval.settings`` with the settings objects (issue 39).
+__getattr__ = moved_attributes(__name__, {"deployment_settings": "ddp_rank.eval.settings"})

@@ -212,7 +212,7 @@ def url_shard_batches(
     cache_dir: str | os.PathLike[str] | ShardCache | None = None,
 ) -> Iterator[ImageBatch]:
     """WebDataset shards at ``url`` (brace patterns expand; any URL fsspec reads, or local paths), read through
-    the data layer's checked path (``data.named_shards``: the manifest's size and sha256 where one lists them,
+    the data layer's checked path (``data.reading.named_shards``: the manifest's size and sha256 where one lists them,
     retries, the node-local ``cache_dir``): rank r reads shards r, r + W, ... in order. Keys are the samples'
     ``__key__``; a shard that cannot be read is an error naming it, and a sample whose image does not decode is
     an error, or left out and listed in ``skipped`` when one is given."""

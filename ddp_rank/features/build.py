@@ -8,7 +8,7 @@ manifest records all of that under ``build.features`` with the digest of the wei
 later is embedded the same way.
 
 The resumable writing (``prepare_destination``, ``claim_build``, ``write_shard``, ``finish_build``) is shared
-with ``ddp-rank shards whiten`` (``feature_whiten``), which maps stored vectors instead of embedding images.
+with ``ddp-rank shards whiten`` (``features.whiten``), which maps stored vectors instead of embedding images.
 
 Work sharing and resume: the shards still to write are dealt round-robin to the ranks of the launch; each
 shard is written whole under a temporary name and renamed (``tar_writer``), then a small record of it (its

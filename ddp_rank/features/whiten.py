@@ -171,7 +171,7 @@ def _vectors(src: Manifest, split: str, dim: int, batch: int = 16_384) -> Iterat
 
 
 class _Whiten:
-    """Stored vectors to whitened ones, as ``.f16`` bytes (``feature_build.VectorMaker``)."""
+    """Stored vectors to whitened ones, as ``.f16`` bytes (``features.build.VectorMaker``)."""
 
     batch = 4096
 

@@ -60,6 +60,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    """A public name, loaded on first use and then kept in the module, so later lookups do not come here."""
     if name not in _EXPORTS:
         raise AttributeError(f"module 'ddp_rank.model' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The module's names with the public ones not loaded yet, so ``dir()`` and tab completion list them."""
+    return sorted(set(globals()) | set(__all__))

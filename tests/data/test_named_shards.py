@@ -7,6 +7,7 @@ import ast
 import gzip
 import http.server
 import io
+import json
 import shutil
 import tarfile
 import threading
@@ -223,3 +224,146 @@ def test_a_gzip_named_tar_is_told_by_its_bytes(shards: Path, tmp_path: Path) -> 
         out.write((shards / name).read_bytes())
     odd.write_bytes(buffer.getvalue())
     assert _read(NamedShards(str(odd))) == _read(NamedShards(str(shards / name)))
+
+
+@contextmanager
+def _serve_failing(directory: Path, status: int, path: str, times: int) -> Iterator[str]:
+    """``directory`` over HTTP, the first ``times`` requests for ``path`` answered with ``status``."""
+    failed: list[str] = []
+
+    class Flaky(RangeRequestHandler):
+        def send_head(self) -> Any:
+            if self.path == path and len(failed) < times:
+                failed.append(self.path)
+                self.send_error(status)
+                return None
+            return super().send_head()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(Flaky, directory=str(directory)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert failed, "the fault was never met"
+
+
+def test_a_manifest_answered_503_is_retried_so_a_tampered_shard_is_still_refused(
+    shards: Path, tmp_path: Path
+) -> None:
+    """fsspec's HTTP ``info`` turns a 5xx into FileNotFoundError: read that way, a busy server would make the
+    shards look manifest-less and a replaced one would be read unchecked."""
+    copy = tmp_path / "shards"
+    shutil.copytree(shards, copy)
+    name = _names(copy)[0]
+    _damage_an_image(copy / name)
+    with _serve_failing(copy, 503, f"/{MANIFEST_NAME}", times=2) as url:
+        named = NamedShards(f"{url}/{name}", retry_s=10)
+        assert set(named.listed) == {f"{url}/{name}"}
+        with pytest.raises(ShardReadError, match="sha256 differs"):
+            _read(named)
+
+
+@pytest.mark.parametrize("status", [503, 403])
+def test_a_manifest_that_cannot_be_fetched_is_an_error_naming_it(
+    shards: Path, tmp_path: Path, status: int
+) -> None:
+    name = _names(shards)[0]
+    with (
+        _serve_failing(shards, status, f"/{MANIFEST_NAME}", times=1000) as url,
+        pytest.raises(ShardReadError) as caught,
+    ):
+        NamedShards(f"{url}/{name}", retry_s=0.5)
+    message = str(caught.value)
+    assert message.startswith(f"{url}/{MANIFEST_NAME} cannot be read") and str(status) in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"name": "my-dataset", "files": 3}', "<html><body>Not here</body></html>", "[1, 2]"],
+    ids=["other-json", "html", "not-an-object"],
+)
+@pytest.mark.parametrize("where", ["folder", "above"])
+def test_an_unrelated_manifest_json_means_no_manifest(
+    shards: Path, tmp_path: Path, text: str, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "plain" / "sub"
+    folder.mkdir(parents=True)
+    name = _names(shards)[0]
+    shutil.copy(shards / name, folder / "a-0.tar")
+    (folder if where == "folder" else folder.parent).joinpath(MANIFEST_NAME).write_text(text)
+    expected = _read(NamedShards(str(shards / name)))
+    caplog.set_level("INFO", logger="ddp_rank.data.reading.named_shards")
+    local = NamedShards(str(folder / "a-0.tar"))
+    assert local.listed == {}
+    assert _read(local) == expected
+    assert "is not a ddp_rank shard manifest" in caplog.text
+    with serve_directory(tmp_path / "plain") as url:
+        assert _read(NamedShards(f"{url}/sub/a-0.tar")) == expected
+
+
+def test_a_ddp_rank_manifest_that_fails_its_checks_is_still_refused(shards: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "shards"
+    shutil.copytree(shards, copy)
+    name = _names(copy)[0]
+    data = json.loads((copy / MANIFEST_NAME).read_text())
+    data["categories"] = 7
+    (copy / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(ShardReadError, match=f"{MANIFEST_NAME}: categories: the number 7"):
+        NamedShards(str(copy / name))
+
+
+def test_a_file_url_pattern_reads_as_the_path(shards: Path) -> None:
+    names = _names(shards)
+    named = NamedShards("::".join(f"file://{shards / n}" for n in names))
+    assert set(named.listed) == set(named.urls)  # checked against the manifest like the path
+    assert [(s.key, s.members) for s in _read(named)] == _expected(shards)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "said"),
+    [
+        ("pipe:curl -s https://host/d/a-{0..1}.tar", "pipe:"),
+        ("nosuchscheme://host/d/a-{0..1}.tar", "nosuchscheme://"),
+        ("${WDS_ROOT}/a-{0..1}.tar", "${WDS_ROOT}"),
+    ],
+    ids=["pipe", "unknown-scheme", "env-var"],
+)
+def test_a_pattern_this_reader_cannot_read_is_refused_in_one_line(pattern: str, said: str) -> None:
+    with pytest.raises(ShardReadError) as caught:
+        NamedShards(f"/data/x.tar::{pattern}")
+    message = str(caught.value)
+    assert pattern in message and said in message and "\n" not in message
+
+
+def test_a_cache_dir_that_cannot_be_made_reads_without_the_cache(
+    shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run's recorded data.cache_dir may not exist on the machine that exports: the shards are read all the
+    same, and the reason is said once (not blamed on each shard)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    names = _names(shards)
+    with serve_directory(shards) as url, caplog.at_level("WARNING"):
+        named = NamedShards("::".join(f"{url}/{n}" for n in names), cache_dir=blocker / "cache")
+        assert _read(named) == _read(NamedShards("::".join(str(shards / n) for n in names)))
+    said = [r.getMessage() for r in caplog.records if "cache" in r.getMessage()]
+    assert len(said) == 1 and str(blocker / "cache") in said[0], said
+
+
+def test_a_compressed_download_is_gone_once_it_is_decompressed(shards: Path, tmp_path: Path) -> None:
+    """One shard at a time on the scratch disk: the compressed download goes as soon as its tar is written."""
+    packed = tmp_path / "x-000000.tar.gz"
+    packed.write_bytes(gzip.compress((shards / _names(shards)[0]).read_bytes()))
+    with serve_directory(tmp_path) as url:
+        named = NamedShards(f"{url}/{packed.name}")
+        try:
+            reading = named.samples(named.urls[0])  # kept: a dropped generator closes its files at once
+            first = next(reading)
+            assert named._scratch is not None
+            assert [p.name for p in Path(named._scratch.name).iterdir()] == ["plain.tar"]
+            assert first.key
+        finally:
+            named.close()

@@ -286,3 +286,26 @@ def test_a_full_disk_falls_back_to_ranged_reads_with_the_same_batches(
     assert (
         list((tmp_path / "cache").glob("*.tar")) == [] and list((tmp_path / "cache").glob("*.partial")) == []
     )
+
+
+def test_a_cache_dir_that_cannot_be_made_is_said_once_and_training_reads_without_it(
+    shards: Path, served: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run's data.cache_dir that this machine cannot make (here: under a file) costs the cache, said once when
+    the reader is made, not each class of each shard replaced as unreadable."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    tiny = TransformConfig(resize=8, crop=6)
+
+    def all_batches(location: str | Path, **kwargs: object) -> list[dict]:
+        return list(ShardStream(location, 12, transform=tiny, **kwargs).iter_worker(0, 1))  # type: ignore[arg-type]
+
+    expected = all_batches(shards)
+    with caplog.at_level("WARNING", logger="ddp_rank.data.reading.storage"):
+        got = all_batches(served, cache_dir=blocker / "cache")
+    assert [b.keys for b in got] == [b.keys for b in expected]
+    assert all(b.events.replaced_classes == 0 and b.events.cache_fallbacks == 0 for b in got)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(f"data.cache_dir {blocker / 'cache'} cannot be used here"), (
+        said
+    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import os
-import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+
+from ddp_rank.data.format.manifest_parts import natural_key  # the sort of ids (kept importable here)
 
 OnBad = Literal["error", "skip"]
 KNOWN_COLUMNS: tuple[str, ...] = ("path", "class", "category", "split", "subset")
@@ -225,14 +226,3 @@ def assign_splits(records: Sequence[Record], test_fraction: float, seed: int) ->
         else replace(r, split="test" if (r.category, r.cls) in test_classes else "train")
         for r in records
     ]
-
-
-_DIGITS = re.compile(r"(\d+)")
-
-
-def natural_key(text: str) -> tuple[tuple[tuple[int, int | str], ...], str]:
-    """Sort key with numbers compared as numbers (class "10" after "9"), so ids follow the dataset's own order;
-    then the text itself: "7", "07" and "007" tie as numbers, and sorting a set by the numbers alone would order
-    them as the set iterates (which changes with PYTHONHASHSEED)."""
-    parts = tuple((0, int(p)) if p.isdigit() else (1, p) for p in _DIGITS.split(text) if p)
-    return parts, text

@@ -20,35 +20,27 @@ from __future__ import annotations
 
 import glob
 import os
-import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
 from braceexpand import braceexpand
 
-from ddp_rank.data.building.listing import natural_key
-from ddp_rank.data.format.compressed import (
-    HEAD_BYTES,
-    SUFFIXES,
-    CompressedShardError,
-    compressed_suffix,
-    compression_of,
+from ddp_rank.data.format.compressed import compressed_suffix
+from ddp_rank.data.format.manifest_parts import is_url, natural_key, shard_path_problem, split_name_problem
+from ddp_rank.data.format.no_manifest import (  # noqa: F401 (no_manifest_advice: its old place)
+    _GLOB,
+    _PATTERN,
+    is_pattern,
+    no_manifest_advice,
+    refuse_compressed,
 )
-from ddp_rank.data.format.manifest_parts import is_url, shard_path_problem, split_name_problem
 
-_GLOB = "*?["
-_PATTERN = "{" + _GLOB
 DEFAULT_SPLIT = "train"
 """The split of shards named without one (a pattern as the source, a directory without sub-directories)."""
 
 
 class ShardIndexError(ValueError):
     """The shards cannot be indexed as they are; the message says why and how to fix it."""
-
-
-def is_pattern(text: str) -> bool:
-    """Whether ``text`` holds a brace range or glob character."""
-    return any(ch in text for ch in _PATTERN)
 
 
 def split_source(source: str | os.PathLike[str]) -> tuple[str, str | None]:
@@ -120,7 +112,7 @@ def find_splits(
         )
     base = Path(root)
     if not compressed:
-        _refuse_compressed(base)
+        refuse_compressed(base)
 
     def shards(folder: Path) -> list[str]:
         found = (p for p in folder.glob("*") if p.is_file() and _is_shard_name(p.name, compressed))
@@ -180,51 +172,3 @@ def _inside(base: Path, path: str, pattern: str) -> str:
     if rel == ".." or rel.startswith(("../", "..\\")) or os.path.isabs(rel):
         raise ShardIndexError(f"--split {pattern!r}: {path} lies outside {base}; name shards under it")
     return rel
-
-
-def _refuse_compressed(base: Path) -> None:
-    """Refuse a directory that holds compressed shards (in it or its sub-directories): ``compressed``."""
-    found = sorted(
-        (
-            str(p.relative_to(base))
-            for depth in ("*", "*/*")
-            for p in base.glob(depth)
-            if compressed_suffix(p.name)
-        ),
-        key=natural_key,
-    )
-    if found:
-        suffix = compressed_suffix(found[0])
-        assert suffix is not None
-        shown = ", ".join(found[:3]) + (f", ... ({len(found)} in all)" if len(found) > 3 else "")
-        raise CompressedShardError(
-            f"{base} holds {SUFFIXES[suffix]}-compressed tar shards ({shown}), which cannot be read by byte range",
-            SUFFIXES[suffix],
-        )
-
-
-def no_manifest_advice(root: str) -> str:
-    """What to do about ``root`` when it holds no ``manifest.json``: a pattern or tar names shards (index them),
-    a directory of compressed tars needs converting (``reshard``), one of plain tars indexing."""
-    quoted = shlex.quote(root)
-    if split_source(root)[1] is not None:
-        return (
-            f"{root} names shards, not a shard directory; index them first with `ddp-rank shards index {quoted}` "
-            "(it writes manifest.json beside them; --out DIR elsewhere)"
-        )
-    base = Path(root)
-    if not is_url(root) and base.is_dir():
-        convert = f"ddp-rank shards reshard {quoted} {shlex.quote(root + '-plain')}"
-        try:
-            _refuse_compressed(base)
-        except CompressedShardError as exc:
-            return str(exc.with_command(convert))
-        tar = next(iter(sorted(base.glob("*.tar")) + sorted(base.glob("*/*.tar"))), None)
-        if tar is not None:
-            with open(tar, "rb") as f:
-                compression = compression_of(f.read(HEAD_BYTES))
-            if compression is not None:
-                problem = f"{tar} is a {compression}-compressed tar, which cannot be read by byte range"
-                return str(CompressedShardError(problem, compression, convert))
-            return f"{root} holds tars without a manifest; index them with `ddp-rank shards index {quoted}`"
-    return f"is {root} a shard directory made by `ddp-rank shards build` (or indexed with `ddp-rank shards index`)?"

@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.data.building.shard_sources import no_manifest_advice
 from ddp_rank.data.format.manifest_check import parse_manifest
 from ddp_rank.data.format.manifest_parts import (
     FORMAT_NAME,
@@ -51,6 +50,7 @@ from ddp_rank.data.format.manifest_parts import (
     span_hasher,
     split_name_problem,
 )
+from ddp_rank.data.format.no_manifest import no_manifest_advice
 
 __all__ = [
     "FORMAT_NAME",

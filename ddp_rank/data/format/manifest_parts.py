@@ -185,3 +185,14 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(text: str) -> tuple[tuple[tuple[int, int | str], ...], str]:
+    """Sort key with numbers compared as numbers (class "10" after "9"), so ids follow the dataset's own order;
+    then the text itself: "7", "07" and "007" tie as numbers, and sorting a set by the numbers alone would order
+    them as the set iterates (which changes with PYTHONHASHSEED)."""
+    parts = tuple((0, int(p)) if p.isdigit() else (1, p) for p in _DIGITS.split(text) if p)
+    return parts, text

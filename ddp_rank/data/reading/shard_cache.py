@@ -67,11 +67,12 @@ class CachedShard:
 
 
 def auto_cap_bytes(directory: Path) -> int:
-    """Half of the free space of ``directory``'s file system plus what the cache already holds."""
+    """Half of the free space of ``directory``'s file system plus what the cache already holds. Never raises for a
+    directory that cannot be made or entered (``os.path`` answers False there): ``ShardCache.unusable`` says why."""
     existing = directory
-    while not existing.exists() and existing != existing.parent:
+    while not os.path.exists(existing) and existing != existing.parent:
         existing = existing.parent
-    held = sum(_size(p) for p in directory.glob("*.tar")) if directory.is_dir() else 0
+    held = sum(_size(p) for p in directory.glob("*.tar")) if os.path.isdir(directory) else 0
     return int(AUTO_FRACTION * (shutil.disk_usage(existing).free + held))
 
 
@@ -90,6 +91,17 @@ class ShardCache:
         self.max_bytes = auto_cap_bytes(self.directory) if max_bytes is None else int(max_bytes)
         if self.max_bytes < 0:
             raise ValueError(f"cache cap must be >= 0 bytes, got {self.max_bytes}")
+
+    def unusable(self) -> str | None:
+        """Why this process cannot use the cache (its directory cannot be made, or a file in it written), or
+        None; asked once by a reader before its first shard, so that the reason is said once."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(self.directory / ".cache.lock", "a+b"):
+                pass
+        except OSError as exc:
+            return f"{type(exc).__name__}: {exc.strerror or exc}"
+        return None
 
     def acquire(self, key: str, size: int, fetch: Callable[[Path], bool]) -> CachedShard | Uncached:
         """The shard ``key`` (``size`` bytes) open, downloaded first with ``fetch(path)`` if absent; ``fetch``

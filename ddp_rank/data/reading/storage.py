@@ -15,8 +15,11 @@ downloaded once per node under a file lock, to a temporary name, checked against
 then renamed into place, content-addressed by that sha256 (a rebuilt shard never reads a stale copy). A shard
 whose download does not match is not cached; its classes are then read by range and checked one by one.
 The cache is bounded (``shard_cache.ShardCache``: least recently used shards go first, never one a reader holds
-open); a shard that does not fit (larger than the cap, the cap held by open shards, the disk full) is read by
-range from the source, counted as a ``cache_fallbacks`` event.
+open); a shard that does not fit (larger than the cap, the cap held by open shards, the disk full) is read from
+the source (by range in training, whole by ``named_shards``), counted as a ``cache_fallbacks`` event. A
+``cache_dir`` that cannot be used on this machine at all (it cannot be made or written: a run's recorded
+directory on another machine, say) is said once when the store is made, and the store reads without a cache,
+rather than failing every shard on it.
 
 A remote read that fails on the way is retried with growing pauses for up to ``retry_s`` seconds, each retry
 counted as a ``read_retries`` event, so a server restarting or a network blip costs time, not data. On the way
@@ -127,7 +130,7 @@ class ShardStore:
         self.remote = is_url(manifest.location)
         self.cache: ShardCache | None = None
         if cache_dir and self.remote:
-            self.cache = cache_dir if isinstance(cache_dir, ShardCache) else ShardCache(cache_dir)
+            self.cache = _usable_cache(cache_dir, manifest.location)
         self.max_open = max_open
         self.retry_s = retry_s
         self.counts = {"cache_fallbacks": 0, "read_retries": 0}
@@ -296,9 +299,7 @@ class ShardStore:
     def _fallback(self, sha256: str, why: Uncached) -> None:
         self._uncached[sha256] = float("inf") if why.lasting else time.monotonic() + RECACHE_S
         self.counts["cache_fallbacks"] += 1
-        log.warning(
-            f"shard {sha256[:12]}... is not cached ({why.reason}); reading it by range from the source"
-        )
+        log.warning(f"shard {sha256[:12]}... is not cached ({why.reason}); reading it from the source")
 
     def _fetcher(self, shard: ShardInfo) -> Callable[[Path], bool]:
         """Download the whole shard to a path; True when it matches the manifest's sha256."""
@@ -309,3 +310,20 @@ class ShardStore:
             return sha256_file(path) == shard.sha256
 
         return fetch
+
+
+def _usable_cache(cache_dir: str | os.PathLike[str] | ShardCache, location: str) -> ShardCache | None:
+    """The cache of ``cache_dir``, or None (said in one log line) when it cannot be used on this machine."""
+    try:
+        cache = cache_dir if isinstance(cache_dir, ShardCache) else ShardCache(cache_dir)
+        problem = cache.unusable()
+    except OSError as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem is None:
+        return cache
+    directory = cache_dir.directory if isinstance(cache_dir, ShardCache) else os.fspath(cache_dir)
+    log.warning(
+        f"data.cache_dir {directory} cannot be used here ({problem}); the shards of {location} are read "
+        "without a cache (set data.cache_dir=DIR to a writable local directory, or '' for none)"
+    )
+    return None

@@ -17,7 +17,7 @@ reduce, so a DeepSpeed run is not confirmed, and neither is a model whose BatchN
 over ranks, which exchange statistics inside the forward).
 
 On CPU nothing limits a process's memory short of the kernel's OOM killer, so the same path runs against the
-budget: the step's saved tensors are counted (``chunk_choice.count_saved``) and past the budget raise
+budget: the step's saved tensors are counted (``chunking.choice.count_saved``) and past the budget raise
 ``torch.OutOfMemoryError``, as a GPU's allocator would.
 """
 
