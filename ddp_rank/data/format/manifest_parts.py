@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "ddp_rank-shards"
@@ -180,10 +180,16 @@ def confined_join(root: str | os.PathLike[str], relative: str) -> str:
 
 
 def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
+        return sha256_stream(f, chunk)
+
+
+def sha256_stream(f: BinaryIO, chunk: int = 1 << 20) -> str:
+    """The sha256 of an open binary file's whole content, read from its start in ``chunk``-byte blocks."""
+    digest = hashlib.sha256()
+    f.seek(0)
+    while block := f.read(chunk):
+        digest.update(block)
     return digest.hexdigest()
 
 

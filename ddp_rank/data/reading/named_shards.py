@@ -34,7 +34,6 @@ the fault and what to do. Samples are the members that share a key, grouped as W
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -59,6 +58,7 @@ from ddp_rank.data.format.manifest import (
     is_url,
     join_location,
 )
+from ddp_rank.data.format.manifest_parts import sha256_stream
 from ddp_rank.data.format.tar_scan import Member, sample_key, tar_members
 from ddp_rank.data.reading.shard_cache import ShardCache
 from ddp_rank.data.reading.storage import RETRY_S, ShardStore, retrying, url_filesystem
@@ -234,11 +234,7 @@ class NamedShards:
                 f"shard {url} is {size:,} bytes, the manifest says {shard.bytes:,} (a truncated or replaced "
                 f"shard?): restore the shard, or {_REBUILD}"
             )
-        digest = hashlib.sha256()
-        f.seek(0)
-        while block := f.read(1 << 20):
-            digest.update(block)
-        if digest.hexdigest() != shard.sha256:
+        if sha256_stream(f) != shard.sha256:
             raise ShardReadError(
                 f"shard {url}: its sha256 differs from the manifest's (replaced or damaged since the manifest was "
                 f"written): restore the shard, or {_REBUILD}"
