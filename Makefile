@@ -77,7 +77,7 @@ WORDS_CACHE ?= $(HOME)/.cache/ddp_rank/words
 DDP_RANK := $(BIN)/python -m ddp_rank.cli
 $(WORDS_DIR)/shards/manifest.json: | $(STAMP)
 	$(DDP_RANK) shards listing words $(WORDS_CACHE) $(WORDS_DIR)/words.csv --size 64 --words 26000
-	$(DDP_RANK) shards build $(WORDS_DIR)/words.csv $(WORDS_DIR)/shards --overwrite --no-progress
+	$(DDP_RANK) shards build $(WORDS_DIR)/words.csv $(WORDS_DIR)/shards --val-fraction 0.1 --overwrite --no-progress
 
 words-shards: $(WORDS_DIR)/shards/manifest.json
 

@@ -7,7 +7,7 @@ Examples::
     ddp-rank shards listing inat /data/iNat2018 inat.csv --train-list Inaturalist_train_set1.txt \
         --test-list Inaturalist_test_set1.txt
     ddp-rank shards build emoji.csv data/emoji-shards --workers 2 --max-samples 500
-    ddp-rank shards build photos/ data/photos --test-fraction 0.5 --resize 256
+    ddp-rank shards build photos/ data/photos --test-fraction 0.5 --val-fraction 0.1 --resize 256
     ddp-rank shards verify data/emoji-shards
     ddp-rank shards info data/emoji-shards
     ddp-rank shards index data/laion-subset --split train='train-*.tar' --class-field label
@@ -237,6 +237,9 @@ def _add_build(sub: Any) -> None:
     )
     p.add_argument("out", help="output directory (must be new or empty, see --overwrite)")
     p.add_argument("--test-fraction", type=float, default=0.0, help="fraction of classes held out as test")
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="fraction of each category's training classes carved out as the val split, to choose "
+                   "settings on without the test split (drawn with --split-seed; recorded in the manifest)")  # fmt: skip
     p.add_argument("--split-seed", type=int, default=0, help="seed of the draw of the held-out classes")
     p.add_argument("--max-samples", type=int, default=1000, help="most samples per shard")
     p.add_argument("--max-mb", type=float, default=256.0, help="most MB of images per shard")
@@ -317,6 +320,7 @@ def _build(args: argparse.Namespace) -> int:
             max_bytes=int(args.max_mb * 2**20),
             test_fraction=args.test_fraction,
             split_seed=args.split_seed,
+            val_fraction=args.val_fraction,
             resize=args.resize,
             image_format=args.image_format,
             quality=args.quality,

@@ -28,6 +28,7 @@ from ddp_rank.data.building.listing import (
     Record,
     Report,
     assign_splits,
+    carve_validation,
     check_records,
     natural_key,
 )
@@ -51,6 +52,9 @@ class BuildOptions:
     test_fraction: float = 0.0
     """Fraction of each category's classes held out as the test split, for records without a split."""
     split_seed: int = 0
+    val_fraction: float = 0.0
+    """Fraction of each category's training classes carved out as the ``val`` split (``carve_validation``),
+    drawn with ``split_seed``; 0: no validation split."""
     resize: int | None = None
     """Shrink so the shorter side is at most this many pixels (re-encodes); None keeps the bytes."""
     image_format: str | None = None
@@ -108,6 +112,7 @@ def build_shards(
             raise ListingError(f"{problem}; rename it in the listing's split column")
     stale = check_out_dir(out, records, options.overwrite)
     recs = assign_splits(records, options.test_fraction, options.split_seed)  # every record gets a split
+    recs = carve_validation(recs, options.val_fraction, options.split_seed)
     recs = _drop_unreadable(recs, options, report)
     recs = check_records(recs, options.min_class_size, options.on_bad, report)
     if not recs:

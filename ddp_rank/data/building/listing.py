@@ -201,6 +201,44 @@ def check_records(
     return [r for r in unique if (r.split, r.category, r.cls) not in small_set]
 
 
+VAL_SPLIT = "val"
+"""The split ``carve_validation`` makes: classes held out of training to choose a run's settings on."""
+
+
+def carve_validation(records: Sequence[Record], fraction: float, seed: int, source: str = "train") -> list[Record]:
+    """Move, within each category, ``round(fraction * n_classes)`` seeded classes of split ``source`` (records
+    with no split count as ``source``) into the ``val`` split, keeping at least one class of the category in
+    ``source``.
+
+    A validation split of disjoint classes is what every choice of a study (a learning rate, a stopping point, a
+    best batch) is made on, so that the test split is looked at once, by the runs already chosen. The draw uses
+    its own stream of ``seed`` (not the test split's), so adding a validation split leaves the test classes as
+    they were. ``fraction`` 0 returns the records unchanged.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ListingError(f"validation fraction must be in [0, 1), got {fraction}")
+    if fraction == 0.0:
+        return list(records)
+    if any(r.split == VAL_SPLIT for r in records):
+        raise ListingError(
+            f"the listing already has a {VAL_SPLIT!r} split: keep it (drop --val-fraction) or rename it in the "
+            "listing's split column"
+        )
+    by_category: dict[str | None, set[str]] = defaultdict(set)
+    for r in records:
+        if (r.split or source) == source:
+            by_category[r.category].add(r.cls)
+    if not by_category:
+        raise ListingError(f"no {source!r} classes to carve a validation split from")
+    carved: set[tuple[str | None, str]] = set()
+    rng = np.random.default_rng([seed, 1])  # a stream of its own: the test draw (seed alone) is unchanged
+    for category in sorted(by_category, key=lambda c: (c is None, c or "")):
+        names = sorted(by_category[category], key=natural_key)
+        n_val = min(round(fraction * len(names)), len(names) - 1)
+        carved.update((category, names[i]) for i in rng.permutation(len(names))[:n_val])
+    return [replace(r, split=VAL_SPLIT) if (r.category, r.cls) in carved else r for r in records]
+
+
 def assign_splits(records: Sequence[Record], test_fraction: float, seed: int) -> list[Record]:
     """Split by class: within each category, ``round(test_fraction * n_classes)`` seeded classes go to test.
 
