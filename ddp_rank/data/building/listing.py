@@ -205,7 +205,9 @@ VAL_SPLIT = "val"
 """The split ``carve_validation`` makes: classes held out of training to choose a run's settings on."""
 
 
-def carve_validation(records: Sequence[Record], fraction: float, seed: int, source: str = "train") -> list[Record]:
+def carve_validation(
+    records: Sequence[Record], fraction: float, seed: int, source: str = "train"
+) -> list[Record]:
     """Move, within each category, ``round(fraction * n_classes)`` seeded classes of split ``source`` (records
     with no split count as ``source``) into the ``val`` split, keeping at least one class of the category in
     ``source``.
