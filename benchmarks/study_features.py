@@ -1,34 +1,36 @@
-"""The feature study: does retrieval grow with the global batch, and where does it stop? (its write-up:
-``benchmarks/results/study-features-2026-11-26-findings.md``; ``make study-features``.)
+"""The word study: does retrieval grow with the global batch? Every choice made on validation words, the test words
+evaluated once per final run (``make study-features``; the write-up: ``benchmarks/results/study-features-*``).
 
-A linear head on the word set's frozen feature shards (``make words-features``: 20,802 training words and 5,198
-held-out words, 8 fonts each, 1,792 values per image) is trained with ``ddp-rank train`` for every point below,
-one process per run, and evaluated on the held-out words (each image queries all the others).
+A linear head on the word set's frozen, PCA-whitened feature shards (``make words-whitened``: training words,
+validation words carved from them by ``shards build --val-fraction``, held-out test words; 8 fonts each) is
+trained with ``ddp-rank train``, one process per run.
 
-1. **Batch axis.** FastAP, random sampler, global batches ``--batches`` (256 ... 8,192).
-   The learning rate of each batch is chosen by a small sweep: the square-root-scaled rate
-   ``--lr0 * sqrt(B / 1024)`` and ``--lr-factor`` times below and above it, each trained ``--sweep-epochs``
-   epochs (a winner at an end of the grid: one more rate beyond it, twice at most); the rate with the best
-   R@1 at the end of that short run wins (ties: the lower rate).
-2. **Until flat.** The winner of each batch goes on (the same run, resumed) and is extended while its R@1 still
-   grows over the last quarter of its steps: flat means R@1 at the last evaluation is less than ``--flat``
-   points above R@1 at three quarters of the run (at most ``--max-epochs`` epochs; a run that reaches the cap
-   unflattened is marked so in the table).
-3. **Sampler and loss at the best batch** (the batch of the highest final R@1): the hard sampler (the fewest
-   categories per batch, 2 at least, that leave at most a tenth of the images out), and PNP-Dq and Smooth-AP.
-   Each has a rate sweep of its own by the same rule, centred on the best batch's rate (a loss of another scale,
-   or batches of other classes, want another rate), and its winner is extended until flat the same way.
-4. **Replicates.** ``--replicates K`` trains every point K-1 more times with other seeds (same rate and length,
-   evaluated at the end) so that each point has a spread and the differences an interval.
+1. **Batch axis.** FastAP, random sampler, global batches ``--batches`` (64 ... 8,192).
+2. **One schedule for every batch.** Every final run trains ``--epochs`` epochs: a linear warm-up over
+   ``--warmup`` of its steps, then a cosine decay to zero. The validation split is evaluated ``--evals`` times
+   along the run (its curve shows whether it has stopped rising: ``--flat``).
+3. **The rate of each batch** is chosen among the same ``--rate-factors`` multiples of ``--lr0 * sqrt(B / 1024)``
+   for every batch, each trained on a shorter schedule of the same shape (``--sweep-epochs``), by validation R@1
+   at its end (ties: the lower rate). A winner at an end of the grid is reported as such, never extended: every
+   batch gets the same number of candidates.
+4. **Seeds.** The chosen rate of each point is trained with ``--seeds`` seeds; the best batch is the one of the
+   highest mean validation R@1 at the end.
+5. **Sampler and loss at the best batch** (``--variants``): the hard sampler, PNP-Dq and Smooth-AP, each with a
+   rate sweep of its own by the same rule, centred on the best batch's rate.
+6. **The test split, once.** The last checkpoint of every final run is evaluated on the test words
+   (``ddp-rank eval --split test --per-query``). A difference between two points comes with two intervals: a
+   paired bootstrap over the test classes (the same draw for both points and every seed, on the seed-averaged
+   per-query difference) and a paired t over the seeds; it is called beyond noise only where both exclude zero
+   (``ddp_rank.experiments.query_pairs``).
 
-Runs go ``--jobs`` at a time (default 2, one torch thread each on 2 cores: about 3x the throughput of one run on
-both, the stream being Python), the waiting first-seed runs before the waiting replicates.
+Runs go ``--jobs`` at a time (default 2, one torch thread each on 2 cores: the stream is Python, so two runs of
+one thread go about 3x as fast as one on both). Outputs in ``--out``: one folder per run, ``study.json`` (the
+record: every figure the table, plot and conclusions hold) and ``study.md``; ``--results`` copies the table and
+plots into ``benchmarks/results/`` with the date; ``--from-record`` rewrites them from a record without training.
 
-Outputs in ``--out``: one folder per run, ``study.json`` (every figure the tables hold) and ``study.md``;
-``--results`` copies the table and the plots into ``benchmarks/results/`` with the date.
-
-    make study-features                      # the study as its write-up reports it
-    .venv/bin/python -m benchmarks.study_features --batches 256,1024 --sweep-epochs 1 --max-epochs 2   # quick
+    make study-features                                   # the study as its write-up reports it
+    .venv/bin/python -m benchmarks.study_features --batches 256,1024 --epochs 1 --sweep-epochs 0.5 --seeds 2
+    .venv/bin/python -m benchmarks.study_features --from-record runs/study-features/study.json --results
 """
 
 from __future__ import annotations
@@ -39,236 +41,214 @@ import math
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 from typing import Any
 
+from benchmarks.study_features_report import differences, markdown, plots
 from ddp_rank.data.format.manifest import Manifest
-from ddp_rank.experiments.intervals import paired_t_interval
 from ddp_rank.experiments.runs import RunSummary, read_run
 
 REPO = Path(__file__).resolve().parents[1]
-
 METRICS = ("recall@1", "recall@10", "map@r")
+VARIANTS = {
+    "hard": ("sampler", ["data.sampler=hard"]),  # categories_per_batch added at the best batch
+    "pnp-dq": ("loss", ["loss.name=pnp", "loss.pnp_variant=Dq", "loss.alpha=4"]),
+    "smooth-ap": ("loss", ["loss.name=smoothap"]),
+}
 
 
 @dataclass
 class Point:
-    """One trained configuration of the study and its runs (one per seed)."""
+    """One trained configuration: its rate sweep (validation R@1 at each candidate's end) and its final runs."""
 
     axis: str
     name: str
     batch: int
-    lr: float
-    overrides: list[str]
-    runs: list[Path] = field(default_factory=list)
-    steps: int = 0
-    flat: bool = False
+    extra: list[str]
+    lr: float = 0.0
     sweep: dict[str, float] = field(default_factory=dict)
+    runs: list[Path] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Steps, warm-up and evaluations of a run of ``epochs`` at ``batch``: the same shape at every batch."""
+
+    epochs: float
+    warmup: float
+    evals: int
+
+    def overrides(self, batch: int, n_train: int) -> tuple[int, list[str]]:
+        steps = max(self.evals, math.ceil(self.epochs * n_train / batch))
+        every = max(1, steps // self.evals)
+        return steps, [
+            f"train.steps={steps}", f"train.eval_every={every}", f"train.checkpoint_every={every}",
+            f"train.log_every={max(1, every // 2)}", "optim.schedule=cosine", "optim.min_lr_ratio=0",
+            f"optim.warmup_steps={max(1, round(self.warmup * steps))}",
+        ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     out = Path(args.out)
+    if args.from_record:
+        record = json.loads(Path(args.from_record).read_text())
+        _write(record, Path(args.from_record).parent, args.results)
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.load(args.shards)
-    n_train = sum(manifest.splits[args.train_split].class_counts.values())
+    _check_splits(manifest, args)
+    n_train = manifest.splits[args.train_split].samples
     start = time.monotonic()
     trainer = Trainer(args, out)
+    final = Schedule(args.epochs, args.warmup, args.evals)
+    short = Schedule(args.sweep_epochs, args.warmup, 1)
 
-    def epochs_to_steps(epochs: float, batch: int) -> int:
-        return max(4, math.ceil(epochs * n_train / batch))
+    def sweep(point: Point, centre: float) -> None:
+        """Point 3: the same candidates around ``centre``, each on the short schedule, judged on validation."""
+        rates = [float(f"{centre * f:.3g}") for f in args.rate_factors]
+        steps, schedule = short.overrides(point.batch, n_train)
+        runs = {lr: out / "lr" / f"{point.axis}={point.name},lr={lr:.3g}" for lr in rates}
+        with ThreadPoolExecutor(len(rates)) as pool:
+            for job in [pool.submit(trainer.train, run, [*_overrides(point.batch, lr), *point.extra, *schedule],
+                                    steps) for lr, run in runs.items()]:  # fmt: skip
+                job.result()
+        finals = {lr: _last(read_run(run), "recall@1") for lr, run in runs.items()}
+        point.lr = min(finals, key=lambda r: (-finals[r], r))
+        point.sweep = {f"{lr:.3g}": finals[lr] for lr in rates}
 
-    def replicate(point: Point) -> None:
-        """The point's other seeds, as long as its first run (evaluated at the end only)."""
-        for seed in range(1, args.replicates):
-            run = out / "replicates" / f"{point.axis}-{point.name},seed={seed}"
-            trainer.train(
-                run, [*point.overrides, f"train.seed={seed}"], point.steps, point.steps, replicate=True
-            )
-            point.runs.append(run)
+    def seeds(point: Point) -> None:
+        """Point 4 and 6: the chosen rate with every seed on the final schedule, then each on the test split."""
+        steps, schedule = final.overrides(point.batch, n_train)
+        runs = [out / "final" / f"{point.axis}={point.name},seed={s}" for s in range(args.seeds)]
+        overrides = [*_overrides(point.batch, point.lr), *point.extra, *schedule]
+        with ThreadPoolExecutor(len(runs)) as pool:
+            jobs = [pool.submit(trainer.train, run, [*overrides, f"train.seed={s}"], steps)
+                    for s, run in enumerate(runs)]  # fmt: skip
+            for job in jobs:
+                job.result()
+        for run in runs:
+            trainer.test(run)
+        point.runs = runs
 
-    def sweep(label: str, batch: int, extra: list[str], centre: float) -> tuple[float, dict[str, float], Path]:
-        """The rate of one point: ``centre`` and ``--lr-factor`` times below and above it, each trained
-        ``--sweep-epochs`` (a winner at an end of the grid: one more rate beyond it, twice at most); the best R@1
-        at the end wins (ties: the lower rate). Returns the rate, every rate's R@1 and the winner's run."""
-        steps = epochs_to_steps(args.sweep_epochs, batch)
+    def batch_chain(batch: int) -> Point:
+        point = Point("batch", str(batch), batch, [])
+        sweep(point, args.lr0 * math.sqrt(batch / 1024))
+        seeds(point)
+        return point
 
-        def run_of(lr: float) -> Path:
-            return out / "lr" / f"{label},lr={lr:.3g}"
+    def variant_chain(point: Point, centre: float) -> Point:
+        sweep(point, centre)
+        seeds(point)
+        return point
 
-        rates = [float(f"{r:.3g}") for r in (centre / args.lr_factor, centre, centre * args.lr_factor)]
-        finals: dict[float, float] = {}
-        for _ in range(3):  # the grid, then at most two rates beyond a winner at its end
-            for lr in rates:
-                if lr not in finals:
-                    trainer.train(run_of(lr), [*_overrides(batch, lr), *extra], steps, steps)
-                    finals[lr] = _last(read_run(run_of(lr)), "recall@1")
-            rates = sorted(finals)
-            lr = min(finals, key=lambda r: (-finals[r], r))
-            if lr not in (rates[0], rates[-1]):
-                break
-            rates = [float(f"{(lr / args.lr_factor if lr == rates[0] else lr * args.lr_factor):.3g}")]
-        return lr, {f"{r:.3g}": finals[r] for r in sorted(finals)}, run_of(lr)
+    with ThreadPoolExecutor(max_workers=len(args.batches) + len(args.variants)) as threads:
+        batch_points = [f.result() for f in [threads.submit(batch_chain, b) for b in args.batches]]
+        best = max(batch_points, key=lambda p: (_mean_val(p), -p.batch))
+        variants = []
+        for name in args.variants:
+            axis, extra = VARIANTS[name]
+            if name == "hard":
+                extra = [
+                    *extra,
+                    f"data.categories_per_batch={_categories_to_fill(manifest, args.train_split, best.batch)}",
+                ]
+            variants.append(threads.submit(variant_chain, Point(axis, name, best.batch, extra), best.lr))
+        other_points = [f.result() for f in variants]
 
-    def batch_chain(batch: int, settled: Future[Point]) -> None:
-        """1 and 2 for one batch: the rate sweep, the winner until flat (then ``settled``), its replicates."""
-        try:
-            label = f"batch={batch}"
-            lr, finals, run = sweep(label, batch, [], args.lr0 * math.sqrt(batch / 1024))
-            point = Point("batch", label, batch, lr, _overrides(batch, lr), runs=[run], sweep=finals)
-            point.steps, point.flat = trainer.until_flat(point.runs[0], point.overrides,
-                                                         epochs_to_steps(args.max_epochs, batch))  # fmt: skip
-        except BaseException as exc:
-            settled.set_exception(exc)
-            raise
-        settled.set_result(point)
-        replicate(point)
-
-    def variant_chain(point: Point, extra: list[str], centre: float) -> None:
-        """3 for one sampler or loss at the best batch: its own rate sweep around the best batch's rate (a loss
-        of another scale wants another rate), the winner until flat, its replicates."""
-        point.lr, point.sweep, run = sweep(f"{point.axis}={point.name}", point.batch, extra, centre)
-        point.overrides = [*_overrides(point.batch, point.lr), *extra]
-        point.runs.append(run)
-        point.steps, point.flat = trainer.until_flat(point.runs[0], point.overrides,
-                                                     epochs_to_steps(args.max_epochs, point.batch))  # fmt: skip
-        replicate(point)
-
-    # Every chain runs in a thread of its own; ``trainer`` lets --jobs of them train at a time, so a slot freed by
-    # one chain is taken by another (the batch points' replicates run beside the sampler and loss runs, and give
-    # way to them).
-    with ThreadPoolExecutor(max_workers=len(args.batches) + 4) as threads:
-        settled: list[Future[Point]] = [Future() for _ in args.batches]
-        chains = [threads.submit(batch_chain, b, f) for b, f in zip(args.batches, settled, strict=True)]
-        batch_points = [f.result() for f in settled]
-        best = max(batch_points, key=lambda p: _last(read_run(p.runs[0]), "recall@1"))
-        hard_categories = _categories_to_fill(manifest, args.train_split, best.batch)
-        variants = [
-            ("sampler", "hard", ["data.sampler=hard", f"data.categories_per_batch={hard_categories}"]),
-            ("loss", "pnp-dq", ["loss.name=pnp", "loss.pnp_variant=Dq", "loss.alpha=4"]),
-            ("loss", "smooth-ap", ["loss.name=smoothap"]),
-        ]
-        other_points = []
-        for axis, name, extra in variants:
-            point = Point(axis, name, best.batch, best.lr, [])
-            other_points.append(point)
-            chains.append(threads.submit(variant_chain, point, extra, best.lr))
-        for chain in chains:
-            chain.result()
-
-    wall = time.monotonic() - start
-    report = _report(args, manifest, n_train, batch_points, best, other_points, hard_categories, wall)
-    (out / "study.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = _markdown(report)
-    (out / "study.md").write_text(text)
-    _plots(report, out)
-    print(text)
-    if args.results:
-        stamp = date.today().isoformat()
-        results = REPO / "benchmarks" / "results"
-        shutil.copy(out / "study.md", results / f"study-features-{stamp}.md")
-        for png in out.glob("study-features-*.png"):
-            shutil.copy(png, results / png.name.replace(".png", f"-{stamp}.png"))
+    record = _record(
+        args, manifest, final, short, batch_points, best, other_points, time.monotonic() - start, out
+    )
+    record["differences"] = differences(record, out)
+    (out / "study.json").write_text(json.dumps(record, indent=1) + "\n")
+    _write(record, out, args.results)
     return 0
+
+
+def _write(record: dict[str, Any], out: Path, results: bool) -> None:
+    """``study.md`` and the plots from the record (and into ``benchmarks/results/`` with its date)."""
+    text = markdown(record)
+    (out / "study.md").write_text(text)
+    pngs = plots(record, out)
+    print(text)
+    if results:
+        target = REPO / "benchmarks" / "results"
+        shutil.copy(out / "study.md", target / f"study-features-{record['date']}.md")
+        for png in pngs:
+            shutil.copy(png, target / png.name.replace(".png", f"-{record['date']}.png"))
+
+
+def _check_splits(manifest: Manifest, args: argparse.Namespace) -> None:
+    missing = [s for s in (args.train_split, args.val_split, args.test_split) if s not in manifest.splits]
+    if missing:
+        raise SystemExit(
+            f"{args.shards}: no split {', '.join(map(repr, missing))} (it has {sorted(manifest.splits)}). The study "
+            f"chooses on a validation split of training classes: build the image shards with `ddp-rank shards "
+            f"build ... --val-fraction 0.1` (the Makefile's words-shards does), then the feature shards again"
+        )
 
 
 def _overrides(batch: int, lr: float) -> list[str]:
     return [f"data.global_batch_size={batch}", f"optim.lr={lr:.3g}"]
 
 
-class Slots:
-    """``jobs`` places to train in, handed to waiting first-rank runs before any waiting replicate: the sampler
-    and loss runs wait for the slowest batch point to settle, so the replicates must not hold that up."""
-
-    def __init__(self, jobs: int) -> None:
-        self.free = jobs
-        self.urgent_waiting = 0
-        self.changed = threading.Condition()
-
-    @contextmanager
-    def held(self, replicate: bool) -> Iterator[None]:
-        with self.changed:
-            self.urgent_waiting += not replicate
-            while self.free == 0 or (replicate and self.urgent_waiting):
-                self.changed.wait()
-            self.urgent_waiting -= not replicate
-            self.free -= 1
-        try:
-            yield
-        finally:
-            with self.changed:
-                self.free += 1
-                self.changed.notify_all()
-
-
 class Trainer:
-    """``ddp-rank train`` runs of the study, one process each, resumed where they stopped."""
+    """``ddp-rank train`` / ``eval`` processes of the study, ``--jobs`` at a time, resumed where they stopped."""
 
     def __init__(self, args: argparse.Namespace, out: Path) -> None:
         self.args = args
         self.out = out
         self.env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.jobs)))
-        self.slots = Slots(args.jobs)
+        self.slots = threading.BoundedSemaphore(args.jobs)
+        self.common = [f"data.shards={args.shards}", "model.backbone=features", "model.weights=none",
+                       f"data.train_split={args.train_split}", f"data.test_split={args.val_split}",
+                       "eval.metrics=[]"]  # fmt: skip
 
-    def train(
-        self, run: Path, overrides: list[str], steps: int, eval_every: int, replicate: bool = False
-    ) -> None:
-        """Train ``run`` to ``steps`` (continuing it when it holds fewer), evaluated every ``eval_every``; a
-        ``replicate`` waits while a first-seed run waits (:class:`Slots`)."""
+    def train(self, run: Path, overrides: list[str], steps: int) -> None:
+        """Train ``run`` to ``steps`` (continuing it when it holds fewer); its evaluations are on validation."""
         done = read_run(run) if (run / "metrics.jsonl").is_file() else None
         if done is not None and done.status == "finished" and done.steps >= steps:
             return
-        cmd = [
-            self.args.python, "-m", "ddp_rank.cli", "train", "--config", self.args.config,
-            f"data.shards={self.args.shards}", "model.backbone=features", "model.weights=none",
-            f"train.output_dir={run}", f"train.steps={steps}", f"train.eval_every={eval_every}",
-            f"train.checkpoint_every={eval_every}", f"train.log_every={max(1, eval_every // 2)}",
-            "train.keep_last=1", "train.progress=false", "train.resume=auto", *overrides,
-        ]  # fmt: skip
+        self._call(run, [self.args.python, "-m", "ddp_rank.cli", "train", "--config", self.args.config,
+                         *self.common, f"train.output_dir={run}", "train.keep_last=1", "train.progress=false",
+                         "train.resume=auto", *overrides])  # fmt: skip
+
+    def test(self, run: Path) -> None:
+        """The test split, once, on the run's last checkpoint (not its best on validation: the schedule ends)."""
+        if (run / "test-queries.npz").is_file() and (run / "test.json").is_file():
+            return
+        steps = sorted(p for p in run.rglob("step-*") if p.is_dir() and "abandoned" not in str(p))
+        if not steps:
+            raise SystemExit(f"{run}: no checkpoint to evaluate on the test split")
+        self._call(run, [self.args.python, "-m", "ddp_rank.cli", "eval", "--checkpoint", str(steps[-1]), "--split",
+                         self.args.test_split, "--name", "test", "--output", str(run / "test.json"), "--per-query",
+                         str(run / "test-queries.npz"), "eval.metrics=[]"], "test")  # fmt: skip
+
+    def _call(self, run: Path, cmd: list[str], what: str = "train") -> None:
         run.parent.mkdir(parents=True, exist_ok=True)
-        log = run.parent / f"{run.name}.log"
-        with self.slots.held(replicate), log.open("a") as sink:
-            print(f"[{time.strftime('%H:%M:%S')}] {run.relative_to(self.out)}: to step {steps}", flush=True)
+        log = run.parent / f"{run.name}.{what}.log"
+        with self.slots, log.open("a") as sink:
+            print(f"[{time.strftime('%H:%M:%S')}] {what} {run.relative_to(self.out)}", flush=True)
             code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=self.env)
         if code != 0:
-            raise SystemExit(f"{run}: ddp-rank train exited with {code}; its output is in {log}")
-
-    def until_flat(self, run: Path, overrides: list[str], cap: int) -> tuple[int, bool]:
-        """Extend ``run`` (doubling its steps, evaluated every quarter of the new length) until its R@1 is flat
-        over its last quarter, or ``cap`` steps; returns (steps, flat)."""
-        summary = read_run(run)
-        while True:
-            flat = _flat(summary, self.args.flat)
-            if flat or summary.steps >= cap:
-                return summary.steps, flat
-            steps = min(cap, 2 * summary.steps)
-            self.train(run, overrides, steps, max(1, steps // 4))
-            summary = read_run(run)
-
-
-def _flat(summary: RunSummary, points: float) -> bool:
-    """R@1 at the last evaluation is less than ``points`` above R@1 at (or just before) three quarters of it."""
-    evals = [(int(r["step"]), float(r["recall@1"])) for r in summary.evals if "recall@1" in r]
-    if len(evals) < 2:
-        return False
-    last_step, last = evals[-1]
-    quarter = [v for s, v in evals if s <= 0.75 * last_step]
-    return bool(quarter) and 100 * (last - quarter[-1]) < points
+            raise SystemExit(f"{run}: ddp-rank {what} exited with {code}; its output is in {log}")
 
 
 def _last(summary: RunSummary, metric: str) -> float:
     value = summary.last(metric)
     return float("nan") if value is None else float(value)
+
+
+def _mean_val(point: Point) -> float:
+    values = [_last(read_run(r), "recall@1") for r in point.runs]
+    return sum(values) / len(values)
 
 
 def _categories_to_fill(manifest: Manifest, split: str, batch: int, coverage: float = 0.9) -> int:
@@ -289,170 +269,108 @@ def _categories_to_fill(manifest: Manifest, split: str, batch: int, coverage: fl
     return len(sizes)
 
 
-def _point_figures(point: Point, n_train: int) -> dict[str, Any]:
-    runs = [read_run(r) for r in point.runs]
-    figures: dict[str, Any] = {
-        "axis": point.axis, "name": point.name, "batch": point.batch, "lr": point.lr, "steps": point.steps,
-        "flat": point.flat, "sweep_recall@1": point.sweep, "seeds": len(runs),
-        "epochs": round(point.steps * point.batch / n_train, 2), "seconds": [r.seconds for r in runs],
-        "curve": [(int(e["step"]), float(e["recall@1"])) for e in runs[0].evals if "recall@1" in e],
+def _val_gain(summary: RunSummary) -> float | None:
+    """Validation R@1 points gained from the evaluation at (or just before) three quarters of the run to its
+    last: how far the curve still rose at the end."""
+    evals = [(int(r["step"]), float(r["recall@1"])) for r in summary.evals if "recall@1" in r]
+    if len(evals) < 2:
+        return None
+    quarter = [v for s, v in evals if s <= 0.75 * evals[-1][0]]
+    return 100 * (evals[-1][1] - quarter[-1]) if quarter else None
+
+
+def _run_figures(run: Path, seed: int, out: Path) -> dict[str, Any]:
+    summary = read_run(run)
+    test = json.loads((run / "test.json").read_text())["test"]["metrics"]
+    return {
+        "seed": seed, "path": str(run.relative_to(out)), "steps": summary.steps, "seconds": summary.seconds,
+        "val_curve": [(int(e["step"]), float(e["recall@1"])) for e in summary.evals if "recall@1" in e],
+        "val_gain": _val_gain(summary), "val": {m: _last(summary, m) for m in METRICS},
+        "test": {m: float(test[m]) for m in METRICS}, "queries": str((run / "test-queries.npz").relative_to(out)),
     }  # fmt: skip
-    for metric in METRICS:
-        figures[metric] = [_last(r, metric) for r in runs]
-    return figures
 
 
-def _report(args: argparse.Namespace, manifest: Manifest, n_train: int, batch_points: list[Point], best: Point,
-            other_points: list[Point], hard_categories: int, wall: float) -> dict[str, Any]:  # fmt: skip
-    points = [_point_figures(p, n_train) for p in batch_points + other_points]
+def _record(args: argparse.Namespace, manifest: Manifest, final: Schedule, short: Schedule,
+            batch_points: list[Point], best: Point, other_points: list[Point], wall: float,
+            out: Path) -> dict[str, Any]:  # fmt: skip
+    def split_size(name: str) -> dict[str, int]:
+        return {"classes": len(manifest.splits[name].class_counts), "images": manifest.splits[name].samples}
+
+    n_train = manifest.splits[args.train_split].samples
+    points = []
+    for p in [*batch_points, *other_points]:
+        steps, _ = final.overrides(p.batch, n_train)
+        edge = p.lr in (min(float(r) for r in p.sweep), max(float(r) for r in p.sweep))
+        runs = [_run_figures(r, s, out) for s, r in enumerate(p.runs)]
+        points.append({"axis": p.axis, "name": p.name, "batch": p.batch, "lr": p.lr, "sweep": p.sweep,
+                       "at_edge": edge, "steps": steps, "epochs": round(steps * p.batch / n_train, 2),
+                       "runs": runs})  # fmt: skip
     return {
         "date": date.today().isoformat(),
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or platform.machine()})",
         "wall_seconds": round(wall),
+        "jobs": args.jobs,
         "shards": args.shards,
-        "whitened": _whitened(manifest),
-        "train_images": n_train,
-        "train_classes": len(manifest.splits[args.train_split].class_counts),
-        "test_classes": len(manifest.splits[args.test_split].class_counts),
+        "splits": {
+            "train": split_size(args.train_split),
+            "val": split_size(args.val_split),
+            "test": split_size(args.test_split),
+        },
+        "validation": {k: manifest.build.get(k) for k in ("val_fraction", "split_seed")},
         "rule": {
             "lr0": args.lr0,
-            "lr_factor": args.lr_factor,
-            "sweep_epochs": args.sweep_epochs,
+            "rate_factors": args.rate_factors,
+            "epochs": final.epochs,
+            "sweep_epochs": short.epochs,
+            "warmup": final.warmup,
+            "evals": final.evals,
+            "seeds": args.seeds,
             "flat_points": args.flat,
-            "max_epochs": args.max_epochs,
         },
         "best_batch": best.batch,
-        "hard_categories": hard_categories,
         "points": points,
     }
 
 
-def _whitened(manifest: Manifest) -> bool:
-    """Whether the vectors were whitened after the backbone (``ddp-rank shards whiten``)."""
-    from ddp_rank.features.records import feature_record
-
-    record = feature_record(manifest)
-    return record is not None and record.whitening is not None
-
-
-def _cell(values: list[float]) -> str:
-    pct = [100 * v for v in values]
-    if len(pct) == 1:
-        return f"{pct[0]:.2f}"
-    return f"{statistics.fmean(pct):.2f} ± {statistics.stdev(pct):.2f}"
-
-
-def _difference(a: dict[str, Any], b: dict[str, Any], metric: str) -> str:
-    """a - b in points with the paired 95% interval over seeds (seed i of one with seed i of the other)."""
-    pairs = list(zip(a[metric], b[metric], strict=False))
-    diffs = [100 * (x - y) for x, y in pairs]
-    interval = paired_t_interval(diffs)
-    if interval is None:
-        return f"{statistics.fmean(diffs):+.2f}"
-    return f"{interval.mean:+.2f} [{interval.low:+.2f}, {interval.high:+.2f}]"
-
-
-def _markdown(report: dict[str, Any]) -> str:
-    rule = report["rule"]
-    lines = [
-        f"# The word study: a linear head on frozen features{' (PCA-whitened)' if report.get('whitened') else ''}, "
-        f"{report['date']}",
-        "",
-        f"{report['machine']}; {report['wall_seconds'] // 60} min {report['wall_seconds'] % 60} s for the whole "
-        f"study. {report['train_classes']:,} training words ({report['train_images']:,} images), "
-        f"{report['test_classes']:,} held-out words; R@1, R@10 and MAP@R in % on the held-out words at the end "
-        "of each run (mean ± std over seeds where there are several).",
-        "",
-        f"Rule: each batch B tries lr {rule['lr0']:g} x sqrt(B / 1024) and {rule['lr_factor']:g}x below and above "
-        f"for {rule['sweep_epochs']:g} epoch(s) (a winner at an end of the rates: one more beyond it, twice at "
-        "most); the best R@1 wins; that run is extended (its steps doubled) "
-        f"until R@1 gains less than {rule['flat_points']:g} points over the last quarter of its steps (cap: "
-        f"{rule['max_epochs']:g} epochs). The sampler and loss points run at the best batch "
-        f"({report['best_batch']:,}), each with a sweep of its own centred on that batch's rate, then extended "
-        f"the same way; `hard` draws {report['hard_categories']} categories (first letter and length) per batch, "
-        "and leaves out the categories too small for their share.",
-        "",
-        "| axis | point | batch | lr | lr sweep (R@1 at the sweep's end) | steps | epochs | flat | R@1 | R@10 | "
-        "MAP@R | seeds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for p in report["points"]:
-        sweep = ", ".join(f"{lr}: {100 * v:.1f}" for lr, v in p["sweep_recall@1"].items()) or "-"
-        lines.append(
-            f"| {p['axis']} | {p['name']} | {p['batch']:,} | {p['lr']:.3g} | {sweep} | {p['steps']:,} | "
-            f"{p['epochs']:g} | {'yes' if p['flat'] else 'no (cap)'} | {_cell(p['recall@1'])} | "
-            f"{_cell(p['recall@10'])} | {_cell(p['map@r'])} | {p['seeds']} |"
-        )
-    batch = [p for p in report["points"] if p["axis"] == "batch"]
-    best = next(p for p in batch if p["batch"] == report["best_batch"])
-    lines += ["", "Differences (points, paired 95% interval over seeds where there are several):", ""]
-    lines += ["| difference | R@1 | MAP@R |", "|---|---|---|"]
-    for a, b in zip(batch[1:], batch[:-1], strict=False):
-        lines.append(f"| batch {a['batch']:,} - {b['batch']:,} | {_difference(a, b, 'recall@1')} | "
-                     f"{_difference(a, b, 'map@r')} |")  # fmt: skip
-    for p in report["points"]:
-        if p["axis"] != "batch":
-            lines.append(f"| {p['name']} - FastAP random at {best['batch']:,} | {_difference(p, best, 'recall@1')} "
-                         f"| {_difference(p, best, 'map@r')} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
-def _plots(report: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    batch = [p for p in report["points"] if p["axis"] == "batch"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    xs = [p["batch"] for p in batch]
-    for metric, marker in (("recall@1", "o-"), ("map@r", "s--")):
-        means = [100 * statistics.fmean(p[metric]) for p in batch]
-        left.plot(xs, means, marker, label=metric)
-        for x, p in zip(xs, batch, strict=True):
-            left.scatter([x] * len(p[metric]), [100 * v for v in p[metric]], s=10, color="gray", zorder=3)
-    left.set_xscale("log", base=2)
-    left.set_xticks(xs, [f"{x:,}" for x in xs])
-    left.set_xlabel("global batch (FastAP, random sampler, lr swept per batch)")
-    left.set_ylabel("held-out words (%)")
-    left.grid(alpha=0.3)
-    left.legend()
-    for p in batch:
-        steps, r1 = zip(*p["curve"], strict=True)
-        epochs = [s * p["batch"] / report["train_images"] for s in steps]
-        right.plot(epochs, [100 * v for v in r1], "o-", ms=3, label=f"{p['batch']:,}")
-    right.set_xlabel("epochs")
-    right.set_ylabel("R@1 (%), seed 0")
-    right.grid(alpha=0.3)
-    right.legend(title="batch", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "study-features-batch.png", dpi=120)
-    plt.close(fig)
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
+    def numbers(kind: type) -> Any:
+        return lambda s: [kind(v) for v in s.split(",") if v]
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", default="runs/words/whitened")
     p.add_argument("--config", default="configs/words_features.yaml")
     p.add_argument("--out", default="runs/study-features")
     p.add_argument("--python", default=sys.executable)
-    p.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")],
-                   default=[256, 512, 1024, 2048, 4096, 8192])  # fmt: skip
-    p.add_argument("--lr0", type=float, default=1e-3, help="the rate at batch 1,024 the sweep centres on")
-    p.add_argument("--lr-factor", type=float, default=3.0)
-    p.add_argument("--sweep-epochs", type=float, default=1.0)
-    p.add_argument("--max-epochs", type=float, default=8.0)
+    p.add_argument("--batches", type=numbers(int), default=[64, 128, 256, 512, 1024, 2048, 4096, 8192])
+    p.add_argument("--lr0", type=float, default=1e-3, help="the rate at batch 1,024 the candidates centre on")
+    p.add_argument("--rate-factors", type=numbers(float), default=[1 / 3, 1.0, 3.0, 9.0],
+                   help="the candidates: these multiples of lr0 * sqrt(B / 1024), the same for every batch")  # fmt: skip
+    p.add_argument("--epochs", type=float, default=8.0, help="every final run's length")
     p.add_argument(
-        "--flat", type=float, default=0.5, help="R@1 points over the last quarter that still count as flat"
+        "--sweep-epochs", type=float, default=2.0, help="each candidate rate's run (same schedule shape)"
     )
-    p.add_argument("--replicates", type=int, default=2)
+    p.add_argument("--warmup", type=float, default=0.05, help="the linear warm-up's share of a run's steps")
+    p.add_argument("--evals", type=int, default=8, help="validation evaluations along a final run")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--flat", type=float, default=0.3,
+                   help="validation R@1 points over a run's last quarter below which its curve counts as flat")  # fmt: skip
+    p.add_argument("--variants", type=lambda s: [v for v in s.split(",") if v], default=list(VARIANTS),
+                   help=f"sampler and loss points at the best batch, of {', '.join(VARIANTS)} (empty: none)")  # fmt: skip
     p.add_argument("--train-split", default="train")
+    p.add_argument("--val-split", default="val")
     p.add_argument("--test-split", default="test")
     p.add_argument(
         "--jobs", type=int, default=2, help="runs at a time (each with cores / jobs torch threads)"
     )
     p.add_argument("--results", action="store_true", help="copy table and plots into benchmarks/results/")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--from-record", help="a study.json: write its table, plot and conclusions again, train nothing"
+    )
+    args = p.parse_args(argv)
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)}; choose among {', '.join(VARIANTS)}")
+    return args
 
 
 if __name__ == "__main__":

@@ -43,22 +43,29 @@ def write_feature_shards(
     images: int,
     dim: int,
     test_every: int = 3,
+    val_every: int = 0,
     class_spread: float = 0.6,
     noise: float = 0.5,
     max_samples: int = 50_000,
     seed: int = 0,
 ) -> Path:
     """Write feature shards to ``out``: ``classes_per_category[c]`` classes of ``images`` vectors of ``dim`` in
-    category c; every ``test_every``-th class of a category goes to the ``test`` split (0: no test split).
-    Returns ``out``."""
+    category c; every ``test_every``-th class of a category goes to the ``test`` split (0: no test split), and of
+    the others every ``val_every``-th to the ``val`` split (0: none, the default). Returns ``out``."""
     rng = np.random.default_rng(seed)
     root = Path(out)
     categories = [f"cat{c}" for c in range(len(classes_per_category))]
     classes: list[ClassInfo] = []
-    members: dict[str, dict[int, list[int]]] = {"train": {}, "test": {}}  # split -> category -> class ids
+    members: dict[str, dict[int, list[int]]] = {
+        "train": {},
+        "val": {},
+        "test": {},
+    }  # split -> category -> ids
     for c, n in enumerate(classes_per_category):
         for j in range(n):
             split = "test" if test_every and j % test_every == test_every - 1 else "train"
+            if split == "train" and val_every and j % val_every == val_every - 2:
+                split = "val"
             members[split].setdefault(c, []).append(len(classes))
             classes.append(ClassInfo(len(classes), f"cls{c}_{j}", c))
     category_centres = rng.standard_normal((len(categories), dim))

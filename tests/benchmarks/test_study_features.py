@@ -1,42 +1,21 @@
-"""benchmarks/study_features.py: the rules the word study states (flat over the last quarter, the hard sampler's
-categories per batch, the paired differences), on runs and manifests made by hand."""
+"""benchmarks/study_features.py: the rules the word study states (every choice on validation, the test split once
+per final run, the same candidates and schedule shape at every batch), on a simulated trainer; and its record ->
+table, conclusions and plot."""
 
 from __future__ import annotations
 
-import threading
-import time
+import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from benchmarks.study_features import Slots, _categories_to_fill, _difference, _flat
+import benchmarks.study_features as study
+from benchmarks.study_features import Schedule, _categories_to_fill, _val_gain
 from ddp_rank.data.format.manifest import ClassInfo, Manifest, SplitInfo
 from ddp_rank.experiments.runs import RunSummary
-
-
-def _run(curve: list[tuple[int, float]]) -> RunSummary:
-    run = RunSummary(path=Path("run"), status="finished")
-    run.evals = [{"kind": "eval", "step": step, "recall@1": r1} for step, r1 in curve]
-    run.steps = curve[-1][0] if curve else 0
-    return run
-
-
-def test_flat_compares_the_last_evaluation_with_the_one_at_three_quarters() -> None:
-    # evaluations every quarter: 0.75 -> 1.00 gains 0.4 points: flat at 0.5, not at 0.3
-    curve = [(25, 0.40), (50, 0.50), (75, 0.600), (100, 0.604)]
-    assert _flat(_run(curve), points=0.5)
-    assert not _flat(_run(curve), points=0.3)
-    # a falling curve is flat (it has stopped growing)
-    assert _flat(_run([(50, 0.6), (100, 0.55)]), points=0.5)
-    # a run extended from 100 to 200 steps: evaluations at 150 and 200 decide, the earlier ones do not
-    extended = [(25, 0.1), (50, 0.2), (75, 0.3), (100, 0.35), (150, 0.50), (200, 0.52)]
-    assert _flat(_run(extended), points=0.5) is False
-    assert _flat(_run(extended), points=2.5)
-
-
-def test_one_evaluation_is_never_flat() -> None:
-    assert not _flat(_run([(100, 0.5)]), points=100.0)
-    assert not _flat(_run([]), points=100.0)
+from ddp_rank.features.synthetic import write_feature_shards
 
 
 def _manifest(category_images: list[int]) -> Manifest:
@@ -53,110 +32,148 @@ def test_hard_categories_per_batch_keep_nine_tenths_of_the_images() -> None:
     assert _categories_to_fill(manifest, "train", 400) == 2
     # batch 2,000, k = 2: shares of 1,000: 2,000 < 2,340; k = 3: 667: still 2,000; k = 4: 500: 2,500
     assert _categories_to_fill(manifest, "train", 2000) == 4
-    # all images or nothing: the number of categories when no k reaches the coverage
-    assert _categories_to_fill(manifest, "train", 2000, coverage=1.0) == 4
     assert _categories_to_fill(manifest, "train", 100_000) == 4
+    assert _categories_to_fill(_manifest([10_000, 10, 10]), "train", 8, coverage=0.5) == 2
 
 
-def test_difference_is_the_paired_t_interval_in_points() -> None:
-    a = {"recall@1": [0.60, 0.62]}
-    b = {"recall@1": [0.50, 0.51]}
-    # differences 10 and 11 points: mean 10.5, sd 0.7071, t(0.975, 1) = 12.706: half-width 6.353
-    assert _difference(a, b, "recall@1") == "+10.50 [+4.15, +16.85]"
-    assert _difference({"recall@1": [0.6]}, {"recall@1": [0.5]}, "recall@1") == "+10.00"
+def test_every_batch_gets_the_same_epochs_warm_up_share_and_a_decay_to_zero() -> None:
+    schedule = Schedule(epochs=8, warmup=0.05, evals=8)
+    for batch in (64, 1024, 8192):
+        steps, overrides = schedule.overrides(batch, n_train=150_000)
+        settings = dict(o.split("=", 1) for o in overrides)
+        assert steps == math.ceil(8 * 150_000 / batch) == int(settings["train.steps"])
+        assert settings["optim.schedule"] == "cosine" and float(settings["optim.min_lr_ratio"]) == 0
+        assert int(settings["optim.warmup_steps"]) == max(1, round(0.05 * steps))
+        assert steps // int(settings["train.eval_every"]) >= 8, "fewer evaluations than asked along the run"
 
 
-@pytest.mark.parametrize("coverage", [0.5, 0.9])
-def test_categories_never_below_two(coverage: float) -> None:
-    assert _categories_to_fill(_manifest([10_000, 10, 10]), "train", 8, coverage=coverage) == 2
+def test_the_gain_over_the_last_quarter() -> None:
+    run = RunSummary(path=Path("run"), status="finished")
+    run.evals = [{"step": s, "recall@1": v} for s, v in [(25, 0.4), (50, 0.5), (75, 0.600), (100, 0.604)]]
+    assert _val_gain(run) == pytest.approx(0.4)
+    run.evals = run.evals[-1:]
+    assert _val_gain(run) is None
 
 
-def test_a_waiting_first_seed_run_goes_before_a_waiting_replicate() -> None:
-    slots = Slots(1)
-    order: list[str] = []
-
-    def take(name: str, replicate: bool) -> None:
-        with slots.held(replicate):
-            order.append(name)
-
-    with slots.held(replicate=False):  # the one slot is busy while both start waiting
-        replicate = threading.Thread(target=take, args=("replicate", True))
-        replicate.start()
-        time.sleep(0.2)  # the replicate waits first
-        urgent = threading.Thread(target=take, args=("first seed", False))
-        urgent.start()
-        time.sleep(0.2)
-    urgent.join(5)
-    replicate.join(5)
-    assert order == ["first seed", "replicate"]
-
-
-class _SimulatedTraining:
-    """``Trainer.train`` without training: a run's R@1 follows ``ceiling(lr, loss) * (1 - exp(-step / 20))``,
-    evaluated every ``eval_every`` steps and at its last, continued where the run stopped, as ``ddp-rank train``
-    would."""
+class _Simulated:
+    """``Trainer.train`` and ``Trainer.test`` without training. Validation R@1 of a run follows
+    ``ceiling * (1 - exp(-step / 20))``, the ceiling peaking at a rate of 1e-3 (PNP: 9e-3) and at batch 64; on the
+    test words every point scores the same but batch 128, which scores higher there: a study that chose on the
+    test words would pick 128."""
 
     def __init__(self) -> None:
-        self.best_rate = {"fastap": 1e-3, "pnp": 9e-3, "smoothap": 1e-3}
-        self.launches: list[tuple[str, int]] = []
+        self.trained: dict[str, list[str]] = {}
+        self.tested: list[str] = []
 
-    def __call__(self, run: Path, overrides: list[str], steps: int, eval_every: int, replicate: bool = False) -> None:
-        import json
-        import math
+    def ceiling(self, settings: dict[str, str]) -> float:
+        best_rate = 9e-3 if settings.get("loss.name") == "pnp" else 1e-3
+        batch = int(settings["data.global_batch_size"])
+        return (
+            0.8
+            - 0.05 * abs(math.log(float(settings["optim.lr"]) / best_rate, 3))
+            - 0.01 * math.log2(batch / 64)
+        )
 
-        settings = dict(o.split("=", 1) for o in overrides)
-        lr, loss = float(settings["optim.lr"]), settings.get("loss.name", "fastap")
-        ceiling = 0.8 - 0.1 * abs(math.log(lr / self.best_rate[loss], 3)) - 0.1 * ("data.sampler" in settings)
-        metrics = run / "metrics.jsonl"
-        lines = metrics.read_text().splitlines() if metrics.is_file() else []
-        done = max((json.loads(line)["step"] for line in lines), default=0)
+    def train(self, trainer: study.Trainer, run: Path, overrides: list[str], steps: int) -> None:
+        settings = dict(o.split("=", 1) for o in [*trainer.common, *overrides])
+        every = int(settings["train.eval_every"])
         run.mkdir(parents=True, exist_ok=True)
-        evaluated = list(range(done + eval_every, steps + 1, eval_every))
-        for step in [*evaluated, *([steps] if steps not in evaluated and steps > done else [])]:  # the last too
-            record = {"kind": "eval", "step": step, "recall@1": ceiling * (1 - math.exp(-step / 20)),
-                      "recall@10": 0.9, "map@r": ceiling / 2}  # fmt: skip
-            lines.append(json.dumps(record))
-        metrics.write_text("\n".join(lines) + "\n")
-        self.launches.append((run.name, steps))
+        evaluated = sorted({*range(every, steps + 1, every), steps})
+        lines = [json.dumps({"kind": "eval", "step": s, "recall@1": self.ceiling(settings) * (1 - math.exp(-s / 20)),
+                             "recall@10": 0.9, "map@r": 0.4}) for s in evaluated]  # fmt: skip
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        (run / "settings.json").write_text(json.dumps(settings))
+        self.trained[str(run)] = [*trainer.common, *overrides]
+
+    def test(self, trainer: study.Trainer, run: Path) -> None:
+        settings = json.loads((run / "settings.json").read_text())
+        seed = int(settings.get("train.seed", 0))
+        rng = np.random.default_rng(seed)
+        labels = np.repeat(np.arange(100), 4)
+        rate = 0.7 + (0.1 if settings["data.global_batch_size"] == "128" else 0.0)
+        hits = (rng.random(400) < rate).astype(np.float64)
+        np.savez(run / "test-queries.npz", **{"recall@1": hits, "recall@10": np.ones(400), "map@r": hits / 2,
+                                               "label": labels, "key": np.array([f"q{i}" for i in range(400)])})  # fmt: skip
+        metrics = {"recall@1": hits.mean(), "recall@10": 1.0, "map@r": hits.mean() / 2}
+        (run / "test.json").write_text(json.dumps({"test": {"metrics": metrics}}))
+        self.tested.append(str(run))
 
 
-def test_the_study_sweeps_every_point_extends_it_until_flat_and_replicates_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The whole study on a simulated trainer: each batch and each sampler or loss point gets its own rate (the
-    simulated PNP is best at 9x FastAP's rate: its sweep must walk up to it), runs until flat or the cap, and
-    has its replicate as long as its first run."""
-    import json
-
-    import benchmarks.study_features as study
-    from ddp_rank.features.synthetic import write_feature_shards
-
-    shards = write_feature_shards(tmp_path / "shards", [20, 20, 20], images=8, dim=4)
-    simulated = _SimulatedTraining()
-    monkeypatch.setattr(study.Trainer, "train", lambda trainer, *args, **kwargs: simulated(*args, **kwargs))
-    monkeypatch.setattr(study, "_plots", lambda report, out: None)
+@pytest.fixture
+def simulated_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, _Simulated, Path]:
+    shards = write_feature_shards(
+        tmp_path / "shards", [20, 20, 20], images=8, dim=4, test_every=4, val_every=4
+    )
+    simulated = _Simulated()
+    monkeypatch.setattr(study.Trainer, "train", lambda trainer, *args: simulated.train(trainer, *args))
+    monkeypatch.setattr(study.Trainer, "test", lambda trainer, run: simulated.test(trainer, run))
+    monkeypatch.setattr(study, "plots", lambda record, out: [])
     out = tmp_path / "study"
-    args = ["--shards", str(shards), "--out", str(out), "--batches", "32,64", "--max-epochs", "60"]
+    args = ["--shards", str(shards), "--out", str(out), "--batches", "64,128,256", "--epochs", "40",
+            "--sweep-epochs", "10", "--variants", "pnp-dq,hard"]  # fmt: skip
     assert study.main(args) == 0
-    report = json.loads((out / "study.json").read_text())
-    points = {p["name"]: p for p in report["points"]}
-    assert set(points) == {"batch=32", "batch=64", "hard", "pnp-dq", "smooth-ap"}
-    assert all(p["flat"] for p in points.values()), {n: p["flat"] for n, p in points.items()}
-    # Batch 64: the sqrt rule centres on 2.5e-4; of 8.33e-5, 2.5e-4 and 7.5e-4 the top wins, 2.25e-3 beyond it
-    # loses, so 7.5e-4 (the grid's rate nearest the simulated best, 1e-3). It ends higher than batch 32.
-    assert points["batch=64"]["lr"] == pytest.approx(7.5e-4) and report["best_batch"] == 64
-    assert list(points["batch=64"]["sweep_recall@1"]) == ["8.33e-05", "0.00025", "0.00075", "0.00225"]
-    # PNP from 7.5e-4 towards its 9e-3: 2.25e-3 wins the grid, then 6.75e-3, then 2.03e-2 beyond loses.
-    assert points["pnp-dq"]["lr"] == pytest.approx(6.75e-3)
-    assert len(points["pnp-dq"]["sweep_recall@1"]) == 5
-    assert points["smooth-ap"]["lr"] == pytest.approx(7.5e-4) and points["hard"]["lr"] == pytest.approx(7.5e-4)
-    best = report["best_batch"]
-    assert all(points[n]["batch"] == best for n in ("hard", "pnp-dq", "smooth-ap"))
-    # Every point: a replicate trained as long as its first run, which the extensions made longer than a sweep.
-    lengths = dict(simulated.launches)
-    for name, point in points.items():
-        assert point["seeds"] == 2
-        first = "lr/" + (f"{name}" if name.startswith("batch") else f"{point['axis']}={name}")
-        assert lengths[f"{first.split('/')[1]},lr={point['lr']:.3g}"] == point["steps"]
-        replicate = f"{point['axis']}-{name},seed=1"
-        assert lengths[replicate] == point["steps"] > study.math.ceil(report["train_images"] / point["batch"])
+    return json.loads((out / "study.json").read_text()), simulated, out
+
+
+def test_every_choice_is_made_on_validation_and_the_test_split_is_read_once_per_final_run(
+    simulated_study: tuple[dict, _Simulated, Path],
+) -> None:
+    record, simulated, out = simulated_study
+    points = {p["name"]: p for p in record["points"]}
+    assert set(points) == {"64", "128", "256", "pnp-dq", "hard"}
+    # every run, sweep or final, evaluates on the validation split during training
+    for overrides in simulated.trained.values():
+        assert "data.test_split=val" in overrides and "data.train_split=train" in overrides
+    # the test split: once per final run, never for a candidate rate
+    finals = [r for r in simulated.trained if "/final/" in r]
+    assert sorted(simulated.tested) == sorted(finals) and len(finals) == 5 * 3
+    # the best batch by validation (64), not by the test words (128 scores higher there)
+    assert record["best_batch"] == 64
+    assert points["128"]["runs"][0]["test"]["recall@1"] > points["64"]["runs"][0]["test"]["recall@1"]
+    # the same four candidates around lr0 * sqrt(B / 1024) at every batch; the best validation rate wins
+    for name, batch in (("64", 64), ("128", 128), ("256", 256)):
+        centre = 1e-3 * math.sqrt(batch / 1024)
+        assert list(points[name]["sweep"]) == [f"{centre * f:.3g}" for f in (1 / 3, 1, 3, 9)]
+        assert points[name]["lr"] == pytest.approx(
+            float(max(points[name]["sweep"], key=points[name]["sweep"].get))
+        )
+    # the variants centre on the best batch's rate, with as many candidates
+    assert points["pnp-dq"]["batch"] == 64 and len(points["pnp-dq"]["sweep"]) == 4
+    assert list(points["pnp-dq"]["sweep"])[1] == f"{points['64']['lr']:.3g}"
+    assert points["pnp-dq"]["at_edge"], "PNP's best (9e-3) lies above the candidates: reported at the edge"
+    hard = simulated.trained[str(out / "final" / "sampler=hard,seed=0")]
+    assert "data.sampler=hard" in hard and any(o.startswith("data.categories_per_batch=") for o in hard)
+    assert record["validation"] == {"val_fraction": None, "split_seed": None}  # synthetic shards record none
+
+
+def test_differences_carry_both_intervals_and_the_table_is_rewritten_from_the_record(
+    simulated_study: tuple[dict, _Simulated, Path],
+) -> None:
+    record, _, out = simulated_study
+    rows = {(r["a"], r["b"]): r for r in record["differences"]}
+    assert len(rows) == len(record["differences"]), "a difference reported twice"
+    # adjacent batches, each batch against the best, each variant against FastAP random at the best batch
+    assert set(rows) == {("batch 128", "batch 64"), ("batch 256", "batch 128"), ("batch 256", "batch 64"),
+                         ("pnp-dq", "batch 64"), ("hard", "batch 64")}  # fmt: skip
+    r1 = rows[("batch 128", "batch 64")]["recall@1"]
+    assert r1["classes"][0] <= r1["mean"] <= r1["classes"][1] and r1["seeds"] is not None
+    # same seeds give the same per-query noise to every point: the difference is the 10-point shift, beyond noise
+    assert r1["verdict"] == "higher" and r1["classes"][0] > 0
+    assert rows[("pnp-dq", "batch 64")]["recall@1"]["verdict"] == "within noise"
+    text = (out / "study.md").read_text()
+    assert (
+        "## Conclusions (written from the record)" in text
+        and "Chosen on the validation words: batch 64" in text
+    )
+    assert (
+        "Beyond noise ABOVE the chosen batch (validation and test disagree) on test R@1 (points): 128" in text
+    )
+    (out / "study.md").unlink()
+    assert study.main(["--from-record", str(out / "study.json")]) == 0
+    assert (out / "study.md").read_text() == text
+
+
+def test_shards_without_a_validation_split_are_refused_with_the_fix(tmp_path: Path) -> None:
+    shards = write_feature_shards(tmp_path / "shards", [6, 6], images=4, dim=4)
+    with pytest.raises(SystemExit, match=r"no split 'val'.*--val-fraction 0.1"):
+        study.main(["--shards", str(shards), "--out", str(tmp_path / "out")])
