@@ -9,6 +9,7 @@ Examples::
     ddp-rank eval --checkpoint runs/demo eval.protocol=verification --output runs/demo/verify.json  # + -roc.png
     ddp-rank eval --checkpoint runs/demo --bootstrap 1000   # R@1 52.80 ± 0.90: the spread over the queries
     ddp-rank eval --checkpoint runs/demo eval.protocol=verification --bootstrap 200   # over the identities
+    ddp-rank eval --checkpoint runs/bs256-seed0 --per-query runs/bs256-seed0/queries.npz   # query by query
     accelerate launch --config_file launch/accelerate_cpu_2proc.yaml -m ddp_rank.cli eval --config ...
 
 Every process embeds its part of the test split; the embeddings are gathered (padded) and rank 0 searches and
@@ -72,6 +73,14 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--bootstrap-seed", type=int, metavar="S", help="with --bootstrap: seed of the resampling (0)"
     )
+    p.add_argument(
+        "--per-query",
+        metavar="PATH",
+        help="also write each test query's values to PATH, an .npz: its hit at every k of eval.ks and its AP@R "
+        "(one array per metric, whose means are the reported figures), its class ('label') and sample key "
+        "('key'), in the order scored, lone queries left out; two runs evaluated on one split can then be "
+        "compared query by query (ddp_rank.experiments.query_pairs). sop and inshop only",
+    )
     p.set_defaults(func=run)
 
 
@@ -102,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             name=args.name,
             output=args.output,
             bootstrap=bootstrap,
+            per_query=args.per_query,
         )
         if done.written:
             print(f"\n{done.table()}\nresults: {done.path}")

@@ -9,7 +9,7 @@ the gather, so the result, and the random VehicleID gallery draw made from it, d
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,8 @@ class EvalBatch:
     labels: Tensor
     subset_bits: Tensor
     index: Tensor
+    keys: Sequence[str] = ()
+    """Each sample's key, where the reader knows it (``ddp_rank.eval.runner.embed_split`` keeps them when asked)."""
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -38,6 +39,7 @@ from ddp_rank.eval.deployment import (
     deployment_metric_names,
     deployment_metrics,
 )
+from ddp_rank.eval.per_query import PerQuery, per_query_refusal
 from ddp_rank.eval.retrieval import QueryScores, query_scores, retrieval_metrics
 
 __all__ = [
@@ -90,22 +92,32 @@ class EmbeddedSet:
     index: Tensor | None = None
     """``[N]`` int64 hash of each sample's key (``ddp_rank.eval.runner.key_index``), when read from shards: the
     retrieval picture finds its samples' images by it."""
+    keys: np.ndarray | None = None
+    """``[N]`` str: each sample's key, when the embedding was asked for them (``eval --per-query`` names its
+    queries by them; gathering every key costs memory and a collective that an evaluation without it skips)."""
 
     def __post_init__(self) -> None:
         if not (len(self.embeddings) == len(self.labels) == len(self.subset_bits)):
             raise ValueError("embeddings, labels and subset_bits must have the same length")
         if self.index is not None and len(self.index) != len(self.labels):
             raise ValueError("index must have one entry per embedding")
+        if self.keys is not None and len(self.keys) != len(self.labels):
+            raise ValueError("keys must have one entry per embedding")
 
     @classmethod
     def from_lists(
-        cls, embeddings: Tensor, labels: Iterable[int], subsets: Iterable[str | None]
+        cls,
+        embeddings: Tensor,
+        labels: Iterable[int],
+        subsets: Iterable[str | None],
+        keys: Iterable[str] | None = None,
     ) -> EmbeddedSet:
         """Build from per-sample subset strings (tests, notebooks)."""
         return cls(
             embeddings,
             torch.as_tensor(list(labels), dtype=torch.int64),
             torch.tensor([subsets_to_bits(s) for s in subsets], dtype=torch.int64),
+            keys=None if keys is None else np.asarray(list(keys), dtype=np.str_),
         )
 
 
@@ -160,6 +172,7 @@ def evaluate(
     metrics: Sequence[str] = (),
     deployment: DeploymentSettings | None = None,
     bootstrap: QueryBootstrap | None = None,
+    per_query: bool = False,
 ) -> dict[str, Any]:
     """Run ``protocol`` on ``data``; returns a flat ``{metric: value}`` dict (see the module doc for keys), with
     the curves of the verification / identification figures under ``curves`` when there are any.
@@ -169,10 +182,20 @@ def evaluate(
     ``identification``), with ``deployment``'s settings (``ks`` gives the CMC ranks when set). ``bootstrap``:
     also the spread of each metric under the key ``bootstrap``: Recall@k and MAP@R over the queries
     (``ddp_rank.eval.bootstrap``), the verification and identification figures over the identities
-    (``ddp_rank.eval.identity_bootstrap``); refused for vehicleid.
+    (``ddp_rank.eval.identity_bootstrap``); refused for vehicleid. ``per_query``: also each scored query's
+    Recall@k and MAP@R values, class and key (:class:`ddp_rank.eval.per_query.PerQuery`, under the key
+    ``per_query``; ``data.keys`` must be set); sop and inshop only.
     """
     if protocol not in PROTOCOLS:
         raise EvalError(f"unknown protocol {protocol!r}; valid: {', '.join(PROTOCOLS)}")
+    refusal = per_query_refusal(protocol) if per_query else None
+    if refusal is not None:
+        raise EvalError(refusal)
+    if per_query and data.keys is None:
+        raise EvalError(
+            "per-query values name their queries by sample key, and this embedded set carries none: embed it "
+            "with ddp_rank.eval.runner.embed_split(..., keys=True)"
+        )
     if bootstrap is not None and protocol == "vehicleid":
         raise EvalError(
             "the bootstrap covers the sop, inshop, verification and identification protocols; VehicleID's "
@@ -196,6 +219,7 @@ def evaluate(
         seed=seed,
         device=device,
         bootstrap=bootstrap,
+        per_query=per_query,
     )
     if not groups:
         return out
@@ -249,15 +273,17 @@ def _evaluate_retrieval(
     seed: int,
     device: torch.device | str | None,
     bootstrap: QueryBootstrap | None,
+    per_query: bool = False,
 ) -> dict[str, Any]:
-    """Recall@k / MAP@R under the papers' protocols (sop, inshop, vehicleid), with their query bootstrap."""
+    """Recall@k / MAP@R under the papers' protocols (sop, inshop, vehicleid), with their query bootstrap and
+    (sop, inshop) the per-query values."""
     kk = _ks(protocol, ks)
     e, y = data.embeddings, data.labels
     if protocol == "sop":
         scores = query_scores(
             e, y, e, y, kk, exclude_self=True, map_at_r=map_at_r, backend=backend, device=device
         )
-        return _with_bootstrap(scores, bootstrap)
+        return _with_extras(scores, bootstrap, data, torch.arange(len(y)) if per_query else None)
     if protocol == "inshop":
         q, g = subset_mask(data, "query"), subset_mask(data, "gallery")
         if not q.any() or not g.any():
@@ -266,7 +292,7 @@ def _evaluate_retrieval(
                 f"{int(g.sum())} gallery): build the shards with the In-Shop recipe, or use eval.protocol=sop"
             )
         scores = query_scores(e[q], y[q], e[g], y[g], kk, map_at_r=map_at_r, backend=backend, device=device)
-        return _with_bootstrap(scores, bootstrap)
+        return _with_extras(scores, bootstrap, data, torch.nonzero(q).flatten() if per_query else None)
     # vehicleid
     out: dict[str, float] = {}
     gen = torch.Generator().manual_seed(seed)
@@ -297,11 +323,20 @@ def _evaluate_retrieval(
     return with_largest_list_as_headline(out, evaluated)
 
 
-def _with_bootstrap(scores: QueryScores, bootstrap: QueryBootstrap | None) -> dict[str, Any]:
-    """The metrics of ``scores``, with their spread over the queries when ``bootstrap`` is asked for."""
+def _with_extras(
+    scores: QueryScores, bootstrap: QueryBootstrap | None, data: EmbeddedSet, query_rows: Tensor | None
+) -> dict[str, Any]:
+    """The metrics of ``scores``, with their spread over the queries when ``bootstrap`` is asked for, and each
+    query's values when ``query_rows`` (the rows of ``data`` that were the queries, in the order given to the
+    search) is."""
     out: dict[str, Any] = dict(scores.metrics())
     if bootstrap is not None:
         out["bootstrap"] = bootstrap_queries(scores, bootstrap)
+    if query_rows is not None:
+        # query_scores always sets rows; evaluate refused a set without keys.
+        assert scores.rows is not None and data.keys is not None
+        rows = query_rows.cpu().numpy()[scores.rows]
+        out["per_query"] = PerQuery(scores.per_query(), data.labels.cpu().numpy()[rows], data.keys[rows])
     return out
 
 

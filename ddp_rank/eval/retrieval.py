@@ -145,6 +145,9 @@ class QueryScores:
     hits: dict[int, np.ndarray]
     average_precision: np.ndarray | None
     num_lone_queries: int
+    rows: np.ndarray | None = None
+    """int64 [n]: which of the queries given to :func:`query_scores` each value belongs to (lone ones are left
+    out), so that ``eval --per-query`` can name every value's query by its class and sample key."""
 
     @property
     def num_queries(self) -> int:
@@ -244,4 +247,5 @@ def query_scores(
         hits={k: first_hit < k for k in ks},
         average_precision=ap if map_at_r else None,
         num_lone_queries=int((~valid).sum()),
+        rows=q_idx.numpy().astype(np.int64),
     )

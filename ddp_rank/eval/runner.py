@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from ddp_rank._moved import moved_attributes
@@ -31,6 +32,7 @@ from ddp_rank.distributed.process_group import is_distributed, rank, world_size
 from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.deployment import DeploymentSettings
 from ddp_rank.eval.embed import EvalBatch, embed_batches, gather_embedded
+from ddp_rank.eval.per_query import per_query_refusal
 from ddp_rank.eval.protocols import (
     SUBSET_TOKENS,
     VEHICLEID_SIZES,
@@ -119,6 +121,7 @@ def read_eval_batches(
             labels=b.labels,
             subset_bits=torch.tensor([subsets_to_bits(s) for s in b.subsets], dtype=torch.int64),
             index=torch.tensor([key_index(k) for k in b.keys], dtype=torch.int64),
+            keys=tuple(b.keys),
         )
 
 
@@ -130,11 +133,39 @@ def embed_split(
     autocast_dtype: torch.dtype | None = None,
     num_workers: int | None = None,
     manifest: Manifest | None = None,
+    keys: bool = False,
 ) -> EmbeddedSet:
-    """Embed ``split`` on all ranks and gather it onto every rank (rows sorted by sample key hash)."""
+    """Embed ``split`` on all ranks and gather it onto every rank (rows sorted by sample key hash). ``keys``:
+    with every sample's key too (``EmbeddedSet.keys``), gathered from all ranks."""
     batches = read_eval_batches(settings, split, num_workers, manifest=manifest)
+    seen: dict[int, str] = {}
+    if keys:
+        batches = _noting_keys(batches, seen)
     e, y, bits, idx = embed_batches(model, batches, device=device, autocast_dtype=autocast_dtype)
-    return gather_embedded(e, y, bits, idx, device=device)
+    data = gather_embedded(e, y, bits, idx, device=device)
+    if keys:
+        data.keys = _gathered_keys(seen, data.index)
+    return data
+
+
+def _noting_keys(batches: Iterator[EvalBatch], seen: dict[int, str]) -> Iterator[EvalBatch]:
+    """The batches unchanged, each one's ``{index: key}`` noted in ``seen`` as it passes."""
+    for b in batches:
+        seen.update(zip(b.index.tolist(), b.keys, strict=True))
+        yield b
+
+
+def _gathered_keys(seen: dict[int, str], index: Tensor | None) -> np.ndarray:
+    """The keys of the gathered rows, in their order (``index``): every rank's ``{index: key}`` put together.
+
+    Why by index and not by position: the rows were sorted by the key hash after the gather, and each rank's keys
+    only travel as objects; matching them by hash is independent of how the ranks shared the split."""
+    if is_distributed():
+        every: list[dict[int, str]] = [{} for _ in range(world_size())]
+        dist.all_gather_object(every, seen)
+        seen = {i: key for part in every for i, key in part.items()}
+    assert index is not None  # gather_embedded always sets it
+    return np.asarray([seen[i] for i in index.tolist()], dtype=np.str_)
 
 
 def evaluate_model(
@@ -147,15 +178,20 @@ def evaluate_model(
     manifest: Manifest | None = None,
     bootstrap: QueryBootstrap | None = None,
     on_embedded: EmbeddedHook | None = None,
+    per_query: bool = False,
 ) -> dict[str, Any]:
     """Recall@k / MAP@R of ``model`` on ``split`` (default ``data.test_split``) with ``eval.protocol``;
     ``bootstrap``: with their spread over the queries (``ddp_rank.eval.bootstrap``); ``on_embedded``: given
-    each embedded split (VehicleID recipe shards: each list's) before it is scored.
+    each embedded split (VehicleID recipe shards: each list's) before it is scored; ``per_query``: with each
+    query's values under ``per_query`` (:class:`ddp_rank.eval.per_query.PerQuery`, rank 0 only; sop, inshop).
 
-    Must be called on every rank; returns the same dict on every rank. ``manifest``: the loaded manifest of
-    ``data.shards`` (the trainer passes its own, so a periodic evaluation reads no manifest); loaded once here
-    when None.
+    Must be called on every rank; returns the same dict on every rank (but ``per_query``). ``manifest``: the
+    loaded manifest of ``data.shards`` (the trainer passes its own, so a periodic evaluation reads no manifest);
+    loaded once here when None.
     """
+    refusal = per_query_refusal(settings.protocol) if per_query else None
+    if refusal is not None:
+        raise EvalError(refusal)
     manifest = manifest if manifest is not None else Manifest.load(settings.data.shards)
     if settings.protocol == "vehicleid":
         per_size = vehicleid_splits(settings, manifest) if split is None else _vehicleid_list_split(split)
@@ -164,10 +200,10 @@ def evaluate_model(
                 model, settings, per_size, device, autocast_dtype, num_workers, manifest, on_embedded
             )
     target = split or settings.data.test_split
-    data = embed_split(model, settings, target, device, autocast_dtype, num_workers, manifest)
+    data = embed_split(model, settings, target, device, autocast_dtype, num_workers, manifest, keys=per_query)
     if on_embedded is not None:
         on_embedded(target, data)
-    return score(data, settings, device=device, bootstrap=bootstrap)
+    return score(data, settings, device=device, bootstrap=bootstrap, per_query=per_query)
 
 
 def _vehicleid_list_split(split: str) -> dict[str, str]:
@@ -218,10 +254,13 @@ def score(
     vehicleid_sizes: list[str] | None = None,
     device: torch.device | str | None = None,
     bootstrap: QueryBootstrap | None = None,
+    per_query: bool = False,
 ) -> dict[str, Any]:
     """Run ``settings.protocol`` on gathered embeddings on rank 0 and broadcast the result to every rank.
 
     The exact search runs where the model ran (``device``): chunked top-k on a GPU, faiss or top-k on a CPU.
+    ``per_query``: rank 0's result keeps each query's values under ``per_query``; they are not broadcast (only
+    rank 0 writes them, and SOP's 60k queries with their keys are megabytes the other ranks would not use).
     """
     result: list[Any] = [None]
     if rank() == 0:
@@ -239,14 +278,19 @@ def score(
                 metrics=list(settings.metrics),
                 deployment=settings.deployment,
                 bootstrap=bootstrap,
+                per_query=per_query,
             )
         except Exception as exc:  # report on every rank instead of leaving the others waiting
             result[0] = exc
+    kept = result[0].pop("per_query", None) if isinstance(result[0], dict) else None
     if is_distributed():
         dist.broadcast_object_list(result, src=0)
     if isinstance(result[0], Exception):
         raise result[0]
-    return dict(result[0])
+    out = dict(result[0])
+    if kept is not None:
+        out["per_query"] = kept
+    return out
 
 
 # ``deployment_settings(cfg)`` moved to ``eval.settings`` with the settings objects (issue 39).

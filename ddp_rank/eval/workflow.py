@@ -21,6 +21,7 @@ from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.curves import draw_curves, split_curves
 from ddp_rank.eval.eval_model import RAW_PIXEL_SIZE, build_eval_model, feature_shards, images_in_front
 from ddp_rank.eval.export import ExportError, embed_batches_to_arrays, write_manifest, write_part
+from ddp_rank.eval.per_query import per_query_refusal, write_per_query
 from ddp_rank.eval.protocols import VEHICLEID_SIZES
 from ddp_rank.eval.report import bootstrap_note, deployment_lines, format_table, write_json
 from ddp_rank.eval.retrieval_record import RetrievalPicture
@@ -91,6 +92,8 @@ class Evaluation:
     pictures: tuple[Path, ...] = ()
     retrieval: Path | None = None
     """``retrieval.png``: sampled queries and their top-k (None: not drawn, e.g. feature shards)."""
+    per_query: Path | None = None
+    """The ``--per-query`` file written (None: not asked for, or not this rank)."""
 
     def table(self) -> str:
         queries = int(self.metrics.get("num_queries", 0))
@@ -107,6 +110,8 @@ class Evaluation:
             lines.append("curves: " + ", ".join(str(p) for p in self.pictures))
         if self.retrieval is not None:
             lines.append(f"retrieval picture: {self.retrieval} (green: the query's class, red: another)")
+        if self.per_query is not None:
+            lines.append(f"per-query values: {self.per_query}")
         return "\n".join(lines)
 
 
@@ -118,9 +123,18 @@ def evaluate_and_record(
     name: str | None = None,
     output: str | None = None,
     bootstrap: QueryBootstrap | None = None,
+    per_query: str | None = None,
 ) -> Evaluation:
     """Evaluate on every rank; rank 0 adds the result to the JSON (``output``, default OUTPUT_DIR/eval.json).
-    ``bootstrap``: each metric's spread over the queries or identities too. Tears down the process group."""
+    ``bootstrap``: each metric's spread over the queries or identities too. ``per_query``: rank 0 also writes
+    each query's values there (``ddp_rank.eval.per_query``; sop, inshop). Tears down the process group."""
+    refusal = per_query_refusal(cfg.eval.protocol) if per_query is not None else None
+    if refusal is not None:
+        raise ConfigError(refusal)
+    if per_query is not None and Path(per_query).is_dir():
+        raise ConfigError(
+            f"--per-query {per_query} is a folder: give the file to write, e.g. {per_query}/queries.npz"
+        )
     if bootstrap is not None and cfg.eval.protocol == "vehicleid":
         raise ConfigError(
             "--bootstrap resamples the queries (sop, inshop) or the identities (verification, identification); "
@@ -137,21 +151,23 @@ def evaluate_and_record(
         model, default_name = build_eval_model(model_part, shards, checkpoint, baseline)
         model.to(accelerator.device)
         picture = RetrievalPicture(settings, accelerator.is_main_process)
-        metrics, curves = split_curves(
-            evaluate_model(
-                model,
-                settings,
-                split,
-                device=accelerator.device,
-                autocast_dtype=autocast_dtype(accelerator),
-                bootstrap=bootstrap,
-                on_embedded=picture.capture,
-            )
+        result = evaluate_model(
+            model,
+            settings,
+            split,
+            device=accelerator.device,
+            autocast_dtype=autocast_dtype(accelerator),
+            bootstrap=bootstrap,
+            on_embedded=picture.capture,
+            per_query=per_query is not None,
         )
+        queries = result.pop("per_query", None)  # rank 0 only: the other ranks write nothing
+        metrics, curves = split_curves(result)
         label = name or default_name
         out_path = Path(output) if output else Path(cfg.train.output_dir) / "eval.json"
         pictures: list[Path] = []
-        retrieval = None
+        retrieval: Path | None = None
+        written_per_query: Path | None = None
         if accelerator.is_main_process:
             results: dict[str, Any] = json.loads(out_path.read_text()) if out_path.is_file() else {}
             results[label] = {
@@ -165,6 +181,8 @@ def evaluate_and_record(
             write_json(results, out_path)
             pictures = draw_curve_pictures(results, out_path)
             retrieval = picture.write(label, out_path.parent, accelerator.device)
+            if per_query is not None and queries is not None:
+                written_per_query = write_per_query(queries, per_query)
         return Evaluation(
             metrics,
             label,
@@ -174,6 +192,7 @@ def evaluate_and_record(
             accelerator.is_main_process,
             tuple(pictures),
             retrieval,
+            written_per_query,
         )
     finally:
         accelerator.end_training()

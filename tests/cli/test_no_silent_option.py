@@ -111,6 +111,17 @@ def _bootstrapped(o: Outcome, w: World) -> bool:
     return " ± " in o.out and spread["resamples"] == 20 and len(spread["metrics"]) >= 2
 
 
+def _per_query(o: Outcome, w: World) -> bool:
+    from ddp_rank.experiments.query_pairs import load_query_values
+
+    values, metrics = load_query_values(o.tmp / "q.npz"), o.entry()["metrics"]
+    return (
+        f"per-query values: {o.tmp / 'q.npz'}" in o.out
+        and len(values.labels) == metrics["num_queries"]
+        and all(abs(v.mean() - metrics[name]) < 1e-12 for name, v in values.values.items())
+    )
+
+
 def _points(o: Outcome, w: World) -> bool:
     rows = list(csv.DictReader(io.StringIO(o.out)))
     return [row["runs"] for row in rows] == ["2", "1"] and "point" in rows[0]
@@ -144,6 +155,10 @@ CASES: list[Case] = [
                   and "(seed 3)" in o.out)),
     Case("eval", "--bootstrap-seed", EVERY, given("--bootstrap-seed", "3"),
          Refused("--bootstrap-seed seeds --bootstrap N")),
+    Case("eval", "--per-query", RETRIEVAL, lambda w, t: ["--per-query", str(t / "q.npz")],
+         Honoured("each query's values, whose means are the JSON's metrics", _per_query)),
+    Case("eval", "--per-query", ("vehicleid", *DEPLOYMENT), lambda w, t: ["--per-query", str(t / "q.npz")],
+         Refused("leave out --per-query")),
     # compare: the base command compares three finished runs evaluated with <situation>: two seeds of one
     # learning rate, one seed of another.
     Case("compare", "runs", EVERY, nothing,
