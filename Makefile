@@ -110,7 +110,8 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.loss
 
 # The emoji study (benchmarks/results/study-2026-11-25-findings.md; batch size, sampler, loss; 3 seeds per
-# point, its wall time in benchmarks/results/study-*.md; REPLICATES=1 for single runs); outputs in runs/study/
+# point, its wall time in benchmarks/results/study-*.md; REPLICATES=1 for single runs); outputs in runs/study/.
+# Every batch trains at configs/demo.yaml's one rate (Adam 1e-4, the head at 10x, constant), not swept per batch.
 study: $(STAMP)
 	PYTHON=$(BIN)/python bash benchmarks/study.sh
 

@@ -3,9 +3,12 @@
 # FastAP at global batch 32 / 128 / 512 / 2,048 at equal images seen, the hard vs the random sampler, and FastAP
 # vs PNP-Dq vs Smooth-AP, each run on 2 gloo processes from configs/demo.yaml (EfficientNet-Lite0 with ImageNet
 # weights, 64 px, frozen BatchNorm) for 12,288 training images (about 3.2 epochs of the 3,824 training images),
-# evaluated on the 955 held-out classes halfway and at the end. Every point is trained REPLICATES times (default
-# 3: train.seed 0, 1, 2; `sweep --replicates`), so each axis's table gives each point's mean, spread and count
-# and the difference of two points with its 95% interval ("within noise" when it includes zero).
+# evaluated on the 955 held-out classes halfway and at the end. Every batch trains with the config's one recipe
+# (Adam 1e-4, the head at 10x, a constant rate), not a rate swept per batch: the batch axis says how that recipe
+# fares at each batch, not whether a bigger batch retrieves better (the word study asks that). Every point is
+# trained REPLICATES times (default 3: train.seed 0, 1, 2; `sweep --replicates`), so each axis's table gives each
+# point's mean, spread and count and the difference of two points with its 95% interval ("within noise" when it
+# includes zero).
 #
 #   make study   (or: bash benchmarks/study.sh)   # about 75 minutes on 2 cores (25 per replicate); in runs/study/
 #   OUT=/tmp/study PYTHON=.venv/bin/python REPLICATES=1 bash benchmarks/study.sh    # single runs, as before
