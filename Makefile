@@ -99,10 +99,11 @@ words-whitened: $(WORDS_DIR)/whitened/manifest.json
 		model.backbone=features model.weights=none 'eval.metrics=[]' --baseline raw-pixels \
 		--name "whitened frozen backbone" --output $(WORDS_DIR)/whitened-eval.json
 
-# The word study (benchmarks/results/study-features-2026-11-26-findings.md): FastAP heads on the whitened
-# vectors at global batches 256 to 8,192 (the rate swept per batch, each run until flat), hard vs random,
-# FastAP / PNP-Dq / Smooth-AP, 2 seeds a point; outputs in runs/study-features/, the table and plot copied into
-# benchmarks/results/ with the date.
+# The word study (benchmarks/study_features.py; benchmarks/results/study-features-*): FastAP heads on the
+# whitened vectors at global batches 64 to 8,192, every choice (rate, best batch) on the validation words, one
+# warm-up + cosine-to-zero schedule for all, 3 seeds a point, the test words evaluated once per final run; then
+# PNP-Dq, Smooth-AP and the hard sampler at the best batch. Outputs in runs/study-features/ (study.json: the
+# record), the table, conclusions and plot copied into benchmarks/results/ with the date.
 study-features: $(WORDS_DIR)/whitened/manifest.json
 	$(BIN)/python -m benchmarks.study_features --shards $(WORDS_DIR)/whitened --out runs/study-features --results
 
