@@ -49,6 +49,15 @@ log = logging.getLogger(__name__)
 CAPTURE_MODES = ("none", "compile", "graphs")
 """``distributed.capture_chunk``: none = eager; compile = ``torch.compile`` (inductor, no CUDA graphs);
 graphs = inductor with CUDA graphs on a GPU ("reduce-overhead"), plain inductor on the CPU."""
+GRAPHS_UNVERIFIED = (
+    "distributed.capture_chunk=graphs has not passed its gradient check on a GPU: on the one GPU it ran on "
+    "(an H200, benchmarks/results/gpu-2026-11-27.md), the first convolution's accumulated gradient differed from "
+    "the eager step's beyond bf16 rounding in a third of its entries "
+    "(tests/train/test_captured_chunk.py::test_cuda_graphs_accumulate_every_chunk_of_every_step). Train with "
+    "distributed.capture_chunk=compile until it passes"
+)
+"""Said at the start of a run with CUDA graphs on a GPU: the mode is kept for the GPU check to rerun, not for
+training."""
 
 
 class CapturedChunk:
@@ -145,4 +154,6 @@ def captured_chunk_for(
             "distributed.capture_chunk cannot capture a DeepSpeed engine's step (its backward is the engine's "
             "own): set distributed.capture_chunk=none, or train with DDP"
         )
+    if mode == "graphs" and torch.cuda.is_available():
+        log.warning(GRAPHS_UNVERIFIED)
     return CapturedChunk(backend.bare_module, chunk_size, mode, compiler)
