@@ -15,8 +15,11 @@ trained with ``ddp-rank train``, one process per run.
    batch gets the same number of candidates.
 4. **Seeds.** The chosen rate of each point is trained with ``--seeds`` seeds; the best batch is the one of the
    highest mean validation R@1 at the end.
-5. **Sampler and loss at the best batch** (``--variants``): the hard sampler, PNP-Dq and Smooth-AP, each with a
-   rate sweep of its own by the same rule, centred on the best batch's rate.
+5. **Sampler and loss at the best batch** (``--variants``: PNP-Dq and Smooth-AP by default, the hard sampler on
+   request), each with a rate sweep of its own: the same factors applied to the best batch's rate.
+   **The budget check** (``--budget-check``): seed 0 of the smallest and the largest batch trained again for twice
+   ``--epochs``, at its chosen rate: a decaying rate flattens any curve by itself, so this is what tells whether
+   the length sufficed.
 6. **The test split, once.** The last checkpoint of every final run is evaluated on the test words
    (``ddp-rank eval --split test --per-query``). A difference between two points comes with two intervals: a
    paired bootstrap over the test classes (the same draw for both points and every seed, on the seed-averaged
@@ -24,7 +27,9 @@ trained with ``ddp-rank train``, one process per run.
    (``ddp_rank.experiments.query_pairs``).
 
 Runs go ``--jobs`` at a time (default 2, one torch thread each on 2 cores: the stream is Python, so two runs of
-one thread go about 3x as fast as one on both). Outputs in ``--out``: one folder per run, ``study.json`` (the
+one thread each go faster than one run on both). A run that exists is reused only if its config holds the
+settings asked for (a rerun with other settings in the same ``--out`` stops and says so); a candidate rate whose
+run fails (a non-finite loss) counts as the worst candidate; any other failure stops the study. Outputs in ``--out``: one folder per run, ``study.json`` (the
 record: every figure the table, plot and conclusions hold) and ``study.md``; ``--results`` copies the table and
 plots into ``benchmarks/results/`` with the date; ``--from-record`` rewrites them from a record without training.
 
@@ -36,6 +41,7 @@ plots into ``benchmarks/results/`` with the date; ``--from-record`` rewrites the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -51,12 +57,17 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from benchmarks.study_features_report import differences, markdown, plots
+from ddp_rank.checkpoints.read import latest_checkpoint
 from ddp_rank.data.format.manifest import Manifest
-from ddp_rank.experiments.runs import RunSummary, read_run
+from ddp_rank.experiments.runs import RunSummary, flatten_config, read_run
+from ddp_rank.features.records import feature_record
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = ("recall@1", "recall@10", "map@r")
+DEFAULT_VARIANTS = ("pnp-dq", "smooth-ap")
 VARIANTS = {
     "hard": ("sampler", ["data.sampler=hard"]),  # categories_per_batch added at the best batch
     "pnp-dq": ("loss", ["loss.name=pnp", "loss.pnp_variant=Dq", "loss.alpha=4"]),
@@ -117,17 +128,22 @@ def main(argv: list[str] | None = None) -> int:
         steps, schedule = short.overrides(point.batch, n_train)
         runs = {lr: out / "lr" / f"{point.axis}={point.name},lr={lr:.3g}" for lr in rates}
         with ThreadPoolExecutor(len(rates)) as pool:
-            for job in [pool.submit(trainer.train, run, [*_overrides(point.batch, lr), *point.extra, *schedule],
-                                    steps) for lr, run in runs.items()]:  # fmt: skip
-                job.result()
-        finals = {lr: _last(read_run(run), "recall@1") for lr, run in runs.items()}
-        point.lr = min(finals, key=lambda r: (-finals[r], r))
+            jobs = {lr: pool.submit(trainer.train, run, [*_overrides(point.batch, lr), *point.extra, *schedule],
+                                    steps, True) for lr, run in runs.items()}  # fmt: skip
+            trained = {lr: job.result() for lr, job in jobs.items()}
+        finals = {
+            lr: _last(read_run(run), "recall@1") if trained[lr] else math.nan for lr, run in runs.items()
+        }
+        if not any(math.isfinite(v) for v in finals.values()):
+            raise SystemExit(f"{point.axis}={point.name}: every candidate rate failed (logs in {out / 'lr'})")
+        point.lr = min(finals, key=lambda r: (-finals[r] if math.isfinite(finals[r]) else math.inf, r))
         point.sweep = {f"{lr:.3g}": finals[lr] for lr in rates}
 
     def seeds(point: Point) -> None:
         """Point 4 and 6: the chosen rate with every seed on the final schedule, then each on the test split."""
         steps, schedule = final.overrides(point.batch, n_train)
-        runs = [out / "final" / f"{point.axis}={point.name},seed={s}" for s in range(args.seeds)]
+        name = f"{point.axis}={point.name},lr={point.lr:.3g}"
+        runs = [out / "final" / f"{name},seed={s}" for s in range(args.seeds)]
         overrides = [*_overrides(point.batch, point.lr), *point.extra, *schedule]
         with ThreadPoolExecutor(len(runs)) as pool:
             jobs = [pool.submit(trainer.train, run, [*overrides, f"train.seed={s}"], steps)
@@ -149,23 +165,37 @@ def main(argv: list[str] | None = None) -> int:
         seeds(point)
         return point
 
-    with ThreadPoolExecutor(max_workers=len(args.batches) + len(args.variants)) as threads:
-        batch_points = [f.result() for f in [threads.submit(batch_chain, b) for b in args.batches]]
+    def budget_check(point: Point) -> dict[str, Any]:
+        """Seed 0 of ``point`` again for twice the epochs: validation R@1 at its end minus the final run's."""
+        longer = Schedule(2 * args.epochs, args.warmup, args.evals)
+        steps, schedule = longer.overrides(point.batch, n_train)
+        run = out / "budget" / f"{point.axis}={point.name},lr={point.lr:.3g},seed=0,epochs={longer.epochs:g}"
+        trainer.train(
+            run, [*_overrides(point.batch, point.lr), *point.extra, *schedule, "train.seed=0"], steps
+        )
+        gain = 100 * (_last(read_run(run), "recall@1") - _last(read_run(point.runs[0]), "recall@1"))
+        return {"batch": point.batch, "epochs": longer.epochs, "steps": steps, "gain": gain,
+                "path": str(run.relative_to(out))}  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=2 * len(args.batches) + len(args.variants)) as threads:
+        chains = {b: threads.submit(batch_chain, b) for b in sorted(args.batches)}
+        checks = [threads.submit(lambda b=b: budget_check(chains[b].result())) for b in args.budget_check]
+        batch_points = [f.result() for f in chains.values()]
         best = max(batch_points, key=lambda p: (_mean_val(p), -p.batch))
         variants = []
         for name in args.variants:
             axis, extra = VARIANTS[name]
             if name == "hard":
-                extra = [
-                    *extra,
-                    f"data.categories_per_batch={_categories_to_fill(manifest, args.train_split, best.batch)}",
-                ]
+                k = _categories_to_fill(manifest, args.train_split, best.batch)
+                extra = [*extra, f"data.categories_per_batch={k}"]
             variants.append(threads.submit(variant_chain, Point(axis, name, best.batch, extra), best.lr))
         other_points = [f.result() for f in variants]
+        budget = [f.result() for f in checks]
 
     record = _record(
         args, manifest, final, short, batch_points, best, other_points, time.monotonic() - start, out
     )
+    record["budget_check"] = budget
     record["differences"] = differences(record, out)
     (out / "study.json").write_text(json.dumps(record, indent=1) + "\n")
     _write(record, out, args.results)
@@ -181,6 +211,7 @@ def _write(record: dict[str, Any], out: Path, results: bool) -> None:
     if results:
         target = REPO / "benchmarks" / "results"
         shutil.copy(out / "study.md", target / f"study-features-{record['date']}.md")
+        (target / f"study-features-{record['date']}.json").write_text(json.dumps(record, indent=1) + "\n")
         for png in pngs:
             shutil.copy(png, target / png.name.replace(".png", f"-{record['date']}.png"))
 
@@ -191,7 +222,8 @@ def _check_splits(manifest: Manifest, args: argparse.Namespace) -> None:
         raise SystemExit(
             f"{args.shards}: no split {', '.join(map(repr, missing))} (it has {sorted(manifest.splits)}). The study "
             f"chooses on a validation split of training classes: build the image shards with `ddp-rank shards "
-            f"build ... --val-fraction 0.1` (the Makefile's words-shards does), then the feature shards again"
+            f"build ... --val-fraction 0.1` (the Makefile's words-shards does), then the feature shards again: "
+            f"`rm -r runs/words/shards runs/words/features runs/words/whitened && make words-whitened`"
         )
 
 
@@ -207,38 +239,79 @@ class Trainer:
         self.out = out
         self.env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.jobs)))
         self.slots = threading.BoundedSemaphore(args.jobs)
+        self.stopped = threading.Event()
+        """Set by a fatal failure: no other run starts."""
         self.common = [f"data.shards={args.shards}", "model.backbone=features", "model.weights=none",
                        f"data.train_split={args.train_split}", f"data.test_split={args.val_split}",
                        "eval.metrics=[]"]  # fmt: skip
 
-    def train(self, run: Path, overrides: list[str], steps: int) -> None:
-        """Train ``run`` to ``steps`` (continuing it when it holds fewer); its evaluations are on validation."""
-        done = read_run(run) if (run / "metrics.jsonl").is_file() else None
-        if done is not None and done.status == "finished" and done.steps >= steps:
-            return
-        self._call(run, [self.args.python, "-m", "ddp_rank.cli", "train", "--config", self.args.config,
-                         *self.common, f"train.output_dir={run}", "train.keep_last=1", "train.progress=false",
-                         "train.resume=auto", *overrides])  # fmt: skip
+    def train(self, run: Path, overrides: list[str], steps: int, may_fail: bool = False) -> bool:
+        """Train ``run`` to ``steps`` (an interrupted run continues); its evaluations are on validation. A run
+        that finished with the settings asked for is kept. ``may_fail``: a failed run returns False (a candidate
+        rate that diverged) instead of stopping the study."""
+        asked = [*self.common, *overrides]
+        if (run / "config.yaml").is_file():
+            _check_same_settings(run, asked)
+            done = read_run(run)
+            if done.status == "finished" and done.steps == steps:
+                return True
+        for stale in ("test.json", "test-queries.npz"):
+            (run / stale).unlink(missing_ok=True)
+        cmd = [self.args.python, "-m", "ddp_rank.cli", "train", "--config", self.args.config, *asked,
+               f"train.output_dir={run}", "train.keep_last=1", "train.progress=false", "train.resume=auto"]  # fmt: skip
+        return self._call(run, cmd, "train", may_fail)
 
     def test(self, run: Path) -> None:
         """The test split, once, on the run's last checkpoint (not its best on validation: the schedule ends)."""
         if (run / "test-queries.npz").is_file() and (run / "test.json").is_file():
             return
-        steps = sorted(p for p in run.rglob("step-*") if p.is_dir() and "abandoned" not in str(p))
-        if not steps:
+        last = latest_checkpoint(run / "checkpoints")
+        if last is None:
             raise SystemExit(f"{run}: no checkpoint to evaluate on the test split")
-        self._call(run, [self.args.python, "-m", "ddp_rank.cli", "eval", "--checkpoint", str(steps[-1]), "--split",
+        self._call(run, [self.args.python, "-m", "ddp_rank.cli", "eval", "--checkpoint", str(last), "--split",
                          self.args.test_split, "--name", "test", "--output", str(run / "test.json"), "--per-query",
                          str(run / "test-queries.npz"), "eval.metrics=[]"], "test")  # fmt: skip
 
-    def _call(self, run: Path, cmd: list[str], what: str = "train") -> None:
+    def _call(self, run: Path, cmd: list[str], what: str = "train", may_fail: bool = False) -> bool:
         run.parent.mkdir(parents=True, exist_ok=True)
         log = run.parent / f"{run.name}.{what}.log"
         with self.slots, log.open("a") as sink:
+            if self.stopped.is_set():
+                raise SystemExit(f"{run}: not started, the study is stopping after a failure")
             print(f"[{time.strftime('%H:%M:%S')}] {what} {run.relative_to(self.out)}", flush=True)
             code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=self.env)
+        if code != 0 and may_fail:
+            print(f"[{time.strftime('%H:%M:%S')}] {run.relative_to(self.out)} failed (exit {code}): counted as the "
+                  f"worst candidate; its output is in {log}", flush=True)  # fmt: skip
+            return False
         if code != 0:
+            self.stopped.set()
             raise SystemExit(f"{run}: ddp-rank {what} exited with {code}; its output is in {log}")
+        return True
+
+
+def _check_same_settings(run: Path, asked: list[str]) -> None:
+    """Stop when ``run`` was trained with other settings than ``asked`` (``section.key=value`` overrides): a rerun
+    with other rules in the same ``--out`` would otherwise report runs it did not make."""
+    recorded = flatten_config(yaml.safe_load((run / "config.yaml").read_text()) or {})
+    differ = []
+    for override in asked:
+        key, value = override.split("=", 1)
+        wanted = yaml.safe_load(value)
+        have = recorded.get(key)
+        if isinstance(wanted, list):
+            wanted = tuple(wanted)
+        if isinstance(have, int | float) and isinstance(wanted, str):  # YAML reads 1e-3 as a string; the config not
+            with contextlib.suppress(ValueError):
+                wanted = float(wanted)
+        same_number = (
+            isinstance(have, int | float) and isinstance(wanted, int | float) and math.isclose(have, wanted)
+        )
+        if have != wanted and not same_number:
+            differ.append(f"{key}={have!r}, asked {value}")
+    if differ:
+        raise SystemExit(f"{run} was trained with other settings ({'; '.join(differ)}): give another --out, or "
+                         f"delete {run} to train it again")  # fmt: skip
 
 
 def _last(summary: RunSummary, metric: str) -> float:
@@ -316,7 +389,7 @@ def _record(args: argparse.Namespace, manifest: Manifest, final: Schedule, short
             "val": split_size(args.val_split),
             "test": split_size(args.test_split),
         },
-        "validation": {k: manifest.build.get(k) for k in ("val_fraction", "split_seed")},
+        "validation": _validation_draw(manifest),
         "rule": {
             "lr0": args.lr0,
             "rate_factors": args.rate_factors,
@@ -330,6 +403,20 @@ def _record(args: argparse.Namespace, manifest: Manifest, final: Schedule, short
         "best_batch": best.batch,
         "points": points,
     }
+
+
+def _validation_draw(manifest: Manifest) -> dict[str, Any]:
+    """How the validation split was drawn: ``val_fraction`` and ``split_seed`` of the image shards' build record,
+    reached through the feature record's ``source`` (None each when that manifest cannot be read)."""
+    record = feature_record(manifest)
+    build = manifest.build
+    if record is not None:
+        try:
+            build = Manifest.load(record.source).build
+        except (OSError, ValueError):
+            build = {}
+    return {"source": None if record is None else record.source, "val_fraction": build.get("val_fraction"),
+            "split_seed": build.get("split_seed")}  # fmt: skip
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -354,7 +441,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--flat", type=float, default=0.3,
                    help="validation R@1 points over a run's last quarter below which its curve counts as flat")  # fmt: skip
-    p.add_argument("--variants", type=lambda s: [v for v in s.split(",") if v], default=list(VARIANTS),
+    p.add_argument("--budget-check", type=numbers(int), default=None,
+                   help="batches whose seed 0 trains again for twice --epochs (default: the smallest and largest)")  # fmt: skip
+    p.add_argument("--variants", type=lambda s: [v for v in s.split(",") if v], default=list(DEFAULT_VARIANTS),
                    help=f"sampler and loss points at the best batch, of {', '.join(VARIANTS)} (empty: none)")  # fmt: skip
     p.add_argument("--train-split", default="train")
     p.add_argument("--val-split", default="val")
@@ -370,6 +459,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {', '.join(unknown)}; choose among {', '.join(VARIANTS)}")
+    if args.budget_check is None:
+        args.budget_check = sorted({min(args.batches), max(args.batches)})
+    if not set(args.budget_check) <= set(args.batches):
+        p.error(f"--budget-check {args.budget_check}: each must be one of --batches {args.batches}")
     return args
 
 

@@ -24,7 +24,7 @@ def _label(point: dict[str, Any]) -> str:
 def _pairs(record: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """The differences the study reports: each batch against the one below it, each batch against the best one
     (chosen on validation), each sampler or loss against FastAP random at the best batch."""
-    batch = [p for p in record["points"] if p["axis"] == "batch"]
+    batch = sorted((p for p in record["points"] if p["axis"] == "batch"), key=lambda p: p["batch"])
     best = next(p for p in batch if p["batch"] == record["best_batch"])
     pairs = list(zip(batch[1:], batch[:-1], strict=False))
     pairs += [(p, best) for p in batch if p is not best and not any(x is p and y is best for x, y in pairs)]
@@ -45,6 +45,7 @@ def differences(record: dict[str, Any], out: Path) -> list[dict[str, Any]]:
                 "mean": 100 * d.mean,
                 "classes": [100 * d.queries.low, 100 * d.queries.high],
                 "seeds": None if d.seeds is None else [100 * d.seeds.low, 100 * d.seeds.high],
+                "combined": None if d.combined is None else [100 * d.combined.low, 100 * d.combined.high],
                 "verdict": d.verdict,
             }
         rows.append(row)
@@ -87,7 +88,7 @@ def markdown(record: dict[str, Any]) -> str:
         f"{rule['sweep_epochs']:g} epoch(s) on the same schedule shape (shorter than the final runs); the best "
         f"validation R@1 at its end wins. {rule['seeds']} seeds a point. The best batch ({record['best_batch']:,}) "
         "is the one of the highest mean validation R@1; the sampler and loss points run there, each with its own "
-        "rate sweep centred on its rate. The test split is evaluated once, on each final run's last checkpoint.",
+        "rate sweep (the same factors applied to that batch's rate). The test split is evaluated once, on each final run's last checkpoint.",
         "",
         "| axis | point | batch | rates tried (validation R@1 at the end) | chosen | steps (epochs) | validation "
         "R@1 | gain over the last quarter | test R@1 | test R@10 | test MAP@R |",
@@ -108,19 +109,23 @@ def markdown(record: dict[str, Any]) -> str:
         "",
         "Figures in %, mean ± std over the seeds. (edge): the chosen rate is the smallest or largest tried.",
         "",
-        "Differences on the test words (points, first minus second): the mean over the seeds, a 95% paired "
+        "Differences on the test words (points, first minus second): the mean over the seeds; a 95% paired "
         "bootstrap over the test classes (the same draw of classes, each with all its queries, for both points "
-        "and every seed, on the seed-averaged per-query difference) and a 95% paired t interval over the seeds. "
-        "Beyond noise only where both exclude zero.",
+        "and every seed, on the seed-averaged per-query difference: the test set's noise); a 95% paired t "
+        "interval over the seeds (the training's noise); and the two combined (their half-widths added in "
+        "quadrature, `ddp_rank.experiments.query_pairs`). Beyond noise only where the combined interval excludes "
+        "zero.",
         "",
-        "| difference | R@1 | over classes | over seeds | | MAP@R | over classes | over seeds | |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| difference | R@1 | over classes | over seeds | combined | | MAP@R | over classes | over seeds | combined "
+        "| |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in record.get("differences", []):
         cells = []
         for metric in COMPARED:
             d = row[metric]
-            cells += [f"{d['mean']:+.2f}", _interval(d["classes"]), _interval(d["seeds"]), d["verdict"]]
+            cells += [f"{d['mean']:+.2f}", _interval(d["classes"]), _interval(d["seeds"]),
+                      _interval(d.get("combined")), d["verdict"]]  # fmt: skip
         lines.append(f"| {row['a']} - {row['b']} | " + " | ".join(cells) + " |")
     lines += ["", "## Conclusions (written from the record)", ""]
     lines += [f"- {line}" for line in conclusions(record)]
@@ -131,7 +136,7 @@ def conclusions(record: dict[str, Any]) -> list[str]:
     """What the record supports, each claim only where both intervals exclude zero, in sentences."""
     flat = record["rule"]["flat_points"]
     points = record["points"]
-    batch = [p for p in points if p["axis"] == "batch"]
+    batch = sorted((p for p in points if p["axis"] == "batch"), key=lambda p: p["batch"])
     best = next(p for p in batch if p["batch"] == record["best_batch"])
     rows = {(r["a"], r["b"]): r for r in record.get("differences", [])}
     out = [
@@ -159,14 +164,24 @@ def conclusions(record: dict[str, Any]) -> list[str]:
             r1 = rows[(_label(p), _label(best))]["recall@1"]
             out.append(f"{p['name']} - FastAP random at {best['batch']:,}: test R@1 {r1['mean']:+.2f} points, "
                        f"{r1['verdict']}.")  # fmt: skip
-    rising = [f"{_label(p)} ({_mean([r['val_gain'] for r in p['runs']]):+.2f})" for p in points
-              if all(r["val_gain"] is not None for r in p["runs"])
-              and _mean([r["val_gain"] for r in p["runs"]]) >= flat]  # fmt: skip
-    out.append(
-        f"Validation R@1 still rose by {flat:g} points or more over the last quarter of: {', '.join(rising)}."
-        if rising
-        else f"Every final run's validation R@1 rose by less than {flat:g} points over its last quarter (flat)."
-    )
+    gains = {_label(p): [r["val_gain"] for r in p["runs"]] for p in points}
+    unknown = [name for name, g in gains.items() if any(v is None for v in g)]
+    rising = [
+        f"{name} ({_mean(g):+.2f})" for name, g in gains.items() if name not in unknown and _mean(g) >= flat
+    ]
+    if rising:
+        out.append(
+            f"Validation R@1 still rose by {flat:g} points or more over the last quarter of: {', '.join(rising)}."
+        )
+    else:
+        out.append(f"The mean validation R@1 of every point{' but ' + ', '.join(unknown) if unknown else ''} rose by "
+                   f"less than {flat:g} points over the last quarter of its runs (a decaying rate flattens a curve "
+                   "by itself: the budget check below is the test of the length).")  # fmt: skip
+    for check in record.get("budget_check", []):
+        out.append(f"Budget check, batch {check['batch']:,}, seed 0: {check['epochs']:g} epochs instead of "
+                   f"{record['rule']['epochs']:g} change validation R@1 by {check['gain']:+.2f} points "
+                   f"({'within' if abs(check['gain']) < flat else 'beyond'} the {flat:g}-point flatness "
+                   "threshold).")  # fmt: skip
     edges = [_label(p) for p in points if p["at_edge"]]
     if edges:
         out.append(f"The chosen rate is at an end of the candidates for: {', '.join(edges)}.")

@@ -52,6 +52,8 @@ def write_feature_shards(
     """Write feature shards to ``out``: ``classes_per_category[c]`` classes of ``images`` vectors of ``dim`` in
     category c; every ``test_every``-th class of a category goes to the ``test`` split (0: no test split), and of
     the others every ``val_every``-th to the ``val`` split (0: none, the default). Returns ``out``."""
+    if val_every == 1:
+        raise ValueError("val_every=1 would leave no training class: give 0 (no val split) or 2 and more")
     rng = np.random.default_rng(seed)
     root = Path(out)
     categories = [f"cat{c}" for c in range(len(classes_per_category))]

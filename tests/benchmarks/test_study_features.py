@@ -74,8 +74,13 @@ class _Simulated:
             - 0.01 * math.log2(batch / 64)
         )
 
-    def train(self, trainer: study.Trainer, run: Path, overrides: list[str], steps: int) -> None:
+    def train(
+        self, trainer: study.Trainer, run: Path, overrides: list[str], steps: int, may_fail: bool = False
+    ) -> bool:
         settings = dict(o.split("=", 1) for o in [*trainer.common, *overrides])
+        if may_fail and float(settings["optim.lr"]) > 0.006:  # the largest candidates diverge
+            self.trained[str(run)] = [*trainer.common, *overrides]
+            return False
         every = int(settings["train.eval_every"])
         run.mkdir(parents=True, exist_ok=True)
         evaluated = sorted({*range(every, steps + 1, every), steps})
@@ -84,6 +89,7 @@ class _Simulated:
         (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
         (run / "settings.json").write_text(json.dumps(settings))
         self.trained[str(run)] = [*trainer.common, *overrides]
+        return True
 
     def test(self, trainer: study.Trainer, run: Path) -> None:
         settings = json.loads((run / "settings.json").read_text())
@@ -126,6 +132,9 @@ def test_every_choice_is_made_on_validation_and_the_test_split_is_read_once_per_
         assert "data.test_split=val" in overrides and "data.train_split=train" in overrides
     # the test split: once per final run, never for a candidate rate
     finals = [r for r in simulated.trained if "/final/" in r]
+    assert all(",lr=" in r for r in simulated.trained), (
+        "a run's folder names its rate: no rerun reuses another's"
+    )
     assert sorted(simulated.tested) == sorted(finals) and len(finals) == 5 * 3
     # the best batch by validation (64), not by the test words (128 scores higher there)
     assert record["best_batch"] == 64
@@ -140,10 +149,18 @@ def test_every_choice_is_made_on_validation_and_the_test_split_is_read_once_per_
     # the variants centre on the best batch's rate, with as many candidates
     assert points["pnp-dq"]["batch"] == 64 and len(points["pnp-dq"]["sweep"]) == 4
     assert list(points["pnp-dq"]["sweep"])[1] == f"{points['64']['lr']:.3g}"
-    assert points["pnp-dq"]["at_edge"], "PNP's best (9e-3) lies above the candidates: reported at the edge"
-    hard = simulated.trained[str(out / "final" / "sampler=hard,seed=0")]
+    assert not points["pnp-dq"]["at_edge"], "the rate above the chosen one was tried (it diverged)"
+    hard = simulated.trained[str(out / "final" / f"sampler=hard,lr={points['hard']['lr']:.3g},seed=0")]
     assert "data.sampler=hard" in hard and any(o.startswith("data.categories_per_batch=") for o in hard)
-    assert record["validation"] == {"val_fraction": None, "split_seed": None}  # synthetic shards record none
+    assert record["validation"]["val_fraction"] is None  # synthetic feature shards come from no image build
+    # PNP's largest candidate, 6.75e-3, "diverges": counted as the worst, the study goes on
+    assert math.isnan(points["pnp-dq"]["sweep"]["0.00675"]) and points["pnp-dq"]["lr"] == pytest.approx(
+        2.25e-3
+    )
+    # the budget check: seed 0 of the smallest and largest batch again for twice the epochs
+    checks = {c["batch"]: c for c in record["budget_check"]}
+    assert sorted(checks) == [64, 256] and all(c["epochs"] == 80 for c in checks.values())
+    assert all(c["gain"] >= 0 for c in checks.values()), "the simulated curve still rises after 40 epochs"
 
 
 def test_differences_carry_both_intervals_and_the_table_is_rewritten_from_the_record(
@@ -177,3 +194,14 @@ def test_shards_without_a_validation_split_are_refused_with_the_fix(tmp_path: Pa
     shards = write_feature_shards(tmp_path / "shards", [6, 6], images=4, dim=4)
     with pytest.raises(SystemExit, match=r"no split 'val'.*--val-fraction 0.1"):
         study.main(["--shards", str(shards), "--out", str(tmp_path / "out")])
+
+
+def test_a_run_trained_with_other_settings_is_never_reused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("optim:\n  lr: 0.001\ntrain:\n  steps: 100\neval:\n  metrics: []\n")
+    study._check_same_settings(run, ["optim.lr=0.001", "train.steps=100", "eval.metrics=[]"])
+    with pytest.raises(
+        SystemExit, match=r"other settings \(train.steps=100, asked 200\).*give another --out"
+    ):
+        study._check_same_settings(run, ["optim.lr=1e-3", "train.steps=200"])

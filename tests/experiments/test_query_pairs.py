@@ -45,7 +45,26 @@ def test_pairing_cancels_what_two_points_share() -> None:
     assert diff.queries.low > 0
     # the seeds agree exactly: zero spread, an interval of zero width that excludes zero
     assert diff.seeds is not None and diff.seeds.low == diff.seeds.high == pytest.approx(diff.mean)
+    assert diff.combined is not None and (diff.combined.low, diff.combined.high) == pytest.approx(
+        (diff.queries.low, diff.queries.high)
+    ), "no spread over the seeds: the combined interval is the classes' one"
     assert diff.beyond_noise and diff.verdict == "higher"
+
+
+def test_the_combined_interval_adds_the_half_widths_in_quadrature() -> None:
+    labels = np.repeat(np.arange(50), 4)
+    rng = np.random.default_rng(3)
+    base = (rng.random(200) < 0.5).astype(float)
+    a = [_run(np.clip(base + (rng.random(200) < p), 0, 1), labels) for p in (0.05, 0.10, 0.20)]
+    b = [_run(base, labels)] * 3
+    diff = compare_points(a, b, "recall@1")
+    assert diff.seeds is not None and diff.combined is not None
+    seed_half = (diff.seeds.high - diff.seeds.low) / 2
+    assert diff.combined.high - diff.mean == pytest.approx(np.hypot(diff.queries.high - diff.mean, seed_half))
+    assert diff.mean - diff.combined.low == pytest.approx(np.hypot(diff.mean - diff.queries.low, seed_half))
+    assert diff.verdict == ("within noise" if diff.combined.within_noise else "higher")
+    with pytest.raises(ValueError, match="the same number of runs"):
+        compare_points(a, b[:2], "recall@1")
 
 
 def test_within_noise_when_either_interval_holds_zero() -> None:

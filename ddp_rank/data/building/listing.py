@@ -238,7 +238,10 @@ def carve_validation(
         names = sorted(by_category[category], key=natural_key)
         n_val = min(round(fraction * len(names)), len(names) - 1)
         carved.update((category, names[i]) for i in rng.permutation(len(names))[:n_val])
-    return [replace(r, split=VAL_SPLIT) if (r.category, r.cls) in carved else r for r in records]
+    return [
+        replace(r, split=VAL_SPLIT) if (r.split or source) == source and (r.category, r.cls) in carved else r
+        for r in records
+    ]
 
 
 def assign_splits(records: Sequence[Record], test_fraction: float, seed: int) -> list[Record]:
