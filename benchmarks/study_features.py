@@ -15,7 +15,7 @@ trained with ``ddp-rank train``, one process per run.
    batch gets the same number of candidates.
 4. **Seeds.** The chosen rate of each point is trained with ``--seeds`` seeds; the best batch is the one of the
    highest mean validation R@1 at the end.
-5. **Sampler and loss at the best batch** (``--variants``: PNP-Dq and Smooth-AP by default, the hard sampler on
+5. **Sampler and loss at the best batch** (``--variants``: PNP-Dq by default, Smooth-AP and the hard sampler on
    request), each with a rate sweep of its own: the same factors applied to the best batch's rate.
    **The budget check** (``--budget-check``): seed 0 of the smallest and the largest batch trained again for twice
    ``--epochs``, at its chosen rate: a decaying rate flattens any curve by itself, so this is what tells whether
@@ -67,7 +67,7 @@ from ddp_rank.features.records import feature_record
 
 REPO = Path(__file__).resolve().parents[1]
 METRICS = ("recall@1", "recall@10", "map@r")
-DEFAULT_VARIANTS = ("pnp-dq", "smooth-ap")
+DEFAULT_VARIANTS = ("pnp-dq",)
 VARIANTS = {
     "hard": ("sampler", ["data.sampler=hard"]),  # categories_per_batch added at the best batch
     "pnp-dq": ("loss", ["loss.name=pnp", "loss.pnp_variant=Dq", "loss.alpha=4"]),
@@ -432,7 +432,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr0", type=float, default=1e-3, help="the rate at batch 1,024 the candidates centre on")
     p.add_argument("--rate-factors", type=numbers(float), default=[1 / 3, 1.0, 3.0, 9.0],
                    help="the candidates: these multiples of lr0 * sqrt(B / 1024), the same for every batch")  # fmt: skip
-    p.add_argument("--epochs", type=float, default=8.0, help="every final run's length")
+    p.add_argument("--epochs", type=float, default=4.0, help="every final run's length")
     p.add_argument(
         "--sweep-epochs", type=float, default=2.0, help="each candidate rate's run (same schedule shape)"
     )
