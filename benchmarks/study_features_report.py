@@ -107,7 +107,9 @@ def markdown(record: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "Figures in %, mean ± std over the seeds. (edge): the chosen rate is the smallest or largest tried.",
+        "Figures in %, mean ± std over the seeds. (edge): the chosen rate is the smallest or largest tried. The "
+        f"record is `study-features-{record['date']}.json` beside this table: `python -m benchmarks.study_features "
+        "--from-record RECORD` writes this table, its conclusions and the plot again.",
         "",
         "Differences on the test words (points, first minus second): the mean over the seeds; a 95% paired "
         "bootstrap over the test classes (the same draw of classes, each with all its queries, for both points "
