@@ -101,9 +101,9 @@ words-whitened: $(WORDS_DIR)/whitened/manifest.json
 
 # The word study (benchmarks/study_features.py; benchmarks/results/study-features-*): FastAP heads on the
 # whitened vectors at global batches 64 to 8,192, every choice (rate, best batch) on the validation words, one
-# warm-up + cosine-to-zero schedule for all, 3 seeds a point, the test words evaluated once per final run; then
-# PNP-Dq, Smooth-AP and the hard sampler at the best batch. Outputs in runs/study-features/ (study.json: the
-# record), the table, conclusions and plot copied into benchmarks/results/ with the date.
+# warm-up + cosine-to-zero schedule for all, 3 seeds a point, the test words evaluated once per final run, the
+# largest batch again at twice the epochs. Outputs in runs/study-features/ (study.json: the record), the table,
+# conclusions and plot copied into benchmarks/results/ with the date.
 study-features: $(WORDS_DIR)/whitened/manifest.json
 	$(BIN)/python -m benchmarks.study_features --shards $(WORDS_DIR)/whitened --out runs/study-features --results
 

@@ -157,9 +157,9 @@ def test_every_choice_is_made_on_validation_and_the_test_split_is_read_once_per_
     assert math.isnan(points["pnp-dq"]["sweep"]["0.00675"]) and points["pnp-dq"]["lr"] == pytest.approx(
         2.25e-3
     )
-    # the budget check: seed 0 of the smallest and largest batch again for twice the epochs
+    # the budget check: seed 0 of the largest batch (the fewest steps) again for twice the epochs
     checks = {c["batch"]: c for c in record["budget_check"]}
-    assert sorted(checks) == [64, 256] and all(c["epochs"] == 80 for c in checks.values())
+    assert sorted(checks) == [256] and all(c["epochs"] == 80 for c in checks.values())
     assert all(c["gain"] >= 0 for c in checks.values()), "the simulated curve still rises after 40 epochs"
 
 
