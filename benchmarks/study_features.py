@@ -301,7 +301,8 @@ def _check_same_settings(run: Path, asked: list[str]) -> None:
         have = recorded.get(key)
         if isinstance(wanted, list):
             wanted = tuple(wanted)
-        if isinstance(have, int | float) and isinstance(wanted, str):  # YAML reads 1e-3 as a string; the config not
+        # YAML 1.1 reads 1e-3 (no dot) as a string, where the config reads a number
+        if isinstance(have, int | float) and isinstance(wanted, str):
             with contextlib.suppress(ValueError):
                 wanted = float(wanted)
         same_number = (
