@@ -87,8 +87,15 @@ def markdown(record: dict[str, Any]) -> str:
         f"tries the same {len(rule['rate_factors'])} rates, {factors} x {rule['lr0']:g} x sqrt(B / 1024), each for "
         f"{rule['sweep_epochs']:g} epoch(s) on the same schedule shape (shorter than the final runs); the best "
         f"validation R@1 at its end wins. {rule['seeds']} seeds a point. The best batch ({record['best_batch']:,}) "
-        "is the one of the highest mean validation R@1; the sampler and loss points run there, each with its own "
-        "rate sweep (the same factors applied to that batch's rate). The test split is evaluated once, on each final run's last checkpoint.",
+        "is the one of the highest mean validation R@1"
+        + (
+            "; the sampler and loss points run there, each with its own rate sweep (the same factors applied to "
+            "that batch's rate)"
+            if any(p["axis"] != "batch" for p in record["points"])
+            else ""
+        )
+        + ". The test split is evaluated once, on each final run's last checkpoint."
+        + (f" Time: {record['wall_note']}" if record.get("wall_note") else ""),
         "",
         "| axis | point | batch | rates tried (validation R@1 at the end) | chosen | steps (epochs) | validation "
         "R@1 | gain over the last quarter | test R@1 | test R@10 | test MAP@R |",
