@@ -165,6 +165,8 @@ def test_refusals_and_the_config_key() -> None:
     logger = logging.getLogger("ddp_rank.train.chunking.captured")
     logger.addHandler(handler)
     level, logger.level = logger.level, logging.INFO
+    # a library's logging.config call earlier in the process (disable_existing_loggers) may have disabled it
+    disabled, logger.disabled = logger.disabled, False
     try:
         assert captured_chunk_for(backend, 4, "none") is None and said == []
         assert (
@@ -173,6 +175,7 @@ def test_refusals_and_the_config_key() -> None:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+        logger.disabled = disabled
     assert said == [
         "distributed.capture_chunk=graphs has no effect: the step is not chunked (the batch fits)"
     ]
