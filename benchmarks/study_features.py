@@ -51,7 +51,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
@@ -154,9 +154,13 @@ def main(argv: list[str] | None = None) -> int:
             trainer.test(run)
         point.runs = runs
 
+    budget_runs: dict[int, Future[Path]] = {}
+
     def batch_chain(batch: int) -> Point:
         point = Point("batch", str(batch), batch, [])
         sweep(point, args.lr0 * math.sqrt(batch / 1024))
+        if batch in args.budget_check:  # beside the final runs, not after them: it needs the chosen rate only
+            budget_runs[batch] = threads.submit(budget_train, point)
         seeds(point)
         return point
 
@@ -165,21 +169,26 @@ def main(argv: list[str] | None = None) -> int:
         seeds(point)
         return point
 
-    def budget_check(point: Point) -> dict[str, Any]:
-        """Seed 0 of ``point`` again for twice the epochs: validation R@1 at its end minus the final run's."""
-        longer = Schedule(2 * args.epochs, args.warmup, args.evals)
+    longer = Schedule(2 * args.epochs, args.warmup, args.evals)
+
+    def budget_train(point: Point) -> Path:
+        """The budget check's run: seed 0 of ``point`` again for twice the epochs."""
         steps, schedule = longer.overrides(point.batch, n_train)
         run = out / "budget" / f"{point.axis}={point.name},lr={point.lr:.3g},seed=0,epochs={longer.epochs:g}"
         trainer.train(
             run, [*_overrides(point.batch, point.lr), *point.extra, *schedule, "train.seed=0"], steps
         )
+        return run
+
+    def budget_check(point: Point, run: Path) -> dict[str, Any]:
+        """Validation R@1 at the end of the longer run minus the final run's (seed 0)."""
         gain = 100 * (_last(read_run(run), "recall@1") - _last(read_run(point.runs[0]), "recall@1"))
+        steps, _ = longer.overrides(point.batch, n_train)
         return {"batch": point.batch, "epochs": longer.epochs, "steps": steps, "gain": gain,
                 "path": str(run.relative_to(out))}  # fmt: skip
 
     with ThreadPoolExecutor(max_workers=2 * len(args.batches) + len(args.variants)) as threads:
         chains = {b: threads.submit(batch_chain, b) for b in sorted(args.batches)}
-        checks = [threads.submit(lambda b=b: budget_check(chains[b].result())) for b in args.budget_check]
         batch_points = [f.result() for f in chains.values()]
         best = max(batch_points, key=lambda p: (_mean_val(p), -p.batch))
         variants = []
@@ -190,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                 extra = [*extra, f"data.categories_per_batch={k}"]
             variants.append(threads.submit(variant_chain, Point(axis, name, best.batch, extra), best.lr))
         other_points = [f.result() for f in variants]
-        budget = [f.result() for f in checks]
+        budget = [
+            budget_check(p, budget_runs[p.batch].result()) for p in batch_points if p.batch in budget_runs
+        ]
 
     record = _record(
         args, manifest, final, short, batch_points, best, other_points, time.monotonic() - start, out
