@@ -164,9 +164,11 @@ def test_refusals_and_the_config_key() -> None:
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
     logger = logging.getLogger("ddp_rank.train.chunking.captured")
     logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
-    # a library's logging.config call earlier in the process (disable_existing_loggers) may have disabled it
-    disabled, logger.disabled = logger.disabled, False
+    # setLevel, not an assignment to .level: it clears the loggers' isEnabledFor cache, which an earlier test of
+    # the same process filled while INFO was off; and a logging.config call may have disabled the logger
+    level, disabled = logger.level, logger.disabled
+    logger.setLevel(logging.INFO)
+    logger.disabled = False
     try:
         assert captured_chunk_for(backend, 4, "none") is None and said == []
         assert (
