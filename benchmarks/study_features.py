@@ -15,8 +15,9 @@ trained with ``ddp-rank train``, one process per run.
    batch gets the same number of candidates.
 4. **Seeds.** The chosen rate of each point is trained with ``--seeds`` seeds; the best batch is the one of the
    highest mean validation R@1 at the end.
-5. **Sampler and loss at the best batch** (``--variants``, none by default: they do not fit
-   the 90 minutes of ``make study-features`` beside the batch axis), each with a rate sweep of its own: the same factors applied to the best batch's rate.
+5. **Sampler and loss at the best batch** (``--variants``, none by default: they do not fit the 90 minutes of
+   ``make study-features`` beside the batch axis), each with a rate sweep of its own over the best batch's
+   candidates.
    **The budget check** (``--budget-check``): seed 0 of the largest batch (the fewest steps) trained again for
    twice ``--epochs``, at its chosen rate: a decaying rate flattens any curve by itself, so this is what tells
    whether the length sufficed.
@@ -41,7 +42,6 @@ plots into ``benchmarks/results/`` with the date; ``--from-record`` rewrites the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -57,10 +57,9 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from benchmarks.study_features_report import differences, markdown, plots
 from ddp_rank.checkpoints.read import latest_checkpoint
+from ddp_rank.config import ConfigError, load_config, to_dict
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.experiments.runs import RunSummary, flatten_config, read_run
 from ddp_rank.features.records import feature_record
@@ -154,11 +153,14 @@ def main(argv: list[str] | None = None) -> int:
             trainer.test(run)
         point.runs = runs
 
+    def centre(batch: int) -> float:
+        return args.lr0 * math.sqrt(batch / 1024)
+
     budget_runs: dict[int, Future[Path]] = {}
 
     def batch_chain(batch: int) -> Point:
         point = Point("batch", str(batch), batch, [])
-        sweep(point, args.lr0 * math.sqrt(batch / 1024))
+        sweep(point, centre(batch))
         if batch in args.budget_check:  # beside the final runs, not after them: it needs the chosen rate only
             budget_runs[batch] = threads.submit(budget_train, point)
         seeds(point)
@@ -197,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             if name == "hard":
                 k = _categories_to_fill(manifest, args.train_split, best.batch)
                 extra = [*extra, f"data.categories_per_batch={k}"]
-            variants.append(threads.submit(variant_chain, Point(axis, name, best.batch, extra), best.lr))
+            variants.append(
+                threads.submit(variant_chain, Point(axis, name, best.batch, extra), centre(best.batch))
+            )
         other_points = [f.result() for f in variants]
         budget = [
             budget_check(p, budget_runs[p.batch].result()) for p in batch_points if p.batch in budget_runs
@@ -303,24 +307,17 @@ class Trainer:
 
 def _check_same_settings(run: Path, asked: list[str]) -> None:
     """Stop when ``run`` was trained with other settings than ``asked`` (``section.key=value`` overrides): a rerun
-    with other rules in the same ``--out`` would otherwise report runs it did not make."""
-    recorded = flatten_config(yaml.safe_load((run / "config.yaml").read_text()) or {})
-    differ = []
-    for override in asked:
-        key, value = override.split("=", 1)
-        wanted = yaml.safe_load(value)
-        have = recorded.get(key)
-        if isinstance(wanted, list):
-            wanted = tuple(wanted)
-        # YAML 1.1 reads 1e-3 (no dot) as a string, where the config reads a number
-        if isinstance(have, int | float) and isinstance(wanted, str):
-            with contextlib.suppress(ValueError):
-                wanted = float(wanted)
-        same_number = (
-            isinstance(have, int | float) and isinstance(wanted, int | float) and math.isclose(have, wanted)
-        )
-        if have != wanted and not same_number:
-            differ.append(f"{key}={have!r}, asked {value}")
+    with other rules in the same ``--out`` would otherwise report runs it did not make. The run's saved config is
+    read twice by the project's own loader, as saved and with ``asked`` on top: the overrides are parsed and coerced
+    exactly as ``ddp-rank train`` parsed them, so ``1e-3`` and ``0.001`` are one rate."""
+    saved = run / "config.yaml"
+    try:
+        have = flatten_config(to_dict(load_config(saved)))
+        wanted = flatten_config(to_dict(load_config(saved, asked)))
+    except ConfigError as exc:
+        raise SystemExit(f"{run}: its config.yaml cannot be compared with the settings asked ({exc}): give another "
+                         f"--out, or delete {run} to train it again") from None  # fmt: skip
+    differ = [f"{key}={have[key]!r}, asked {wanted[key]!r}" for key in wanted if have.get(key) != wanted[key]]
     if differ:
         raise SystemExit(f"{run} was trained with other settings ({'; '.join(differ)}): give another --out, or "
                          f"delete {run} to train it again")  # fmt: skip
@@ -442,7 +439,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--batches", type=numbers(int), default=[64, 128, 256, 512, 1024, 2048, 4096, 8192])
     p.add_argument("--lr0", type=float, default=1e-3, help="the rate at batch 1,024 the candidates centre on")
-    p.add_argument("--rate-factors", type=numbers(float), default=[1 / 3, 1.0, 3.0, 9.0],
+    p.add_argument("--rate-factors", type=numbers(float), default=[1.0, 3.0, 9.0, 27.0],
                    help="the candidates: these multiples of lr0 * sqrt(B / 1024), the same for every batch")  # fmt: skip
     p.add_argument("--epochs", type=float, default=4.0, help="every final run's length")
     p.add_argument(

@@ -13,6 +13,7 @@ import pytest
 
 import benchmarks.study_features as study
 from benchmarks.study_features import Schedule, _categories_to_fill, _val_gain
+from ddp_rank.config import load_config, save_config
 from ddp_rank.data.format.manifest import ClassInfo, Manifest, SplitInfo
 from ddp_rank.experiments.runs import RunSummary
 from ddp_rank.features.synthetic import write_feature_shards
@@ -142,13 +143,12 @@ def test_every_choice_is_made_on_validation_and_the_test_split_is_read_once_per_
     # the same four candidates around lr0 * sqrt(B / 1024) at every batch; the best validation rate wins
     for name, batch in (("64", 64), ("128", 128), ("256", 256)):
         centre = 1e-3 * math.sqrt(batch / 1024)
-        assert list(points[name]["sweep"]) == [f"{centre * f:.3g}" for f in (1 / 3, 1, 3, 9)]
+        assert list(points[name]["sweep"]) == [f"{centre * f:.3g}" for f in (1, 3, 9, 27)]
         assert points[name]["lr"] == pytest.approx(
             float(max(points[name]["sweep"], key=points[name]["sweep"].get))
         )
-    # the variants centre on the best batch's rate, with as many candidates
-    assert points["pnp-dq"]["batch"] == 64 and len(points["pnp-dq"]["sweep"]) == 4
-    assert list(points["pnp-dq"]["sweep"])[1] == f"{points['64']['lr']:.3g}"
+    # the variants try the best batch's candidates
+    assert points["pnp-dq"]["batch"] == 64 and list(points["pnp-dq"]["sweep"]) == list(points["64"]["sweep"])
     assert not points["pnp-dq"]["at_edge"], "the rate above the chosen one was tried (it diverged)"
     hard = simulated.trained[str(out / "final" / f"sampler=hard,lr={points['hard']['lr']:.3g},seed=0")]
     assert "data.sampler=hard" in hard and any(o.startswith("data.categories_per_batch=") for o in hard)
@@ -199,9 +199,16 @@ def test_shards_without_a_validation_split_are_refused_with_the_fix(tmp_path: Pa
 def test_a_run_trained_with_other_settings_is_never_reused(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text("optim:\n  lr: 0.001\ntrain:\n  steps: 100\neval:\n  metrics: []\n")
-    study._check_same_settings(run, ["optim.lr=0.001", "train.steps=100", "eval.metrics=[]"])
+    save_config(
+        load_config(None, ["optim.lr=0.001", "train.steps=100", "eval.metrics=[]"]), run / "config.yaml"
+    )
+    # The overrides are read as `ddp-rank train` reads them: 1e-3 is the rate saved as 0.001, [] the empty list.
+    study._check_same_settings(run, ["optim.lr=1e-3", "train.steps=100", "eval.metrics=[]"])
     with pytest.raises(
         SystemExit, match=r"other settings \(train.steps=100, asked 200\).*give another --out"
     ):
         study._check_same_settings(run, ["optim.lr=1e-3", "train.steps=200"])
+    with pytest.raises(SystemExit, match=r"other settings \(optim.lr=0.001, asked 0.003\)"):
+        study._check_same_settings(run, ["optim.lr=3e-3"])
+    with pytest.raises(SystemExit, match=r"cannot be compared with the settings asked.*optim.lrr"):
+        study._check_same_settings(run, ["optim.lrr=3e-3"])
