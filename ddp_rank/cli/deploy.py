@@ -183,6 +183,10 @@ def _run_search(args: argparse.Namespace) -> int:
         if not images:
             raise SourceError(f"no query image decodes ({len(skipped or [])} skipped)")
         results = searcher.search(images, args.k)
+        indexed = len(searcher.index.items.keys)
+        if args.k > indexed:
+            print(f"ddp-rank search: -k {args.k} is more than the {indexed:,} items the index holds: each query "
+                  f"lists at most {indexed:,}", file=sys.stderr)  # fmt: skip
     except _errors() as exc:
         return _fail("search", exc)
     except ValueError as exc:

@@ -146,6 +146,12 @@ def test_search_answers_a_query_image(tiny: dict[str, Path], capsys: pytest.Capt
     hits = Searcher.from_index(out).search_files([query], k=3)[0]
     assert [h.key for h in hits] == [line.split()[2] for line in lines[1:]]
     assert hits[0].label == int(own_key[1:8]) and hits[0].category.startswith("cat")
+    # More results asked than the index holds: every item, and a line saying why there are fewer.
+    indexed = len(exported)
+    assert main(["search", str(out), str(query), "-k", str(indexed + 5)]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 1 + indexed
+    assert f"-k {indexed + 5} is more than the {indexed:,} items the index holds" in captured.err
 
 
 def test_export_of_an_image_folder(tiny: dict[str, Path]) -> None:
