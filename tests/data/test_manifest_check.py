@@ -315,7 +315,7 @@ def test_a_shard_of_another_size_than_recorded_is_not_read(built: Path, tmp_path
 def test_the_format_has_a_json_schema(built: Path) -> None:
     """The checks of the file's shape are a pydantic model: its JSON schema documents the format, and a built
     manifest passes it."""
-    from ddp_rank.data.manifest_check import MANIFEST_FILE
+    from ddp_rank.data.format.manifest_check import MANIFEST_FILE
 
     schema = MANIFEST_FILE.json_schema()
     assert {"format", "version", "categories", "classes", "splits"} <= set(schema["required"])
