@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     final = Schedule(args.epochs, args.warmup, args.evals)
     short = Schedule(args.sweep_epochs, args.warmup, 1)
 
-    def sweep(point: Point, centre: float) -> None:
-        """Point 3: the same candidates around ``centre``, each on the short schedule, judged on validation."""
-        rates = [float(f"{centre * f:.3g}") for f in args.rate_factors]
+    def sweep(point: Point, base: float) -> None:
+        """Point 3: the candidates ``base`` x ``--rate-factors``, each on the short schedule, judged on validation."""
+        rates = [float(f"{base * f:.3g}") for f in args.rate_factors]
         steps, schedule = short.overrides(point.batch, n_train)
         runs = {lr: out / "lr" / f"{point.axis}={point.name},lr={lr:.3g}" for lr in rates}
         with ThreadPoolExecutor(len(rates)) as pool:
@@ -153,21 +153,21 @@ def main(argv: list[str] | None = None) -> int:
             trainer.test(run)
         point.runs = runs
 
-    def centre(batch: int) -> float:
+    def base_rate(batch: int) -> float:
         return args.lr0 * math.sqrt(batch / 1024)
 
     budget_runs: dict[int, Future[Path]] = {}
 
     def batch_chain(batch: int) -> Point:
         point = Point("batch", str(batch), batch, [])
-        sweep(point, centre(batch))
+        sweep(point, base_rate(batch))
         if batch in args.budget_check:  # beside the final runs, not after them: it needs the chosen rate only
             budget_runs[batch] = threads.submit(budget_train, point)
         seeds(point)
         return point
 
-    def variant_chain(point: Point, centre: float) -> Point:
-        sweep(point, centre)
+    def variant_chain(point: Point, base: float) -> Point:
+        sweep(point, base)
         seeds(point)
         return point
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 k = _categories_to_fill(manifest, args.train_split, best.batch)
                 extra = [*extra, f"data.categories_per_batch={k}"]
             variants.append(
-                threads.submit(variant_chain, Point(axis, name, best.batch, extra), centre(best.batch))
+                threads.submit(variant_chain, Point(axis, name, best.batch, extra), base_rate(best.batch))
             )
         other_points = [f.result() for f in variants]
         budget = [
@@ -438,7 +438,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/study-features")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--batches", type=numbers(int), default=[64, 128, 256, 512, 1024, 2048, 4096, 8192])
-    p.add_argument("--lr0", type=float, default=1e-3, help="the rate at batch 1,024 the candidates centre on")
+    p.add_argument(
+        "--lr0",
+        type=float,
+        default=1e-3,
+        help="the base rate at batch 1,024: the candidates are it x sqrt(B / 1024) x --rate-factors",
+    )
     p.add_argument("--rate-factors", type=numbers(float), default=[1.0, 3.0, 9.0, 27.0],
                    help="the candidates: these multiples of lr0 * sqrt(B / 1024), the same for every batch")  # fmt: skip
     p.add_argument("--epochs", type=float, default=4.0, help="every final run's length")
