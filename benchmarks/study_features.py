@@ -22,10 +22,10 @@ trained with ``ddp-rank train``, one process per run.
    twice ``--epochs``, at its chosen rate: a decaying rate flattens any curve by itself, so this is what tells
    whether the length sufficed.
 6. **The test split, once.** The last checkpoint of every final run is evaluated on the test words
-   (``ddp-rank eval --split test --per-query``). A difference between two points comes with two intervals: a
-   paired bootstrap over the test classes (the same draw for both points and every seed, on the seed-averaged
-   per-query difference) and a paired t over the seeds; it is called beyond noise only where both exclude zero
-   (``ddp_rank.experiments.query_pairs``).
+   (``ddp-rank eval --split test --per-query``). A difference between two points comes with a paired bootstrap
+   over the test classes (the same draw for both points and every seed, on the seed-averaged per-query
+   difference), a paired t over the seeds, and the two combined (half-widths in quadrature); it is called beyond
+   noise only where the combined interval excludes zero (``ddp_rank.experiments.query_pairs``).
 
 Runs go ``--jobs`` at a time (default 2, one torch thread each on 2 cores: the stream is Python, so two runs of
 one thread each go faster than one run on both). A run that exists is reused only if its config holds the

@@ -89,8 +89,7 @@ def markdown(record: dict[str, Any]) -> str:
         f"validation R@1 at its end wins. {rule['seeds']} seeds a point. The best batch ({record['best_batch']:,}) "
         "is the one of the highest mean validation R@1"
         + (
-            "; the sampler and loss points run there, each with its own rate sweep (the same factors applied to "
-            "that batch's rate)"
+            "; the sampler and loss points run there, each with its own rate sweep over that batch's candidates"
             if any(p["axis"] != "batch" for p in record["points"])
             else ""
         )
