@@ -1,7 +1,10 @@
 """Soak: days on a shared cluster in a few minutes. Two gloo processes train a tiny model for thousands of steps
 over shards served on loopback HTTP through a node cache held at its cap, while faults arrive on a schedule:
 
-- the file server stopped and restarted (twice): reads fail for a few seconds and are retried (``read_retries``);
+- the file server stopped and restarted (twice): its port refuses connections for a few seconds, then it answers
+  503 (a server warming up) until it has turned a read away, so every outage costs the run at least one read, which
+  is retried (``read_retries``); a fixed down time alone could fall between two reads, the node cache serving the
+  run meanwhile, and prove nothing;
 - the job signalled and resumed (twice: SIGUSR1 to rank 1, SIGTERM to rank 0), each stop a checkpoint, exit 75
   and a relaunch of the same command (``stop`` records);
 - a shard corrupted (one class's bytes flipped, on the server and in the node cache) while the job is stopped:
@@ -54,7 +57,9 @@ from ddp_rank.data.reading.serve import RangeRequestHandler
 REPO = Path(__file__).resolve().parents[2]
 EXIT_REQUEUE = 75
 OUTAGE_S = 2.0
-"""How long the server stays down (shorter than the store's retry time, ``storage.RETRY_S``)."""
+"""How long the server's port is closed in an outage (shorter than the store's retry time, ``storage.RETRY_S``)."""
+UNAVAILABLE_MAX_S = 90.0
+"""Longest the restarted server waits for a read to turn away (the run reads a shard every few seconds)."""
 
 TINY_RUN = [
     "distributed.cpu=true", "model.backbone=tiny_cnn", "model.embedding_dim=16", "data.image_size=16",
@@ -95,26 +100,51 @@ class Job:
     starts: int = 0
     stops: list[int] = field(default_factory=list)
     outages: int = 0
+    turned_away: int = 0  # reads the restarting server answered 503
     memory: list[tuple[int, int, float]] = field(default_factory=list)  # (start, step, RSS MiB of the ranks)
 
 
+class _RestartingHandler(RangeRequestHandler):
+    """``ddp-rank shards serve``'s handler, answering 503 while its server says it is still starting."""
+
+    server: _SoakServer
+
+    def send_head(self) -> Any:
+        if self.server.starting:
+            with self.server.lock:
+                self.server.turned_away += 1
+            self.send_error(503, "Service Unavailable", "restarting")
+            return None
+        return super().send_head()
+
+
+class _SoakServer(http.server.ThreadingHTTPServer):
+    """A threading HTTP server with the restart state its handlers share: ``starting`` (answer 503) and how many
+    requests were answered so."""
+
+    def __init__(self, address: tuple[str, int], handler: Callable[..., Any], starting: bool) -> None:
+        super().__init__(address, handler)
+        self.starting = starting
+        self.turned_away = 0
+        self.lock = threading.Lock()
+
+
 class RestartableServer:
-    """The shard directory on loopback HTTP (``ddp-rank shards serve``'s handler), stopped and restarted on the
-    same port as a file server's outage."""
+    """The shard directory on loopback HTTP, stopped and restarted on the same port as a file server's outage."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.port = 0
-        self._server: http.server.ThreadingHTTPServer | None = None
+        self._server: _SoakServer | None = None
         self.start()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
-        handler = partial(RangeRequestHandler, directory=str(self.directory))
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), handler)
+    def start(self, starting: bool = False) -> None:
+        handler = partial(_RestartingHandler, directory=str(self.directory))
+        self._server = _SoakServer(("127.0.0.1", self.port), handler, starting)
         self.port = self._server.server_address[1]
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
@@ -123,6 +153,19 @@ class RestartableServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+    def outage(self) -> int:
+        """Stop the server for ``OUTAGE_S``, restart it answering 503 until it has turned a read away (at most
+        ``UNAVAILABLE_MAX_S``), then serve again; the reads it turned away."""
+        self.stop()
+        time.sleep(OUTAGE_S)
+        self.start(starting=True)
+        assert self._server is not None
+        server, deadline = self._server, time.monotonic() + UNAVAILABLE_MAX_S
+        while server.turned_away == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.starting = False
+        return server.turned_away
 
 
 def build_soak_shards(root: Path) -> Path:
@@ -249,9 +292,7 @@ def run_with_faults(
     def on_step(step: int, ranks: dict[int, psutil.Process]) -> None:
         while pending and pending[0].kind == "outage" and step >= pending[0].at * steps:
             pending.pop(0)
-            server.stop()
-            time.sleep(OUTAGE_S)
-            server.start()
+            job.turned_away += server.outage()
             job.outages += 1
         if pending and pending[0].kind == "signal" and step >= pending[0].at * steps:
             fault = pending[0]
@@ -423,7 +464,8 @@ def report(result: dict[str, Any]) -> str:
     faults = markdown_table(
         ["fault", "injected", "counted in metrics.jsonl"],
         [
-            ["server outage", str(faulty.outages), f"{counts.get('read_retries', 0)} read retries"],
+            ["server outage", f"{faulty.outages} ({faulty.turned_away} reads answered 503)",
+             f"{counts.get('read_retries', 0)} read retries"],
             ["signal, stop and resume", str(len(faulty.stops)), f"{counts['stops']} stop records, after steps {faulty.stops}"],
             ["class corrupted", f"after step {result['corrupted_after']}",
              f"{counts.get('replaced_classes', 0)} replaced (reference: {result['reference_counts'].get('replaced_classes', 0)}), "

@@ -5,6 +5,8 @@ stopped. It must end with the weights of a run without those faults (bit for bit
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,9 @@ def test_a_soak_with_faults_ends_where_a_run_without_them_ends(tmp_path: Path) -
     explain = soak.report(result)
 
     assert result["same_weights"], explain
-    assert faulty.outages == 2 and counts["read_retries"] >= 1, explain  # the outages cost retries, not data
+    # Each outage turned a read away (503 from the restarting server); each such read was retried, not lost.
+    assert faulty.outages == 2 and faulty.turned_away >= 2, explain
+    assert counts["read_retries"] >= faulty.turned_away, explain
     assert len(faulty.stops) == 2 and counts["stops"] == 2 and faulty.starts == 3, explain
     assert all(0 < s < STEPS for s in faulty.stops), explain
     replaced = counts["replaced_classes"]
@@ -39,6 +43,32 @@ def test_a_soak_with_faults_ends_where_a_run_without_them_ends(tmp_path: Path) -
     assert counts["bad_shards"] == result["reference_counts"]["bad_shards"] != [], explain
     assert counts["cache_fallbacks"] >= 1 and 0 < result["cache_bytes"] <= result["cache_cap_bytes"], explain
     assert result["memory"]["second_half_growth"] < 0.05, explain
+
+
+def test_an_outage_turns_a_read_away_and_the_read_is_retried_until_served(tmp_path: Path) -> None:
+    """The soak's outage lasts until a read has met it (so it cannot fall between two reads): the read that meets
+    it is refused or answered 503, retried by the store's policy, and served once the server is back."""
+    soak = _soak_module()
+    from ddp_rank.data.reading.storage import retrying, url_filesystem
+
+    data = bytes(range(256)) * 8
+    (tmp_path / "shard.tar").write_bytes(data)
+    server = soak.RestartableServer(tmp_path)
+    url = f"{server.url}/shard.tar"
+    turned_away: list[int] = []
+    retries: list[float] = []
+    outage = threading.Thread(target=lambda: turned_away.append(server.outage()))
+    try:
+        outage.start()
+        time.sleep(0.2)  # the port is closed now
+        fs = url_filesystem(url)
+        body = retrying(lambda: fs.cat_file(url, start=16, end=48), url, 30.0, lambda: retries.append(1))
+        outage.join(timeout=60)
+    finally:
+        server.stop()
+    assert body == data[16:48]
+    assert turned_away and turned_away[0] >= 1  # answered 503 at least once after the closed port
+    assert len(retries) >= 1 + turned_away[0]  # refused while the port was closed, then each 503 retried
 
 
 def test_the_fault_counts_add_up_every_start(tmp_path: Path) -> None:
