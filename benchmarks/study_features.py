@@ -19,8 +19,8 @@ trained with ``ddp-rank train``, one process per run.
    ``make study-features`` beside the batch axis), each with a rate sweep of its own over the best batch's
    candidates.
    **The budget check** (``--budget-check``): seed 0 of the largest batch (the fewest steps) trained again for
-   twice ``--epochs``, at its chosen rate: a decaying rate flattens any curve by itself, so this is what tells
-   whether the length sufficed.
+   ``--budget-factors`` times ``--epochs`` (twice by default), at its chosen rate: a decaying rate flattens any
+   curve by itself, so validation R@1 at the end of longer schedules is what tells whether the length sufficed.
 6. **The test split, once.** The last checkpoint of every final run is evaluated on the test words
    (``ddp-rank eval --split test --per-query``). A difference between two points comes with a paired bootstrap
    over the test classes (the same draw for both points and every seed, on the seed-averaged per-query
@@ -156,13 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     def base_rate(batch: int) -> float:
         return args.lr0 * math.sqrt(batch / 1024)
 
-    budget_runs: dict[int, Future[Path]] = {}
+    budget_runs: dict[tuple[int, float], Future[Path]] = {}
 
     def batch_chain(batch: int) -> Point:
         point = Point("batch", str(batch), batch, [])
         sweep(point, base_rate(batch))
         if batch in args.budget_check:  # beside the final runs, not after them: it needs the chosen rate only
-            budget_runs[batch] = threads.submit(budget_train, point)
+            for factor in args.budget_factors:
+                budget_runs[batch, factor] = threads.submit(budget_train, point, factor)
         seeds(point)
         return point
 
@@ -171,10 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         seeds(point)
         return point
 
-    longer = Schedule(2 * args.epochs, args.warmup, args.evals)
-
-    def budget_train(point: Point) -> Path:
-        """The budget check's run: seed 0 of ``point`` again for twice the epochs."""
+    def budget_train(point: Point, factor: float) -> Path:
+        """A budget check's run: seed 0 of ``point`` again for ``factor`` times the epochs."""
+        longer = Schedule(factor * args.epochs, args.warmup, args.evals)
         steps, schedule = longer.overrides(point.batch, n_train)
         run = out / "budget" / f"{point.axis}={point.name},lr={point.lr:.3g},seed=0,epochs={longer.epochs:g}"
         trainer.train(
@@ -182,14 +182,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         return run
 
-    def budget_check(point: Point, run: Path) -> dict[str, Any]:
-        """Validation R@1 at the end of the longer run minus the final run's (seed 0)."""
-        gain = 100 * (_last(read_run(run), "recall@1") - _last(read_run(point.runs[0]), "recall@1"))
-        steps, _ = longer.overrides(point.batch, n_train)
-        return {"batch": point.batch, "epochs": longer.epochs, "steps": steps, "gain": gain,
-                "path": str(run.relative_to(out))}  # fmt: skip
+    def budget_check(point: Point, factor: float, run: Path) -> dict[str, Any]:
+        """Validation R@1 at the end of the longer run, and minus the final run's (seed 0)."""
+        summary = read_run(run)
+        val = _last(summary, "recall@1")
+        gain = 100 * (val - _last(read_run(point.runs[0]), "recall@1"))
+        steps, _ = Schedule(factor * args.epochs, args.warmup, args.evals).overrides(point.batch, n_train)
+        return {"batch": point.batch, "epochs": factor * args.epochs, "steps": steps, "val": val, "gain": gain,
+                "val_gain": _val_gain(summary), "path": str(run.relative_to(out))}  # fmt: skip
 
-    with ThreadPoolExecutor(max_workers=2 * len(args.batches) + len(args.variants)) as threads:
+    n_budget = len(args.budget_check) * len(args.budget_factors)
+    with ThreadPoolExecutor(max_workers=2 * len(args.batches) + len(args.variants) + n_budget) as threads:
         chains = {b: threads.submit(batch_chain, b) for b in sorted(args.batches)}
         batch_points = [f.result() for f in chains.values()]
         best = max(batch_points, key=lambda p: (_mean_val(p), -p.batch))
@@ -204,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         other_points = [f.result() for f in variants]
         budget = [
-            budget_check(p, budget_runs[p.batch].result()) for p in batch_points if p.batch in budget_runs
+            budget_check(p, factor, budget_runs[p.batch, factor].result())
+            for p in batch_points
+            for factor in args.budget_factors
+            if (p.batch, factor) in budget_runs
         ]
 
     record = _record(
@@ -456,7 +462,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--flat", type=float, default=0.3,
                    help="validation R@1 points over a run's last quarter below which its curve counts as flat")  # fmt: skip
     p.add_argument("--budget-check", type=numbers(int), default=None,
-                   help="batches whose seed 0 trains again for twice --epochs (default: the largest)")  # fmt: skip
+                   help="batches whose seed 0 trains again for longer (default: the largest)")  # fmt: skip
+    p.add_argument("--budget-factors", type=numbers(float), default=[2.0],
+                   help="the budget check's lengths: these multiples of --epochs, each a run")  # fmt: skip
     p.add_argument("--variants", type=lambda s: [v for v in s.split(",") if v], default=list(DEFAULT_VARIANTS),
                    help=f"sampler and loss points at the best batch, of {', '.join(VARIANTS)} (empty: none)")  # fmt: skip
     p.add_argument("--train-split", default="train")
@@ -477,6 +485,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.budget_check = [max(args.batches)]
     if not set(args.budget_check) <= set(args.batches):
         p.error(f"--budget-check {args.budget_check}: each must be one of --batches {args.batches}")
+    if not args.budget_factors or any(f <= 1 for f in args.budget_factors):
+        p.error(f"--budget-factors {args.budget_factors}: each must be above 1 (a longer schedule than --epochs)")
     return args
 
 

@@ -185,15 +185,33 @@ def conclusions(record: dict[str, Any]) -> list[str]:
         out.append(f"The mean validation R@1 of every point{' but ' + ', '.join(unknown) if unknown else ''} rose by "
                    f"less than {flat:g} points over the last quarter of its runs (a decaying rate flattens a curve "
                    "by itself: the budget check below is the test of the length).")  # fmt: skip
-    for check in record.get("budget_check", []):
-        out.append(f"Budget check, batch {check['batch']:,}, seed 0: {check['epochs']:g} epochs instead of "
-                   f"{record['rule']['epochs']:g} change validation R@1 by {check['gain']:+.2f} points "
-                   f"({'within' if abs(check['gain']) < flat else 'beyond'} the {flat:g}-point flatness "
-                   "threshold).")  # fmt: skip
+    out.extend(_budget_lines(record, flat))
     edges = [_label(p) for p in points if p["at_edge"]]
     if edges:
         out.append(f"The chosen rate is at an end of the candidates for: {', '.join(edges)}.")
     return out
+
+
+def _budget_lines(record: dict[str, Any], flat: float) -> list[str]:
+    """One sentence per batch of the budget check: validation R@1 (seed 0) at the end of each length, and what each
+    longer length added to the one before it."""
+    epochs = record["rule"]["epochs"]
+    by_batch: dict[int, list[dict[str, Any]]] = {}
+    for check in record.get("budget_check", []):
+        by_batch.setdefault(check["batch"], []).append(check)
+    lines = []
+    for batch in by_batch:
+        checks = sorted(by_batch[batch], key=lambda c: c["epochs"])
+        lengths, before = [], 0.0
+        for check in checks:
+            added = check["gain"] - before
+            at = f"{100 * check['val']:.2f}, " if "val" in check else ""
+            lengths.append(f"{check['epochs']:g} epochs {at}{added:+.2f} "
+                           f"({'within' if abs(added) < flat else 'beyond'} the {flat:g}-point flatness threshold)")  # fmt: skip
+            before = check["gain"]
+        lines.append(f"Budget check, batch {batch:,}, seed 0: validation R@1 at the end of each longer schedule, "
+                     f"against the one before ({epochs:g} epochs first): {'; '.join(lengths)}.")  # fmt: skip
+    return lines
 
 
 def plots(record: dict[str, Any], out: Path) -> list[Path]:

@@ -117,7 +117,7 @@ def simulated_study(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[di
     monkeypatch.setattr(study, "plots", lambda record, out: [])
     out = tmp_path / "study"
     args = ["--shards", str(shards), "--out", str(out), "--batches", "64,128,256", "--epochs", "40",
-            "--sweep-epochs", "10", "--variants", "pnp-dq,hard"]  # fmt: skip
+            "--sweep-epochs", "10", "--variants", "pnp-dq,hard", "--budget-factors", "2,4"]  # fmt: skip
     assert study.main(args) == 0
     return json.loads((out / "study.json").read_text()), simulated, out
 
@@ -157,10 +157,23 @@ def test_every_choice_is_made_on_validation_and_the_test_split_is_read_once_per_
     assert math.isnan(points["pnp-dq"]["sweep"]["0.00675"]) and points["pnp-dq"]["lr"] == pytest.approx(
         2.25e-3
     )
-    # the budget check: seed 0 of the largest batch (the fewest steps) again for twice the epochs
-    checks = {c["batch"]: c for c in record["budget_check"]}
-    assert sorted(checks) == [256] and all(c["epochs"] == 80 for c in checks.values())
-    assert all(c["gain"] >= 0 for c in checks.values()), "the simulated curve still rises after 40 epochs"
+    # the budget check: seed 0 of the largest batch (the fewest steps) again for twice and four times the epochs
+    checks = {(c["batch"], c["epochs"]): c for c in record["budget_check"]}
+    assert sorted(checks) == [(256, 80), (256, 160)]
+    assert all(str(out / c["path"]) in simulated.trained for c in checks.values())
+    # the simulated curve, 1 - exp(-step / 20), still rises after 40 epochs (12 steps), less after 80
+    gains = [checks[256, 80]["gain"], checks[256, 160]["gain"] - checks[256, 80]["gain"]]
+    assert gains[0] > gains[1] > 0
+    assert checks[256, 160]["val"] == pytest.approx(_last_eval(out / checks[256, 160]["path"]))
+    text = (out / "study.md").read_text()
+    assert (
+        f"Budget check, batch 256, seed 0: validation R@1 at the end of each longer schedule, against the one before "
+        f"(40 epochs first): 80 epochs {100 * checks[256, 80]['val']:.2f}, {gains[0]:+.2f}" in text
+    )
+
+
+def _last_eval(run: Path) -> float:
+    return float(json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["recall@1"])
 
 
 def test_differences_carry_both_intervals_and_the_table_is_rewritten_from_the_record(
@@ -212,3 +225,9 @@ def test_a_run_trained_with_other_settings_is_never_reused(tmp_path: Path) -> No
         study._check_same_settings(run, ["optim.lr=3e-3"])
     with pytest.raises(SystemExit, match=r"cannot be compared with the settings asked.*optim.lrr"):
         study._check_same_settings(run, ["optim.lrr=3e-3"])
+
+
+def test_a_budget_check_no_longer_than_the_final_runs_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        study.main(["--budget-factors", "2,1"])
+    assert "--budget-factors [2.0, 1.0]: each must be above 1" in capsys.readouterr().err
