@@ -59,7 +59,7 @@ EXIT_REQUEUE = 75
 OUTAGE_S = 2.0
 """How long the server's port is closed in an outage (shorter than the store's retry time, ``storage.RETRY_S``)."""
 UNAVAILABLE_MAX_S = 90.0
-"""Longest the restarted server waits for a read to turn away (the run reads a shard every few seconds)."""
+"""Longest the restarted server answers 503 while no read has come (the run reads a shard every few seconds)."""
 
 TINY_RUN = [
     "distributed.cpu=true", "model.backbone=tiny_cnn", "model.embedding_dim=16", "data.image_size=16",
