@@ -172,23 +172,27 @@ def main(argv: list[str] | None = None) -> int:
         seeds(point)
         return point
 
+    def longer(factor: float) -> Schedule:
+        """The budget check's schedule: the final runs' shape, ``factor`` times their epochs."""
+        return Schedule(factor * args.epochs, args.warmup, args.evals)
+
     def budget_train(point: Point, factor: float) -> Path:
         """A budget check's run: seed 0 of ``point`` again for ``factor`` times the epochs."""
-        longer = Schedule(factor * args.epochs, args.warmup, args.evals)
-        steps, schedule = longer.overrides(point.batch, n_train)
-        run = out / "budget" / f"{point.axis}={point.name},lr={point.lr:.3g},seed=0,epochs={longer.epochs:g}"
+        steps, schedule = longer(factor).overrides(point.batch, n_train)
+        run = out / "budget" / f"{point.axis}={point.name},lr={point.lr:.3g},seed=0,epochs={factor * args.epochs:g}"
         trainer.train(
             run, [*_overrides(point.batch, point.lr), *point.extra, *schedule, "train.seed=0"], steps
         )
         return run
 
     def budget_check(point: Point, factor: float, run: Path) -> dict[str, Any]:
-        """Validation R@1 at the end of the longer run, and minus the final run's (seed 0)."""
+        """Validation R@1 at the end of the longer run, and its gain over the final run's (seed 0)."""
         summary = read_run(run)
         val = _last(summary, "recall@1")
         gain = 100 * (val - _last(read_run(point.runs[0]), "recall@1"))
-        steps, _ = Schedule(factor * args.epochs, args.warmup, args.evals).overrides(point.batch, n_train)
-        return {"batch": point.batch, "epochs": factor * args.epochs, "steps": steps, "val": val, "gain": gain,
+        schedule = longer(factor)
+        steps, _ = schedule.overrides(point.batch, n_train)
+        return {"batch": point.batch, "epochs": schedule.epochs, "steps": steps, "val": val, "gain": gain,
                 "val_gain": _val_gain(summary), "path": str(run.relative_to(out))}  # fmt: skip
 
     n_budget = len(args.budget_check) * len(args.budget_factors)

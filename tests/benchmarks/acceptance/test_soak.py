@@ -56,7 +56,7 @@ def test_an_outage_turns_a_read_away_and_the_read_is_retried_until_served(tmp_pa
     server = soak.RestartableServer(tmp_path)
     url = f"{server.url}/shard.tar"
     turned_away: list[int] = []
-    retries: list[float] = []
+    retries: list[int] = []
     outage = threading.Thread(target=lambda: turned_away.append(server.outage()))
     try:
         outage.start()
