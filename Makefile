@@ -116,8 +116,9 @@ bench: $(STAMP)
 study: $(STAMP)
 	PYTHON=$(BIN)/python bash benchmarks/study.sh
 
-# GPU acceptance (benchmarks/acceptance/gpu_check.py; PART=tests|loss|train|deepspeed|grads|feed|demo|chunk|syncs, a list tests,loss or all, the
-# default). Run on the GPU machine, which has a python with torch and no network: missing packages come from
+# GPU acceptance (benchmarks/acceptance/gpu_check.py; PART=tests|loss|train|train32|deepspeed|grads|feed|demo|chunk|syncs,
+# a list tests,loss or all, the default; a GPU lent for minutes: PART=train first, then PART=train32, one device
+# command each). Run on the GPU machine, which has a python with torch and no network: missing packages come from
 # .gpu-wheels/ (below). The report goes to $(GPU_RESULTS)/gpu-<date>.md: on a GPU machine of its own, without
 # network, point GPU_RESULTS at a folder you copy back, then merge the report here with
 # `python -m benchmarks.acceptance.gpu_check --merge REPORT` (docs/contributing.md). The exit status to read is the

@@ -4,7 +4,9 @@ precision; direct vs chunked, 1 vs 2 processes; the loss's share of the step; th
     python -m benchmarks.train                       # CPU defaults: tiny_cnn, 32 px, global batch 128
     python -m benchmarks.train --backbone resnet18 --image-size 64 --batch 64 --steps 6
     python -m benchmarks.train --device cuda --backbone resnet50 --image-size 224 --batch 256 --chunk 64,32,128 \
-        --precision bf16 --capture graphs --deterministic    # one GPU (the issue's throughput targets)
+        --precision bf16 --capture compile,graphs --deterministic    # one GPU (the issue's throughput targets)
+    python -m benchmarks.train --device cuda ... --plan bare,gradcache:64,chunked:64,compile:64 --budget-s 300 \
+        --estimate-s bare=27,gradcache=27,trainer=27,compile=120    # an explicit order within a time budget
 
 Each configuration runs as its own job (1 process: plain python; several: ``accelerate launch``, gloo on the
 CPU, one process per GPU on CUDA) on synthetic shards built with the data layer (JPEG-compressed, decoded by the
@@ -28,14 +30,26 @@ model with BatchNorm frozen, channels-last on CUDA, uint8 images on the device, 
 embeddings gives ``G = dL/de``, pass 2 re-embeds each chunk and back-propagates ``sum(e * G)``; no RNG replay (the
 backbones here have no dropout), no engine, no checks. The trainer's chunked step against it is the trainer's own
 overhead; the gradient cache against the bare loop is the method's (its extra no-grad forward). ``--capture
-graphs`` (or ``compile``) adds trainer rows with ``distributed.capture_chunk`` set, their compile time beside.
+compile,graphs`` (either, or both) adds trainer rows with ``distributed.capture_chunk`` set, one per mode and
+chunk, their compile time beside.
 
 ``--deterministic`` adds the 1-process rows with ``train.deterministic=true`` (and a deterministic bare loop) for
-the direct step and the first ``--chunk``.
+the direct step and the first ``--chunk``. ``--plan`` replaces the plan these flags make with an explicit one,
+run in its order (one process each): ``bare``, ``direct``, ``gradcache:C``, ``chunked:C``, ``compile:C``,
+``graphs:C`` (C: the chunk), each with ``:det`` for a deterministic row.
+
+``--budget-s`` bounds the run (from the script's start, the shards' building included): a configuration whose
+estimate does not fit in what is left is not started, and one still running at the end is stopped; either
+leaves a row that says so (``not_measured``) instead of a measurement cut halfway. The estimate of a kind of
+configuration (``bare``, ``gradcache``, ``trainer``, ``compile``, ``graphs``) is the time this run took for the
+last one of that kind, else ``--estimate-s``'s (a kind with neither starts whenever time is left). Each row
+records the seconds its configuration took (``wall_s``), start-up and compilation included: the figures the
+next estimates come from.
 
 A configuration that fails leaves a row with its ``error`` (and the traceback on stderr); the others still run,
 and the script exits 1 at the end. ``--json`` is rewritten after each configuration, so a run stopped part way
-keeps the rows it finished.
+keeps the rows it finished (interrupted, it adds a row for the configuration it stopped and each it never
+reached, then ends).
 
 The table is printed and written to benchmarks/results/train-<YYYY-MM-DD>.md with the machine named.
 """
@@ -52,10 +66,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from benchmarks.common import free_port, machine_description, write_json
+STARTED = time.monotonic()
+"""The script's start, near enough (before torch is imported, which ``benchmarks.common`` does): ``--budget-s``
+counts from here."""
+
+from benchmarks.common import free_port, machine_description, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -324,6 +343,127 @@ def _label(mode: str, chunk: int, capture: str) -> str:
     return f"chunked ({chunk}), captured ({capture})" if mode == "captured" else f"chunked ({chunk})"
 
 
+CAPTURES = ("compile", "graphs")
+"""``--capture``'s modes (``distributed.capture_chunk`` but ``none``)."""
+KINDS = ("bare", "gradcache", "trainer", *CAPTURES)
+"""What a configuration's time is estimated by (``--estimate-s``): the bare loops, the trainer eager, each capture
+mode (compiling makes a captured configuration several times longer than an eager one)."""
+
+
+class Config(NamedTuple):
+    """One configuration of the plan: ``mode`` (``bare``, ``gradcache``, ``trainer``, ``captured``), its processes,
+    its chunk (0: the direct step), deterministic or not, and the captured chunk's mode (``captured`` only)."""
+
+    mode: str
+    processes: int
+    chunk: int
+    deterministic: bool = False
+    capture: str = "none"
+
+    @property
+    def kind(self) -> str:
+        """Its kind of the time estimates (``KINDS``)."""
+        return self.capture if self.mode == "captured" else self.mode
+
+    @property
+    def label(self) -> str:
+        return _label(self.mode, self.chunk, self.capture)
+
+
+PLAN_ITEMS = {"bare": "bare", "direct": "trainer", "gradcache": "gradcache", "chunked": "trainer",
+              "compile": "captured", "graphs": "captured"}  # fmt: skip
+"""``--plan``'s words and the mode each runs; all but ``bare`` and ``direct`` take a chunk (``chunked:64``)."""
+
+
+def _plan(text: str) -> list[Config]:
+    """``--plan``: the configurations in the order to run them (one process each), e.g.
+    ``bare,gradcache:64,chunked:64,compile:64,graphs:64,direct:det``."""
+    plan = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        word, *rest = item.split(":")
+        deterministic = rest[-1:] == ["det"]
+        rest = rest[:-1] if deterministic else rest
+        chunked = word not in ("bare", "direct")
+        if (
+            word not in PLAN_ITEMS
+            or len(rest) != int(chunked)
+            or not all(r.isdigit() and int(r) > 0 for r in rest)
+        ):
+            raise argparse.ArgumentTypeError(
+                f"--plan item {item!r}: one of bare, direct, gradcache:C, chunked:C, compile:C, graphs:C (C: a "
+                "chunk), each optionally followed by :det"
+            )
+        capture = word if word in CAPTURES else "none"
+        plan.append(Config(PLAN_ITEMS[word], 1, int(rest[0]) if chunked else 0, deterministic, capture))
+    if not plan:
+        raise argparse.ArgumentTypeError("--plan: no configuration given")
+    return plan
+
+
+def _estimates(text: str) -> dict[str, float]:
+    """``--estimate-s``: ``kind=seconds`` pairs, comma-separated (kinds: ``KINDS``)."""
+    estimates = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, _, seconds = item.partition("=")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if kind not in KINDS or value <= 0:
+            raise argparse.ArgumentTypeError(
+                f"--estimate-s item {item!r}: KIND=SECONDS with KIND one of {', '.join(KINDS)} (e.g. trainer=27)"
+            )
+        estimates[kind] = value
+    return estimates
+
+
+class Budget:
+    """The run's time (``--budget-s``): a configuration starts only when its estimate fits in what is left, and
+    one still running at the end is stopped. Estimates: this run's own time for the last configuration of the
+    same kind, else the given ``estimates`` (per job: ``--repeats`` jobs make a configuration). ``seconds``
+    None: no limit. ``clock``: the tests' simulated time."""
+
+    def __init__(
+        self,
+        seconds: float | None,
+        estimates: dict[str, float] | None = None,
+        started: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.seconds, self.clock = seconds, clock
+        self.end = math.inf if seconds is None else (clock() if started is None else started) + seconds
+        self.estimates = dict(estimates or {})
+        self.observed: dict[str, float] = {}
+
+    def left(self) -> float:
+        return self.end - self.clock()
+
+    def estimate(self, config: Config) -> tuple[float, str] | None:
+        """The seconds one job of ``config`` is expected to take, and where that figure comes from."""
+        if config.kind in self.observed:
+            return self.observed[config.kind], f"the last {config.kind} configuration of this run"
+        if config.kind in self.estimates:
+            return self.estimates[config.kind], "--estimate-s"
+        return None
+
+    def refusal(self, config: Config, repeats: int = 1) -> str | None:
+        """Why ``config`` is not started now (its row's ``not_measured``), or None: start it."""
+        left = self.left()
+        if left <= 0:
+            return f"not started: the {self.seconds:.0f} s budget was spent"
+        estimate = self.estimate(config)
+        if estimate is not None and repeats * estimate[0] > left:
+            return (
+                f"not started: it needs about {repeats * estimate[0]:.0f} s (estimate: {estimate[1]}), "
+                f"{left:.0f} s were left of the {self.seconds:.0f} s budget"
+            )
+        return None
+
+    def took(self, config: Config, seconds: float) -> None:
+        """``config``'s job took ``seconds``: the estimate of the next of its kind."""
+        self.observed[config.kind] = seconds
+
+
 class ConfigFailed(RuntimeError):
     """A configuration's job failed; ``summary``: its exit status and last line of stderr (the row's error)."""
 
@@ -333,18 +473,14 @@ class ConfigFailed(RuntimeError):
 
 
 def run_config(
-    args: argparse.Namespace,
-    mode: str,
-    processes: int,
-    chunk: int,
-    deterministic: bool,
-    shards: Path,
-    tmp: Path,
+    args: argparse.Namespace, config: Config, shards: Path, tmp: Path, timeout: float | None = None
 ) -> dict[str, Any]:
-    name = f"{mode}-{processes}-{chunk}-{int(deterministic)}"
+    """One job of ``config``: its row. ``timeout``: seconds it may take (``subprocess.TimeoutExpired`` past them,
+    the job killed)."""
+    mode, processes, chunk, deterministic, capture = config
+    name = f"{mode}-{capture}-{processes}-{chunk}-{int(deterministic)}"
     result, out = tmp / f"result-{name}.json", tmp / f"run-{name}"
     worker = {"bare": "bare", "gradcache": "gradcache"}.get(mode, "trainer")
-    capture = args.capture if mode == "captured" else "none"
     common = [
         "--worker", worker, "--capture", capture, "--compiler", args.compiler,
         "--shards", str(shards), "--out", str(out), "--result", str(result),
@@ -370,48 +506,98 @@ def run_config(
             "--num_processes", str(processes), "--main_process_port", str(free_port()),
             "--module", "benchmarks.train", *common,
         ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no message on stderr"])[-1]
         summary = f"exit {proc.returncode}: {last[:300]}"
         raise ConfigFailed(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}", summary)
-    return json.loads(result.read_text())
+    return dict(json.loads(result.read_text()))
+
+
+def _unmeasured(args: argparse.Namespace, config: Config, why: str) -> dict[str, Any]:
+    """The row of a configuration that was not started, or stopped before its end: why, no figures."""
+    return {"processes": config.processes, "mode": config.label, "deterministic": config.deterministic,
+            "global_batch": args.batch, "not_measured": why}  # fmt: skip
 
 
 def run_plan(
-    args: argparse.Namespace, plan: list[tuple[str, int, int, bool]], shards: Path, tmp: Path
+    args: argparse.Namespace,
+    plan: list[Config],
+    shards: Path,
+    tmp: Path,
+    budget: Budget | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per configuration of ``plan`` (mode, processes, chunk, deterministic): the fastest of
-    ``--repeats`` jobs, or, where one failed, the row with its ``error``; ``--json`` rewritten after each."""
-    rows = []
-    for mode, procs, chunk, det in plan:
-        t0 = time.perf_counter()
+    """One row per configuration of ``plan``, in its order: the fastest of ``--repeats`` jobs (with ``wall_s``,
+    the seconds the configuration took), the row with its ``error`` where one failed, or a ``not_measured`` row
+    where ``budget`` did not let it start or stopped it; ``--json`` rewritten after each. Interrupted (SIGINT),
+    it writes the rows of the configuration stopped and of those not reached, then lets the interrupt go on."""
+    budget = budget or Budget(None)
+    rows: list[dict[str, Any]] = []
+    for i, config in enumerate(plan):
+        t0 = budget.clock()
         try:
-            runs = [run_config(args, mode, procs, chunk, det, shards, tmp) for _ in range(args.repeats)]
-            rows.append(min(runs, key=lambda r: r["step_s"]))
-        except (ConfigFailed, OSError, ValueError) as exc:  # the next configurations still run
-            print(exc, file=sys.stderr, flush=True)
-            label = _label(mode, chunk, getattr(args, "capture", "none"))
-            error = exc.summary if isinstance(exc, ConfigFailed) else f"{type(exc).__name__}: {exc}"
-            rows.append({"processes": procs, "mode": label, "deterministic": det, "global_batch": args.batch,
-                         "error": error})  # fmt: skip
-        if args.json:
-            write_json(args.json, rows)
-        failed = f" FAILED ({rows[-1]['error']})" if "error" in rows[-1] else ""
+            rows.append(_measure(args, config, shards, tmp, budget))
+        except KeyboardInterrupt:
+            rows.append(_unmeasured(args, config, f"stopped (interrupted) after {budget.clock() - t0:.0f} s"))
+            rows += [_unmeasured(args, c, "not started: the run was interrupted") for c in plan[i + 1 :]]
+            _write_rows(args, rows)
+            raise
+        _write_rows(args, rows)
+        done = rows[-1].get("error") or rows[-1].get("not_measured")
         print(
-            f"  {mode}, {procs} process(es), chunk {chunk or '-'}{', deterministic' if det else ''}: "
-            f"{time.perf_counter() - t0:.0f} s{failed}",
+            f"  {config.label}, {config.processes} process(es){', deterministic' if config.deterministic else ''}: "
+            f"{budget.clock() - t0:.0f} s{f' ({done})' if done else ''}",
             flush=True,
         )
     return rows
 
 
+def _measure(
+    args: argparse.Namespace, config: Config, shards: Path, tmp: Path, budget: Budget
+) -> dict[str, Any]:
+    """``config``'s row: measured, failed, or not measured (the budget's refusal, or stopped at its end)."""
+    refusal = budget.refusal(config, args.repeats)
+    if refusal is not None:
+        return _unmeasured(args, config, refusal)
+    t0 = budget.clock()
+    try:
+        runs = []
+        for _ in range(args.repeats):
+            left = budget.left()
+            runs.append(
+                run_config(args, config, shards, tmp, timeout=None if math.isinf(left) else max(left, 1.0))
+            )
+    except subprocess.TimeoutExpired:
+        estimate = budget.estimate(config)
+        expected = f" (estimate: about {estimate[0]:.0f} s a job)" if estimate else ""
+        return _unmeasured(
+            args, config, f"stopped at the end of the budget after {budget.clock() - t0:.0f} s{expected}"
+        )
+    except (ConfigFailed, OSError, ValueError) as exc:  # the next configurations still run
+        print(exc, file=sys.stderr, flush=True)
+        error = exc.summary if isinstance(exc, ConfigFailed) else f"{type(exc).__name__}: {exc}"
+        return {"processes": config.processes, "mode": config.label, "deterministic": config.deterministic,
+                "global_batch": args.batch, "error": error}  # fmt: skip
+    wall = budget.clock() - t0
+    budget.took(config, wall / args.repeats)
+    return {**min(runs, key=lambda r: r["step_s"]), "wall_s": wall}
+
+
+def _write_rows(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    if getattr(args, "json", None):
+        write_json(args.json, rows)
+
+
+def _measured(row: dict[str, Any]) -> bool:
+    return "error" not in row and "not_measured" not in row
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    bare = {r["deterministic"]: r for r in rows if r["mode"] == "bare loop" and "error" not in r}
+    bare = {r["deterministic"]: r for r in rows if r["mode"] == "bare loop" and _measured(r)}
     cache = {
         (r["deterministic"], r.get("chunk")): r
         for r in rows
-        if r["mode"].startswith("bare gradient cache") and "error" not in r
+        if r["mode"].startswith("bare gradient cache") and _measured(r)
     }
     head = (
         "| processes | step | deterministic | images/s | vs bare loop | vs bare gradient cache | images/s with data "
@@ -420,9 +606,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     )
     lines = [head, "|" + "---|" * 13]
     for r in rows:
-        if "error" in r:
+        if not _measured(r):
+            what = f"failed: {r['error']}" if "error" in r else f"not measured: {r['not_measured']}"
             lines.append(
-                f"| {r['processes']} | {r['mode']} | {'yes' if r['deterministic'] else 'no'} | failed: {r['error']} |"
+                f"| {r['processes']} | {r['mode']} | {'yes' if r['deterministic'] else 'no'} | {what} |"
             )
             continue
         step, ref = r["step_s"], bare.get(r["deterministic"])
@@ -444,23 +631,33 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def build_plan(args: argparse.Namespace, processes: list[int]) -> list[tuple[str, int, int, bool]]:
-    """The configurations (mode, processes, chunk, deterministic), in order: the bare loop, the bare gradient
-    cache at each chunk, the trainer direct and chunked at each chunk per process count, captured (1 process),
-    then the deterministic rows (bare loop, direct, the first chunk). A chunk no smaller than the local batch
-    would run the direct step again: no chunked row for it."""
+def build_plan(args: argparse.Namespace, processes: list[int]) -> list[Config]:
+    """The configurations without ``--plan``, in order: the bare loop, the bare gradient cache at each chunk, the
+    trainer direct and chunked at each chunk per process count, captured (1 process, each ``--capture`` mode at
+    each capture chunk), then the deterministic rows (bare loop, direct, the first chunk). A chunk no smaller than
+    the local batch would run the direct step again: no chunked row for it."""
 
     def fits(chunk: int, procs: int) -> bool:
         return args.batch // procs > chunk
 
-    plan = [("bare", 1, 0, False)] + [("gradcache", 1, c, False) for c in args.chunk if fits(c, 1)]
-    plan += [("trainer", p, c, False) for p in processes for c in [0, *args.chunk] if c == 0 or fits(c, p)]
-    if args.capture != "none":
-        plan += [("captured", 1, c, False) for c in args.capture_chunks or args.chunk if fits(c, 1)]
+    plan = [Config("bare", 1, 0)] + [Config("gradcache", 1, c) for c in args.chunk if fits(c, 1)]
+    plan += [Config("trainer", p, c) for p in processes for c in [0, *args.chunk] if c == 0 or fits(c, p)]
+    for mode in args.capture:
+        plan += [
+            Config("captured", 1, c, capture=mode) for c in args.capture_chunks or args.chunk if fits(c, 1)
+        ]
     if args.deterministic:
         first = [c for c in args.chunk[:1] if fits(c, 1)]
-        plan += [("bare", 1, 0, True)] + [("trainer", 1, c, True) for c in [0, *first]]
+        plan += [Config("bare", 1, 0, True)] + [Config("trainer", 1, c, True) for c in [0, *first]]
     return plan
+
+
+def _captures(text: str) -> list[str]:
+    """``--capture``: ``none``, or capture modes, comma-separated (``compile,graphs``), in the order to run."""
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip() and m.strip() != "none"))
+    if any(m not in CAPTURES for m in modes):
+        raise argparse.ArgumentTypeError(f"--capture {text!r}: none, or one or more of {', '.join(CAPTURES)}")
+    return modes
 
 
 def _chunks(text: str) -> list[int]:
@@ -470,6 +667,31 @@ def _chunks(text: str) -> list[int]:
             f"{text!r}: chunk sizes, comma-separated (64,32,128; 0: the direct step)"
         )
     return values
+
+
+def _command(args: argparse.Namespace, processes: list[int]) -> str:
+    """The command line of this run, every default it took written out (the results file's record)."""
+    if args.plan:
+        what = "--plan " + ",".join(_plan_item(c) for c in args.plan)
+    else:
+        what = (
+            f"--chunk {','.join(map(str, args.chunk))} --capture {','.join(args.capture) or 'none'} "
+            + (f"--capture-chunks {','.join(map(str, args.capture_chunks))} " if args.capture_chunks else "")
+            + f"--processes {','.join(map(str, processes))}{' --deterministic' if args.deterministic else ''}"
+        )
+    budget = f" --budget-s {args.budget_s:.0f}" if args.budget_s is not None else ""
+    return (
+        f"python -m benchmarks.train --device {args.device} --precision {args.precision} --backbone {args.backbone} "
+        f"--image-size {args.image_size} --batch {args.batch} {what} --workers {args.workers} --steps {args.steps} "
+        f"--warmup {args.warmup} --repeats {args.repeats}{budget}"
+    )
+
+
+def _plan_item(config: Config) -> str:
+    """``config`` as a ``--plan`` item."""
+    word = {"bare": "bare", "gradcache": "gradcache", "captured": config.capture}.get(config.mode)
+    word = word or ("chunked" if config.chunk else "direct")
+    return word + (f":{config.chunk}" if config.chunk else "") + (":det" if config.deterministic else "")
 
 
 def main() -> int:
@@ -489,8 +711,9 @@ def main() -> int:
         help="chunk size(s) of the chunked runs, comma-separated: 64,32,128",
     )
     parser.add_argument(
-        "--capture", choices=("none", "compile", "graphs"), default="none",
-        help="also run the chunked step with distributed.capture_chunk set (1 process, at --capture-chunks)",
+        "--capture", type=_captures, default=[],
+        help="also run the chunked step with distributed.capture_chunk set, each mode given (compile,graphs; "
+        "1 process, at --capture-chunks)",
     )  # fmt: skip
     parser.add_argument(
         "--capture-chunks", type=_chunks, default=None,
@@ -507,6 +730,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="jobs per configuration; the fastest is kept")
+    parser.add_argument("--plan", type=_plan, default=None,
+                        help="the configurations in this order instead of those of --chunk, --capture, --deterministic: "
+                        "bare, direct, gradcache:C, chunked:C, compile:C, graphs:C, each optionally :det")  # fmt: skip
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds from the start: a configuration whose estimate does not fit is not started")  # fmt: skip
+    parser.add_argument("--estimate-s", type=_estimates, default={},
+                        help=f"seconds a configuration takes, by kind: {'=S,'.join(KINDS)}=S (default: this run's own)")  # fmt: skip
     parser.add_argument(
         "--output", default=None, help="markdown file (default benchmarks/results/train-DATE.md)"
     )
@@ -518,7 +748,7 @@ def main() -> int:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        args.chunk = args.chunk[0]
+        args.chunk, args.capture = args.chunk[0], (args.capture or ["none"])[0]
         workers = {"bare": bare_worker, "gradcache": bare_gradient_cache_worker, "trainer": trainer_worker}
         workers[args.worker](args)
         return 0
@@ -533,6 +763,7 @@ def main() -> int:
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     default_processes = sorted({1, gpus}) if args.device == "cuda" and gpus > 1 else ([1] if gpus else [1, 2])
     processes = [int(p) for p in args.processes.split(",")] if args.processes else default_processes
+    plan = args.plan or build_plan(args, processes)
 
     from ddp_rank.data.building.build import BuildOptions, build_shards
     from ddp_rank.data.building.listing import read_image_folder
@@ -545,23 +776,16 @@ def main() -> int:
         write_image_folder(tmp / "images", [[4] * classes] * 4, image_size=args.image_size, seed=0)
         shards = tmp / "shards"
         build_shards(read_image_folder(tmp / "images"), shards, BuildOptions(progress=False))
-        rows = run_plan(args, build_plan(args, processes), shards, tmp)
+        rows = run_plan(args, plan, shards, tmp, Budget(args.budget_s, args.estimate_s, STARTED))
     text = table(rows)
     print(text)
     date = dt.date.today().isoformat()
     out = Path(args.output) if args.output else REPO / "benchmarks" / "results" / f"train-{date}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = (
-        f"python -m benchmarks.train --device {args.device} --precision {args.precision} "
-        f"--backbone {args.backbone} --image-size {args.image_size} --batch {args.batch} "
-        f"--chunk {','.join(map(str, args.chunk))} --capture {args.capture} "
-        f"{'--capture-chunks ' + ','.join(map(str, args.capture_chunks)) + ' ' if args.capture_chunks else ''}"
-        f"--processes {','.join(map(str, processes))} --workers {args.workers} --steps {args.steps} "
-        f"--warmup {args.warmup} --repeats {args.repeats}{' --deterministic' if args.deterministic else ''}"
-    )
     section = (
         f"## {args.device}, {args.backbone}, {args.image_size} px, precision {args.precision}, "
-        f"global batch {args.batch}, chunk {','.join(map(str, args.chunk))}\n\nMachine: {machine_description()}.\n\nCommand: `{command}`. Median over "
+        f"global batch {args.batch}, chunk {','.join(map(str, sorted({c.chunk for c in plan if c.chunk})))}\n\n"
+        f"Machine: {machine_description()}.\n\nCommand: `{_command(args, processes)}`. Median over "
         f"{args.steps} steps after {args.warmup} warm-up steps; the fastest of {args.repeats} jobs.\n\n{text}\n"
     )
     header = (

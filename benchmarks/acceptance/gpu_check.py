@@ -1,18 +1,18 @@
 """GPU acceptance in one command: ``make gpu-check`` (every part in turn) or ``make gpu-check PART=loss``.
 
-    python -m benchmarks.acceptance.gpu_check --part tests|loss|train|deepspeed|grads|feed|demo|chunk|syncs|all|tests,loss,...
-        [--wheels .gpu-wheels] [--results DIR]
+    python -m benchmarks.acceptance.gpu_check --part tests|loss|train|train32|deepspeed|grads|feed|demo|chunk|syncs|all|tests,loss,...
+        [--wheels .gpu-wheels] [--results DIR] [--budget-s SECONDS]
     python -m benchmarks.acceptance.gpu_check --merge DIR/gpu-<date>.md    # here: add a report that came back to results/
 
-Each part ends within about 8.5 minutes (its commands start within ``BUDGET_S`` of the process's start, its
-setup included: the device tool stops a command at 10 minutes; ``grads`` and ``feed`` within ``PART_BUDGET_S``),
-appends its section to ``gpu-<YYYY-MM-DD>.md`` in ``--results`` (default ``benchmarks/results``; on the device
-tool ``$OUT``, the folder that comes back: the device, driver, torch / triton / CUDA versions, the tables, one
-PASS / FAIL / NOT MEASURED / INFO line per target, ``gpu_targets.py``) and exits 1 on a FAIL or NOT MEASURED, 0
-when every target passed. A command past its time is interrupted (SIGINT: pytest writes its report, the
-benchmarks keep the rows they wrote), then its process group killed, and its targets are NOT MEASURED; a part
-past ``WATCHDOG_S`` still appends its section. Without CUDA it says so and exits 2, writing nothing: it never
-reports a pass it did not measure.
+Each part ends within about 8.5 minutes (its commands start within ``BUDGET_S`` of the process's start, its setup
+included: the device tool stops a command at 10 minutes; ``grads`` and ``feed`` within ``PART_BUDGET_S``;
+``--budget-s`` gives every part less, for a GPU lent for less), appends its section to ``gpu-<YYYY-MM-DD>.md`` in
+``--results`` (default ``benchmarks/results``; on the device tool ``$OUT``, the folder that comes back: the
+device, driver, torch / triton / CUDA versions, the tables, one PASS / FAIL / NOT MEASURED / INFO line per target,
+``gpu_targets.py``) and exits 1 on a FAIL or NOT MEASURED, 0 when every target passed. A command past its time is
+interrupted (SIGINT: pytest writes its report, the benchmarks keep the rows they wrote), then its process group
+killed, and its targets are NOT MEASURED; a part past ``WATCHDOG_S`` still appends its section. Without CUDA it
+says so and exits 2, writing nothing: it never reports a pass it did not measure.
 
 - ``tests``: ``pytest -m cuda``, and the suite's multi-process tests (forced onto CPU ranks: they must pass on
   a 1-GPU machine as on a CPU-only one; ``XDIST_WORKERS`` at a time with pytest-xdist);
@@ -21,9 +21,15 @@ reports a pass it did not measure.
   ``matmul_precision=tf32`` and ``kernel=torch`` at N = 16,384 and 65,536, pytorch-metric-learning beside them
   where it fits in memory and time (after our rows), the fp32 and TF32 floors; ``benchmarks/loss_precision.py``'s
   table (loss change, gradient cosine, time of tf32 and bf16 against highest) at N = 16,384;
-- ``train``: ``benchmarks/train.py --device cuda``: ResNet-50, 224 px, global batch 256, bf16, direct and
-  chunked (64, 32, 128; 32 also with the captured chunk, CUDA graphs), against the bare loop and the bare
-  gradient-cache loop at the same chunk (the step time, without the wait for data); deterministic on and off;
+- ``train``: ``benchmarks/train.py --device cuda``: ResNet-50, 224 px, global batch 256, bf16, in the order of
+  what decides first (``TRAIN_PLANS``), within the part's time (a configuration predicted not to fit is not
+  started, and says so): the bare loop, the bare gradient cache at 64, the trainer's eager chunked step at 64,
+  the captured chunk at 64 in ``compile`` then ``graphs`` mode (the step time, without the wait for data); then
+  ``benchmarks/acceptance/graphs_check.py``: the captured chunk's gradients under CUDA graphs against ``compile``
+  and eager, fp32 (TF32 off) and bf16, against the spread of two correct eager runs (its record kept beside the
+  report). The first run to make on a GPU lent for minutes;
+- ``train32``: the second: the same rows at 32 behind a bare loop of their own, then the direct step, chunk 128
+  and the deterministic rows as far as the part's time goes;
 - ``deepspeed``: ZeRO-1 and ZeRO-2 in bf16 and fp16, direct and chunked, 20 steps each, against DDP;
 - ``grads``: ``benchmarks/acceptance/grad_check.py``: one chunked and one direct SGD step (lr 1) from the same weights and
   batch, their weight changes compared tensor by tensor, without DDP, with DDP, under ZeRO-1 and ZeRO-2, fp32 and
@@ -77,7 +83,7 @@ from benchmarks.common import RESULTS_DIR  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
-PARTS = ("tests", "loss", "train", "deepspeed", "grads", "feed", "demo", "chunk", "syncs")
+PARTS = ("tests", "loss", "train", "train32", "deepspeed", "grads", "feed", "demo", "chunk", "syncs")
 BUDGET_S = 480
 """A part's commands run within this many seconds of the process's start for the first part (Python's start,
 the wheels' install, nvidia-smi count), of the part's own start for a later one of a list. The device tool stops
@@ -107,6 +113,7 @@ PART_NEEDS: dict[str, tuple[str, ...]] = {
     "tests": tuple(NEEDED),
     "loss": (*CORE_NEEDS, "pytorch_metric_learning"),
     "train": (*CORE_NEEDS, "webdataset"),
+    "train32": (*CORE_NEEDS, "webdataset"),
     "deepspeed": (*CORE_NEEDS, "deepspeed", "webdataset"),
     "grads": (*CORE_NEEDS, "deepspeed", "webdataset"),
     "feed": (*CORE_NEEDS, "webdataset"),
@@ -130,6 +137,46 @@ LOSS_PEER_TIME_S = 10.0
 """The peer's forward + backward, predicted from its time at the previous N, at most this (``--peer-time-s``)."""
 LOSS_PRECISION_RUN = ("16384", "512", 4)
 """``benchmarks/loss_precision.py`` on CUDA: N, d, and its weight in the part's time split (one process, 27 steps)."""
+TRAIN_SETUP = ("--device", "cuda", "--backbone", "resnet50", "--image-size", "224", "--batch", "256", "--precision",
+               "bf16")  # fmt: skip
+"""The ``train`` parts' setup (issue 50's targets): ResNet-50, 224 px, global batch 256, bf16, one GPU."""
+TRAIN_PLANS = {
+    "train": "bare,gradcache:64,chunked:64,compile:64,graphs:64",
+    "train32": "bare,gradcache:32,chunked:32,compile:32,graphs:32,direct,gradcache:128,chunked:128,bare:det,direct:det,"
+               "chunked:32:det",
+}  # fmt: skip
+"""``benchmarks/train.py --plan`` of each ``train`` part, in the order of what decides first (issue 50), each row
+written as it finishes. ``train``, the first run a GPU lent for minutes should make: the bare loop (every ratio's
+reference), the bare gradient cache and the trainer's eager chunked step at 64 (the trainer's own overhead), the
+captured chunk at 64 compiled, then with CUDA graphs; then ``graphs_check.py`` (``part_train``). ``train32``, the
+second: the same at 32 behind a bare loop of its own (a ratio compares rows of one run on one card), then the
+direct step, chunk 128 and the deterministic rows, which inform, as far as its time goes."""
+TRAIN_TIMING = ("--steps", "6", "--warmup", "2", "--repeats", "1")
+"""The ``train`` parts' timing: the median of 6 steps after 2 warm-up steps, one job per configuration. A
+configuration's time is its start-up (the process, CUDA, the model, the loader's workers, a compilation), not its
+steps: on the H200 a step took 62 ms (the bare loop) to 286 ms (the bare gradient cache at 32) of a configuration's
+27 s at most (gpu-2026-11-27.md). Steps are cut where the spread allows: the H100's 6-step run of 2026-11-27
+(chunk-sizes-2026-11-27-h100.md) gave the bare loop 3,523 images/s against the 8-step part's 3,532 (0.3%), the
+direct step 3,435 against 3,480 (1.3%): 6 steps measure to about 1%. Two warm-up steps: a captured row compiles
+and records its CUDA graphs in the first (each graph runs 4 times a step at chunks of 64), the second is the first
+in its steady state. A second job would add a whole start-up for that 1%."""
+TRAIN_ESTIMATE_S = {"bare": 27, "gradcache": 27, "trainer": 27, "compile": 120, "graphs": 90}
+"""Seconds a configuration of the ``train`` parts takes, by kind (``benchmarks/train.py --estimate-s``): what it
+predicts with until the run has timed one of the kind itself (each row records its ``wall_s``). The eager kinds:
+the H200's ``train`` part of 2026-11-27 (gpu-2026-11-27.md) built the shards and finished 8 eager configurations
+of 8 + 2 steps within 216 s, 27 s each at most (the H100's of the same day: 6 within 127 s, 21 s). The captured
+kinds are guesses: no captured configuration has finished on a GPU yet (the H200's was stopped unfinished when
+the part's time ran out). ``compile``: an eager configuration's 27 s and about 90 s to compile pass 1 and pass 2
+of ResNet-50 with inductor; ``graphs``: less, as it runs after the ``compile`` row of its plan, whose kernels are
+in inductor's cache by then. Replace them with the ``wall_s`` of the first GPU run (the report's lines)."""
+GRAPHS_CHECK_ESTIMATE_S = 150
+"""The seconds ``part_train`` keeps for ``graphs_check.py`` after its rows: ResNet-18 at 32 px, five runs in each of
+fp32 and bf16, four of them compiled (``compile`` and ``graphs`` in each precision, two graphs each). A guess, as
+it has not run on a GPU yet: four compilations of a ResNet-18 of about 30 s each, its eager runs and start a few
+seconds (the report gives each run's seconds, compilation included)."""
+TRAIN_MARGIN_S = 10
+"""``benchmarks/train.py``'s ``--budget-s`` ends this long before its command's time does: it writes its table and
+ends before the part would interrupt it."""
 REPORT_TITLE = "# GPU acceptance (`make gpu-check`)\n"
 
 
@@ -167,6 +214,7 @@ class Part:
             self.log.append(f"  not started: {max(limit, 0):.0f} s left of the part's time")
             return None
         output = self.scratch / f"command-{len(self.log)}.log"
+        t0 = time.monotonic()
         with output.open("w") as out:
             proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True,
@@ -177,7 +225,9 @@ class Part:
                 _kill_group(proc)
         tail = output.read_text(errors="replace").strip().splitlines()[-3:]
         status = (
-            f"  exit {code}" if code is not None else f"  stopped after {limit:.0f} s (SIGINT, then SIGKILL)"
+            f"  exit {code} after {time.monotonic() - t0:.0f} s"
+            if code is not None
+            else f"  stopped after {limit:.0f} s (SIGINT, then SIGKILL)"
         )
         self.log.append(status + "".join(f"\n  | {line}" for line in tail))
         return code
@@ -294,26 +344,72 @@ def _precision_table(rows: list[dict[str, Any]]) -> str:
 
 
 def part_train(part: Part) -> tuple[str, list[targets.Verdict]]:
-    out = part.scratch / "train.json"
-    part.run([sys.executable, "-m", "benchmarks.train", "--device", "cuda", "--backbone", "resnet50", "--image-size",
-              "224", "--batch", "256", "--chunk", "64,32,128", "--capture", "graphs", "--capture-chunks",
-              str(targets.CAPTURED_CHUNK), "--precision", "bf16", "--processes", "1", "--deterministic", "--steps",
-              "8", "--repeats", "1", "--json", str(out)])  # fmt: skip
-    rows = _json_rows(out)
-    table = "\n".join(map(_train_line, rows))
-    return table, targets.train_verdicts(rows)
+    """The first run a GPU lent for minutes should make: the rows at 64 within the part's time less what the
+    graphs check needs (``GRAPHS_CHECK_ESTIMATE_S``), then the graphs check with the rest."""
+    rows = _train_rows(part, "train", reserve_s=GRAPHS_CHECK_ESTIMATE_S)
+    record = _graphs_check(part)
+    body = "\n\n".join([_train_lines(rows), _graphs_lines(record)])
+    return body, targets.train_verdicts(rows, chunk=64, direct=False) + targets.graphs_verdicts(record)
+
+
+def part_train32(part: Part) -> tuple[str, list[targets.Verdict]]:
+    """The second: the rows at 32, then the direct step, chunk 128 and the deterministic rows as time allows."""
+    rows = _train_rows(part, "train32")
+    return _train_lines(rows), targets.train_verdicts(rows, chunk=32, direct=True)
+
+
+def _train_rows(part: Part, name: str, reserve_s: float = 0.0) -> list[dict[str, Any]]:
+    """``benchmarks/train.py``'s rows of ``TRAIN_PLANS[name]``, run within the part's time less ``reserve_s``: its
+    ``--budget-s`` ends ``TRAIN_MARGIN_S`` before its command's time, so that a configuration it could not finish
+    is not started (or stopped by it, not by the part) and its row says why."""
+    out = part.scratch / f"{name}.json"
+    left = part.time_left()
+    mine = max(left - reserve_s, 0.0)
+    estimates = ",".join(f"{kind}={seconds:g}" for kind, seconds in TRAIN_ESTIMATE_S.items())
+    part.run([sys.executable, "-m", "benchmarks.train", *TRAIN_SETUP, "--plan", TRAIN_PLANS[name], *TRAIN_TIMING,
+              "--budget-s", f"{mine - TRAIN_MARGIN_S:.0f}", "--estimate-s", estimates, "--json", str(out)],
+             mine / left if left > 0 else 0.0)  # fmt: skip
+    return _json_rows(out)
+
+
+def _train_lines(rows: list[dict[str, Any]]) -> str:
+    return "\n".join(map(_train_line, rows)) or "`benchmarks/train.py` left no rows."
+
+
+def _graphs_check(part: Part) -> dict[str, Any] | None:
+    """``benchmarks/acceptance/graphs_check.py`` with the time left; its record (per tensor) kept beside the report."""
+    out = part.artefacts / f"graphs-check-{time.strftime('%Y-%m-%d-%H%M%S')}.json"
+    part.run([sys.executable, "-m", "benchmarks.acceptance.graphs_check", "--json", str(out)])
+    return _json_record(out)
+
+
+def _graphs_lines(record: dict[str, Any] | None) -> str:
+    if not record:
+        return "`benchmarks/acceptance/graphs_check.py` left no record."
+    lines = [
+        f"The captured chunk's gradients against each other and the eager step ({record['setup']}); a tensor's "
+        "tolerance is twice the worst difference of two correct eager runs from the reference (`graphs_check.py`; "
+        "every tensor in `graphs-check-*.json` beside the report):",
+        "",
+    ]
+    lines += [f"- {r['precision']}, step {r['step']}: {targets.graphs_line(r)}" for r in record["rows"]]
+    seconds = ", ".join(f"{run} {s:.0f}" for run, s in record.get("run_s", {}).items())
+    return "\n".join(lines + ([f"- seconds per run (compilation included): {seconds}"] if seconds else []))
 
 
 def _train_line(r: dict[str, Any]) -> str:
     what = f"- {r['mode']}{', deterministic' if r['deterministic'] else ''}: "
     if "error" in r:
         return what + f"crashed: {r['error']}"
+    if "not_measured" in r:
+        return what + f"NOT MEASURED: {r['not_measured']}"
     batch = r["global_batch"]
     compiled = " + ".join(f"{v:.1f}" for v in r.get("compile_s", {}).values())
     compiled = f"; compile time {compiled} s (first calls)" if compiled else ""
+    took = f"; {r['wall_s']:.0f} s for the configuration" if "wall_s" in r else ""
     return what + (
         f"{batch / r['step_s']:.0f} images/s (the step alone: the trainer's wait for data excluded), "
-        f"{batch / r.get('total_s', r['step_s']):.0f} with the data wait{compiled}"
+        f"{batch / r.get('total_s', r['step_s']):.0f} with the data wait{compiled}{took}"
     )
 
 
@@ -497,7 +593,8 @@ def _json_record(path: Path) -> dict[str, Any] | None:
 
 
 PART_FUNCTIONS: dict[str, Callable[[Part], tuple[str, list[targets.Verdict]]]] = {
-    "tests": part_tests, "loss": part_loss, "train": part_train, "deepspeed": part_deepspeed, "grads": part_grads,
+    "tests": part_tests, "loss": part_loss, "train": part_train, "train32": part_train32, "deepspeed": part_deepspeed,
+    "grads": part_grads,
     "feed": part_feed, "demo": part_demo,
     "chunk": part_chunk, "syncs": part_syncs,
 }  # fmt: skip
@@ -662,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--results", type=Path, default=RESULTS_DIR,
                         help="the report's folder (default benchmarks/results; on the device tool: $OUT)")  # fmt: skip
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help=f"each part's time, if less than its own ({BUDGET_S} s; {PART_BUDGET_S}): for a GPU "
+                        "lent for less (its commands then measure what fits, and say what did not)")  # fmt: skip
     parser.add_argument("--merge", type=Path, nargs="+", metavar="REPORT",
                         help="append these reports' sections (gpu-<date>.md from $OUT) to --results, and stop")  # fmt: skip
     args = parser.parse_args(argv)
@@ -684,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, name in enumerate(args.part):
         started = STARTED if i == 0 else time.monotonic()  # the first part's setup counts against its time
         with tempfile.TemporaryDirectory(prefix=f"gpu-check-{name}-") as scratch:
-            budget = PART_BUDGET_S.get(name, BUDGET_S)
+            budget = min(PART_BUDGET_S.get(name, BUDGET_S), args.budget_s or BUDGET_S)
             part = Part(name, Path(scratch), started, budget, artefacts=args.results)
             t0 = time.monotonic()
             try:

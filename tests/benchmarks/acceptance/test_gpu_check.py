@@ -110,11 +110,17 @@ def test_train_targets_compare_the_trainer_with_the_bare_loop() -> None:
             row("bare loop", 1.2, True), row("direct", 1.3, True)]  # fmt: skip
     verdicts = targets.train_verdicts(rows)
     assert _status(verdicts, "trainer direct >= 90%") == targets.PASS  # 95%
-    assert _status(verdicts, "trainer chunked (64) >= 70%") == targets.FAIL  # 62%
+    # Eager, chunks of 64 cannot reach 70% (issue 50): the row informs, the captured chunk carries the target.
+    assert _status(verdicts, "trainer chunked (64) against the bare loop") == targets.INFO  # 62%
     assert _status(verdicts, "trainer direct, deterministic") == targets.INFO
     assert targets.train_verdicts([]) and all(
         v.status == targets.NOT_MEASURED for v in targets.train_verdicts([])
     )
+    assert {v.target for v in targets.train_verdicts([], chunk=32, direct=True)} == {
+        "trainer direct >= 90% of the bare loop's images/s (step time, the wait for data excluded)",
+        "trainer chunked (32), captured (compile) >= 55% of the bare loop's images/s",
+        "trainer chunked (32), captured (graphs) >= 55% of the bare loop's images/s",
+    }
 
 
 def test_deepspeed_runs_must_train_finitely_near_the_ddp_run() -> None:
@@ -299,10 +305,19 @@ def test_the_parts_measure_what_the_issue_asks(tmp_path: Path, monkeypatch: pyte
     assert precision[1:3] == ["-m", "benchmarks.loss_precision"] and precision[precision.index("--n") + 1] == "16384"
     commands.clear()
     gpu_check.part_train(gpu_check.Part("train", tmp_path))
-    (train,) = commands
-    assert " ".join(train).endswith(
-        "--backbone resnet50 --image-size 224 --batch 256 --chunk 64,32,128 --capture graphs --capture-chunks 32 "
-        f"--precision bf16 --processes 1 --deterministic --steps 8 --repeats 1 --json {tmp_path / 'train.json'}"
+    train, graphs = commands
+    assert " ".join(train[1:]).startswith(
+        "-m benchmarks.train --device cuda --backbone resnet50 --image-size 224 --batch 256 --precision bf16 --plan "
+        "bare,gradcache:64,chunked:64,compile:64,graphs:64 --steps 6 --warmup 2 --repeats 1 --budget-s "
+    )
+    assert graphs[1:3] == ["-m", "benchmarks.acceptance.graphs_check"]
+    assert "--device" not in graphs, "the graphs check takes its defaults: CUDA, ResNet-18, inductor"
+    commands.clear()
+    gpu_check.part_train32(gpu_check.Part("train32", tmp_path))
+    (train32,) = commands
+    assert train32[train32.index("--plan") + 1] == (
+        "bare,gradcache:32,chunked:32,compile:32,graphs:32,direct,gradcache:128,chunked:128,bare:det,direct:det,"
+        "chunked:32:det"
     )
     commands.clear()
     gpu_check.part_tests(gpu_check.Part("tests", tmp_path))
@@ -360,6 +375,25 @@ def test_the_first_part_counts_its_time_from_the_process_start_and_a_list_runs_i
     assert gpu_check.BUDGET_S + 2 * gpu_check.INTERRUPT_GRACE_S <= gpu_check.WATCHDOG_S < 600
     with pytest.raises(SystemExit):
         gpu_check.main(["--part", "tests,gpu", "--results", str(tmp_path)])
+
+
+def test_a_shorter_budget_gives_every_part_less_and_never_more(
+    fake_gpu: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--budget-s``: a GPU lent for less than a part's own time (the first part's counts from the process start)."""
+    seen: list[float] = []
+
+    def part(p: gpu_check.Part) -> tuple[str, list[targets.Verdict]]:
+        seen.append(p.time_left())
+        return "", [targets.Verdict("t", targets.PASS, "")]
+
+    for name in ("train", "train32", "syncs"):
+        monkeypatch.setitem(gpu_check.PART_FUNCTIONS, name, part)
+    monkeypatch.setattr(gpu_check, "STARTED", time.monotonic() - 20)
+    assert gpu_check.main(["--part", "train,train32,syncs", "--budget-s", "240", "--results", str(tmp_path)]) == 0
+    first, second, syncs = seen
+    assert 240 - 20 - 5 < first <= 240 - 20 and 240 - 5 < second <= 240
+    assert gpu_check.PART_BUDGET_S["syncs"] - 5 < syncs <= gpu_check.PART_BUDGET_S["syncs"]  # its own is less
 
 
 def _alive(pid: int) -> bool:
@@ -543,6 +577,38 @@ def test_the_loss_part_time_split_holds(tmp_path: Path, monkeypatch: pytest.Monk
         processes = 3 * len(sizes.split(","))  # ours: a process per loss and N
         processes += (8 + 5) if peer_gb > 0 else 0  # the first run: the 8 floors and the peer's ~5 runs
         assert limit >= 6.5 * processes, (dtype, kernel, precision, limit, processes)
+
+
+def test_the_train_part_keeps_the_graphs_check_its_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each command uses all the time it is given (the worst case: the benchmark overran its own budget and was
+    interrupted): the graphs check still gets what it is expected to need; the benchmark's budget ends before its
+    command's time, so that it stops a configuration itself, with a row that says so."""
+    given: list[tuple[str, float]] = []
+    reserve_s, margin_s = gpu_check.GRAPHS_CHECK_ESTIMATE_S, gpu_check.TRAIN_MARGIN_S
+
+    def run(self: Any, cmd: list[str], share: float = 1.0, env: Any = None) -> int | None:
+        limit = self.time_left(share)
+        given.append((cmd[2], limit))
+        if cmd[2] == "benchmarks.train":
+            assert float(cmd[cmd.index("--budget-s") + 1]) == pytest.approx(limit - margin_s, abs=1)
+        self.deadline -= limit  # as if the command ran that long
+        return None
+
+    monkeypatch.setattr(gpu_check.Part, "run", run)
+    # The H200's setup; a slow start; one that left less than the graphs check needs.
+    for left in (gpu_check.BUDGET_S - 13, gpu_check.BUDGET_S - 200, 100):
+        given.clear()
+        gpu_check.part_train(gpu_check.Part("train", tmp_path, budget_s=left))
+        (bench, bench_s), (check, check_s) = given
+        assert (bench, check) == ("benchmarks.train", "benchmarks.acceptance.graphs_check")
+        assert check_s == pytest.approx(min(reserve_s, left), abs=1)
+        assert bench_s == pytest.approx(max(left - reserve_s, 0), abs=1)
+    given.clear()
+    gpu_check.part_train32(gpu_check.Part("train32", tmp_path, budget_s=gpu_check.BUDGET_S - 13))
+    ((bench, bench_s),) = given
+    assert bench_s == pytest.approx(gpu_check.BUDGET_S - 13, abs=1)
 
 
 # ----------------------------------------------------------------------------------------- the way back
@@ -753,20 +819,20 @@ def test_triton_is_advised_as_default_only_faster_and_exact(monkeypatch: pytest.
 def test_train_keeps_going_after_a_failed_configuration(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def run_config(args: Any, mode: str, procs: int, chunk: int, det: bool, shards: Path, tmp: Path) -> Any:
-        if chunk:
+    def run_config(args: Any, config: Any, shards: Path, tmp: Path, timeout: float | None = None) -> Any:
+        if config.chunk:
             raise train_bench.ConfigFailed(
                 "the whole stderr", "exit 1: torch.OutOfMemoryError: CUDA out of memory"
             )
-        step = 1.0 if mode == "bare" else 1.05
-        return {"processes": procs, "mode": "bare loop" if mode == "bare" else "direct", "chunks": 1,
-                "global_batch": 256, "step_s": step, "total_s": step + 0.2, "data_s": 0.2, "loss_s": 0.01,
-                "comm_s": 0.0, "comm_bytes": 0, "deterministic": det}  # fmt: skip
+        step = 1.0 if config.mode == "bare" else 1.05
+        return {"processes": config.processes, "mode": config.label, "chunks": 1, "global_batch": 256,
+                "step_s": step, "total_s": step + 0.2, "data_s": 0.2, "loss_s": 0.01, "comm_s": 0.0,
+                "comm_bytes": 0, "deterministic": config.deterministic}  # fmt: skip
 
     monkeypatch.setattr(train_bench, "run_config", run_config)
     out = tmp_path / "train.json"
     args = argparse.Namespace(repeats=2, json=str(out), batch=256)
-    plan = [("bare", 1, 0, False), ("trainer", 1, 64, False), ("trainer", 1, 0, False)]
+    plan = train_bench._plan("bare,chunked:64,direct")
     rows = train_bench.run_plan(args, plan, tmp_path, tmp_path)
     assert json.loads(out.read_text()) == rows and [r["mode"] for r in rows] == [
         "bare loop",
@@ -776,7 +842,7 @@ def test_train_keeps_going_after_a_failed_configuration(
     assert rows[1]["error"] == "exit 1: torch.OutOfMemoryError: CUDA out of memory"
     assert "failed: exit 1" in train_bench.table(rows)
     verdicts = targets.train_verdicts(rows)
-    assert _status(verdicts, "trainer chunked (64) >= 70%") == targets.FAIL
+    assert _status(verdicts, "trainer chunked (64) >= 95%") == targets.FAIL
     assert "crashed: exit 1: torch.OutOfMemoryError" in verdicts[1].detail
     direct = verdicts[0]
     assert direct.status == targets.PASS and "the wait for data excluded" in direct.target
