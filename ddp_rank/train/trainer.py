@@ -196,7 +196,8 @@ class Trainer:
 
     @property
     def unwrapped(self) -> EmbeddingNet:
-        return self.accelerator.unwrap_model(self.model)
+        """The model in DDP's or DeepSpeed's ``.module`` (accelerate's unwrap_model would import DeepSpeed)."""
+        return getattr(self.model, "module", self.model)
 
     @property
     def step(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,18 @@ def test_resume_continues_like_an_uninterrupted_run(shards: Path, tmp_path: Path
 
 
 @pytest.mark.slow
+def test_a_run_without_deepspeed_never_imports_it(
+    shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Importing DeepSpeed costs a run about 1.5 s of CPU and a start-up warning; only a DeepSpeed run needs it
+    (accelerate's ``unwrap_model`` imports it whenever it is installed)."""
+    for name in [m for m in sys.modules if m.split(".")[0] == "deepspeed"]:
+        monkeypatch.delitem(sys.modules, name)
+    overrides = ("train.steps=2", "train.checkpoint_every=1", "train.eval_every=1", "train.eval_at_start=true")
+    assert run_training(cfg_for(shards, tmp_path / "run", *overrides))["steps"] == 2
+    assert "deepspeed" not in sys.modules
+
+
 def test_eval_cli_baselines_and_checkpoint(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -96,7 +96,7 @@ def confirm_chunk(
             first_error = first_error or str(exc).strip().splitlines()[0]
         except Exception as exc:  # told to every rank, then raised on every rank
             error = f"the trial step of {rows} images failed: {type(exc).__name__}: {exc}"
-        release_memory()
+        release_memory(failed=ran_out or error is not None)
         if not agree(error, stop=ran_out):  # one flag all-reduce: did any rank run out?
             final = None if rows >= local_batch else rows
             note = f"first error: {first_error}" if first_error else ""
@@ -110,9 +110,12 @@ def confirm_chunk(
         rows = round_chunk(smaller)
 
 
-def release_memory() -> None:
-    """Drop what a failed step left (its frames are gone with the exception) and give the cache back."""
-    gc.collect()
+def release_memory(failed: bool) -> None:
+    """Give the device's cache back; after a failed step, first drop what it left (its frames are gone with the
+    exception; a collection frees what they held in cycles). A full collection costs a large process up to a
+    second: a step that succeeded freed its tensors as it returned."""
+    if failed:
+        gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
