@@ -11,6 +11,7 @@ Only the standard library: the tests import it, and so can a contributor's scrip
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +38,7 @@ BLOCK_TIMEOUT_S = 180.0
 # $DDP_RANK_REPO.
 COPIED_FOLDERS = ("configs", "launch", "examples")
 PYTHON_SESSION = Path(__file__).with_name("python_session.py")
+WARM_SERVER = Path(__file__).with_name("warm_server.py")
 
 _FENCE = re.compile(r"^(?P<indent>[ ]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>.*)$")
 # ```bash, ```py title="x.py", ``` { .python title="x.py" } (superfences' attribute form)
@@ -252,8 +255,10 @@ def run_page(
     *,
     env: dict[str, str] | None = None,
     timeout: float = BLOCK_TIMEOUT_S,
+    warm: Sequence[WarmCommand] = (),
 ) -> PageRun:
-    """Run the blocks of ``page`` in order in ``folder`` (empty; prepared here), stopping at the first failure."""
+    """Run the blocks of ``page`` in order in ``folder`` (empty; prepared here), stopping at the first failure.
+    The commands of ``warm`` that a bash block names run forked from a warm server (:class:`WarmCommand`)."""
     name = page.relative_to(repo).as_posix() if page.is_relative_to(repo) else page.name
     blocks, problems = parse(page.read_text(encoding="utf-8"), name)
     if problems:
@@ -261,6 +266,13 @@ def run_page(
     prepare_folder(folder, repo)
     run = PageRun(name)
     env = block_env(repo, env)
+    named = [
+        command
+        for command in warm
+        if any(block.runs and block.lang in BASH and command.named_in(block.code) for block in blocks)
+    ]
+    if named and os.environ.get("DOCS_WARM", "1") != "0":
+        env = _warm_set(tuple(named), env).page_env
     with (
         tempfile.TemporaryDirectory(prefix="docs-state-") as state,
         _PythonSession(folder, env, Path(state)) as py,
@@ -380,3 +392,169 @@ class _PythonSession:
             return False, output + "\nthe Python session ended:\n" + errors
         reply = json.loads(line)
         return bool(reply["ok"]), output + reply["error"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Warm commands (tests/docs/warm_server.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+# The signals a shim passes on to its command (SIGKILL and SIGSTOP cannot be caught: a killed shim kills its
+# command through the server instead).
+_FORWARDED = ("SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGALRM")
+# What a shell or the harness changes between commands (warm_server.UNCHECKED): not part of a server's key.
+_UNCHECKED = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "PYTEST_CURRENT_TEST"})
+
+
+@dataclass(frozen=True)
+class WarmCommand:
+    """A console script the pages' bash blocks run forked from a server that imported ``preload`` once (for the
+    subcommands of ``by_subcommand``, their modules instead, unless the arguments hold one of ``plain_flags``,
+    e.g. ``--help``). List only modules the command imports anyway on a cold start: then the command runs as it
+    would cold, its imports done beforehand (tests/docs/warm_server.py says what is kept). ``script`` defaults
+    to the virtual environment's script of that name. ``DOCS_WARM=0`` runs everything cold."""
+
+    name: str
+    preload: tuple[str, ...]
+    by_subcommand: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    plain_flags: frozenset[str] = frozenset()
+    script: Path | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.script if self.script is not None else Path(sys.executable).parent / self.name
+
+    def named_in(self, code: str) -> bool:
+        return re.search(rf"(?<![\w./-]){re.escape(self.name)}(?![\w.-])", code) is not None
+
+    def tiers(self) -> dict[str, tuple[str, ...]]:
+        """Subcommand -> modules to preload, ``""`` for every other call."""
+        return {"": self.preload, **dict(self.by_subcommand)}
+
+
+_SHIM = """#!{python} -IS
+# The stand-in for {script} in the documentation's blocks (tests/docs/warm_server.py): runs it forked from a
+# warm server, passes on every signal, ends as the command ended; runs it cold where no server answers.
+import json, os, signal, socket, sys
+
+SCRIPT = {script!r}
+SOCKETS = {sockets!r}
+PLAIN = {plain!r}
+pid, pending = None, []
+
+
+def forward(sig, frame):
+    if pid is None:
+        pending.append(sig)
+        return
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+for name in {forwarded!r}:
+    signal.signal(getattr(signal, name), forward)
+args = sys.argv[1:]
+tier = args[0] if args and args[0] in SOCKETS and not PLAIN & set(args) else ""
+first = []
+try:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(SOCKETS[tier])
+    request = {{"argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ)}}
+    socket.send_fds(conn, [json.dumps(request).encode() + b"\\n"], [0, 1, 2])
+    answers = conn.makefile("rb")
+    first = answers.readline().split()
+except OSError:
+    pass
+if first[:1] != [b"pid"]:
+    for sig in pending:
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os.execv(SCRIPT, [SCRIPT, *args])
+pid = int(first[1])
+for sig in pending:
+    forward(sig, None)
+last = answers.readline().split()
+if not last:
+    sys.exit(f"{{os.path.basename(SCRIPT)}}: its warm server went away before it ended")
+if last[0] == b"signal":
+    number = int(last[1])
+    signal.signal(number, signal.SIG_DFL)
+    os.kill(os.getpid(), number)
+    sys.exit(128 + number)
+sys.exit(int(last[1]))
+"""
+
+
+@dataclass
+class _WarmSet:
+    """The servers and shims of some warm commands under one environment: started once per test process (the
+    imports are what they save), stopped when it exits."""
+
+    page_env: dict[str, str]
+    servers: list[subprocess.Popen[bytes]]
+
+
+_WARM_SETS: dict[object, _WarmSet] = {}
+_WARM_ROOT: list[Path] = []
+
+
+def _warm_root() -> Path:
+    if not _WARM_ROOT:
+        _WARM_ROOT.append(Path(tempfile.mkdtemp(prefix="docs-warm-")))
+        atexit.register(_stop_warm)
+    return _WARM_ROOT[0]
+
+
+def _stop_warm() -> None:
+    for warm in _WARM_SETS.values():
+        for server in warm.servers:
+            _kill_group(server)
+    _WARM_SETS.clear()
+    for root in _WARM_ROOT:
+        shutil.rmtree(root, ignore_errors=True)
+    _WARM_ROOT.clear()
+
+
+def _warm_set(commands: tuple[WarmCommand, ...], env: Mapping[str, str]) -> _WarmSet:
+    key = (commands, frozenset((k, v) for k, v in env.items() if k not in _UNCHECKED))
+    if key in _WARM_SETS:
+        return _WARM_SETS[key]
+    folder = Path(tempfile.mkdtemp(prefix="set-", dir=_warm_root()))
+    page_env = {**env, "PATH": os.pathsep.join([str(folder / "bin"), env.get("PATH", "")])}
+    (folder / "bin").mkdir()
+    servers: dict[str, subprocess.Popen[bytes]] = {}
+    for c, command in enumerate(commands):
+        sockets = {}
+        for t, (tier, modules) in enumerate(command.tiers().items()):
+            address = sockets[tier] = str(folder / f"{c}-{t}.sock")
+            with (folder / f"{c}-{t}.log").open("wb") as log:
+                servers[address] = subprocess.Popen(
+                    [sys.executable, str(WARM_SERVER), address, str(command.path), *modules],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    cwd=folder,
+                    env=page_env,
+                    start_new_session=True,
+                )
+        shim = folder / "bin" / command.name
+        shim.write_text(
+            _SHIM.format(
+                python=sys.executable,
+                script=str(command.path),
+                sockets=sockets,
+                plain=set(command.plain_flags),
+                forwarded=_FORWARDED,
+            )
+        )
+        shim.chmod(0o755)
+    # Each server listens before its imports, so a shim that connects waits for them rather than running cold
+    # (a server that cannot start leaves its commands cold: slower, as correct).
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if all(Path(address).exists() or server.poll() is not None for address, server in servers.items()):
+            break
+        time.sleep(0.02)
+    _WARM_SETS[key] = _WarmSet(page_env, list(servers.values()))
+    return _WARM_SETS[key]

@@ -12,11 +12,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs.code_blocks import doc_pages, parse, run_page
+from tests.docs.code_blocks import WarmCommand, doc_pages, parse, run_page
 from tests.helpers.training import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = doc_pages(REPO)
+# The pages run some fifty `ddp-rank` commands; each spent 2 s of CPU importing torch before it did anything, a
+# training run more (accelerate, torch._dynamo for the optimizer). They run forked from a server that imported
+# those once (tests/docs/warm_server.py): every command imports torch, every `train` that trains the other two,
+# so a command finds done only the imports it would do.
+WARM = (
+    WarmCommand(
+        "ddp-rank",
+        preload=("torch",),
+        by_subcommand=(("train", ("torch", "accelerate", "torch._dynamo")),),
+        plain_flags=frozenset({"-h", "--help", "--help-config"}),
+    ),
+)
 
 
 def _id(page: Path) -> str:
@@ -61,5 +73,5 @@ def _tutorial(page: Path) -> bool:
 def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
     """The pages but the tutorials (tests/docs/test_tutorials_run.py: a file of their own, so that the suite's
     workers, one file each, run the two halves side by side)."""
-    result = run_page(page, REPO, tmp_path, env=cpu_env())
+    result = run_page(page, REPO, tmp_path, env=cpu_env(), warm=WARM)
     assert result.failure is None, result.report()

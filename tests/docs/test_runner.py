@@ -3,11 +3,14 @@ refuses, what it runs and how a page's blocks share (or do not share) their fold
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.docs.code_blocks import parse, run_page
+from tests.docs.code_blocks import WarmCommand, parse, run_page
 
 FENCE = "```"
 
@@ -251,3 +254,105 @@ def test_a_page_with_a_bad_marker_is_refused_before_anything_runs(tmp_path: Path
 def test_a_marker_named_inside_a_sentence_is_prose() -> None:
     _, problems = parse("Write `<!-- not-run: why -->` before the fence.\n\ntext\n", "p.md")
     assert problems == []
+
+
+# A console script that says how it was run: tests/docs/warm_server.py runs it forked from a warm server.
+FAKE_CLI = """#!{python}
+import os, signal, sys, time
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args[:1] == ["wait"]:
+        signal.signal(signal.SIGUSR1, lambda *_: sys.exit(75))
+        print(os.getpid(), flush=True)
+        while True:
+            time.sleep(0.05)
+    if args[:1] == ["exit"]:
+        sys.exit(int(args[1]))
+    print("argv", args, "cwd", os.path.basename(os.getcwd()), "colour", os.environ.get("COLOUR"),
+          "main", __name__, "script", os.path.basename(sys.argv[0]), "stdin", sys.stdin.read().strip(),
+          "decimal", "decimal" in sys.modules, "difflib", "difflib" in sys.modules)
+    print("to stderr", file=sys.stderr)
+"""
+
+
+def warm_run(tmp_path: Path, code: str, timeout: float = 60) -> tuple[object, Path]:
+    """``code`` as one bash block of a page whose ``fake-cli`` runs warm (decimal preloaded, difflib too for
+    ``fake-cli heavy`` unless ``--help`` is given)."""
+    repo, path = page(tmp_path, f"{FENCE}bash\n{code}{FENCE}\n")
+    script = repo / "fake-cli"
+    script.write_text(FAKE_CLI.format(python=sys.executable))
+    script.chmod(0o755)
+    warm = WarmCommand(
+        "fake-cli",
+        preload=("decimal",),
+        by_subcommand=(("heavy", ("decimal", "difflib")),),
+        plain_flags=frozenset({"--help"}),
+        script=script,
+    )
+    folder = tmp_path / "run"
+    folder.mkdir()
+    env = {**os.environ, "PATH": os.pathsep.join([str(repo), os.environ["PATH"]])}  # the script itself: cold
+    return run_page(path, repo, folder, env=env, timeout=timeout, warm=[warm]), folder
+
+
+def test_a_warm_command_has_the_blocks_arguments_folder_environment_and_streams(tmp_path: Path) -> None:
+    result, folder = warm_run(
+        tmp_path,
+        """mkdir sub && cd sub
+export COLOUR=red                 # differs from the server's environment: this call runs cold
+echo cold | fake-cli > ../cold.txt
+unset COLOUR
+echo piped | fake-cli one 'two words' > ../warm.txt 2> ../err.txt
+fake-cli heavy | grep -q 'difflib True'
+fake-cli heavy --help | grep -q 'difflib False'
+status=0; fake-cli exit 3 || status=$?
+test $status -eq 3
+""",
+    )
+    assert result.failure is None, result.report()
+    warm = (folder / "warm.txt").read_text()
+    assert warm == (
+        "argv ['one', 'two words'] cwd sub colour None main __main__ script fake-cli stdin piped "
+        "decimal True difflib False\n"
+    )
+    assert (folder / "err.txt").read_text() == "to stderr\n"
+    cold = (folder / "cold.txt").read_text()
+    assert "colour red" in cold and "stdin cold" in cold and "decimal False" in cold
+
+
+def test_a_warm_command_gets_the_signals_sent_to_it_and_ends_as_they_end_it(tmp_path: Path) -> None:
+    result, _ = warm_run(
+        tmp_path,
+        """for sig in USR1 TERM; do
+    fake-cli wait > "$sig.log" &
+    pid=$!
+    for _ in $(seq 200); do test -s "$sig.log" && break; sleep 0.05; done
+    kill -$sig $pid
+    status=0; wait $pid || status=$?
+    echo "$sig $status" >> statuses
+done
+test "$(cat statuses)" = "$(printf 'USR1 75\\nTERM 143')"
+""",
+    )
+    assert result.failure is None, result.report()
+
+
+def test_a_timed_out_block_takes_its_warm_command_with_it(tmp_path: Path) -> None:
+    result, folder = warm_run(tmp_path, "fake-cli wait > pid.txt\n", timeout=3)
+    assert result.failure is not None and "timed out" in result.failure.output
+    pid = int((folder / "pid.txt").read_text())
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the warm command {pid} outlived its timed-out block")
+
+
+def test_docs_warm_0_runs_every_command_cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DOCS_WARM", "0")
+    result, folder = warm_run(tmp_path, "fake-cli > out.txt\n")
+    assert result.failure is None, result.report()
+    assert "decimal False" in (folder / "out.txt").read_text()

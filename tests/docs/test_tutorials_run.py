@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs.code_blocks import doc_pages, run_page
-from tests.docs.test_code_blocks import _id, _runs_something, _starts_processes, _tutorial, page_params
+from tests.docs.test_code_blocks import WARM, _id, _runs_something, _starts_processes, _tutorial, page_params
 from tests.helpers.training import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,5 +28,5 @@ def test_the_tutorials_that_launch_several_processes_are_marked_distributed() ->
 @pytest.mark.slow
 @pytest.mark.parametrize("page", page_params(TUTORIALS))
 def test_tutorial_runs(page: Path, tmp_path: Path) -> None:
-    result = run_page(page, REPO, tmp_path, env=cpu_env())
+    result = run_page(page, REPO, tmp_path, env=cpu_env(), warm=WARM)
     assert result.failure is None, result.report()

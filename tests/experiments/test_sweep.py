@@ -21,6 +21,21 @@ from ddp_rank.train.run_state import RUN_FILE, RunState
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
 
+def train_points_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-process sweep's point commands run through the command line's ``main`` here instead of in a child
+    Python (what ``subprocess.run`` adds, the interpreter and torch imported again, proves nothing more): each
+    command must still start with the launcher's prefix, and its arguments are parsed as the child would."""
+    import ddp_rank.experiments.sweep as sweep
+
+    prefix = Launcher().prefix()
+
+    def run(command: list[str]) -> int:
+        assert command[: len(prefix)] == prefix, command
+        return main(command[len(prefix) :])
+
+    monkeypatch.setattr(sweep, "_run_command", run)
+
+
 @pytest.fixture
 def grid(tmp_path: Path) -> tuple[Path, list]:
     out = tmp_path / "sweep"
@@ -131,9 +146,11 @@ def test_a_bad_grid_is_refused_before_anything_runs(
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerator_state")
 def test_a_real_sweep_of_two_points_ends_with_their_comparison(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    train_points_in_this_process(monkeypatch)
     shards = build_tiny_shards(tmp_path / "data")
     out = tmp_path / "sweep"
     config = tmp_path / "base.yaml"  # --equal images counts from the config's batch: 4 steps of 16 images

@@ -12,6 +12,7 @@ from ddp_rank.config import ConfigError
 from ddp_rank.experiments.grid import expand_grid
 from ddp_rank.experiments.sweep import point_dir, run_sweep
 from ddp_rank.train.run_state import RunState
+from tests.experiments.test_sweep import train_points_in_this_process
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
 
@@ -69,9 +70,11 @@ def test_replicates_resume_finished_seeds_skipped_the_others_continued(tmp_path:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerator_state")
 def test_a_real_sweep_of_replicates_ends_with_their_spread(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    train_points_in_this_process(monkeypatch)
     shards = build_tiny_shards(tmp_path / "data")
     out = tmp_path / "sweep"
     tiny = [o for o in TINY_OVERRIDES if not o.startswith("train.eval_every=")]

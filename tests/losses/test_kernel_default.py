@@ -199,7 +199,8 @@ CHILD = textwrap.dedent(
 def test_the_fused_kernels_across_chunks_and_tiles_match_float64_and_repeat_bitwise() -> None:
     """The structure of the N = 65,536 CUDA test below at a size Triton's interpreter runs on CPU."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    # One torch thread: the blocks are tiny, and two threads on a busy 2-core machine spin for each matmul.
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])

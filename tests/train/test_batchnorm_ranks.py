@@ -6,6 +6,8 @@ ranks' averaged buffers.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -152,27 +154,30 @@ def test_a_chunked_step_after_a_direct_one_uses_the_same_statistics_in_both_pass
             torch.testing.assert_close(rank_result["grads"][name], p.grad, msg=name)
 
 
-def _ghost_worker(rank: int, world: int, chunk: int | None) -> dict[str, object]:
-    """Two steps under DDP of a model with ghost batch normalisation (groups of 2), direct or chunked."""
+def _ghost_worker(rank: int, world: int) -> dict[str, dict[str, object]]:
+    """Two steps under DDP of a model with ghost batch normalisation (groups of 2), direct, then afresh chunked."""
     from torch.nn.parallel import DistributedDataParallel
 
     from ddp_rank.distributed import GlobalBatchLoss
     from ddp_rank.losses import FastAPLoss
     from ddp_rank.train import DDPBackend, convert_to_ghost, forward_backward
 
-    model = DistributedDataParallel(convert_to_ghost(small_net().double(), 2))
-    backend, loss = DDPBackend(model), GlobalBatchLoss(FastAPLoss())
-    labels, rows = torch.arange(sum(GHOST_SIZES)) % 3, slice(rank * 4, rank * 4 + 4)
-    grads = []
-    for step in range(2):
-        x, _ = global_batch(step)
-        forward_backward(backend, x[: sum(GHOST_SIZES)][rows], labels[rows], loss, chunk_size=chunk)
-        grads.append({n: p.grad.clone() for n, p in model.module.named_parameters()})
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= 0.1 * p.grad
-        model.zero_grad()
-    return {"grads": grads, "buffers": [b.clone() for b in batchnorm_buffers(model.module)]}
+    results = {}
+    for mode, chunk in (("direct", None), ("chunked", 2)):
+        model = DistributedDataParallel(convert_to_ghost(small_net().double(), 2))
+        backend, loss = DDPBackend(model), GlobalBatchLoss(FastAPLoss())
+        labels, rows = torch.arange(sum(GHOST_SIZES)) % 3, slice(rank * 4, rank * 4 + 4)
+        grads = []
+        for step in range(2):
+            x, _ = global_batch(step)
+            forward_backward(backend, x[: sum(GHOST_SIZES)][rows], labels[rows], loss, chunk_size=chunk)
+            grads.append({n: p.grad.clone() for n, p in model.module.named_parameters()})
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+            model.zero_grad()
+        results[mode] = {"grads": grads, "buffers": [b.clone() for b in batchnorm_buffers(model.module)]}
+    return results
 
 
 GHOST_SIZES = (4, 4)
@@ -182,8 +187,8 @@ GHOST_SIZES = (4, 4)
 def test_ghost_batchnorm_under_ddp_chunked_equals_direct_with_each_ranks_running_statistics() -> None:
     """Pass 1 of the chunked step updates the running statistics with this rank's groups; pass 2's forwards
     under DDP broadcast rank 0's buffers, which must not replace them: the buffers equal the direct step's."""
-    direct = run_distributed(_ghost_worker, 2, args=(None,))
-    chunked = run_distributed(_ghost_worker, 2, args=(2,))
+    got = run_distributed(_ghost_worker, 2)
+    direct, chunked = [r["direct"] for r in got], [r["chunked"] for r in got]
     for rank in range(2):
         for step in range(2):
             for name, g in direct[rank]["grads"][step].items():
@@ -193,32 +198,53 @@ def test_ghost_batchnorm_under_ddp_chunked_equals_direct_with_each_ranks_running
     assert not torch.equal(direct[0]["buffers"][0], direct[1]["buffers"][0]), "each rank keeps its own update"
 
 
-def _trainer_worker(rank: int, world: int, shards: str, out: str, extra: tuple[str, ...]) -> dict[str, object]:
+def _trainer_worker(rank: int, world: int, shards: str, out: str) -> dict[bool, dict[str, object]]:
+    """Both settings of ``model.sync_bn``, one trainer after the other in the same 2 ranks."""
     from ddp_rank.config import load_config
     from ddp_rank.train.trainer import Trainer
     from tests.helpers.training import TINY_OVERRIDES
 
-    cfg = load_config(
-        None, [*TINY_OVERRIDES, f"data.shards={shards}", f"train.output_dir={out}", "train.steps=3", *extra]
-    )
-    trainer = Trainer(cfg)
-    try:
-        for _ in range(3):
-            trainer.train_step()  # direct steps, BatchNorm in train mode
-        local = [b.clone() for b in batchnorm_buffers(trainer.unwrapped)]
-        metrics = trainer.evaluate()
-        path = trainer.save_checkpoint()
-        after = [b.clone() for b in batchnorm_buffers(trainer.unwrapped)]
-        layers = sum(isinstance(m, CrossRankBatchNorm) for m in trainer.unwrapped.modules())
-        return {"local": local, "after": after, "metrics": metrics, "path": str(path), "sync_layers": layers}
-    finally:
-        trainer.close()
+    results = {}
+    for sync_bn in (False, True):
+        extra = (f"model.sync_bn={str(sync_bn).lower()}", "model.freeze_bn=never")
+        cfg = load_config(
+            None,
+            [*TINY_OVERRIDES, f"data.shards={shards}", f"train.output_dir={out}/sync-bn-{sync_bn}", "train.steps=3",
+             *extra],
+        )  # fmt: skip
+        trainer = Trainer(cfg)
+        try:
+            for _ in range(3):
+                trainer.train_step()  # direct steps, BatchNorm in train mode
+            local = [b.clone() for b in batchnorm_buffers(trainer.unwrapped)]
+            metrics = trainer.evaluate()
+            path = trainer.save_checkpoint()
+            after = [b.clone() for b in batchnorm_buffers(trainer.unwrapped)]
+            layers = sum(isinstance(m, CrossRankBatchNorm) for m in trainer.unwrapped.modules())
+            results[sync_bn] = {"local": local, "after": after, "metrics": metrics, "path": str(path),
+                                "sync_layers": layers}  # fmt: skip
+        finally:
+            trainer.close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[bool, dict[str, object]]]]:
+    """The tiny shards, and 3 training steps, an evaluation and a checkpoint on 2 ranks with each setting of
+    ``model.sync_bn`` (one pair of ranks for both: a rank's start-up is most of the cost)."""
+    from tests.helpers.training import build_tiny_shards
+
+    tmp_path = tmp_path_factory.mktemp("trainer-bn")
+    shards = build_tiny_shards(tmp_path / "data")
+    return shards, run_distributed(_trainer_worker, 2, args=(str(shards), str(tmp_path / "run")), timeout=300)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("sync_bn", [False, True])
-def test_evaluation_equals_the_saved_checkpoint_rescored(sync_bn: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_evaluation_equals_the_saved_checkpoint_rescored(
+    sync_bn: bool, trained: tuple[Path, list[dict[bool, dict[str, object]]]]
+) -> None:
     """2 ranks: the evaluation and the checkpoint see one model (the ranks' averaged BatchNorm statistics), so
     re-scoring the checkpoint in one process gives the logged numbers."""
     from ddp_rank.checkpoints.write import load_model_weights
@@ -226,11 +252,10 @@ def test_evaluation_equals_the_saved_checkpoint_rescored(sync_bn: bool, tmp_path
     from ddp_rank.eval.runner import evaluate_model
     from ddp_rank.eval.settings import evaluation_settings
     from ddp_rank.model.net import build_model
-    from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
+    from tests.helpers.training import TINY_OVERRIDES
 
-    shards = build_tiny_shards(tmp_path / "data")
-    extra = (f"model.sync_bn={str(sync_bn).lower()}", "model.freeze_bn=never")
-    got = run_distributed(_trainer_worker, 2, args=(str(shards), str(tmp_path / "run"), extra), timeout=300)
+    shards, results = trained
+    got = [result[sync_bn] for result in results]
     assert got[0]["sync_layers"] == (4 if sync_bn else 0)
     local0, local1 = got[0]["local"], got[1]["local"]
     if not sync_bn:

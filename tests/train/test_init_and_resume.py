@@ -21,8 +21,15 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_shards(tmp_path_factory.mktemp("tiny"))
 
 
+# No PNGs (the plots of a finished run, the retrieval picture of each evaluation): what these runs check is their
+# checkpoints, config and log; the pictures are tests/train/test_train_e2e.py's and tests/eval's.
+NO_PICTURES = ["train.plots=false", "eval.grid_queries=0"]
+
+
 def cfg_for(shards: Path, out: Path, *extra: str):
-    return load_config(None, [*TINY_OVERRIDES, f"data.shards={shards}", f"train.output_dir={out}", *extra])
+    return load_config(
+        None, [*TINY_OVERRIDES, *NO_PICTURES, f"data.shards={shards}", f"train.output_dir={out}", *extra]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +100,21 @@ def test_init_from_files_and_mismatches(shards: Path, source_run: Path, tmp_path
 
 
 # ---------------------------------------------------------------------------------------------- resumes
-@pytest.fixture()
-def run(shards: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def trained_run(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-step run, trained once for the module; each test gets a copy of it (``run``)."""
+    out = tmp_path_factory.mktemp("trained") / "run"
     run_training(cfg_for(shards, out, "train.steps=2"))
     return out
+
+
+@pytest.fixture()
+def run(trained_run: Path, tmp_path: Path) -> Path:
+    """A copy of ``trained_run`` of this test's own: a resume compares the model, optimizer and loss sections of
+    the config, never train.output_dir, so the copy resumes as the original would."""
+    import shutil
+
+    return Path(shutil.copytree(trained_run, tmp_path / "run"))
 
 
 @pytest.mark.parametrize(
@@ -304,7 +321,8 @@ def test_a_changed_output_stride_is_refused_as_a_structural_change(
     from ddp_rank.train.settings import config_record
 
     run = tmp_path / "run"
-    resnet = ("model.backbone=resnet18", "model.weights=none", "distributed.chunk_size=0")  # 0: no chunk trial
+    # chunk_size=0: no chunk trial
+    resnet = ("model.backbone=resnet18", "model.weights=none", "distributed.chunk_size=0")
     run_training(cfg_for(shards, run, "train.steps=1", *resnet))
     config_before = (run / "config.yaml").read_text()
     capsys.readouterr()
@@ -321,7 +339,9 @@ def test_a_changed_output_stride_is_refused_as_a_structural_change(
     cfg.model.backbone = "resnet18"
     assert resume_changes(older, config_record(cfg)) == []
     cfg.model.output_stride = 16
-    assert [(c.key, c.structural) for c in resume_changes(older, config_record(cfg))] == [("model.output_stride", True)]
+    assert [(c.key, c.structural) for c in resume_changes(older, config_record(cfg))] == [
+        ("model.output_stride", True)
+    ]
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ddp_rank.data.reading.serve import RangeRequestHandler, serve_directory
+from tests.helpers.distributed import run_distributed
 from tests.helpers.training import REPO, TINY_OVERRIDES, build_tiny_shards, cpu_env, final_weights, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -78,19 +79,37 @@ def downloads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
+def _train_on_one_node(rank: int, world: int, overrides: list[str]) -> None:
+    """One of the reference's 4 ranks: the trainer on the gloo process group of tests.helpers.distributed."""
+    from ddp_rank.config import load_config
+    from ddp_rank.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+
+
 def test_two_machines_train_resume_and_evaluate_like_one(tmp_path: Path, downloads: list[str]) -> None:
     shards = build_tiny_shards(tmp_path / "data")
     one_node = tmp_path / "one-node"
-    cmd = launcher("--main_process_port", str(free_port()), "-m", "ddp_rank.cli", "train",
-                   f"data.shards={shards}", f"train.output_dir={one_node}", *RUN)  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=cpu_env(), cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The reference, 4 processes on one node: the trainer in ranks forked from a server that has imported torch
+    # (a launcher and 4 torch imports less); the launcher is the two machines' runs' to test.
+    run_distributed(
+        _train_on_one_node,
+        4,
+        args=([f"data.shards={shards}", f"train.output_dir={one_node}", *RUN],),
+        timeout=400,
+    )
 
     two_nodes = tmp_path / "two-nodes"
     with serve_directory(shards) as url:
         args = ("train", f"data.shards={url}", f"train.output_dir={two_nodes}", *RUN)
         machines = launch_two_machines(*args, node_dirs=tmp_path)
-        assert [m.returncode for m in machines] == [0, 0], machines[0].stderr[-2000:] + machines[1].stderr[-2000:]
+        assert [m.returncode for m in machines] == [0, 0], (
+            machines[0].stderr[-2000:] + machines[1].stderr[-2000:]
+        )
         # Printed once, by the global rank 0 (on machine 0).
         assert "done: 6 steps" in machines[0].stdout and "done" not in machines[1].stdout
         # A node downloads the shards its ranks read (not the same on both nodes), each once, whichever of its
@@ -107,7 +126,9 @@ def test_two_machines_train_resume_and_evaluate_like_one(tmp_path: Path, downloa
         (two_nodes / "checkpoints" / "best.json").unlink(missing_ok=True)
         downloads.clear()
         machines = launch_two_machines(*args, node_dirs=tmp_path)
-        assert [m.returncode for m in machines] == [0, 0], machines[0].stderr[-2000:] + machines[1].stderr[-2000:]
+        assert [m.returncode for m in machines] == [0, 0], (
+            machines[0].stderr[-2000:] + machines[1].stderr[-2000:]
+        )
         assert downloads == []
 
     a, b = final_weights(one_node), final_weights(two_nodes)

@@ -1,7 +1,7 @@
 """Stopping on a signal loses nothing: every rank stops after the same step with a checkpoint, exits 75, and the
 resumed run ends with exactly the weights of an uninterrupted one, no step lost or repeated (2 gloo processes
 under ``accelerate launch``; the signal reaches rank 1 only, in the middle of a chunked step, an evaluation or a
-checkpoint write; and one process whose whole process group, DataLoader workers included, is signalled). Under
+checkpoint write, one run stopped in each phase in turn; and one process whose whole process group, DataLoader workers included, is signalled). Under
 SLURM the job is requeued only once the stop is recorded. The stop request itself: a second signal or the grace
 period ends the process at once."""
 
@@ -35,9 +35,10 @@ from tests.helpers.training import (
     launch,
 )
 
-STEPS = 6
+STEPS = 10
+# No PNGs (a finished run's plots, each evaluation's retrieval picture): the stops and resumes are what is checked.
 RUN = [*TINY_OVERRIDES, f"train.steps={STEPS}", "distributed.chunk_size=3", "train.eval_every=2",
-       "train.checkpoint_every=2", "train.keep_last=10"]  # fmt: skip
+       "train.checkpoint_every=2", "train.keep_last=10", "train.plots=false", "eval.grid_queries=0"]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------- the stop request
@@ -192,47 +193,57 @@ def _fake_scontrol(where: Path, run: Path) -> dict[str, str]:
     return {**cpu_env(), "PATH": f"{where}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
 
 
-def _assert_requeued_after_the_stop_was_recorded(where: Path, stopped_after: int) -> None:
+def _assert_requeued_after_the_stop_was_recorded(where: Path, *stops: int) -> None:
     """Rank 0 asked once, and only once the stop record and run.json's "stopped" were written (a requeue makes
-    SLURM signal the whole job)."""
+    SLURM signal the whole job). ``stops``: the steps of the run's stop records by then, this stop's last (a
+    resumed run keeps the records of the steps up to its checkpoint, earlier stops' included)."""
     assert (where / "calls").read_text().splitlines() == ["requeue 4242"]
     assert json.loads((where / "run.json").read_text())["status"] == "stopped"
-    assert [r["step"] for r in _records(where, "stop")] == [stopped_after]
+    assert [r["step"] for r in _records(where, "stop")] == list(stops)
+
+
+# Each stop is resumed by the next signalled run, the last by a plain one: every stage is a stop of its own phase
+# (the signal reaches rank 1 only) and the resume of the stop before it, and the run ends with the weights of an
+# uninterrupted one. (phase, step of the phase, signal, the step every rank stops after)
+STAGES = [
+    ("step", 3, "SIGUSR1", 4),  # inside step 3's chunked forward-backward: the agreement of step 4 sees it
+    ("eval", 6, "SIGTERM", 7),  # inside the evaluation after step 6
+    ("checkpoint", 8, "SIGUSR1", 9),  # while step 8's checkpoint is written
+]
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    ("phase", "at", "sig", "stopped_after"),
-    [
-        ("step", 3, "SIGUSR1", 4),  # inside step 3's chunked forward-backward: the agreement of step 4 sees it
-        ("eval", 2, "SIGTERM", 3),  # inside the evaluation after step 2
-        ("checkpoint", 2, "SIGUSR1", 3),  # while step 2's checkpoint is written
-    ],
-)
 def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_resume_loses_nothing(
-    shards: Path, uninterrupted: Path, tmp_path: Path, phase: str, at: int, sig: str, stopped_after: int
+    shards: Path, uninterrupted: Path, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
     common = [f"data.shards={shards}", f"train.output_dir={run}", *RUN]
-    slurm = _fake_scontrol(tmp_path / "slurm", run)
-    proc = _launch_signalled(phase, at, sig, *common, env=slurm)
-    # torchrun reports the ranks' status 75 as a failure of its own (requeueing is the trainer's job), and once
-    # the first rank has exited it ends the other, which may still be tearing down after the checkpoint: 75 or
-    # SIGTERM (-15), nothing else.
-    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
-    assert proc.returncode != 0 and "75" in codes and set(codes) <= {"75", "-15"}, proc.stderr[-3000:]
-    assert f"received {sig}" in proc.stderr and f"stopped after step {stopped_after} of {STEPS}" in proc.stderr, (
-        proc.stderr[-3000:]
-    )
-    assert (run / "checkpoints" / f"step-{stopped_after:08d}" / "meta.json").is_file()
-    assert _train_steps(run) == list(range(1, stopped_after + 1))
-    assert not (run / "summary.md").exists(), "a stopped run is not a finished one"
-    _assert_requeued_after_the_stop_was_recorded(tmp_path / "slurm", stopped_after)
+    resumed_from = None
+    for stage, (phase, at, sig, stopped_after) in enumerate(STAGES):
+        where = f"{phase} {at} ({sig})"
+        slurm = _fake_scontrol(tmp_path / f"slurm-{stage}", run)
+        proc = _launch_signalled(phase, at, sig, *common, env=slurm)
+        # torchrun reports the ranks' status 75 as a failure of its own (requeueing is the trainer's job), and
+        # once the first rank has exited it ends the other, which may still be tearing down after the
+        # checkpoint: 75 or SIGTERM (-15), nothing else.
+        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
+        failure = (where, proc.stderr[-3000:])
+        assert proc.returncode != 0 and "75" in codes and set(codes) <= {"75", "-15"}, failure
+        if resumed_from is not None:
+            assert f"resumed from {resumed_from}" in proc.stdout, (where, proc.stdout[-3000:])
+        stopped = f"stopped after step {stopped_after} of {STEPS}"
+        assert f"received {sig}" in proc.stderr and stopped in proc.stderr, failure
+        resumed_from = run / "checkpoints" / f"step-{stopped_after:08d}"
+        assert (resumed_from / "meta.json").is_file(), where
+        assert _train_steps(run) == list(range(1, stopped_after + 1)), where
+        assert not (run / "summary.md").exists(), "a stopped run is not a finished one"
+        stops = [stop for *_, stop in STAGES[: stage + 1]]
+        _assert_requeued_after_the_stop_was_recorded(tmp_path / f"slurm-{stage}", *stops)
 
     resumed = launch("train", *common)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {run / 'checkpoints' / f'step-{stopped_after:08d}'}" in resumed.stdout
+    assert f"resumed from {resumed_from}" in resumed.stdout
     assert _train_steps(run) == list(range(1, STEPS + 1)), "no step lost or repeated"
     mine, reference = final_weights(run), final_weights(uninterrupted)
     assert mine.keys() == reference.keys()
@@ -292,19 +303,33 @@ def _start(log: Path, *args: str, env: dict[str, str] | None = None) -> subproce
         )
 
 
+def _train_here(*args: str) -> int:
+    """``ddp-rank train ARGS`` in this process, on one thread as the subprocesses of cpu_env() run (so that its
+    steps are bit-for-bit those of a subprocess's): the uninterrupted reference and the resume of a run stopped
+    in a process of its own, which only the stopped run needs to be."""
+    from ddp_rank.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(["train", *args])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 def test_dataloader_workers_ignore_a_signal_to_the_whole_process_group(shards: Path, tmp_path: Path) -> None:
     """SLURM signals every process of a job and torchrun each rank's process group: the DataLoader workers get
     the signal too. SIGUSR1 then SIGTERM (a time limit's warning, then the kill) reach the process group of a run
     with 2 workers during an evaluation, with the training loader's workers and the evaluation's running. The
     workers ignore them (torch's would die of the SIGTERM, and inherit the SIGUSR1 handler): the run stops once,
-    with a checkpoint and status 75, and resumes to the weights of an uninterrupted run."""
-    common = ["-m", "ddp_rank.cli", "train", f"data.shards={shards}", *RUN, "data.num_workers=2"]
+    with a checkpoint and status 75, and resumes to the weights of an uninterrupted run (the resume and the
+    uninterrupted run in this process: the signal to a process group is the stopped run's alone)."""
+    common = [f"data.shards={shards}", *RUN, "data.num_workers=2"]
     run, reference, ready = tmp_path / "run", tmp_path / "reference", tmp_path / "ready"
-    uninterrupted = _start(reference, *common, f"train.output_dir={reference}")  # meanwhile
     slurm = _fake_scontrol(tmp_path / "slurm", run)
     helper = str(REPO / "tests" / "helpers" / "await_signal_in_evaluation.py")
-    stopped = _start(run, helper, "2", str(ready), *common[3:], f"train.output_dir={run}", env=slurm)
+    stopped = _start(run, helper, "2", str(ready), *common, f"train.output_dir={run}", env=slurm)
     deadline = time.monotonic() + 120
     while not ready.exists():
         assert stopped.poll() is None, run.with_suffix(".err").read_text()[-3000:]
@@ -319,9 +344,8 @@ def test_dataloader_workers_ignore_a_signal_to_the_whole_process_group(shards: P
     assert (run / "checkpoints" / "step-00000003" / "meta.json").is_file()
     _assert_requeued_after_the_stop_was_recorded(tmp_path / "slurm", 3)
 
-    resumed = _start(tmp_path / "resumed", *common, f"train.output_dir={run}")
-    assert resumed.wait(120) == 0, (tmp_path / "resumed.err").read_text()[-3000:]
-    assert uninterrupted.wait(120) == 0, reference.with_suffix(".err").read_text()[-3000:]
+    assert _train_here(*common, f"train.output_dir={run}") == 0  # the resume
+    assert _train_here(*common, f"train.output_dir={reference}") == 0  # uninterrupted
     assert _train_steps(run) == list(range(1, STEPS + 1)), "no step lost or repeated"
     mine, expected = final_weights(run), final_weights(reference)
     assert mine.keys() == expected.keys()

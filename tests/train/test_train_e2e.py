@@ -1,7 +1,9 @@
 """End-to-end on CPU: 2 gloo processes under `accelerate launch` with launch/accelerate_cpu_2proc.yaml.
 
 A direct and a chunked run write checkpoints, metrics, plots and the summary; a run killed with SIGKILL in the
-middle resumes from its last complete checkpoint and ends with exactly the parameters of an uninterrupted run.
+middle resumes from its last complete checkpoint and ends with exactly the parameters of an uninterrupted run. The
+chunked run is the direct run's checkpoint continued with the chunked step on 2 processes, which the same
+continuation on 1 process must match.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from tests.helpers.training import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-STEPS = 40
+# Long enough that the killed run is still going when it is killed, after its step 5 (15 steps of margin, each
+# with its checkpoint, on a loaded machine); not more: every step of the uninterrupted and the resumed run is paid.
+STEPS = 20
 RUN = [*TINY_OVERRIDES, f"train.steps={STEPS}", "train.checkpoint_every=1", "train.keep_last=2",
-       "train.eval_every=20", "train.eval_at_start=true"]  # fmt: skip
+       "train.eval_every=10", "train.eval_at_start=true"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +63,11 @@ def test_direct_run_writes_everything(uninterrupted: Path) -> None:
     evals = [r for r in recs if r["kind"] == "eval"]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     assert all(r["chunks"] == 1 for r in train)
-    assert [r["step"] for r in evals] == [0, 20, 40]
+    assert [r["step"] for r in evals] == [0, STEPS // 2, STEPS]
     ckpts = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
     best = json.loads((run / "checkpoints" / "best.json").read_text())
-    assert {"step-00000039", "step-00000040"} <= set(ckpts) and best["path"] in ckpts
-    meta = json.loads((run / "checkpoints" / "step-00000040" / "meta.json").read_text())
+    assert {f"step-{STEPS - 1:08d}", f"step-{STEPS:08d}"} <= set(ckpts) and best["path"] in ckpts
+    meta = json.loads((run / "checkpoints" / f"step-{STEPS:08d}" / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["step"] == STEPS
     summary = (run / "summary.md").read_text()
     assert "2 (MULTI_CPU" in summary and "16 (8 per rank)" in summary and "![loss](loss.png)" in summary
@@ -101,40 +105,50 @@ def test_killed_run_resumes_to_the_same_parameters(shards: Path, uninterrupted: 
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
 
 
-def test_chunked_run(shards: Path, tmp_path: Path) -> None:
-    out = tmp_path / "chunked"
-    proc = launch("train", f"data.shards={shards}", f"train.output_dir={out}", *TINY_OVERRIDES,
-                  "train.steps=4", "distributed.chunk_size=3", "train.checkpoint_every=2")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    train = [r for r in records(out) if r["kind"] == "train"]
-    assert [r["chunks"] for r in train] == [3, 3, 3, 3]  # 8 images per rank in chunks of 3, 3, 2
-    assert (out / "checkpoints" / "step-00000004" / "meta.json").is_file()
-    assert (out / "loss.png").is_file() and "chunked, chunk 3" in (out / "summary.md").read_text()
-
-
-def test_a_resume_on_another_world_size_continues_the_same_batches(
-    shards: Path, uninterrupted: Path, tmp_path: Path
-) -> None:
-    """The 2-process checkpoint continued by 1 process and by 2 processes for 2 more steps: the same global
-    batches (the data plan does not depend on the world size), so the same weights up to float rounding."""
+@pytest.fixture(scope="module")
+def continued(shards: Path, uninterrupted: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The 2-process checkpoint continued for 2 more steps by 1 process (in this one) and by 2 processes (under
+    accelerate launch), both with the chunked step, chunks of 3: two copies of the uninterrupted run, ``one`` and
+    ``two``. ``two`` loses its plots and summary first, so that the chunked run writes its own."""
     import shutil
 
     from ddp_rank.cli import main
 
-    one, two = tmp_path / "one", tmp_path / "two"
+    where = tmp_path_factory.mktemp("continued")
+    one, two = where / "one", where / "two"
     for copy in (one, two):
         shutil.copytree(uninterrupted, copy)
+    for name in ("loss.png", "summary.md"):
+        (two / name).unlink()
     # Chunked on both layouts (BatchNorm frozen): batch statistics of 16 vs 2 x 8 images would differ otherwise.
     more = [
         f"data.shards={shards}",
         *RUN,
         f"train.steps={STEPS + 2}",
         "train.eval_every=1000",
-        "distributed.chunk_size=4",
+        "distributed.chunk_size=3",
     ]
     assert main(["train", f"train.output_dir={one}", *more]) == 0
     proc = launch("train", f"train.output_dir={two}", *more)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"one": one, "two": two}
+
+
+def test_chunked_run(continued: dict[str, Path]) -> None:
+    out = continued["two"]
+    train = [r for r in records(out) if r["kind"] == "train"][STEPS:]
+    assert [r["step"] for r in train] == [STEPS + 1, STEPS + 2]
+    assert [r["chunks"] for r in train] == [3, 3]  # 8 images per rank in chunks of 3, 3, 2
+    assert (out / "checkpoints" / f"step-{STEPS + 2:08d}" / "meta.json").is_file()
+    assert (out / "loss.png").is_file() and "chunked, chunk 3" in (out / "summary.md").read_text()
+
+
+def test_a_resume_on_another_world_size_continues_the_same_batches(
+    uninterrupted: Path, continued: dict[str, Path]
+) -> None:
+    """The 2-process checkpoint continued by 1 process and by 2 processes for 2 more steps: the same global
+    batches (the data plan does not depend on the world size), so the same weights up to float rounding."""
+    one, two = continued["one"], continued["two"]
     meta = json.loads((one / "checkpoints" / f"step-{STEPS + 2:08d}" / "meta.json").read_text())
     assert meta["world_size"] == 1 and meta["step"] == STEPS + 2
     a, b = final_weights(one, STEPS + 2), final_weights(two, STEPS + 2)
