@@ -146,7 +146,6 @@ def test_resume_continues_like_an_uninterrupted_run(shards: Path, tmp_path: Path
     assert steps == sorted(set(steps)) and steps[-1] == 5  # no step logged twice
 
 
-@pytest.mark.slow
 def test_a_run_without_deepspeed_never_imports_it(
     shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -159,6 +158,7 @@ def test_a_run_without_deepspeed_never_imports_it(
     assert "deepspeed" not in sys.modules
 
 
+@pytest.mark.slow
 def test_eval_cli_baselines_and_checkpoint(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
