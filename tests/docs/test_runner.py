@@ -271,13 +271,13 @@ if __name__ == "__main__":
         sys.exit(int(args[1]))
     print("argv", args, "cwd", os.path.basename(os.getcwd()), "colour", os.environ.get("COLOUR"),
           "main", __name__, "script", os.path.basename(sys.argv[0]), "stdin", sys.stdin.read().strip(),
-          "decimal", "decimal" in sys.modules, "difflib", "difflib" in sys.modules)
+          "colorsys", "colorsys" in sys.modules, "difflib", "difflib" in sys.modules)
     print("to stderr", file=sys.stderr)
 """
 
 
 def warm_run(tmp_path: Path, code: str, timeout: float = 60) -> tuple[object, Path]:
-    """``code`` as one bash block of a page whose ``fake-cli`` runs warm (decimal preloaded, difflib too for
+    """``code`` as one bash block of a page whose ``fake-cli`` runs warm (colorsys preloaded, difflib too for
     ``fake-cli heavy`` unless ``--help`` is given)."""
     repo, path = page(tmp_path, f"{FENCE}bash\n{code}{FENCE}\n")
     script = repo / "fake-cli"
@@ -285,8 +285,8 @@ def warm_run(tmp_path: Path, code: str, timeout: float = 60) -> tuple[object, Pa
     script.chmod(0o755)
     warm = WarmCommand(
         "fake-cli",
-        preload=("decimal",),
-        by_subcommand=(("heavy", ("decimal", "difflib")),),
+        preload=("colorsys",),
+        by_subcommand=(("heavy", ("colorsys", "difflib")),),
         plain_flags=frozenset({"--help"}),
         script=script,
     )
@@ -314,11 +314,11 @@ test $status -eq 3
     warm = (folder / "warm.txt").read_text()
     assert warm == (
         "argv ['one', 'two words'] cwd sub colour None main __main__ script fake-cli stdin piped "
-        "decimal True difflib False\n"
+        "colorsys True difflib False\n"
     )
     assert (folder / "err.txt").read_text() == "to stderr\n"
     cold = (folder / "cold.txt").read_text()
-    assert "colour red" in cold and "stdin cold" in cold and "decimal False" in cold
+    assert "colour red" in cold and "stdin cold" in cold and "colorsys False" in cold
 
 
 def test_a_warm_command_gets_the_signals_sent_to_it_and_ends_as_they_end_it(tmp_path: Path) -> None:
@@ -355,4 +355,4 @@ def test_docs_warm_0_runs_every_command_cold(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("DOCS_WARM", "0")
     result, folder = warm_run(tmp_path, "fake-cli > out.txt\n")
     assert result.failure is None, result.report()
-    assert "decimal False" in (folder / "out.txt").read_text()
+    assert "colorsys False" in (folder / "out.txt").read_text()
