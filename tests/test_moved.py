@@ -126,8 +126,16 @@ print(json.dumps({"same": same, "messages": [str(w.message) for w in mine], "fil
 """
 
 
-def test_public_names_that_moved_out_of_a_module_keep_their_old_import_with_a_warning() -> None:
-    got = _run(_NAMES_PROBE)
+@pytest.fixture(scope="module")
+def names_probe() -> dict:
+    """``_NAMES_PROBE``'s answer, one fresh interpreter for the two tests that read it."""
+    return _run(_NAMES_PROBE)
+
+
+def test_public_names_that_moved_out_of_a_module_keep_their_old_import_with_a_warning(
+    names_probe: dict,
+) -> None:
+    got = names_probe
     assert got["same"] == [True, True, True]
     assert got["messages"] == [
         "ddp_rank.runtime.accelerator.make_accelerator moved to ddp_rank.runtime.settings.make_accelerator; the old "
@@ -140,7 +148,7 @@ def test_public_names_that_moved_out_of_a_module_keep_their_old_import_with_a_wa
     assert set(got["files"]) == {"<string>"}, "the warning points at the importing line"
 
 
-def test_a_removed_name_of_another_signature_names_its_replacement() -> None:
+def test_a_removed_name_of_another_signature_names_its_replacement(names_probe: dict) -> None:
     """``image_config(cfg)`` became ``image_data(data, record)``: no shim could keep the call, so the old name
     fails at once, saying what to call instead (through the old module path too; ``from ... import`` gets
     Python's own "cannot import name", which replaces a module ``__getattr__``'s AttributeError)."""
@@ -148,6 +156,6 @@ def test_a_removed_name_of_another_signature_names_its_replacement() -> None:
 
     with pytest.raises(AttributeError, match=r"image_config was removed: use image_data\(data_settings, "):
         images.image_config  # noqa: B018
-    assert "image_data(data_settings" in _run(_NAMES_PROBE)["gone"]
+    assert "image_data(data_settings" in names_probe["gone"]
     with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
         images.nothing_here  # noqa: B018
