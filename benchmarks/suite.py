@@ -28,8 +28,6 @@ from pathlib import Path
 from benchmarks.common import markdown_table, write_result
 
 REPO = Path(__file__).resolve().parent.parent
-SLOWEST = 15
-"""What ``make test`` prints (its ``--durations``); ``make test-fast`` prints none."""
 _SUMMARY = re.compile(r"^=+ (?P<counts>.+?) in (?P<seconds>[\d.]+)s")
 _DURATION = re.compile(r"^(?P<seconds>[\d.]+)s (?P<phase>call|setup|teardown)\s+(?P<test>\S.*)$")
 
