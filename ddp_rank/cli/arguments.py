@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_config_arguments", "pixel_count"]
+__all__ = ["add_config_arguments", "add_max_image_pixels", "pixel_count"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, config_help: str) -> None:
@@ -28,3 +28,16 @@ def pixel_count(text: str) -> int:
             f"{text!r} is not a positive whole number of pixels (e.g. 100000000)"
         )
     return value
+
+
+def add_max_image_pixels(p: argparse.ArgumentParser, what: str) -> None:
+    """``--max-image-pixels``: the pixel limit of the images a command reads (``decode``)."""
+    from ddp_rank.data.reading.decode import DEFAULT_MAX_IMAGE_PIXELS
+
+    p.add_argument(
+        "--max-image-pixels",
+        type=pixel_count,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help=f"an image larger than this (width x height, from its header) {what} "
+        f"(data.max_image_pixels; default {DEFAULT_MAX_IMAGE_PIXELS:,})",
+    )

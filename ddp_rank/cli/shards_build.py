@@ -1,0 +1,168 @@
+"""``ddp-rank shards build`` and ``ddp-rank shards listing``: a listing (an image folder, a CSV/TSV, or a
+public dataset's own files through a recipe) turned into shards. Thin: parse and call."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddp_rank.cli.arguments import add_max_image_pixels
+from ddp_rank.data.building.build import BuildOptions, build_shards
+from ddp_rank.data.building.listing import (
+    ListingError,
+    Record,
+    Report,
+    read_csv_listing,
+    read_image_folder,
+    write_csv_listing,
+)
+from ddp_rank.data.building.recipes import RECIPES, run_recipe
+from ddp_rank.data.format.info import format_info
+
+_CORES = os.cpu_count() or 1  # the default of --workers
+
+
+def add_build(sub: Any) -> None:
+    p = sub.add_parser("build", help="write shards + manifest.json from an image folder or a CSV/TSV listing")
+    p.add_argument(
+        "source", help="image folder (root/<category>/<class>/<img> or root/<class>/<img>) or .csv/.tsv"
+    )
+    p.add_argument("out", help="output directory (must be new or empty, see --overwrite)")
+    p.add_argument("--test-fraction", type=float, default=0.0, help="fraction of classes held out as test")
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="fraction of each category's training classes carved out as the val split, to choose "
+                   "settings on without the test split (drawn with --split-seed; recorded in the manifest)")  # fmt: skip
+    p.add_argument("--split-seed", type=int, default=0, help="seed of the draw of the held-out classes")
+    p.add_argument("--max-samples", type=int, default=1000, help="most samples per shard")
+    p.add_argument("--max-mb", type=float, default=256.0, help="most MB of images per shard")
+    p.add_argument("--resize", type=int, default=None, help="shrink the shorter side to this (re-encodes)")
+    p.add_argument(
+        "--format", dest="image_format", choices=("jpg", "png", "webp"), help="re-encode (default: keep)"
+    )
+    p.add_argument("--quality", type=int, default=90, help="jpg/webp quality of re-encoded images")
+    p.add_argument(
+        "--min-class-size", type=int, default=2, help="fewest images of a class per split (see --on-bad)"
+    )
+    p.add_argument(
+        "--on-bad",
+        choices=("error", "skip"),
+        default="error",
+        help="stop on bad input (default) or skip it and list what was skipped",
+    )
+    add_max_image_pixels(p, "is unreadable (see --on-bad)")
+    p.add_argument("--workers", type=int, default=_CORES, help="encoding processes (default: the CPU cores)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the shards and manifest of an earlier build in OUT (nothing else there is touched)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_build)
+
+
+def add_listing(sub: Any) -> None:
+    p = sub.add_parser("listing", help="write a listing CSV from a public dataset's own files (a recipe)")
+    p.add_argument("recipe", choices=sorted(RECIPES), help="the public dataset whose files are read")
+    p.add_argument("root", help="the dataset folder (emoji: the download cache folder)")
+    p.add_argument("out", help="listing CSV to write")
+    p.add_argument(
+        "--size", type=int, default=64, help="emoji: render size of the openmoji SVGs; words: image size"
+    )
+    p.add_argument(
+        "--test-fraction",
+        type=float,
+        default=None,
+        help="emoji, inat, words: fraction of classes held out (emoji 0.5, inat 0.3 without split lists, "
+        "words 0.2)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="emoji, inat, words: split seed")
+    p.add_argument("--words", type=int, default=26_000, help="words: how many words (classes), common first")
+    p.add_argument(
+        "--train-list", default=None, help="inat: the published train split (image paths or class ids)"
+    )
+    p.add_argument("--test-list", default=None, help="inat: the published test split")
+    p.add_argument("--workers", type=int, default=_CORES, help="emoji, words: render workers")
+    p.set_defaults(func=_listing)
+
+
+def _print_report(report: Report) -> None:
+    if report.skipped:
+        print(f"skipped {len(report.skipped)} item(s):", file=sys.stderr)
+        for line in report.skipped:
+            print(f"  {line}", file=sys.stderr)
+    for note in report.notes:
+        print(note, file=sys.stderr)
+
+
+def load_records(source: str, on_bad: str, report: Report) -> list[Record]:
+    path = Path(source)
+    if path.is_dir():
+        return read_image_folder(path, report)
+    if path.suffix.lower() in (".csv", ".tsv"):
+        return read_csv_listing(path, on_bad=on_bad, report=report)  # type: ignore[arg-type]
+    raise ListingError(f"{source} is neither a directory nor a .csv/.tsv listing")
+
+
+def _build(args: argparse.Namespace) -> int:
+    report = Report()
+    try:
+        records = load_records(args.source, args.on_bad, report)
+        options = BuildOptions(
+            max_samples=args.max_samples,
+            max_bytes=int(args.max_mb * 2**20),
+            test_fraction=args.test_fraction,
+            split_seed=args.split_seed,
+            val_fraction=args.val_fraction,
+            resize=args.resize,
+            image_format=args.image_format,
+            quality=args.quality,
+            min_class_size=args.min_class_size,
+            on_bad=args.on_bad,
+            max_image_pixels=args.max_image_pixels,
+            workers=args.workers,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
+        result = build_shards(records, args.out, options)
+    except (ValueError, OSError) as exc:  # ListingError is a ValueError; FileExistsError an OSError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report.extend(result.report)
+    _print_report(report)
+    print(format_info(args.out))
+    return 0
+
+
+def _listing(args: argparse.Namespace) -> int:
+    options: dict[str, Any] = {}
+    if args.recipe == "emoji":
+        options = {
+            "size": args.size,
+            "test_fraction": 0.5 if args.test_fraction is None else args.test_fraction,
+            "seed": args.seed,
+            "workers": args.workers,
+        }
+    elif args.recipe == "words":
+        options = {
+            "size": args.size,
+            "words": args.words,
+            "test_fraction": 0.2 if args.test_fraction is None else args.test_fraction,
+            "seed": args.seed,
+            "workers": args.workers,
+        }
+    elif args.recipe == "inat":
+        options = {"train_list": args.train_list, "test_list": args.test_list, "seed": args.seed}
+        if args.test_fraction is not None:
+            options["test_fraction"] = args.test_fraction
+    try:
+        records = run_recipe(args.recipe, args.root, **options)
+    except (ListingError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    n = write_csv_listing(records, args.out)
+    classes = len({(r.category, r.cls) for r in records})
+    print(f"wrote {args.out}: {n} images, {classes} classes, {len({r.category for r in records})} categories")
+    return 0

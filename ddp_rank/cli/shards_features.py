@@ -1,0 +1,102 @@
+"""``ddp-rank shards features`` and ``ddp-rank shards whiten``: feature shards, embedded once by a frozen
+backbone, and their PCA whitening. Thin: parse and call."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ddp_rank.data.format.info import format_info
+
+
+def register(sub: Any) -> None:
+    """Add ``features`` and ``whiten`` to the ``shards`` subcommands."""
+    _add_features(sub)
+    _add_whiten(sub)
+
+
+def _add_features(sub: Any) -> None:
+    from ddp_rank.cli.arguments import add_config_arguments
+
+    p = sub.add_parser(
+        "features",
+        help="embed every image of a shard set once with the config's frozen backbone: feature shards "
+        "(train a head on them with model.backbone=features)",
+    )
+    p.add_argument("source", help="image shard directory or URL (made by `shards build` or `shards index`)")
+    p.add_argument("out", help="directory to write the feature shards to (new, or an unfinished build)")
+    add_config_arguments(p, "experiment YAML: model.backbone/weights/pooling and data.* sizes and crop")
+    p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
+    p.add_argument("--overwrite", action="store_true", help="replace the feature shards in OUT")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_features)
+
+
+def _add_whiten(sub: Any) -> None:
+    p = sub.add_parser(
+        "whiten",
+        help="PCA-whiten the vectors of feature shards (fitted on the training split): a head trains on them "
+        "in a few epochs",
+    )
+    p.add_argument("source", help="feature shard directory or URL (made by `shards features`)")
+    p.add_argument("out", help="directory to write the whitened shards to (new, or an unfinished build)")
+    p.add_argument("--dim", type=int, default=None, help="axes kept, largest variance first (default: all)")
+    p.add_argument(
+        "--shrinkage",
+        type=float,
+        default=1e-4,
+        help="added to each eigenvalue, times their mean, before dividing by its root (default 1e-4)",
+    )
+    p.add_argument("--split", default="train", help="the split the map is fitted on (default: train)")
+    p.add_argument("--overwrite", action="store_true", help="replace the whitened shards in OUT")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_whiten)
+
+
+def _features(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from ddp_rank.config import ConfigError, load_config
+    from ddp_rank.features.build import FeatureBuildError, FeatureBuildOptions, build_feature_shards
+    from ddp_rank.model import ModelError
+    from ddp_rank.runtime import make_accelerator
+    from ddp_rank.runtime.settings import data_settings, model_settings
+
+    accelerator = None
+    try:
+        if args.batch_size < 1:
+            raise FeatureBuildError(f"--batch-size must be at least 1, got {args.batch_size}")
+        cfg = load_config(args.config, args.overrides)
+        accelerator = make_accelerator(cfg)
+        options = FeatureBuildOptions(args.batch_size, args.overwrite, not args.no_progress)
+        model, data = model_settings(cfg), data_settings(cfg)
+        manifest = build_feature_shards(model, data, args.source, args.out, accelerator, options)
+    except (ConfigError, ModelError, FeatureBuildError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if accelerator is not None:
+            accelerator.end_training()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    if manifest is not None:
+        print(format_info(args.out))
+    return 0
+
+
+def _whiten(args: argparse.Namespace) -> int:
+    from ddp_rank.features.build import FeatureBuildError
+    from ddp_rank.features.whiten import WhitenOptions, whiten_feature_shards
+
+    try:
+        options = WhitenOptions(args.dim, args.shrinkage, args.split, args.overwrite, not args.no_progress)
+        manifest, eigenvalues = whiten_feature_shards(args.source, args.out, options)
+    except (FeatureBuildError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    kept = manifest.build["features"]["dim"]
+    share = float(eigenvalues[:kept].sum() / eigenvalues.sum())
+    print(f"whitened: {kept} of {len(eigenvalues)} axes, {share:.1%} of the {args.split} vectors' variance")
+    print(format_info(args.out))
+    return 0
