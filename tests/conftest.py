@@ -6,13 +6,16 @@ start several processes are handed out first, so that the long ones do not end t
 other sits idle.
 
 The helpers are the package ``tests.helpers`` (the repository root is on ``sys.path`` through pytest's rootdir
-and ``pythonpath`` setting), never a folder put on ``sys.path`` by hand."""
+and ``pythonpath`` setting), never a folder put on ``sys.path`` by hand. The fixture ``quick_retries`` runs the
+shard store's retry pauses at a tenth of their length, for the tests of retries and outages."""
 
 import logging
 import os
 from collections.abc import Iterator
 
 import pytest
+
+from tests.helpers.quick_clock import QuickClock
 
 
 def _cores() -> int:
@@ -81,3 +84,13 @@ def fresh_accelerator_state() -> Iterator[None]:
         yield
     finally:
         AcceleratorState._reset_state(True)
+
+
+@pytest.fixture
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> QuickClock:
+    """The shard store's retries at a tenth of their pauses: a test of a retry proves it, not the wait."""
+    from ddp_rank.data.reading import storage
+
+    clock = QuickClock(scale=0.1)
+    monkeypatch.setattr(storage, "time", clock)
+    return clock

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import ast
 import gzip
-import http.server
 import io
 import json
 import shutil
 import tarfile
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from functools import partial
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +20,9 @@ from ddp_rank.data.building.listing import read_image_folder
 from ddp_rank.data.building.synthetic import write_image_folder
 from ddp_rank.data.format.manifest import MANIFEST_NAME, Manifest
 from ddp_rank.data.reading.named_shards import NamedShards, ShardReadError, ShardSample
-from ddp_rank.data.reading.serve import RangeRequestHandler, serve_directory
+from ddp_rank.data.reading.serve import RangeRequestHandler
+from tests.helpers.quick_clock import QuickClock
+from tests.helpers.quick_server import serve_quickly
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ddp_rank"
 
@@ -86,7 +84,7 @@ def test_shards_over_http_read_as_the_local_files_checked_and_cached(shards: Pat
     names = _names(shards)
     local = _read(NamedShards("::".join(str(shards / n) for n in names)))
     assert [(s.key, s.members) for s in local] == _expected(shards)
-    with serve_directory(shards) as url:
+    with serve_quickly(shards) as url:
         named = NamedShards("::".join(f"{url}/{n}" for n in names), cache_dir=tmp_path / "cache")
         assert set(named.listed) == set(named.urls)  # the manifest above the split's folder lists them
         remote = _read(named)
@@ -103,7 +101,7 @@ def test_a_shard_whose_sha256_is_not_the_manifests_is_refused(
     shutil.copytree(shards, copy)
     name = _names(copy)[0]
     _damage_an_image(copy / name)
-    with serve_directory(copy) as url:
+    with serve_quickly(copy) as url:
         named = NamedShards(f"{url}/{name}", cache_dir=tmp_path / "cache" if cached else None)
         with pytest.raises(ShardReadError) as caught:
             _read(named)
@@ -122,7 +120,7 @@ def test_a_corrupt_tar_without_a_manifest_is_named_in_one_line(shards: Path, tmp
     tar = folder / Path(name).name
     shutil.copy(shards / name, tar)
     at = _break_second_header(tar)
-    with serve_directory(folder) as url:
+    with serve_quickly(folder) as url:
         named = NamedShards(f"{url}/{tar.name}")
         assert named.listed == {}
         with pytest.raises(ShardReadError) as caught:
@@ -137,7 +135,7 @@ def test_a_compressed_shard_reads_as_its_tar_and_a_cut_one_is_named(shards: Path
     plain = shards / name
     packed = tmp_path / "x-000000.tar.gz"
     packed.write_bytes(gzip.compress(plain.read_bytes()))
-    with serve_directory(tmp_path) as url:
+    with serve_quickly(tmp_path) as url:
         assert _read(NamedShards(f"{url}/{packed.name}")) == _read(NamedShards(str(plain)))
     cut = tmp_path / "cut-000000.tar.gz"
     cut.write_bytes(packed.read_bytes()[:200])
@@ -159,14 +157,13 @@ def test_a_manifest_that_lists_only_some_of_the_shards_is_refused(shards: Path, 
 
 
 def test_a_missing_shard_is_named(shards: Path) -> None:
-    with serve_directory(shards) as url:
+    with serve_quickly(shards) as url:
         named = NamedShards(f"{url}/train/nowhere-{{0..1}}.tar")
         with pytest.raises(ShardReadError, match=rf"shard {url}/train/nowhere-0.tar: no such shard; fix"):
             _read(named)
 
 
-@contextmanager
-def _serve_failing_first(directory: Path, status: int) -> Iterator[str]:
+def _serve_failing_first(directory: Path, status: int) -> AbstractContextManager[str]:
     """``directory`` over HTTP, the first request for a tar answered with ``status``."""
     failed: list[str] = []
 
@@ -178,17 +175,10 @@ def _serve_failing_first(directory: Path, status: int) -> Iterator[str]:
                 return None
             return super().send_head()
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(Flaky, directory=str(directory)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert failed, "the fault was never met"
+    return serve_quickly(directory, Flaky, failed)
 
 
-def test_a_transient_http_error_is_retried(shards: Path, tmp_path: Path) -> None:
+def test_a_transient_http_error_is_retried(shards: Path, tmp_path: Path, quick_retries: QuickClock) -> None:
     name = _names(shards)[0]
     folder = tmp_path / "plain"  # no manifest: the retries hold for other tools' shards too
     folder.mkdir()
@@ -196,13 +186,17 @@ def test_a_transient_http_error_is_retried(shards: Path, tmp_path: Path) -> None
     with _serve_failing_first(folder, 503) as url:
         samples = _read(NamedShards(f"{url}/a-0.tar", retry_s=5))
     assert samples == _read(NamedShards(str(shards / name)))
+    assert len(quick_retries.pauses) == 1
 
 
 def test_no_module_of_ddp_rank_reads_shards_through_webdataset() -> None:
     """Every read of shards goes through the data layer's checked reader; webdataset is not imported at all."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        text = path.read_text()
+        if "webdataset" not in text:  # no import of it then: parse only the files that name it
+            continue
+        for node in ast.walk(ast.parse(text, str(path))):
             names = (
                 [a.name for a in node.names]
                 if isinstance(node, ast.Import)
@@ -226,8 +220,7 @@ def test_a_gzip_named_tar_is_told_by_its_bytes(shards: Path, tmp_path: Path) -> 
     assert _read(NamedShards(str(odd))) == _read(NamedShards(str(shards / name)))
 
 
-@contextmanager
-def _serve_failing(directory: Path, status: int, path: str, times: int) -> Iterator[str]:
+def _serve_failing(directory: Path, status: int, path: str, times: int) -> AbstractContextManager[str]:
     """``directory`` over HTTP, the first ``times`` requests for ``path`` answered with ``status``."""
     failed: list[str] = []
 
@@ -239,18 +232,11 @@ def _serve_failing(directory: Path, status: int, path: str, times: int) -> Itera
                 return None
             return super().send_head()
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(Flaky, directory=str(directory)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert failed, "the fault was never met"
+    return serve_quickly(directory, Flaky, failed)
 
 
 def test_a_manifest_answered_503_is_retried_so_a_tampered_shard_is_still_refused(
-    shards: Path, tmp_path: Path
+    shards: Path, tmp_path: Path, quick_retries: QuickClock
 ) -> None:
     """fsspec's HTTP ``info`` turns a 5xx into FileNotFoundError: read that way, a busy server would make the
     shards look manifest-less and a replaced one would be read unchecked."""
@@ -263,11 +249,12 @@ def test_a_manifest_answered_503_is_retried_so_a_tampered_shard_is_still_refused
         assert set(named.listed) == {f"{url}/{name}"}
         with pytest.raises(ShardReadError, match="sha256 differs"):
             _read(named)
+    assert len(quick_retries.pauses) == 2
 
 
 @pytest.mark.parametrize("status", [503, 403])
 def test_a_manifest_that_cannot_be_fetched_is_an_error_naming_it(
-    shards: Path, tmp_path: Path, status: int
+    shards: Path, tmp_path: Path, status: int, quick_retries: QuickClock
 ) -> None:
     name = _names(shards)[0]
     with (
@@ -278,6 +265,7 @@ def test_a_manifest_that_cannot_be_fetched_is_an_error_naming_it(
     message = str(caught.value)
     assert message.startswith(f"{url}/{MANIFEST_NAME} cannot be read") and str(status) in message
     assert "\n" not in message
+    assert bool(quick_retries.pauses) == (status == 503)  # retried until retry_s is spent; a 403 is not
 
 
 @pytest.mark.parametrize(
@@ -300,7 +288,7 @@ def test_an_unrelated_manifest_json_means_no_manifest(
     assert local.listed == {}
     assert _read(local) == expected
     assert "is not a ddp_rank shard manifest" in caplog.text
-    with serve_directory(tmp_path / "plain") as url:
+    with serve_quickly(tmp_path / "plain") as url:
         assert _read(NamedShards(f"{url}/sub/a-0.tar")) == expected
 
 
@@ -346,7 +334,7 @@ def test_a_cache_dir_that_cannot_be_made_reads_without_the_cache(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     names = _names(shards)
-    with serve_directory(shards) as url, caplog.at_level("WARNING"):
+    with serve_quickly(shards) as url, caplog.at_level("WARNING"):
         named = NamedShards("::".join(f"{url}/{n}" for n in names), cache_dir=blocker / "cache")
         assert _read(named) == _read(NamedShards("::".join(str(shards / n) for n in names)))
     said = [r.getMessage() for r in caplog.records if "cache" in r.getMessage()]
@@ -357,7 +345,7 @@ def test_a_compressed_download_is_gone_once_it_is_decompressed(shards: Path, tmp
     """One shard at a time on the scratch disk: the compressed download goes as soon as its tar is written."""
     packed = tmp_path / "x-000000.tar.gz"
     packed.write_bytes(gzip.compress((shards / _names(shards)[0]).read_bytes()))
-    with serve_directory(tmp_path) as url:
+    with serve_quickly(tmp_path) as url:
         named = NamedShards(f"{url}/{packed.name}")
         try:
             reading = named.samples(named.urls[0])  # kept: a dropped generator closes its files at once

@@ -23,8 +23,13 @@ from ddp_rank.losses import FastAPLoss
 from tests.distributed.test_global_loss import SPLITS, global_batch, local_rows
 from tests.helpers.distributed import run_distributed
 
-pml = pytest.importorskip("pytorch_metric_learning")
-from pytorch_metric_learning import losses, miners  # noqa: E402
+
+@pytest.fixture(scope="module", autouse=True)
+def _pytorch_metric_learning() -> None:
+    """Imported by the worker that runs this file rather than by every worker that collects the suite (about
+    a second each); the whole file is skipped where it is missing. The tests import it where they use it."""
+    pytest.importorskip("pytorch_metric_learning")
+
 
 NUM_CLASSES, WIDTH = 1001, 8  # global_batch's ids run to 1000 (its singleton class)
 NAMES = ["contrastive", "triplet+miner", "ntxent", "proxy-anchor", "own-function"]
@@ -44,6 +49,8 @@ def centroid_loss(embeddings: Tensor, labels: Tensor) -> Tensor:
 
 def make(name: str) -> tuple[Any, Any]:
     """(loss, miner) of each case, the same on every rank (a proxy loss's proxies from a fixed seed)."""
+    from pytorch_metric_learning import losses, miners
+
     if name == "contrastive":
         return losses.ContrastiveLoss(pos_margin=0.2, neg_margin=0.8), None
     if name == "triplet+miner":
@@ -124,34 +131,43 @@ class OneArgument(torch.nn.Module):
         return embeddings.sum()
 
 
-@pytest.mark.parametrize(
-    ("loss", "miner", "words"),
-    [
-        (42, None, "cannot be called"),
-        (miners.MultiSimilarityMiner(), None, "pass it as miner="),
-        (losses.ContrastiveLoss(), 42, "miner must be called as miner(embeddings, labels)"),
-        (FastAPLoss(), miners.MultiSimilarityMiner(), "take no mined tuples"),
-        (centroid_loss, miners.MultiSimilarityMiner(), "takes no third argument"),
-        (OneArgument(), None, "cannot be called with two positional arguments"),
-        (GlobalBatchLoss(FastAPLoss()), None, "already spans the ranks"),
-    ],
-    ids=[
-        "not-callable",
-        "miner-as-loss",
-        "bad-miner",
-        "miner-with-listwise",
-        "no-indices",
-        "one-arg",
-        "twice",
-    ],
-)
-def test_what_cannot_be_wrapped_is_refused_when_built(loss: Any, miner: Any, words: str) -> None:
+REFUSED = {
+    "not-callable": "cannot be called",
+    "miner-as-loss": "pass it as miner=",
+    "bad-miner": "miner must be called as miner(embeddings, labels)",
+    "miner-with-listwise": "take no mined tuples",
+    "no-indices": "takes no third argument",
+    "one-arg": "cannot be called with two positional arguments",
+    "twice": "already spans the ranks",
+}
+"""What ``GlobalBatchLoss`` refuses when built, each with the words of its refusal."""
+
+
+def refused(case: str) -> tuple[Any, Any]:
+    """The (loss, miner) of a case of ``REFUSED``."""
+    from pytorch_metric_learning import losses, miners
+
+    return {
+        "not-callable": (42, None),
+        "miner-as-loss": (miners.MultiSimilarityMiner(), None),
+        "bad-miner": (losses.ContrastiveLoss(), 42),
+        "miner-with-listwise": (FastAPLoss(), miners.MultiSimilarityMiner()),
+        "no-indices": (centroid_loss, miners.MultiSimilarityMiner()),
+        "one-arg": (OneArgument(), None),
+        "twice": (GlobalBatchLoss(FastAPLoss()), None),
+    }[case]
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_what_cannot_be_wrapped_is_refused_when_built(case: str) -> None:
+    loss, miner = refused(case)
     with pytest.raises(TypeError, match=r"GlobalBatchLoss wraps|miner") as info:
         GlobalBatchLoss(loss, miner=miner)
-    assert words in str(info.value)
+    assert REFUSED[case] in str(info.value)
 
 
 def test_pml_distributed_wrapper_is_refused() -> None:
+    from pytorch_metric_learning import losses
     from pytorch_metric_learning.utils.distributed import DistributedLossWrapper
 
     with pytest.raises(TypeError, match=r"already spans the ranks .*: wrap the plain loss"):
@@ -165,6 +181,8 @@ def _failing_worker(rank: int, world: int) -> dict[str, str]:
         if rank == 1:
             raise RuntimeError("out of memory (simulated)")
         return embeddings.sum()
+
+    from pytorch_metric_learning import losses
 
     embeddings, labels = global_batch(12, d=WIDTH)
     e, y = embeddings[local_rows((5, 7), rank)], labels[local_rows((5, 7), rank)]

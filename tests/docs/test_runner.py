@@ -240,9 +240,9 @@ def test_pages_are_isolated(tmp_path: Path) -> None:
 
 
 def test_a_hung_block_times_out(tmp_path: Path) -> None:
-    result, _ = run(tmp_path, f"{FENCE}bash\nsleep 30\n{FENCE}\n", timeout=1)
+    result, _ = run(tmp_path, f"{FENCE}bash\nsleep 30\n{FENCE}\n", timeout=0.3)
     assert result.failure is not None and "timed out" in result.failure.output
-    result, _ = run(tmp_path, f"{FENCE}python\nimport time\ntime.sleep(30)\n{FENCE}\n", "p.md", timeout=1)
+    result, _ = run(tmp_path, f"{FENCE}python\nimport time\ntime.sleep(30)\n{FENCE}\n", "p.md", timeout=0.3)
     assert result.failure is not None and "timed out" in result.failure.output
 
 
@@ -339,7 +339,7 @@ test "$(cat statuses)" = "$(printf 'USR1 75\\nTERM 143')"
 
 
 def test_a_timed_out_block_takes_its_warm_command_with_it(tmp_path: Path) -> None:
-    result, folder = warm_run(tmp_path, "fake-cli wait > pid.txt\n", timeout=3)
+    result, folder = warm_run(tmp_path, "fake-cli wait > pid.txt\n", timeout=1.5)
     assert result.failure is not None and "timed out" in result.failure.output
     pid = int((folder / "pid.txt").read_text())
     for _ in range(100):

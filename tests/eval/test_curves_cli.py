@@ -15,17 +15,23 @@ from ddp_rank.train.run_outputs import read_metrics
 from ddp_rank.train.trainer import run_training
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
-pytest.importorskip("matplotlib")
+
+@pytest.fixture(scope="module", autouse=True)
+def _matplotlib() -> None:
+    """Imported when this file's tests run, not by every worker that collects the suite; without it the file
+    is skipped."""
+    pytest.importorskip("matplotlib")
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-step tiny_cnn run evaluated with Recall@k and both groups of deployment figures beside it, its best
-    checkpoint chosen by a figure the test split cannot measure (240 negative pairs for TPR@FPR=1e-4)."""
+    checkpoint chosen by a figure the test split cannot measure (240 negative pairs for TPR@FPR=1e-4). The
+    direct step (no chunk trial): the figures do not depend on it."""
     tmp = tmp_path_factory.mktemp("run")
     out = tmp / "run"
     run_training(load_config(None, [*TINY_OVERRIDES, f"data.shards={build_tiny_shards(tmp)}",
-                                    f"train.output_dir={out}", "train.steps=2",
+                                    f"train.output_dir={out}", "train.steps=2", "distributed.chunk_size=0",
                                     "eval.metrics=[verification,identification]",
                                     "train.best_metric=tpr@fpr=1e-4"]))  # fmt: skip
     return out

@@ -17,7 +17,6 @@ import torch
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
 from ddp_rank.data.format.manifest import Manifest
-from ddp_rank.data.reading.serve import serve_directory
 from ddp_rank.eval.export import load_export
 from ddp_rank.eval.retrieval import ExactSearch, knn_search
 from ddp_rank.eval.runner import embed_split, key_index
@@ -28,6 +27,7 @@ from ddp_rank.eval.workflow import build_eval_model, load_run_config
 from ddp_rank.runtime.settings import model_settings
 from ddp_rank.train.trainer import run_training
 from tests.helpers.image_fuzz import fuzz_cases, legitimate_images, png_bomb
+from tests.helpers.quick_server import serve_quickly
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards, launch
 
 pytest.importorskip("faiss")
@@ -311,11 +311,10 @@ def test_serve_refuses_a_folder_that_does_not_exist(tmp_path: Path, capsys: pyte
     assert "is a file, not a folder" in capsys.readouterr().err
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def http_shards(tiny: dict[str, Path]) -> Iterator[str]:
-    from ddp_rank.data.reading.serve import serve_directory
-
-    with serve_directory(tiny["shards"]) as url:
+    """The tiny shards over HTTP, one server for the tests that read them unchanged."""
+    with serve_quickly(tiny["shards"]) as url:
         yield url
 
 
@@ -442,7 +441,7 @@ def test_export_refuses_a_url_shard_whose_sha256_is_not_the_manifests(
     shutil.copytree(tiny["shards"], copy)
     _damage_an_image(copy / "test" / "test-c0001-00000.tar")
     out = tmp_path / "export"
-    with serve_directory(copy) as url:
+    with serve_quickly(copy) as url:
         args = ["export", "--checkpoint", str(tiny["run"]), "--shards-url", f"{url}/test/{URL_PATTERN}"]
         capsys.readouterr()
         assert main([*args, "--output", str(out)]) == 2
@@ -459,7 +458,7 @@ def test_export_names_a_corrupt_tar_at_a_url_in_one_line(
 ) -> None:
     tars = _test_tars_without_manifest(tiny, tmp_path / "plain")
     at = _garble_header(tars[1], 1)  # tarfile would stop there quietly: a shard read in part
-    with serve_directory(tmp_path / "plain") as url:
+    with serve_quickly(tmp_path / "plain") as url:
         args = ["export", "--checkpoint", str(tiny["run"]), "--shards-url", f"{url}/{URL_PATTERN}"]
         capsys.readouterr()
         assert main([*args, "--output", str(tmp_path / "export")]) == 2
@@ -480,7 +479,7 @@ def test_search_grid_names_a_corrupt_url_shard_in_one_line_and_draws(
     (no traceback) and its hits are drawn without their image."""
     tars = _test_tars_without_manifest(tiny, tmp_path / "plain")
     export, index, grid = tmp_path / "export", tmp_path / "index", tmp_path / "grid.png"
-    with serve_directory(tmp_path / "plain") as url:
+    with serve_quickly(tmp_path / "plain") as url:
         args = ["export", "--checkpoint", str(tiny["run"]), "--shards-url", f"{url}/{URL_PATTERN}"]
         assert main([*args, "--output", str(export)]) == 0
         assert main(["index", str(export), "--kind", "flat", "--output", str(index)]) == 0

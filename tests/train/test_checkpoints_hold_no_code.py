@@ -28,8 +28,15 @@ from ddp_rank.config import load_config
 from ddp_rank.train.trainer import Trainer, run_training
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
-pytest.importorskip("pytorch_metric_learning")
 pytestmark = pytest.mark.slow  # training runs of seconds: in make test, out of make test-fast
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pytorch_metric_learning() -> None:
+    """Imported when this file's tests run, not by every worker that collects the suite; without it the file
+    is skipped."""
+    pytest.importorskip("pytorch_metric_learning")
+
 
 # A proxy loss: its parameters are part of the checkpoint. No test split and no chunk trial: shorter runs.
 PROXY = [

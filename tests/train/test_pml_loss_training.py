@@ -17,7 +17,13 @@ from ddp_rank.train.trainer import Trainer, run_training
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
-pytest.importorskip("pytorch_metric_learning")
+
+@pytest.fixture(scope="module", autouse=True)
+def _pytorch_metric_learning() -> None:
+    """Imported when this file's tests run, not by every worker that collects the suite; without it the file
+    is skipped."""
+    pytest.importorskip("pytorch_metric_learning")
+
 
 STEPS = 3
 # BatchNorm frozen: the statistics of 16 images in one process and of 2 x 8 on two ranks would differ.

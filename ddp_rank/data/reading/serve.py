@@ -65,12 +65,19 @@ def checked_directory(directory: str | Path) -> str:
     return str(path)
 
 
+STOP_POLL_S = 0.01
+"""How often a background server (``serve_directory``) checks whether it was asked to stop."""
+
+
 @contextmanager
 def serve_directory(directory: str | Path, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
-    """Serve ``directory`` in a background thread; yields its base URL (port 0: a free one)."""
+    """Serve ``directory`` in a background thread; yields its base URL (port 0: a free one).
+
+    The thread checks for its stop every 10 ms (``serve_forever``'s default is half a second, which every
+    ``with`` block would wait on leaving)."""
     handler = partial(RangeRequestHandler, directory=checked_directory(directory))
     server = http.server.ThreadingHTTPServer((host, port), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": STOP_POLL_S}, daemon=True)
     thread.start()
     try:
         yield f"http://{host}:{server.server_address[1]}"

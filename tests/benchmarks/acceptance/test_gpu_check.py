@@ -876,16 +876,22 @@ def test_the_syncs_part_runs_its_check_and_keeps_the_trace_beside_the_report(
 ) -> None:
     """The part's own command, run here on the CPU with a small model (the host reads standing in for the debug
     mode's synchronisations): every one listed with its place, none in the chunk loop, the trace written
-    gzipped where the report goes."""
+    gzipped where the report goes. The command's module runs in this process (its ``main`` with the command's
+    arguments): a fresh interpreter would spend seconds importing torch again."""
     import gzip
+
+    import torch
+
+    from benchmarks.acceptance import sync_check
 
     commands: list[list[str]] = []
 
     def run_on_cpu(self: Any, cmd: list[str], share: float = 1.0, env: Any = None) -> int:
         small = ["--device", "cpu", "--backbone", "tiny_cnn", "--image-size", "16", "--batch", "16", "--chunk", "4"]
         commands.append(cmd)
-        return subprocess.run([*cmd, *small], cwd=REPO, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              timeout=300).returncode  # fmt: skip
+        assert cmd[:3] == [sys.executable, "-m", sync_check.__name__], cmd
+        with torch.random.fork_rng(devices=[]):  # the command seeds torch: leave this process's generator be
+            return sync_check.main([*cmd[3:], *small])
 
     monkeypatch.setattr(gpu_check.Part, "run", run_on_cpu)
     results = tmp_path / "results"
