@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-EXTRAS := dev,eval,demo,deepspeed
+EXTRAS := dev,eval,demo,deepspeed,datasets
 
 .PHONY: install test test-fast test-long lint docs demo demo-shards words-shards words-features words-whitened study-features bench study clean gpu-check gpu-wheels
 

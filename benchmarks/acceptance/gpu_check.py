@@ -294,7 +294,7 @@ def part_tests(part: Part) -> tuple[str, list[targets.Verdict]]:
         counts = targets.junit_results(xml)
         results[name] = None if counts is None else {**counts, "exit": code}
     failures = [(name, text) for counts in results.values() if counts for name, text in counts["failure_texts"].items()]
-    body = "\n\n".join(f"<details><summary>{name} failed</summary>\n\n```\n{text}\n```\n</details>"
+    body = "\n\n".join(f"<details><summary>{name} failed</summary>\n\n```text\n{text}\n```\n</details>"
                          for name, text in failures)  # fmt: skip
     return body, targets.tests_verdicts(results)
 
@@ -794,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
                 body, verdicts = f"the part raised {type(exc).__name__}: {exc}", []
             setup = f" (after {t0 - started:.0f} s of setup)" if t0 - started >= 1 else ""
             took = f"{header} Part time: {time.monotonic() - t0:.0f} s{setup}."
-            log = "<details><summary>commands</summary>\n\n```\n" + "\n".join(part.log) + "\n```\n</details>"
+            log = "<details><summary>commands</summary>\n\n```text\n" + "\n".join(part.log) + "\n```\n</details>"
             text = targets.section(name, took, "\n\n".join(filter(None, [body, log])), verdicts)
         path = append_report(text, args.results)
         print(text, flush=True)

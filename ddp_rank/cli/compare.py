@@ -67,8 +67,9 @@ def register(subparsers: Any) -> None:
         "--grid",
         metavar="PNG",
         help="also draw the runs' retrieval pictures side by side into this file: the same sampled queries, "
-        "each run's top-k framed green (the query's class) or red, from each run's retrieval.json (written by "
-        "ddp-rank eval and by a run's evaluations); runs without one are named and left out",
+        "each run's top-k framed green (the query's class) or red, captioned with the class names, a legend "
+        "under them, from each run's retrieval.json (written by ddp-rank eval and by a run's evaluations); runs "
+        "without one are named and left out",
     )
     p.set_defaults(func=run)
 

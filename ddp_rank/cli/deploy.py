@@ -70,7 +70,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--recall-queries", type=int, default=1000, help="queries of that measurement")
     p.set_defaults(func=_run_index)
 
-    p = subparsers.add_parser("search", help="embed query images and print the top-k keys of an index")
+    p = subparsers.add_parser(
+        "search",
+        help="embed query images and print the top-k keys of an index, with their class names and source files",
+    )
     p.add_argument("index", help="index directory written by `ddp-rank index`")
     p.add_argument("images", nargs="+", help="query image files or folders")
     p.add_argument("-k", type=int, default=5, help="results per query")
@@ -79,9 +82,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--grid",
         metavar="PNG",
-        help="also draw the queries and their top-k into this PNG, the hits read back from the export's source; "
-        "a query file has no class, so each hit is framed green when it shares the class of the query's top-1 "
-        "(framed grey), red otherwise (all grey for an unlabelled image-folder export)",
+        help="also draw the queries and their top-k into this PNG, the hits read back from the export's source "
+        "and captioned with their score and class name; a query file has no class, so each hit is framed green "
+        "when it shares the class of the query's top-1 (framed grey), red otherwise (all grey for an unlabelled "
+        "image-folder export), as the legend under them says",
     )
     p.add_argument(
         "--on-bad",
@@ -191,29 +195,35 @@ def _run_search(args: argparse.Namespace) -> int:
         return _fail("search", exc)
     except ValueError as exc:
         return _fail("search", exc)
-    for path, hits in zip(paths, results):
-        print(f"{path}")
-        for rank, hit in enumerate(hits, start=1):
-            label = f"  label {hit.label}" if hit.label >= 0 else ""
-            category = f"  {hit.category}" if hit.category else ""
-            print(f"  {rank:>2}  {hit.score:.4f}  {hit.key}{label}{category}")
-    if args.grid:
-        from ddp_rank.data.reading.shard_cache import open_cache
-        from ddp_rank.eval.retrieval_search_grid import draw_search_grid
+    from ddp_rank.data.reading.shard_cache import open_cache
+    from ddp_rank.eval.retrieval_captions import hit_line
+    from ddp_rank.eval.retrieval_search_grid import draw_search_grid, export_images, hit_names
 
-        problems: tuple[type[Exception], ...] = (OSError, ValueError, *_errors())
-        try:
-            source = searcher.index.info.get("export", {}).get("source", {})
-            data = searcher.data
-            grid = draw_search_grid(
-                paths,
-                results,
-                source,
-                args.grid,
-                max_pixels=searcher.transform.max_pixels,
-                cache_dir=open_cache(data.cache_dir, data.cache_max_gb),
-            )
-            print(f"grid: {grid}")
-        except problems as exc:
-            return _fail("search", exc)
+    problems: tuple[type[Exception], ...] = (OSError, ValueError, *_errors())
+    source = searcher.index.info.get("export", {}).get("source", {})
+    data, max_pixels = searcher.data, searcher.transform.max_pixels
+    grid: Path | Exception | None = None
+    try:  # one reader of the export's source: the hits' names, and their images for --grid
+        fetch, close = export_images(source, max_pixels, open_cache(data.cache_dir, data.cache_max_gb))
+    except problems as exc:
+        fetch, close, grid = None, (lambda: None), exc if args.grid else None
+        if source:  # an export of the user's own embeddings (save_export) records none: the ids, quietly
+            print(f"ddp-rank search: the hits' class names and files are not shown: {exc}", file=sys.stderr)
+    names = hit_names(fetch)  # the ids only where the source tells no names
+    try:
+        if fetch is not None and args.grid:  # first: a URL's scan for the picture reads the names too
+            try:
+                grid = draw_search_grid(paths, results, fetch, args.grid, max_pixels=max_pixels)
+            except problems as exc:
+                grid = exc
+        for path, hits in zip(paths, results):
+            print(f"{path}")
+            for rank, hit in enumerate(hits, start=1):
+                print(hit_line(rank, hit.score, hit.key, hit.label, hit.category, names(hit.label, hit.key)))
+    finally:
+        close()
+    if isinstance(grid, Exception):
+        return _fail("search", grid)
+    if grid is not None:
+        print(f"grid: {grid}")
     return 0

@@ -36,8 +36,10 @@ def register(subparsers: Any) -> None:
         "verification (TPR@FPR, ROC AUC, EER) and identification (CMC, FNIR@FPIR)",
         description="Embed the test split of data.shards and report Recall@k and MAP@R, or the verification / "
         "identification figures (eval.protocol, eval.metrics); their curves are drawn beside the results JSON as "
-        "<name>-roc.png, -det.png, -pr.png, -cmc.png; retrieval.png beside it shows eval.grid_queries sampled "
-        "queries and their top-k, framed green (the query's class) or red (recorded in retrieval.json).",
+        "<name>-roc.png, -det.png, -pr.png, -cmc.png; <name>-retrieval-<row>.png beside it shows "
+        "eval.grid_queries sampled queries and their top-k, framed green (the query's class) or red, captioned "
+        "with the class names and files, a legend under them (recorded in retrieval.json; a training run's own "
+        "retrieval.png is kept).",
     )
     add_config_arguments(
         p,
@@ -58,8 +60,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--name", help="row name in the table and key in the JSON (default: what was evaluated)")
     p.add_argument(
         "--output",
-        help="write the results JSON here (default OUTPUT_DIR/eval.json); curve pictures and retrieval.png go "
-        "beside it",
+        help="write the results JSON here (default OUTPUT_DIR/eval.json); curve pictures and the retrieval "
+        "picture (<name>-retrieval-<row>.png) go beside it",
     )
     p.add_argument(
         "--bootstrap",

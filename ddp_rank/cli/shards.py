@@ -30,6 +30,7 @@ from ddp_rank.cli import shards_build, shards_features
 from ddp_rank.cli.arguments import add_max_image_pixels
 from ddp_rank.cli.shards_convert import convert_command
 from ddp_rank.data.building.verify import verify_shards
+from ddp_rank.data.format.class_leaks import SHARED_CLASSES_HELP, SHARED_CLASSES_OPTION
 from ddp_rank.data.format.info import format_info
 
 _CORES = os.cpu_count() or 1  # the default of --workers
@@ -74,6 +75,7 @@ def _add_index(sub: Any) -> None:
     )
     _add_index_options(p, "category")
     p.add_argument("--upgrade", action="store_true", help="add byte ranges to a version-1 ddp_rank manifest")
+    p.add_argument(SHARED_CLASSES_OPTION, default=None, metavar="REASON", help=SHARED_CLASSES_HELP)
     p.set_defaults(func=_index)
 
 
@@ -145,6 +147,7 @@ def _add_reshard(sub: Any) -> None:
     p.add_argument("--decode", action="store_true", help="also decode every image in the final verification")
     add_max_image_pixels(p, "fails that --decode")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(SHARED_CLASSES_OPTION, default=None, metavar="REASON", help=SHARED_CLASSES_HELP)
     _add_index_options(p, None)
     p.set_defaults(func=_reshard)
 
@@ -161,6 +164,7 @@ def _reshard(args: argparse.Namespace) -> int:
             decode=args.decode,
             max_image_pixels=args.max_image_pixels,
             progress=not args.no_progress,
+            shared_classes=args.shared_classes,
         )
         index = _index_options(args) if any(v is not None for v in named) else None
         reshard(args.source, args.out, options, index=index, splits=tuple(args.split))
@@ -209,6 +213,11 @@ def _index(args: argparse.Namespace) -> int:
 
     out = args.out
     try:
+        if args.upgrade and args.shared_classes is not None:
+            raise ShardIndexError(
+                f"--upgrade keeps the manifest's classes and splits: drop {SHARED_CLASSES_OPTION}, or re-index "
+                f"the shards (without --upgrade) to record it"
+            )
         if args.upgrade:
             upgrade_manifest(args.directory)
             out = args.directory
@@ -220,7 +229,7 @@ def _index(args: argparse.Namespace) -> int:
                 raise ShardIndexError(
                     f"{args.directory} is a URL: pass --out DIR, where to write manifest.json"
                 )
-            report = index_shards(root, splits, options, out)
+            report = index_shards(root, splits, options, out, shared_classes=args.shared_classes)
             if report.skipped_samples:
                 print(f"left out {report.skipped_samples} sample(s) without an image member", file=sys.stderr)
             Path(out).mkdir(parents=True, exist_ok=True)

@@ -92,9 +92,10 @@ class EvalConfig(_Section):
     )
     grid_queries: Int = _field(
         8,
-        "The retrieval picture (retrieval.png beside the results, and at each evaluation of a run): this many "
-        "test queries, one row each, with their grid_k nearest neighbours framed green (the query's class) or "
-        "red (another); 0 = no picture. Feature shards hold no image: no picture.",
+        "The retrieval picture (a run's retrieval.png at each evaluation; <results>-retrieval-<row>.png beside "
+        "the results of ddp-rank eval): this many test queries, one row each, with their grid_k nearest "
+        "neighbours framed green (the query's class) or red (another), captioned with the class names; 0 = no "
+        "picture. Feature shards hold no image: no picture.",
         minimum=0,
     )
     grid_k: Int = _field(5, "The retrieval picture: neighbours shown per query.", minimum=1)

@@ -141,7 +141,7 @@ class LossConfig(_Section):
         "Loss family: fastap, pnp, smoothap (row-split over the ranks, memory-linear), or a pytorch-metric-"
         "learning loss with its arguments, 'pml:<Loss>(key=value, ...)' such as pml:ContrastiveLoss(pos_margin="
         "0.0, neg_margin=1.0) or pml:ProxyAnchorLoss(margin=0.1, alpha=32) (the whole loss on the gathered "
-        "global batch on every rank: N x N work; needs pip install 'ddp_rank[pml]'). A proxy loss's num_classes "
+        "global batch on every rank: N x N work; needs the pml extra, docs/install.md). A proxy loss's num_classes "
         "and embedding_size default to the shards' class count and model.embedding_dim.",
     )
     miner: Text = _field(

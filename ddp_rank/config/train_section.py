@@ -146,7 +146,8 @@ class TrainConfig(_Section):
         "Experiment trackers that also receive the metrics and pictures, through accelerate's tracker API "
         "(rank 0): 'tensorboard' (event files under OUTPUT_DIR/tensorboard/), 'mlflow' (MLFLOW_TRACKING_URI, "
         "else a file store in OUTPUT_DIR/mlruns), 'wandb' (WANDB_MODE=offline works), 'aim', 'comet_ml', "
-        "'clearml', 'dvclive', 'swanlab', 'trackio'; each needs its package (pip install 'ddp_rank[mlflow]' ...). "
+        "'clearml', 'dvclive', 'swanlab', 'trackio'; each needs its package (tensorboard, mlflow and wandb: the "
+        "extra of that name, docs/install.md). "
         "metrics.jsonl and the PNG plots are written whatever this holds. An older config's tensorboard: true loads "
         "as [tensorboard].",
     )

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ddp_rank.extras import install_hint
+
 __all__ = ["CURVES_KEY", "CURVE_KINDS", "draw_curve", "draw_curves", "split_curves"]
 
 CURVES_KEY = "curves"
@@ -52,7 +54,7 @@ def draw_curve(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError(f"{kind}.png needs matplotlib: pip install 'ddp_rank[eval]'") from exc
+        raise ImportError(f"{kind}.png needs matplotlib: {install_hint('eval')}") from exc
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     for index, (name, curve) in enumerate(entries.items()):
         _DRAW[kind](ax, name, curve, index)

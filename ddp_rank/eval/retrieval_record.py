@@ -3,7 +3,9 @@
 An evaluation samples ``eval.grid_queries`` queries of its test split with ``eval.grid_seed`` (not the training
 seed: runs that differ in their seed still show the same queries, so ``ddp-rank compare --grid`` can put them
 side by side), finds each one's ``eval.grid_k`` nearest neighbours with the protocol's own query / database
-roles, and records keys, classes and scores in ``retrieval.json`` beside the results. The picture
+roles, and records keys, classes and scores in ``retrieval.json`` beside the results, with the user's names of
+each sample (its class name from the manifest, its source file from its json; ``""`` where the shards have
+none). The picture
 (``ddp_rank.eval.retrieval_grid``) is drawn from that record, its thumbnails read back from the shards by key,
 so a record drawn again, or two runs' records drawn together, give the same picture.
 
@@ -19,8 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +32,14 @@ import torch
 
 from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.data.format.manifest import Manifest, is_url
+from ddp_rank.data.format.sample_names import class_name, sample_source
 from ddp_rank.data.reading.decode import DEFAULT_MAX_IMAGE_PIXELS
 from ddp_rank.data.reading.reader import ClassReader, ClassReadError
 from ddp_rank.data.reading.shard_cache import open_cache
 from ddp_rank.data.reading.transforms import decode_image
 from ddp_rank.eval.protocols import EmbeddedSet, subset_mask
 from ddp_rank.eval.retrieval import ExactSearch
+from ddp_rank.eval.retrieval_captions import RECORD_LEGEND, SampleName, neighbour_caption, query_caption
 from ddp_rank.eval.retrieval_grid import Cell, GridLayout, draw_grid, save_png
 from ddp_rank.eval.runner import EvalSettings, key_index
 from ddp_rank.features.records import feature_dim
@@ -53,10 +58,13 @@ __all__ = [
     "ShardImages",
     "decode_thumbnail",
     "draw_records",
+    "eval_picture_file",
     "nearest_rows",
     "read_records",
+    "record_cells",
     "record_from_embedded",
     "sample_query_rows",
+    "with_names",
     "write_record",
 ]
 
@@ -76,6 +84,10 @@ class Neighbour:
     key: str
     label: int
     score: float
+    name: str = ""
+    """The class name the manifest gives ``label`` (``""``: none known)."""
+    source: str = ""
+    """The file the sample was built from, as its json records it (``""``: none recorded)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,8 @@ class QueryRow:
     key: str
     label: int
     neighbours: tuple[Neighbour, ...]
+    name: str = ""
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -107,8 +121,10 @@ class RetrievalRecord:
                     str(q["key"]),
                     int(q["label"]),
                     tuple(
-                        Neighbour(str(n["key"]), int(n["label"]), float(n["score"])) for n in q["neighbours"]
+                        Neighbour(str(n["key"]), int(n["label"]), float(n["score"]), *_names(n))
+                        for n in q["neighbours"]
                     ),
+                    *_names(q),
                 )
                 for q in data["queries"]
             )
@@ -120,6 +136,11 @@ class RetrievalRecord:
                 f"{origin}: not a retrieval record ({type(exc).__name__}: {exc}); evaluate the run again to "
                 "rewrite it"
             ) from exc
+
+
+def _names(entry: Mapping[str, Any]) -> tuple[str, str]:
+    """(name, source) of a record's entry: ``""`` in a record written before names were kept."""
+    return str(entry.get("name") or ""), str(entry.get("source") or "")
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -158,7 +179,8 @@ def nearest_rows(
 
 # ---------------------------------------------------------------------------------------------- images
 class ShardImages:
-    """Images of one split read back by (class, key): one whole-class read per class, kept for the picture."""
+    """Images of one split read back by (class, key): one whole-class read per class, kept for the picture, with
+    each sample's names (:meth:`names`)."""
 
     def __init__(
         self,
@@ -170,6 +192,7 @@ class ShardImages:
         self.reader = ClassReader(manifest, split, cache_dir=cache_dir)
         self.max_pixels = max_pixels  # the user's data.max_image_pixels, as in training
         self._classes: dict[int, dict[str, bytes]] = {}
+        self._meta: dict[int, dict[str, bytes | None]] = {}
 
     def samples(self, label: int) -> dict[str, bytes]:
         """Key -> image bytes of class ``label`` (empty when it cannot be read)."""
@@ -180,7 +203,15 @@ class ShardImages:
                 log.warning(f"retrieval picture: {exc}; its images are drawn blank")
                 read = []
             self._classes[label] = {s.key: s.image for s in read}
+            self._meta[label] = {s.key: s.meta for s in read}
         return self._classes[label]
+
+    def names(self, label: int, key: str) -> SampleName:
+        """The class name the manifest gives ``label`` and the source file sample ``key``'s json records."""
+        self.samples(label)
+        return SampleName(
+            class_name(self.reader.manifest.classes, label), sample_source(self._meta[label].get(key))
+        )
 
     def __call__(self, label: int, key: str) -> Any:
         data = self.samples(label).get(key)
@@ -230,15 +261,20 @@ def record_from_embedded(
             keys_by_class[label] = {key_index(key): key for key in images.samples(label)}
         return keys_by_class[label].get(int(index[row]), f"<unread sample of class {label}>")
 
-    queries_out = tuple(
-        QueryRow(
-            key_of(int(q)),
-            int(labels[q]),
-            tuple(Neighbour(key_of(int(r)), int(labels[r]), round(float(s), 6)) for r, s in zip(row, score)),
-        )
-        for q, row, score in zip(queries, rows, scores)
-    )
-    return RetrievalRecord(shards, split, protocol, int(seed), queries_out)
+    def named(row: int) -> tuple[str, int, str, str]:
+        key, label = key_of(row), int(labels[row])
+        names = images.names(label, key)
+        return key, label, names.name, names.source
+
+    queries_out = []
+    for q, row, score in zip(queries, rows, scores):
+        key, label, name, source = named(int(q))
+        neighbours = []
+        for r, s in zip(row, score):
+            n_key, n_label, n_name, n_source = named(int(r))
+            neighbours.append(Neighbour(n_key, n_label, round(float(s), 6), n_name, n_source))
+        queries_out.append(QueryRow(key, label, tuple(neighbours), name, source))
+    return RetrievalRecord(shards, split, protocol, int(seed), tuple(queries_out))
 
 
 def write_record(record: RetrievalRecord, name: str, directory: str | os.PathLike[str]) -> Path:
@@ -266,14 +302,12 @@ def read_records(path: str | os.PathLike[str]) -> dict[str, RetrievalRecord]:
     return {str(name): RetrievalRecord.from_json(entry, f"{path} [{name}]") for name, entry in saved.items()}
 
 
-def draw_records(
-    records: Sequence[RetrievalRecord],
-    fetchers: Sequence[ImageFetch],
-    path: str | os.PathLike[str],
-    layout: GridLayout | None = None,
-) -> tuple[Path, int]:
-    """Draw one result block per record, side by side, for the queries every record shows (in the first
-    record's order); ``fetchers[i]`` reads record i's images. Returns (the PNG, the queries drawn)."""
+def record_cells(
+    records: Sequence[RetrievalRecord], fetchers: Sequence[ImageFetch]
+) -> tuple[list[Cell], list[list[list[Cell]]]]:
+    """(query cells, one block of neighbour cells per record) for the queries every record shows, in the first
+    record's order; ``fetchers[i]`` reads record i's images. Captions: a query's class name and file, each
+    neighbour's score and class name (the ids where the record has no name)."""
     shown = [q.key for q in records[0].queries]
     by_key = [{q.key: q for q in r.queries} for r in records]
     common = [key for key in shown if all(key in rows for rows in by_key)]
@@ -283,18 +317,62 @@ def draw_records(
             "on the same split with the same eval.grid_seed"
         )
     first = by_key[0]
-    queries = [Cell(fetchers[0](first[key].label, key), None, f"class {first[key].label}") for key in common]
+    queries = [
+        Cell(fetchers[0](q.label, key), None, query_caption(q.name, q.label, q.source, key))
+        for key, q in ((key, first[key]) for key in common)
+    ]
     blocks = [
         [
             [
-                Cell(fetch(n.label, n.key), n.label == rows[key].label, f"{n.score:.3f}")
+                Cell(
+                    fetch(n.label, n.key),
+                    n.label == rows[key].label,
+                    neighbour_caption(n.score, n.name, n.label),
+                )
                 for n in rows[key].neighbours
             ]
             for key in common
         ]
         for rows, fetch in zip(by_key, fetchers)
     ]
-    return save_png(draw_grid(queries, blocks, layout), path), len(common)
+    return queries, blocks
+
+
+def draw_records(
+    records: Sequence[RetrievalRecord],
+    fetchers: Sequence[ImageFetch],
+    path: str | os.PathLike[str],
+    layout: GridLayout | None = None,
+) -> tuple[Path, int]:
+    """Draw one result block per record, side by side, for the queries every record shows (in the first
+    record's order), with the legend under them; ``fetchers[i]`` reads record i's images. Returns (the PNG, the
+    queries drawn)."""
+    queries, blocks = record_cells(records, fetchers)
+    return save_png(draw_grid(queries, blocks, layout, RECORD_LEGEND), path), len(queries)
+
+
+def eval_picture_file(results: str | os.PathLike[str], label: str) -> str:
+    """The picture ``ddp-rank eval`` draws beside its results JSON, named after that JSON and the row evaluated
+    (``eval-retrieval-resnet18-trained-step-00000100.png``), so it never replaces a training run's
+    ``retrieval.png`` nor another evaluation's picture."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.") or "model"
+    return f"{Path(results).stem}-retrieval-{slug}.png"
+
+
+def with_names(record: RetrievalRecord, names: Callable[[int, str], SampleName]) -> RetrievalRecord:
+    """``record`` with the names a record written before they were kept lacks, from ``names(label, key)``
+    (e.g. :meth:`ShardImages.names`); the names it has are kept."""
+
+    def named(row: Any) -> Any:
+        if row.name:
+            return row
+        found = names(row.label, row.key)
+        return replace(row, name=found.name, source=row.source or found.source)
+
+    queries = tuple(
+        replace(named(q), neighbours=tuple(named(n) for n in q.neighbours)) for q in record.queries
+    )
+    return replace(record, queries=queries)
 
 
 def shard_images_for(record: RetrievalRecord) -> ShardImages | None:
@@ -312,7 +390,8 @@ def last_record(saved: Mapping[str, RetrievalRecord]) -> RetrievalRecord | None:
 
 class RetrievalPicture:
     """The retrieval picture of an evaluation: pass :meth:`capture` as ``evaluate_model(on_embedded=...)``, then
-    :meth:`write` on rank 0 draws ``retrieval.png`` and adds the record to ``retrieval.json``.
+    :meth:`write` on rank 0 draws ``retrieval.png`` (a training run's; ``ddp-rank eval`` names its own:
+    :func:`eval_picture_file`) and adds the record to ``retrieval.json``.
 
     VehicleID recipe shards embed one split per list: the last (the largest list) is drawn. Feature shards hold
     no image: no picture, said once in the log.
@@ -329,9 +408,11 @@ class RetrievalPicture:
         if self.enabled:
             self._captured = (split, data)
 
-    def write(self, name: str, directory: str | os.PathLike[str], device: Any = None) -> Path | None:
-        """Draw the captured split into ``directory/retrieval.png`` (the record under ``name``); None when
-        there is nothing to draw."""
+    def write(
+        self, name: str, directory: str | os.PathLike[str], device: Any = None, file: str = GRID_FILE
+    ) -> Path | None:
+        """Draw the captured split into ``directory/file`` (the record under ``name`` in ``retrieval.json``);
+        None when there is nothing to draw."""
         captured, self._captured = self._captured, None
         if captured is None:
             return None
@@ -354,7 +435,7 @@ class RetrievalPicture:
                 log.info(f"no retrieval picture: no query of split '{split}' has another image of its class")
                 return None
             write_record(record, name, directory)
-            path, _ = draw_records([record], [images], Path(directory) / GRID_FILE)
+            path, _ = draw_records([record], [images], Path(directory) / file)
             return path
         finally:
             images.close()

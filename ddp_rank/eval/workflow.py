@@ -24,7 +24,7 @@ from ddp_rank.eval.export import ExportError, embed_batches_to_arrays, write_man
 from ddp_rank.eval.per_query import per_query_refusal, write_per_query
 from ddp_rank.eval.protocols import VEHICLEID_SIZES
 from ddp_rank.eval.report import bootstrap_note, deployment_lines, format_table, write_json
-from ddp_rank.eval.retrieval_record import RetrievalPicture
+from ddp_rank.eval.retrieval_record import RetrievalPicture, eval_picture_file
 from ddp_rank.eval.runner import evaluate_model, vehicleid_splits
 from ddp_rank.eval.settings import evaluation_settings, load_run_config
 from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
@@ -91,7 +91,8 @@ class Evaluation:
     written: bool
     pictures: tuple[Path, ...] = ()
     retrieval: Path | None = None
-    """``retrieval.png``: sampled queries and their top-k (None: not drawn, e.g. feature shards)."""
+    """``<results>-retrieval-<name>.png``: sampled queries and their top-k (None: not drawn, e.g. feature
+    shards); a training run's own ``retrieval.png`` is left as it is."""
     per_query: Path | None = None
     """The ``--per-query`` file written (None: not asked for, or not this rank)."""
 
@@ -109,7 +110,7 @@ class Evaluation:
         if self.pictures:
             lines.append("curves: " + ", ".join(str(p) for p in self.pictures))
         if self.retrieval is not None:
-            lines.append(f"retrieval picture: {self.retrieval} (green: the query's class, red: another)")
+            lines.append(f"retrieval picture: {self.retrieval} (its legend says what the frames mean)")
         if self.per_query is not None:
             lines.append(f"per-query values: {self.per_query}")
         return "\n".join(lines)
@@ -180,7 +181,8 @@ def evaluate_and_record(
             }
             write_json(results, out_path)
             pictures = draw_curve_pictures(results, out_path)
-            retrieval = picture.write(label, out_path.parent, accelerator.device)
+            drawn_as = eval_picture_file(out_path, label)
+            retrieval = picture.write(label, out_path.parent, accelerator.device, file=drawn_as)
             if per_query is not None and queries is not None:
                 written_per_query = write_per_query(queries, per_query)
         return Evaluation(

@@ -1,7 +1,7 @@
 """``compare.png``: the finished runs' metric against the one setting they differ in (a batch-size sweep: R@1
 against the global batch, best and last), or, when they differ in more than one (or in a setting that is not a
 number), against images seen, one curve per run; runs that differ in their seeds, each point's mean with an
-error bar (``ddp_rank.experiments.plot_points``). Needs matplotlib (``pip install ddp_rank[eval]``)."""
+error bar (``ddp_rank.experiments.plot_points``). Needs matplotlib (the ``eval`` extra, docs/install.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ddp_rank.experiments.compare import differing_keys
 from ddp_rank.experiments.plot_points import draw_points
 from ddp_rank.experiments.replicates import Replicates, is_replicated
 from ddp_rank.experiments.runs import RunSummary
+from ddp_rank.extras import install_hint
 
 __all__ = ["plot_comparison", "plot_left_out"]
 
@@ -34,7 +35,7 @@ def plot_comparison(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError("compare.png needs matplotlib: pip install 'ddp_rank[eval]'") from exc
+        raise ImportError(f"compare.png needs matplotlib: {install_hint('eval')}") from exc
     everyone = differing_keys(runs)
     if is_replicated(everyone):  # runs that differ in their seeds: each point's mean and spread
         return draw_points(Replicates(runs, everyone, metric, [metric]), Path(path), x_key, plt)

@@ -2,7 +2,8 @@
 
 Each run keeps the record of its pictures in ``retrieval.json`` (``ddp_rank.eval.retrieval_record``: written by
 ``ddp-rank eval`` into the run directory and by every evaluation of a training run); the last entry of each is
-drawn, one block of neighbours per run, for the queries every record shows. The runs show the same queries when
+drawn, one block of neighbours per run, for the queries every record shows, captioned with the class names (read
+from the shards for a record written before it kept them) under a legend. The runs show the same queries when
 they were evaluated on the same split with the same ``eval.grid_seed``.
 """
 
@@ -21,6 +22,7 @@ from ddp_rank.eval.retrieval_record import (
     last_record,
     read_records,
     shard_images_for,
+    with_names,
 )
 
 __all__ = ["draw_run_pictures"]
@@ -60,7 +62,7 @@ def draw_run_pictures(
             if reader is None:
                 note(f"{run}: left out of --grid: its shards hold feature vectors, no image to draw")
                 continue
-            records.append(record)
+            records.append(with_names(record, reader.names))  # an older record: names from its shards
             readers.append(reader)
             drawn.append(run)
         if not records:

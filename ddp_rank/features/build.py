@@ -365,6 +365,7 @@ def finish_build(src: Manifest, dst: Path, record: FeatureRecord, files: tuple[s
         splits=splits,
         build={BUILD_KEY: record.to_json()},
         root=str(dst),
+        shared_classes=src.shared_classes,  # the source's protocol holds for its vectors too
     )
     manifest.save(dst)
     shutil.rmtree(progress, ignore_errors=True)

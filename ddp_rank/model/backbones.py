@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ddp_rank.config import TIMM_PREFIX
+from ddp_rank.extras import install_hint
 
 __all__ = ["POOLINGS", "Pooling", "TimmBackbone", "build_timm_backbone", "replace_pooling"]
 
@@ -168,7 +169,7 @@ def build_timm_backbone(
         import timm
     except ImportError as exc:
         raise ValueError(
-            f"model.backbone={backbone} needs the timm package: pip install timm (or make install)"
+            f"model.backbone={backbone} needs the timm package: pip install timm, or {install_hint('models')}"
         ) from exc
     name = backbone[len(TIMM_PREFIX) :].strip()
     if not timm.is_model(name):

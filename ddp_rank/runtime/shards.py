@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from ddp_rank.config import FEATURES_BACKBONE, ConfigError
-from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.format.class_leaks import BUILT_FIX, leak_line, manifest_leak
+from ddp_rank.data.format.manifest import MANIFEST_NAME, Manifest, join_location
 from ddp_rank.features.records import FeatureRecordError, feature_dim, feature_record
 from ddp_rank.runtime.errors import TrainError
 
-__all__ = ["check_model_input", "check_split", "model_input_dim", "open_shards"]
+__all__ = ["check_held_out_classes", "check_model_input", "check_split", "model_input_dim", "open_shards"]
 
 
 def open_shards(shards: str, backbone: str) -> Manifest:
@@ -62,3 +63,13 @@ def check_split(manifest: Manifest, shards: str, split: str) -> None:
     splits there are."""
     if split not in manifest.splits:
         raise ConfigError(f"split '{split}' is not in {shards} (it has {sorted(manifest.splits)})")
+
+
+def check_held_out_classes(manifest: Manifest, shards: str, train_split: str) -> None:
+    """No class of ``train_split`` (``data.train_split``) in another split of the run's shards, unless the
+    manifest records why (``shared_classes``): a run would report retrieval of classes it trained on. Checked
+    before anything is built; ``shards``: where ``manifest`` came from, for the message."""
+    problem = manifest_leak(manifest, train_split)
+    if problem is not None:
+        where = f"data.shards='{shards}': {join_location(shards, MANIFEST_NAME)}"
+        raise TrainError(leak_line(where, problem, BUILT_FIX))

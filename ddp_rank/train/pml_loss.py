@@ -1,6 +1,6 @@
 """``loss.name=pml:<Loss>(...)`` and ``loss.miner=pml:<Miner>(...)``: pytorch-metric-learning in the trainer.
 
-pytorch-metric-learning stays an optional extra (``pip install 'ddp_rank[pml]'``): it is imported here, only when
+pytorch-metric-learning stays an optional extra (``pml``, docs/install.md): it is imported here, only when
 a config names one of its classes. The loss goes global through ``GlobalBatchLoss``'s generic path (the whole
 loss on the gathered batch on every rank); a proxy loss's parameters join the optimizer (see ``Trainer``).
 """
@@ -16,6 +16,7 @@ from torch import nn
 from ddp_rank.config import ConfigError
 from ddp_rank.config.call_spec import PML_PREFIX, CallSpec, parse_call
 from ddp_rank.config.checks import _suggest
+from ddp_rank.extras import install_hint
 
 __all__ = ["PML_PREFIX", "PmlParts", "build_pml", "generic_work_space"]
 
@@ -90,8 +91,7 @@ def _import(kind: str, key: str, text: str) -> Any:
         return miners
     except ImportError:
         raise ConfigError(
-            f"{key}={text!r} needs pytorch-metric-learning, which is not installed: pip install 'ddp_rank[pml]' "
-            "(or pip install pytorch-metric-learning)"
+            f"{key}={text!r} needs pytorch-metric-learning, which is not installed: {install_hint('pml')}"
         ) from None
 
 

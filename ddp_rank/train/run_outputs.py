@@ -181,6 +181,20 @@ def write_plots(records: Sequence[Mapping[str, Any]], out_dir: str | os.PathLike
     return written
 
 
+def _loss_line(train: Sequence[Mapping[str, Any]]) -> str:
+    """The logged loss from the first ``train`` record to the last, or the one value when a single step was logged
+    (``train.log_every`` at or above ``train.steps``)."""
+
+    def value(record: Mapping[str, Any]) -> str:
+        loss = record.get("loss")
+        return f"{loss:.4f}" if isinstance(loss, float) else str(loss)
+
+    first, last = train[0], train[-1]
+    if first["step"] == last["step"]:
+        return f"{value(last)} at step {last['step']} (the only logged step)"
+    return f"{value(first)} at step {first['step']} -> {value(last)} at step {last['step']}"
+
+
 def write_summary(
     path: str | os.PathLike[str],
     *,
@@ -198,10 +212,7 @@ def write_summary(
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     if train:
-        first, last = train[0], train[-1]
-        lines.append(
-            f"- **loss**: {first.get('loss')} (step {first['step']}) -> {last.get('loss')} (step {last['step']})"
-        )
+        lines.append(f"- **loss**: {_loss_line(train)}")
     if evals:
         last_eval = evals[-1]
         shown = ", ".join(

@@ -31,7 +31,7 @@ from ddp_rank.train.trackers import TrackerSettings, log_metrics, log_picture, s
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CURVES_FILE", "ReportSettings", "RunReport", "StepResult", "read_curves"]
+__all__ = ["CURVES_FILE", "ReportSettings", "RunReport", "StepResult", "read_curves", "steps_to_train"]
 
 CURVES_FILE = "curves.json"
 """The verification / identification curves of each evaluation, ``{"step <s>": curves}`` in the order of the
@@ -80,6 +80,15 @@ class ReportSettings:
     config: ConfigRecord
 
 
+def steps_to_train(step: int, total_steps: int, how: str) -> str:
+    """What a start trains, in words: ``training steps 5-8 <how>``, ``training step 8 <how>``, or, for a resumed
+    run that had already finished, that there is nothing left and how to train further."""
+    if step >= total_steps:
+        return f"nothing to train: step {step} of {total_steps} is done (a larger train.steps trains further)"
+    steps = f"step {total_steps}" if step + 1 == total_steps else f"steps {step + 1}-{total_steps}"
+    return f"training {steps} {how}"
+
+
 class RunReport:
     """The reporting of one training process (``is_main``: rank 0, which writes and prints)."""
 
@@ -120,10 +129,11 @@ class RunReport:
             return
         if resumed is not None:
             log.info(f"resumed from {resumed} at step {step} of {total_steps}")
-        log.info(
-            f"training steps {step + 1}-{total_steps} with {self.layout.world_size} process(es) on "
-            f"{self.device.type}, global batch {self.layout.describe()} into {self.out_dir}"
+        how = (
+            f"with {self.layout.world_size} process(es) on {self.device.type}, global batch "
+            f"{self.layout.describe()} into {self.out_dir}"
         )
+        log.info(steps_to_train(step, total_steps, how))
         self._write_config(step)
         acc = self.accelerator if self.settings.tracking.log_with else None
         if acc is not None:
@@ -257,7 +267,9 @@ class RunReport:
             "global batch": f"{self.layout.global_batch} ({self.layout.local_batch} per rank)",
             "step": f"chunked, chunk {self.layout.chunk_size}" if self.layout.chunked else "direct",
             "steps": f"{summary['steps']} of {total_steps} ({summary['steps_this_run']} in this run)",
-            "time": f"{summary['seconds']:.1f} s, {summary['images_per_s']:.1f} images/s",
+            "time": f"{summary['seconds']:.1f} s, {summary['images_per_s']:.1f} images/s"
+            if summary["steps_this_run"]
+            else "none: the run had already finished",
         }
         if summary["resumed_from"]:
             facts["resumed from"] = summary["resumed_from"]

@@ -22,7 +22,7 @@ from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutiona
 from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime import TrainError, open_shards
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
-from ddp_rank.runtime.shards import model_input_dim
+from ddp_rank.runtime.shards import check_held_out_classes, model_input_dim
 from ddp_rank.train.batchnorm import convert_to_cross_rank
 from ddp_rank.train.bn_mode import BatchNormMode
 from ddp_rank.train.chunking.layout import BatchLayout
@@ -150,6 +150,7 @@ def check_inputs(evaluation: EvalSettings, backbone: str, best_metric: str) -> M
                 f"set data.{key}"
                 + (" (or data.test_split= to train without evaluation)" if key == "test_split" else "")
             )
+    check_held_out_classes(manifest, data.shards, data.train_split)
     local = not is_url(manifest.location)
     train_shards = manifest.split(data.train_split).shards
     missing = [s.path for s in train_shards if local and not manifest.shard_path(s).is_file()]

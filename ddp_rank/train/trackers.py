@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_rank.config import Config, ConfigError
+from ddp_rank.extras import install_hint
 from ddp_rank.runtime import TrainError
 from ddp_rank.runtime.accelerator import AcceleratorSettings, start_accelerator
 from ddp_rank.train.run_outputs import ConfigRecord
@@ -64,7 +65,7 @@ def check_trackers(names: list[str]) -> None:
     for name in names:
         module, package = _MODULES[name]
         if importlib.util.find_spec(module) is None:
-            extra = f" (or pip install 'ddp_rank[{name}]')" if name in _EXTRAS else ""
+            extra = f" (or, at the tested version, {install_hint(name)})" if name in _EXTRAS else ""
             raise ConfigError(
                 f"train.log_with={name} needs the {package} package: pip install {package}{extra}, or leave "
                 f"{name} out of train.log_with"

@@ -217,6 +217,12 @@ def _all(results: Results) -> list[Measurement]:
     return out + [m.findings for m in out if m.findings is not None]
 
 
+def rendered_files(folder: Path = RESULTS) -> list[Path]:
+    """The files of ``folder`` that the site shows, sorted: the documentation's tests check and run their code
+    blocks like any page's (tests/docs/code_blocks.py ``doc_pages``), so the two lists cannot drift apart."""
+    return sorted(m.path for m in _all(collect(folder)))
+
+
 def nav_pages(results: Results) -> list[tuple[str, str]]:
     """The Results section of the nav: ``(title, page)`` for the index and each topic."""
     return [("Overview", f"{PAGE_DIR}/index.md")] + [

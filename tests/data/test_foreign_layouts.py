@@ -165,7 +165,8 @@ def test_shuffled_shards_index_and_train_from_the_cli(
     assert "per class, at most" in format_info(root)
     assert main(["plan", *TINY_OVERRIDES, f"data.shards={root}", "data.test_split="]) == 0
     out = capsys.readouterr().out
-    assert "reads per step" in out and "request-bound" in out and "ddp-rank shards reshard" in out
+    # A local folder: the reshard hint, not the advice for reads from a URL.
+    assert "reads per step" in out and "ddp-rank shards reshard" in out and "read from a URL" not in out
     run = tmp_path / "run"
     train = ["train", *TINY_OVERRIDES, f"data.shards={root}", "data.test_split=", f"train.output_dir={run}"]
     assert main([*train, "train.steps=3"]) == 0
@@ -267,10 +268,10 @@ def test_reads_per_step_are_what_the_stream_requests(tmp_path: Path, monkeypatch
 def test_reshard_is_advised_only_where_classes_are_fragmented(tmp_path: Path) -> None:
     own = fragmentation(_own_layout(tmp_path), "train")
     assert own.spans == own.classes and own.max_spans == 1
-    advice = own.advice(
-        "DIR"
-    )  # small classes: request-bound even when contiguous, but resharding cannot help
+    # small classes: request-bound from a URL even when contiguous, but resharding cannot help
+    advice = own.advice("s3://bucket/shards")
     assert advice is not None and "data.cache_dir=DIR" in advice and "reshard" not in advice
+    assert own.advice("shards") is None  # a local folder: nothing to do
     big = Fragmentation("train", classes=2, spans=4, max_spans=2, span_bytes=4 * 2**21, spans_of={0: 2, 1: 2})
     assert not big.request_bound and big.advice() is None and big.bound().startswith("bandwidth-bound")
     assert big.requests([0, 1, 1]) == 6

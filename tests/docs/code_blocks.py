@@ -3,29 +3,34 @@
 Why a runner of our own rather than pytest-examples, sybil or mktestdocs: a tutorial is a sequence of shell
 commands and Python snippets that build on each other's files (shards built in one block, trained on in the
 next), with config files shown as titled blocks; the runner has to interleave the two languages in page order in
-one folder, write titled blocks to disk, and honour a marker that says why a block cannot run here. That is
-about two hundred lines; the libraries each cover part of it.
+one folder, write titled blocks to disk, honour a marker that says why a block cannot run here, and compare
+a page's claims about output with what the block before them printed (tests/docs/expected_output.py). That is
+about two hundred lines; the libraries each cover part of it. The folder a page runs in is a copy of the whole
+repository, as a reader's clone is (tests/docs/page_tree.py); the `ddp-rank` commands run forked from warm
+servers (tests/docs/warm_commands.py).
 
-Only the standard library: the tests import it, and so can a contributor's script.
+Only the standard library (and the Results hook, docs/hooks/results.py, which names the result files the site
+shows): the tests import it, and so can a contributor's script.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
 import os
 import re
 import selectors
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from docs.hooks.results import rendered_files
+from tests.docs.expected_output import match_output
+from tests.docs.page_tree import copy_repository, stray_report, stray_writes
+from tests.docs.warm_commands import WarmCommand, kill_group, warm_set
 
 BASH = frozenset({"bash", "sh", "shell"})
 PYTHON = frozenset({"python", "py", "python3"})
@@ -33,12 +38,7 @@ PYTHON = frozenset({"python", "py", "python3"})
 # like something a reader runs, yet the runner would neither run it nor fail it: the fence check refuses it.
 DATA = frozenset({"text", "yaml", "yml", "json", "toml", "ini", "csv", "mermaid", "markdown", "md", "diff"})
 BLOCK_TIMEOUT_S = 180.0
-# What a reader has at the root of a clone, copied into each page's folder (small: the configs, the launcher
-# files, the example scripts; not shards/, whose name tutorials use for their output); anything else is under
-# $DDP_RANK_REPO.
-COPIED_FOLDERS = ("configs", "launch", "examples")
 PYTHON_SESSION = Path(__file__).with_name("python_session.py")
-WARM_SERVER = Path(__file__).with_name("warm_server.py")
 
 _FENCE = re.compile(r"^(?P<indent>[ ]*)(?P<fence>`{3,}|~{3,})\s*(?P<info>.*)$")
 # ```bash, ```py title="x.py", ``` { .python title="x.py" } (superfences' attribute form)
@@ -46,6 +46,9 @@ _LANG = re.compile(r"^\{?\s*\.?([\w+-]+)")
 _TITLE = re.compile(r"""title=(?:"([^"]*)"|'([^']*)')""")
 _MARKER = re.compile(r"^\s*<!--\s*not[- _]?run\b(?P<rest>.*?)-->\s*$", re.IGNORECASE)
 _ANY_MARKER = re.compile(r"^\s*<!--\s*not[- _]?run\b", re.IGNORECASE)
+# <!-- expected-output --> before a ```text block: the output the block before it must print.
+_EXPECT = re.compile(r"^\s*<!--\s*expected-output(?P<order>:\s*any order)?\s*-->\s*$")
+_ANY_EXPECT = re.compile(r"^\s*<!--\s*expected[- _]?output\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class Block:
     title: str | None
     code: str
     marker: str | None = None  # the not-run reason ("" for a marker without one); None: no marker
+    expects: bool = False  # after <!-- expected-output -->: what the block before it prints
+    any_order: bool = False  # <!-- expected-output: any order -->
 
     @property
     def runs(self) -> bool:
@@ -100,17 +105,25 @@ def parse(text: str, page: str) -> tuple[list[Block], list[str]]:
         title_match = _TITLE.search(info)
         title = next((g for g in title_match.groups() if g is not None), None) if title_match else None
         marker, marker_line = _marker_before(lines, start)
-        block = Block(page, start + 1, lang, title, "\n".join(body) + "\n" if body else "", marker)
+        expect_line, any_order = _expect_before(lines, start)
+        code = "\n".join(body) + "\n" if body else ""
+        block = Block(page, start + 1, lang, title, code, marker, expect_line is not None, any_order)
         blocks.append(block)
-        if marker_line is not None:
-            markers_used.add(marker_line)
+        markers_used.update(n for n in (marker_line, expect_line) if n is not None)
         problems += _problems(block)
-    problems += _unused_files(blocks)
+    problems += _unused_files(blocks) + _expectations_without_output(blocks)
     for n, line in enumerate(lines):
-        if _ANY_MARKER.search(line) and n not in markers_used and not _inside_block(n, blocks, lines):
+        if n in markers_used or _inside_block(n, blocks, lines):
+            continue
+        if _ANY_MARKER.search(line):
             problems.append(
                 f"{page}:{n + 1}: a not-run marker must be the last non-blank line before a fence, alone on its "
                 f"line, as <!-- not-run: the reason -->"
+            )
+        elif _ANY_EXPECT.search(line):
+            problems.append(
+                f"{page}:{n + 1}: an expected-output marker must be the last non-blank line before a ```text "
+                f"fence, alone on its line, as <!-- expected-output --> or <!-- expected-output: any order -->"
             )
     return blocks, problems
 
@@ -129,6 +142,27 @@ def _marker_before(lines: list[str], fence: int) -> tuple[str | None, int | None
         return None, None
     rest = match["rest"].strip()
     return (rest[1:].strip() if rest.startswith(":") else ""), n
+
+
+def _expect_before(lines: list[str], fence: int) -> tuple[int | None, bool]:
+    n = fence - 1
+    while n >= 0 and not lines[n].strip():
+        n -= 1
+    match = _EXPECT.match(lines[n]) if n >= 0 else None
+    return (n, match["order"] is not None) if match else (None, False)
+
+
+def _expectations_without_output(blocks: list[Block]) -> list[str]:
+    """An expected-output block checks the block right before it, which must be one the suite runs."""
+    out = []
+    for before, block in zip([None, *blocks], blocks, strict=False):
+        if block.expects and (before is None or not before.runs):
+            what = "no block" if before is None else f"the block at {before.where}, which does not run"
+            out.append(
+                f"{block.where}: an expected-output block checks the output of the block right before it, here "
+                f"{what}; put it after the ```bash or ```python block whose output it shows, or drop the marker"
+            )
+    return out
 
 
 def _inside_block(n: int, blocks: list[Block], lines: list[str]) -> bool:
@@ -159,6 +193,13 @@ def _problems(block: Block) -> list[str]:
                 f"{block.where}: a not-run marker on a block that is not run anyway ({block.lang or 'no language'}"
                 f"{', titled' if block.title is not None else ''}); remove the marker"
             )
+    if block.expects and (block.lang != "text" or block.title is not None):
+        out.append(
+            f"{block.where}: <!-- expected-output --> goes before an untitled ```text block (the output), not a "
+            f"```{block.lang or 'block without a language'}{' with a title' if block.title is not None else ''}"
+        )
+    elif block.expects and not block.code.strip():
+        out.append(f"{block.where}: the expected-output block is empty; show the lines the command prints")
     if block.title is not None:
         path = Path(block.title)
         if not block.title or path.is_absolute() or ".." in path.parts:
@@ -186,10 +227,13 @@ def _unused_files(blocks: list[Block]) -> list[str]:
 
 def doc_pages(repo: Path) -> list[Path]:
     """README.md, ARCHITECTURE.md (the site includes it), every Markdown page under docs/ (the build hooks'
-    folder excluded) and the READMEs under benchmarks/."""
+    folder excluded), the READMEs under benchmarks/ and the result files of benchmarks/results/ that the site
+    renders (docs/hooks/results.py chooses them)."""
     pages = [repo / name for name in ("README.md", "ARCHITECTURE.md") if (repo / name).exists()]
     if (repo / "benchmarks").is_dir():
         pages += sorted((repo / "benchmarks").rglob("README.md"))
+    if (repo / "benchmarks" / "results").is_dir():
+        pages += rendered_files(repo / "benchmarks" / "results")
     pages += sorted(
         p for p in (repo / "docs").rglob("*.md") if "hooks" not in p.relative_to(repo / "docs").parts
     )
@@ -204,7 +248,7 @@ def doc_pages(repo: Path) -> list[Path]:
 @dataclass
 class Outcome:
     block: Block
-    status: str  # "ran", "written", "not run" (marked), "data", "failed"
+    status: str  # "ran", "written", "not run" (marked), "data", "matched" (expected output), "failed"
     output: str = ""
     seconds: float = 0.0
 
@@ -213,16 +257,29 @@ class Outcome:
 class PageRun:
     page: str
     outcomes: list[Outcome] = field(default_factory=list)
+    # What the blocks left outside the ignored folders of the copy (page_tree.stray_writes), once all ran.
+    stray: list[str] = field(default_factory=list)
 
     @property
     def failure(self) -> Outcome | None:
         return next((o for o in self.outcomes if o.status == "failed"), None)
 
+    @property
+    def ok(self) -> bool:
+        """Every block ran, every expected output matched, and nothing was written outside ignored folders."""
+        return self.failure is None and not self.stray
+
     def report(self, tail_lines: int = 40) -> str:
         failed = self.failure
         if failed is None:
-            return f"{self.page}: every block ran"
+            return stray_report(self.page, self.stray) if self.stray else f"{self.page}: every block ran"
         output = "\n".join(failed.output.rstrip().splitlines()[-tail_lines:])
+        if failed.block.expects:
+            return (
+                f"{failed.block.where}: the expected output does not match what the block before it printed: "
+                f"{failed.output.splitlines()[0]}\n{failed.block.code}\n--- the block's output (last {tail_lines} "
+                f"lines) ---\n" + "\n".join(failed.output.rstrip().splitlines()[1:][-tail_lines:])
+            )
         return (
             f"{failed.block.where}: this ```{failed.block.lang} block failed (mark it <!-- not-run: the reason --> "
             f"if it cannot run in the suite):\n{failed.block.code}\n--- its output (last {tail_lines} lines) ---\n"
@@ -230,11 +287,10 @@ class PageRun:
         )
 
 
-def prepare_folder(folder: Path, repo: Path) -> None:
-    """A page's folder as the root of a clone looks to a reader: copies of :data:`COPIED_FOLDERS`."""
-    for name in COPIED_FOLDERS:
-        if (repo / name).is_dir():
-            shutil.copytree(repo / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+def prepare_folder(folder: Path, repo: Path) -> dict[str, tuple[int, int]]:
+    """A page's folder as the root of a clone looks to a reader: a copy of the repository's files
+    (tests/docs/page_tree.py); returns what :func:`page_tree.stray_writes` compares the folder with afterwards."""
+    return copy_repository(repo, folder)
 
 
 def block_env(repo: Path, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -263,7 +319,7 @@ def run_page(
     blocks, problems = parse(page.read_text(encoding="utf-8"), name)
     if problems:
         raise ValueError("\n".join(problems))
-    prepare_folder(folder, repo)
+    copied = prepare_folder(folder, repo)
     run = PageRun(name)
     env = block_env(repo, env)
     named = [
@@ -272,7 +328,7 @@ def run_page(
         if any(block.runs and block.lang in BASH and command.named_in(block.code) for block in blocks)
     ]
     if named and os.environ.get("DOCS_WARM", "1") != "0":
-        env = _warm_set(tuple(named), env).page_env
+        env = warm_set(tuple(named), env).page_env
     with (
         tempfile.TemporaryDirectory(prefix="docs-state-") as state,
         _PythonSession(folder, env, Path(state)) as py,
@@ -289,6 +345,14 @@ def run_page(
             if block.marker is not None:
                 run.outcomes.append(Outcome(block, "not run"))
                 continue
+            if block.expects:  # parse() made sure the outcome before it is of a block that ran
+                mismatch = match_output(block.code, run.outcomes[-1].output, any_order=block.any_order)
+                if mismatch is None:
+                    run.outcomes.append(Outcome(block, "matched"))
+                    continue
+                output = mismatch.describe() + "\n" + run.outcomes[-1].output
+                run.outcomes.append(Outcome(block, "failed", output))
+                break
             if not block.runs:
                 run.outcomes.append(Outcome(block, "data"))
                 continue
@@ -296,13 +360,9 @@ def run_page(
             run.outcomes.append(Outcome(block, "ran" if ok else "failed", output, time.monotonic() - started))
             if not ok:
                 break
+    if run.failure is None:
+        run.stray = stray_writes(folder, copied)
     return run
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 class _Shell:
@@ -336,7 +396,7 @@ class _Shell:
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             return False, f"timed out after {timeout:g} s"
         if proc.returncode == 0:
             for path in (exports, cwd):
@@ -359,7 +419,7 @@ class _PythonSession:
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:
-            _kill_group(self.proc)
+            kill_group(self.proc)
 
     def run(self, block: Block, timeout: float) -> tuple[bool, str]:
         if self.proc is None:
@@ -383,7 +443,7 @@ class _PythonSession:
             ready = selector.select(timeout)
         output = log.read_text(errors="replace") if log.exists() else ""
         if not ready:
-            _kill_group(self.proc)
+            kill_group(self.proc)
             self.proc = None
             return False, output + f"\ntimed out after {timeout:g} s"
         line = self.proc.stdout.readline()
@@ -392,169 +452,3 @@ class _PythonSession:
             return False, output + "\nthe Python session ended:\n" + errors
         reply = json.loads(line)
         return bool(reply["ok"]), output + reply["error"]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Warm commands (tests/docs/warm_server.py)
-# ---------------------------------------------------------------------------------------------------------------
-
-# The signals a shim passes on to its command (SIGKILL and SIGSTOP cannot be caught: a killed shim kills its
-# command through the server instead).
-_FORWARDED = ("SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGALRM")
-# What a shell or the harness changes between commands (warm_server.UNCHECKED): not part of a server's key.
-_UNCHECKED = frozenset({"PWD", "OLDPWD", "SHLVL", "_", "PYTEST_CURRENT_TEST"})
-
-
-@dataclass(frozen=True)
-class WarmCommand:
-    """A console script the pages' bash blocks run forked from a server that imported ``preload`` once (for the
-    subcommands of ``by_subcommand``, their modules instead, unless the arguments hold one of ``plain_flags``,
-    e.g. ``--help``). List only modules the command imports anyway on a cold start: then the command runs as it
-    would cold, its imports done beforehand (tests/docs/warm_server.py says what is kept). ``script`` defaults
-    to the virtual environment's script of that name. ``DOCS_WARM=0`` runs everything cold."""
-
-    name: str
-    preload: tuple[str, ...]
-    by_subcommand: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    plain_flags: frozenset[str] = frozenset()
-    script: Path | None = None
-
-    @property
-    def path(self) -> Path:
-        return self.script if self.script is not None else Path(sys.executable).parent / self.name
-
-    def named_in(self, code: str) -> bool:
-        return re.search(rf"(?<![\w./-]){re.escape(self.name)}(?![\w.-])", code) is not None
-
-    def tiers(self) -> dict[str, tuple[str, ...]]:
-        """Subcommand -> modules to preload, ``""`` for every other call."""
-        return {"": self.preload, **dict(self.by_subcommand)}
-
-
-_SHIM = """#!{python} -IS
-# The stand-in for {script} in the documentation's blocks (tests/docs/warm_server.py): runs it forked from a
-# warm server, passes on every signal, ends as the command ended; runs it cold where no server answers.
-import json, os, signal, socket, sys
-
-SCRIPT = {script!r}
-SOCKETS = {sockets!r}
-PLAIN = {plain!r}
-pid, pending = None, []
-
-
-def forward(sig, frame):
-    if pid is None:
-        pending.append(sig)
-        return
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-for name in {forwarded!r}:
-    signal.signal(getattr(signal, name), forward)
-args = sys.argv[1:]
-tier = args[0] if args and args[0] in SOCKETS and not PLAIN & set(args) else ""
-first = []
-try:
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(SOCKETS[tier])
-    request = {{"argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ)}}
-    socket.send_fds(conn, [json.dumps(request).encode() + b"\\n"], [0, 1, 2])
-    answers = conn.makefile("rb")
-    first = answers.readline().split()
-except OSError:
-    pass
-if first[:1] != [b"pid"]:
-    for sig in pending:
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-    os.execv(SCRIPT, [SCRIPT, *args])
-pid = int(first[1])
-for sig in pending:
-    forward(sig, None)
-last = answers.readline().split()
-if not last:
-    sys.exit(f"{{os.path.basename(SCRIPT)}}: its warm server went away before it ended")
-if last[0] == b"signal":
-    number = int(last[1])
-    signal.signal(number, signal.SIG_DFL)
-    os.kill(os.getpid(), number)
-    sys.exit(128 + number)
-sys.exit(int(last[1]))
-"""
-
-
-@dataclass
-class _WarmSet:
-    """The servers and shims of some warm commands under one environment: started once per test process (the
-    imports are what they save), stopped when it exits."""
-
-    page_env: dict[str, str]
-    servers: list[subprocess.Popen[bytes]]
-
-
-_WARM_SETS: dict[object, _WarmSet] = {}
-_WARM_ROOT: list[Path] = []
-
-
-def _warm_root() -> Path:
-    if not _WARM_ROOT:
-        _WARM_ROOT.append(Path(tempfile.mkdtemp(prefix="docs-warm-")))
-        atexit.register(_stop_warm)
-    return _WARM_ROOT[0]
-
-
-def _stop_warm() -> None:
-    for warm in _WARM_SETS.values():
-        for server in warm.servers:
-            _kill_group(server)
-    _WARM_SETS.clear()
-    for root in _WARM_ROOT:
-        shutil.rmtree(root, ignore_errors=True)
-    _WARM_ROOT.clear()
-
-
-def _warm_set(commands: tuple[WarmCommand, ...], env: Mapping[str, str]) -> _WarmSet:
-    key = (commands, frozenset((k, v) for k, v in env.items() if k not in _UNCHECKED))
-    if key in _WARM_SETS:
-        return _WARM_SETS[key]
-    folder = Path(tempfile.mkdtemp(prefix="set-", dir=_warm_root()))
-    page_env = {**env, "PATH": os.pathsep.join([str(folder / "bin"), env.get("PATH", "")])}
-    (folder / "bin").mkdir()
-    servers: dict[str, subprocess.Popen[bytes]] = {}
-    for c, command in enumerate(commands):
-        sockets = {}
-        for t, (tier, modules) in enumerate(command.tiers().items()):
-            address = sockets[tier] = str(folder / f"{c}-{t}.sock")
-            with (folder / f"{c}-{t}.log").open("wb") as log:
-                servers[address] = subprocess.Popen(
-                    [sys.executable, str(WARM_SERVER), address, str(command.path), *modules],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    cwd=folder,
-                    env=page_env,
-                    start_new_session=True,
-                )
-        shim = folder / "bin" / command.name
-        shim.write_text(
-            _SHIM.format(
-                python=sys.executable,
-                script=str(command.path),
-                sockets=sockets,
-                plain=set(command.plain_flags),
-                forwarded=_FORWARDED,
-            )
-        )
-        shim.chmod(0o755)
-    # Each server listens before its imports, so a shim that connects waits for them rather than running cold
-    # (a server that cannot start leaves its commands cold: slower, as correct).
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if all(Path(address).exists() or server.poll() is not None for address, server in servers.items()):
-            break
-        time.sleep(0.02)
-    _WARM_SETS[key] = _WarmSet(page_env, list(servers.values()))
-    return _WARM_SETS[key]

@@ -1,5 +1,6 @@
-"""Every tutorial's blocks run, in page order, in a fresh folder (docs/code-blocks.md); the other pages are in
-tests/docs/test_code_blocks.py. A file of its own so that the suite's workers (one file each) share the runs."""
+"""Every tutorial's blocks run, in page order, in a fresh copy of the repository (docs/code-blocks.md); the
+other pages are in tests/docs/test_code_blocks.py. A file of its own so that the suite's workers (one file
+each) share the runs."""
 
 from __future__ import annotations
 
@@ -29,4 +30,4 @@ def test_the_tutorials_that_launch_several_processes_are_marked_distributed() ->
 @pytest.mark.parametrize("page", page_params(TUTORIALS))
 def test_tutorial_runs(page: Path, tmp_path: Path) -> None:
     result = run_page(page, REPO, tmp_path, env=cpu_env(), warm=WARM)
-    assert result.failure is None, result.report()
+    assert result.ok, result.report()

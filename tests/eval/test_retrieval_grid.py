@@ -29,8 +29,8 @@ from ddp_rank.eval.retrieval_grid import (
     thumbnail,
 )
 from ddp_rank.eval.retrieval_record import (
-    GRID_FILE,
     RECORD_FILE,
+    eval_picture_file,
     read_records,
     sample_query_rows,
 )
@@ -41,6 +41,8 @@ from ddp_rank.runtime.settings import model_settings
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
 LAYOUT = GridLayout()
+GRID_FILE = eval_picture_file("eval.json", "raw pixels")
+"""The picture `ddp-rank eval --baseline raw-pixels --output OUT/eval.json` draws beside its results."""
 K = 5
 """Neighbours per query in the evaluations: more than the 3 other images of a test class, so both colours show."""
 
@@ -171,7 +173,7 @@ def test_same_seed_same_bytes_other_seed_other_queries(shards: Path, tmp_path: P
 
 def test_no_picture_when_asked_for_none(shards: Path, tmp_path: Path) -> None:
     out = evaluate(shards, tmp_path / "a", "eval.grid_queries=0")
-    assert not (out / GRID_FILE).exists() and not (out / RECORD_FILE).exists()
+    assert not list(out.glob("*retrieval*.png")) and not (out / RECORD_FILE).exists()
     assert "raw pixels" in json.loads((out / "eval.json").read_text())
 
 
@@ -186,7 +188,7 @@ def test_feature_shards_draw_no_picture_and_say_so_once(
     out = tmp_path / "eval"
     with caplog.at_level("INFO", logger="ddp_rank.eval.retrieval_record"):
         assert main(["eval", *head, "--baseline", "raw-pixels", "--output", str(out / "eval.json")]) == 0
-        assert not (out / GRID_FILE).exists() and not (out / RECORD_FILE).exists()
+        assert not list(out.glob("*retrieval*.png")) and not (out / RECORD_FILE).exists()
         # A run's evaluations share one RetrievalPicture: the second says nothing more.
         picture = RetrievalPicture(evaluation_settings(load_config(None, head)), is_main=True)
         data = EmbeddedSet(torch.randn(4, 8), torch.tensor([0, 0, 1, 1]), torch.zeros(4, dtype=torch.long))

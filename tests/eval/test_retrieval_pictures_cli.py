@@ -12,7 +12,8 @@ from PIL import Image
 
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
-from ddp_rank.eval.retrieval_grid import GREEN, GREY, QUERY_BLUE, RED, GridLayout
+from ddp_rank.eval.retrieval_captions import RECORD_LEGEND
+from ddp_rank.eval.retrieval_grid import GREEN, GREY, QUERY_BLUE, RED, GridLayout, legend_rows
 from ddp_rank.eval.retrieval_record import RECORD_FILE, last_record, read_records
 from ddp_rank.train.trainer import run_training
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
@@ -51,6 +52,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_each_evaluation_of_a_run_adds_its_record(runs: dict[str, Path]) -> None:
     saved = read_records(runs["a"] / RECORD_FILE)
     assert list(saved) == ["step 2"] and len(saved["step 2"].queries) == 4
+    # The training run's record names each sample by its class folder and the file it was built from.
+    for q in saved["step 2"].queries:
+        assert all(Path(row.source).parent.name == row.name for row in (q, *q.neighbours))
     assert (runs["a"] / "retrieval.png").is_file()
 
 
@@ -69,7 +73,8 @@ def test_compare_sets_two_runs_side_by_side_for_the_same_queries(
     # The same queries: drawn with eval.grid_seed, not train.seed.
     assert [q.key for q in records[0].queries] == [q.key for q in records[1].queries]
     picture = Image.open(out).convert("RGB")
-    assert picture.size == LAYOUT.size(rows=4, blocks=2, k=K)
+    legend = legend_rows(RECORD_LEGEND, picture.width, LAYOUT)
+    assert picture.size == LAYOUT.size(rows=4, blocks=2, k=K, legend_rows=len(legend))
     for block, record in enumerate(records):
         for row, q in enumerate(record.queries):
             assert frame_pixel(picture, row, 0, 0, K) == QUERY_BLUE
@@ -100,6 +105,9 @@ def test_search_grid_frames_each_hit_by_the_class_of_the_top_1(
     printed = capsys.readouterr().out
     labels = [[int(x) for x in re.findall(r"label (\d+)", block)] for block in printed.split("\n/")]
     assert [len(row) for row in labels] == [K] * 3 and f"grid: {grid}" in printed
+    # Each hit by its class folder's name, then the file it was built from.
+    names = re.findall(r"  (cls\d+_\d+) \(label \d+\)  \S+  (\S+)\n", printed)
+    assert len(names) == 3 * K and all(Path(source).parent.name == name for name, source in names)
     picture = Image.open(grid).convert("RGB")
     both = set()
     for row, hits in enumerate(labels):
@@ -124,7 +132,11 @@ def test_search_grid_of_an_image_folder_export_frames_every_hit_grey(
     assert main(["index", str(export), "--output", str(index)]) == 0
     query = sorted(runs["images"].rglob("*.png"))[0]
     grid = tmp_path / "grid.png"
+    capsys.readouterr()
     assert main(["search", str(index), str(query), "-k", "3", "--grid", str(grid)]) == 0
+    for line in capsys.readouterr().out.splitlines()[1:4]:  # no class: the key, then the file in the folder
+        _, _, key, source = line.split()
+        assert source == str(runs["images"] / key)
     picture = Image.open(grid).convert("RGB")
     for column in (1, 2, 3):
         assert frame_pixel(picture, 0, 0, column, 3) == GREY

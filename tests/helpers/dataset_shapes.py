@@ -134,7 +134,28 @@ def words() -> Manifest:
     return _manifest("words", category_of, np.full(20_802, 8), [f"category-{i:03d}" for i in range(125)])
 
 
-SHAPES = {"sop": sop, "inshop": inshop, "vehicleid": vehicleid, "inat": inat, "demo": emoji, "words": words}
+def cub() -> Manifest:
+    """CUB-200-2011's train half (Oh Song et al. 2016): classes 1-100, 5,864 images, no categories."""
+    sizes = _fit(np.random.default_rng(0).integers(41, 61, size=100), 5_864, 41, 60)
+    return _manifest("cub", [None] * 100, sizes, [])
+
+
+def cars() -> Manifest:
+    """Cars196's train half (Oh Song et al. 2016): classes 1-98, 8,054 images, no categories."""
+    sizes = _fit(np.random.default_rng(0).integers(40, 125, size=98), 8_054, 24, 140)
+    return _manifest("cars", [None] * 98, sizes, [])
+
+
+SHAPES = {
+    "sop": sop,
+    "inshop": inshop,
+    "vehicleid": vehicleid,
+    "inat": inat,
+    "demo": emoji,
+    "words": words,
+    "cub": cub,
+    "cars": cars,
+}
 
 
 def write(shape: str, directory: Path) -> Path:

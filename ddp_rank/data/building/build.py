@@ -23,15 +23,18 @@ from tqdm import tqdm
 
 from ddp_rank.data.building.build_dir import check_out_dir, remove_stale
 from ddp_rank.data.building.listing import (
+    TEST_CLASSES,
     ListingError,
     OnBad,
     Record,
     Report,
+    TestClasses,
     assign_splits,
     carve_validation,
     check_records,
     natural_key,
 )
+from ddp_rank.data.format.class_leaks import RECORD_FIX, ClassLeakError, check_reason, class_leak
 from ddp_rank.data.format.manifest import ClassInfo, Manifest, ShardInfo, SplitInfo, split_name_problem
 from ddp_rank.data.format.tar_writer import shard_writer
 from ddp_rank.data.reading.decode import DEFAULT_MAX_IMAGE_PIXELS, check_image_file, open_image_header
@@ -51,6 +54,9 @@ class BuildOptions:
     """Most image bytes per shard (same exception)."""
     test_fraction: float = 0.0
     """Fraction of each category's classes held out as the test split, for records without a split."""
+    test_classes: TestClasses = "random"
+    """Which classes ``test_fraction`` holds out: ``random`` (drawn with ``split_seed``) or ``last`` (the last
+    ones in name order, numbers as numbers: the CUB / Cars196 protocol); see ``listing.assign_splits``."""
     split_seed: int = 0
     val_fraction: float = 0.0
     """Fraction of each category's training classes carved out as the ``val`` split (``carve_validation``),
@@ -67,17 +73,28 @@ class BuildOptions:
     workers: int = 1
     overwrite: bool = False
     progress: bool = True
+    shared_classes: str | None = None
+    """Why the splits may share classes (``--shared-classes``), recorded as the manifest's ``shared_classes``;
+    None: a class of the ``train`` split in another split is refused (``class_leaks``)."""
 
     def __post_init__(self) -> None:
+        check_reason(self.shared_classes)
         if self.max_samples < 1 or self.max_bytes < 1:
             raise ValueError("max_samples and max_bytes must be positive")
         if self.image_format is not None and self.image_format not in _EXT_TO_PIL:
             raise ValueError(f"image_format must be one of {sorted(_EXT_TO_PIL)}, got {self.image_format!r}")
+        if self.test_classes not in TEST_CLASSES:
+            raise ValueError(f"test_classes must be one of {list(TEST_CLASSES)}, got {self.test_classes!r}")
+        if self.test_classes == "last" and self.test_fraction == 0.0:
+            raise ValueError(
+                "--test-classes last holds out the last classes of --test-fraction, which is 0: pass e.g. "
+                "--test-fraction 0.5 (the first half of the classes train, the second half test)"
+            )
 
 
-_NOT_RECORDED = ("workers", "progress", "overwrite", "max_image_pixels")
+_NOT_RECORDED = ("workers", "progress", "overwrite", "max_image_pixels", "shared_classes")
 """Options left out of the manifest's ``build`` record: how the build ran, not what it makes (the pixel limit
-only refuses images, each named in the report)."""
+only refuses images, each named in the report); ``shared_classes`` has a field of the manifest's own."""
 
 
 @dataclass(frozen=True)
@@ -102,21 +119,28 @@ class BuildResult:
 
 
 def build_shards(
-    records: Sequence[Record], out_dir: str | os.PathLike[str], options: BuildOptions
+    records: Sequence[Record],
+    out_dir: str | os.PathLike[str],
+    options: BuildOptions,
+    report: Report | None = None,
 ) -> BuildResult:
-    """Build the shard directory ``out_dir`` from ``records``; raises ``ListingError`` on bad input (see on_bad)."""
-    report = Report()
+    """Build the shard directory ``out_dir`` from ``records``; raises ``ListingError`` on bad input (see on_bad).
+
+    What is skipped goes to ``report`` (a new one if None): a caller's report still holds it when the build
+    then fails, so the command can show why nothing was left."""
+    report = report if report is not None else Report()
     out = Path(out_dir)
     for split in sorted({r.split for r in records if r.split}):  # it names the folder its shards go to
         if problem := split_name_problem(split):
             raise ListingError(f"{problem}; rename it in the listing's split column")
     stale = check_out_dir(out, records, options.overwrite)
-    recs = assign_splits(records, options.test_fraction, options.split_seed)  # every record gets a split
+    recs = assign_splits(records, options.test_fraction, options.split_seed, options.test_classes)
     recs = carve_validation(recs, options.val_fraction, options.split_seed)
+    _refuse_shared_classes(recs, options)  # before the images are read: a leak is the listing's, not theirs
     recs = _drop_unreadable(recs, options, report)
     recs = check_records(recs, options.min_class_size, options.on_bad, report)
     if not recs:
-        raise ListingError("nothing left to write after the checks above")
+        raise ListingError("nothing left to write: --on-bad skip left out every image (the causes above)")
     categories, classes, ids = _number(recs)
     plans = _plan(recs, categories, classes, ids, options)
     remove_stale(out, stale)  # only now: bad input leaves an earlier build as it was
@@ -124,6 +148,26 @@ def build_shards(
     manifest = _manifest(recs, categories, classes, ids, written, options, out)
     manifest.save(out)
     return BuildResult(manifest=manifest, report=report)
+
+
+_SPLIT_BY_CLASS = (
+    "split by class: --test-fraction F holds out whole classes of the records without a split (drawn, or the "
+    "last ones with --test-classes last), and a listing's split column must give each class one split; or, "
+    f"{RECORD_FIX}"
+)
+
+
+def _refuse_shared_classes(recs: Sequence[Record], options: BuildOptions) -> None:
+    """A class (``class_key``) of the train split in another, unless ``options.shared_classes`` says why:
+    ``ClassLeakError``."""
+    if options.shared_classes:
+        return
+    members: dict[str, set[tuple[str | None, str]]] = defaultdict(set)
+    for r in recs:
+        members[r.split or "train"].add(class_key(r))
+    problem = class_leak(members, lambda key: key[1] if key[0] is None else f"{key[0]}/{key[1]}")
+    if problem is not None:
+        raise ClassLeakError("the listing", problem, _SPLIT_BY_CLASS)
 
 
 def check_image(path: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> str | None:
@@ -148,7 +192,10 @@ def _drop_unreadable(recs: list[Record], options: BuildOptions, report: Report) 
         raise ListingError(
             f"{len(bad)} unreadable image(s):\n  {shown}\nfix or remove them, or pass --on-bad skip to leave them out"
         )
-    report.skipped.extend(bad)
+    for path, why in zip(paths, reasons):
+        if why is not None:  # grouped by the reason, without the file it may name
+            cause = f"unreadable image ({why.replace(repr(path), 'the file')})"
+            report.skip(cause, [path], [f"unreadable image {path}: {why}"])
     return kept
 
 
@@ -339,5 +386,10 @@ def _manifest(
         splits[split] = SplitInfo(name=split, class_counts=dict(counts), shards=shards)
     build = {k: v for k, v in asdict(options).items() if k not in _NOT_RECORDED}
     return Manifest(
-        categories=tuple(categories), classes=tuple(classes), splits=splits, build=build, root=str(out)
+        categories=tuple(categories),
+        classes=tuple(classes),
+        splits=splits,
+        build=build,
+        root=str(out),
+        shared_classes=check_reason(options.shared_classes),
     )

@@ -11,18 +11,20 @@ from __future__ import annotations
 import csv
 import os
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
+from ddp_rank.data.building.listing_columns import KNOWN_COLUMNS, resolve_columns
 from ddp_rank.data.format.manifest_parts import natural_key  # the sort of ids (kept importable here)
 
 OnBad = Literal["error", "skip"]
-KNOWN_COLUMNS: tuple[str, ...] = ("path", "class", "category", "split", "subset")
-REQUIRED_COLUMNS: tuple[str, ...] = ("path", "class")
+TestClasses = Literal["random", "last"]
+TEST_CLASSES: tuple[str, ...] = ("random", "last")
+"""How ``assign_splits`` picks each category's test classes: a seeded draw, or the last ones in name order."""
 FOLDER_IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 
 
@@ -43,24 +45,58 @@ class ListingError(ValueError):
 
 @dataclass
 class Report:
-    """What was skipped (``on_bad="skip"``) or noticed, for the CLI to print."""
+    """What was skipped (``on_bad="skip"``) or noticed, for the CLI to print.
+
+    ``skipped`` holds every skipped item in full, one line each; ``causes`` groups the skipped items by why
+    they were left out (``skip``), so that a thousand unreadable files read as one cause and a count
+    (``summary``).
+    """
 
     skipped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    causes: dict[str, list[str]] = field(default_factory=dict)
+    _grouped: Counter[str] = field(default_factory=Counter, repr=False)
+
+    def skip(self, cause: str, items: Sequence[str], lines: Sequence[str] | None = None) -> None:
+        """Record ``items`` as skipped for ``cause`` (a phrase naming the problem once); ``lines`` are their
+        full lines in ``skipped`` (default: the items themselves)."""
+        lines = items if lines is None else lines
+        if items:
+            self.skipped.extend(lines)
+            self.causes.setdefault(cause, []).extend(items)
+            self._grouped.update(lines)
 
     def extend(self, other: Report) -> None:
         self.skipped.extend(other.skipped)
         self.notes.extend(other.notes)
+        for cause, items in other.causes.items():
+            self.causes.setdefault(cause, []).extend(items)
+        self._grouped.update(other._grouped)
+
+    def summary(self, examples: int = 2) -> list[str]:
+        """One line per cause: the count, the cause once and the first ``examples`` items; then the lines
+        added to ``skipped`` without a cause, one by one."""
+        out = []
+        for cause, items in self.causes.items():
+            shown = ", ".join(items[:examples]) + (", ..." if len(items) > examples else "")
+            out.append(f"{len(items)} x {cause}: {shown}")
+        grouped = Counter(self._grouped)
+        for line in self.skipped:
+            if grouped[line] > 0:
+                grouped[line] -= 1
+            else:
+                out.append(line)
+        return out
 
 
-def _fail_or_skip(on_bad: OnBad, report: Report, problems: Sequence[str], fix: str) -> None:
+def _fail_or_skip(on_bad: OnBad, report: Report, problems: Sequence[str], fix: str, cause: str) -> None:
     if not problems:
         return
     if on_bad == "error":
         shown = "\n  ".join(problems[:10])
         more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
         raise ListingError(f"{len(problems)} problem(s) in the listing:\n  {shown}{more}\n{fix}")
-    report.skipped.extend(problems)
+    report.skip(cause, problems)
 
 
 def read_image_folder(root: str | os.PathLike[str], report: Report | None = None) -> list[Record]:
@@ -104,10 +140,23 @@ def read_image_folder(root: str | os.PathLike[str], report: Report | None = None
     return records
 
 
+RELATIVE_PATH_RULE = "relative paths in a listing are taken from the listing's own folder"
+"""The rule ``read_csv_listing`` follows, stated where a user meets it (``shards build --help``, the docs)."""
+
+
 def read_csv_listing(
-    path: str | os.PathLike[str], on_bad: OnBad = "error", report: Report | None = None
+    path: str | os.PathLike[str],
+    on_bad: OnBad = "error",
+    report: Report | None = None,
+    columns: Mapping[str, str] | None = None,
 ) -> list[Record]:
-    """Read a CSV (``,``) or TSV (``.tsv``: tab) listing with a header; relative paths are taken from its folder."""
+    """Read a CSV (``,``) or TSV (``.tsv``: tab) listing with a header; relative paths are taken from its folder.
+
+    ``columns`` maps a required column to the header's name for it (``{"class": "label"}`` reads the class
+    from a ``label`` column), for listings exported by other tools. A listing none of whose relative paths
+    exists (one moved away from its images) is refused with one line that states the rule, instead of one
+    unreadable image per row.
+    """
     report = report if report is not None else Report()
     src = Path(path)
     delimiter = "\t" if src.suffix.lower() == ".tsv" else ","
@@ -115,34 +164,51 @@ def read_csv_listing(
     with src.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f, delimiter=delimiter)
         header = [h.strip() for h in (reader.fieldnames or [])]
-        missing = [c for c in REQUIRED_COLUMNS if c not in header]
-        if missing:
-            raise ListingError(
-                f"{src}: missing column(s) {missing}; the header must name {list(KNOWN_COLUMNS)}"
-            )
-        unknown = [c for c in header if c not in KNOWN_COLUMNS]
+        named, problems = resolve_columns(header, columns or {})
+        if problems:
+            raise ListingError(f"{src}: {'; '.join(problems)}")
+        unknown = [c for c in header if c not in named.values()]
         _fail_or_skip(
             on_bad,
             report,
             [f"{src}: unknown column {c!r}" for c in unknown],
             f"known columns: {', '.join(KNOWN_COLUMNS)}; rename the column or pass --on-bad skip to ignore it",
+            "unknown column, ignored",
         )
-        records = []
+        records, relative = [], []
         for row in reader:
             row = {k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
-            p = Path(row["path"])
+            p = Path(row[named["path"]])
             if not p.is_absolute():
+                relative.append(row[named["path"]])
                 p = src.parent / p
             records.append(
                 Record(
                     path=str(p),
-                    cls=row["class"],
-                    category=row.get("category") or None,
-                    split=row.get("split") or None,
-                    subset=row.get("subset") or None,
+                    cls=row[named["class"]],
+                    category=row.get(named.get("category", "")) or None,
+                    split=row.get(named.get("split", "")) or None,
+                    subset=row.get(named.get("subset", "")) or None,
                 )
             )
+    _check_moved(src, relative)
     return records
+
+
+def _check_moved(src: Path, relative: Sequence[str]) -> None:
+    """Refuse a listing whose relative paths all miss: it was moved (or written from another folder)."""
+    if not relative or any((src.parent / r).exists() for r in relative):
+        return
+    from_here = (
+        " (they exist relative to the current folder instead)"
+        if any(Path(r).exists() for r in relative[:100])
+        else ""
+    )
+    raise ListingError(
+        f"{src}: none of its {len(relative)} relative image path(s) exists: {RELATIVE_PATH_RULE}, "
+        f"{src.parent.resolve()} (e.g. {relative[0]!r} -> {src.parent.resolve() / relative[0]}){from_here}; "
+        "put the listing back beside the folder its paths start from, or write absolute paths"
+    )
 
 
 def write_csv_listing(records: Iterable[Record], path: str | os.PathLike[str]) -> int:
@@ -182,7 +248,13 @@ def check_records(
             continue
         seen[key] = i
         unique.append(r)
-    _fail_or_skip(on_bad, report, dupes, "remove the repeated rows, or pass --on-bad skip to keep the first")
+    _fail_or_skip(
+        on_bad,
+        report,
+        dupes,
+        "remove the repeated rows, or pass --on-bad skip to keep the first",
+        "duplicate path, first row kept",
+    )
 
     sizes = Counter((r.split, r.category, r.cls) for r in unique)
     small = sorted((k for k, n in sizes.items() if n < min_class_size), key=lambda k: tuple(map(str, k)))
@@ -196,6 +268,7 @@ def check_records(
         ],
         f"every class needs at least {min_class_size} images to have a positive pair; pass --on-bad skip to drop "
         "such classes or --min-class-size 1 to keep them",
+        f"class with fewer than {min_class_size} images in a split (--min-class-size), dropped",
     )
     small_set = set(small)
     return [r for r in unique if (r.split, r.category, r.cls) not in small_set]
@@ -244,28 +317,38 @@ def carve_validation(
     ]
 
 
-def assign_splits(records: Sequence[Record], test_fraction: float, seed: int) -> list[Record]:
-    """Split by class: within each category, ``round(test_fraction * n_classes)`` seeded classes go to test.
+def assign_splits(
+    records: Sequence[Record], test_fraction: float, seed: int, test_classes: TestClasses = "random"
+) -> list[Record]:
+    """Split by class: within each category, ``round(test_fraction * n_classes)`` classes go to test.
 
-    Stratifying by category keeps every category in both splits, so the held-out classes look like the train ones
-    (the SOP protocol: train classes vs disjoint test classes). Records that already have a split keep it.
+    ``test_classes`` says which: ``"random"`` draws them with ``seed``; ``"last"`` takes the last ones in name
+    order (numbers compared as numbers, the order of the manifest's class ids), so the first classes train: the
+    CUB-200-2011 and Cars196 protocol (first half of the classes for training, second half for test), for any
+    folder or listing whose class names carry that order. Stratifying by category keeps every category in both
+    splits, so the held-out classes look like the train ones (the SOP protocol: train classes vs disjoint test
+    classes). Records that already have a split keep it.
     """
     if not 0.0 <= test_fraction < 1.0:
         raise ListingError(f"test fraction must be in [0, 1), got {test_fraction}")
+    if test_classes not in TEST_CLASSES:
+        raise ListingError(f"test classes must be one of {list(TEST_CLASSES)}, got {test_classes!r}")
     by_category: dict[str | None, set[str]] = defaultdict(set)
     for r in records:
         if r.split is None:
             by_category[r.category].add(r.cls)
-    test_classes: set[tuple[str | None, str]] = set()
+    held_out: set[tuple[str | None, str]] = set()
     rng = np.random.default_rng(seed)
     for category in sorted(by_category, key=lambda c: (c is None, c or "")):
         names = sorted(by_category[category], key=natural_key)
         n_test = round(test_fraction * len(names))
-        chosen = rng.permutation(len(names))[:n_test]
-        test_classes.update((category, names[i]) for i in chosen)
+        chosen: Iterable[int] = (
+            range(len(names) - n_test, len(names))
+            if test_classes == "last"
+            else rng.permutation(len(names))[:n_test].tolist()
+        )
+        held_out.update((category, names[i]) for i in chosen)
     return [
-        r
-        if r.split is not None
-        else replace(r, split="test" if (r.category, r.cls) in test_classes else "train")
+        r if r.split is not None else replace(r, split="test" if (r.category, r.cls) in held_out else "train")
         for r in records
     ]

@@ -35,7 +35,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +45,14 @@ from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.data.building.reshard_source import WORK, has_manifest, indexed_source, source_settings
 from ddp_rank.data.building.shard_index import IndexOptions
 from ddp_rank.data.building.verify import verify_shards
+from ddp_rank.data.format.class_leaks import RECORD_FIX, ClassLeakError, check_reason, manifest_leak
 from ddp_rank.data.format.manifest import (
     MANIFEST_NAME,
     ClassSpan,
     Manifest,
     ShardInfo,
     SplitInfo,
+    join_location,
     span_digest,
 )
 from ddp_rank.data.format.tar_scan import SpanSample
@@ -83,6 +85,9 @@ class ReshardOptions:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     """The pixel limit (width x height) of that decode (``--max-image-pixels``)."""
     progress: bool = True
+    shared_classes: str | None = None
+    """Why the splits may share classes (``--shared-classes``): recorded in the output's manifest (in place of
+    the source's); None keeps the source's, and a source whose splits share classes without one is refused."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,7 @@ def reshard(
                 f"{source} holds manifest.json, whose classes the reshard keeps: --split and the class and "
                 "category options are for shards without one; drop them"
             )
-        manifest = Manifest.load(source)
+        manifest = _checked_source(Manifest.load(source), source, options.shared_classes)
         settings["source_manifest"] = span_digest(
             json.dumps(manifest.to_json(), sort_keys=True).encode("utf-8")
         )
@@ -160,9 +165,12 @@ def reshard(
         root, found, recorded = source_settings(source, tuple(splits), index or IndexOptions())
         settings.update(recorded)
         done = _start(dst, settings)
-        manifest = indexed_source(
-            root, found, index or IndexOptions(), dst / STATE_DIR / WORK, options.progress
-        )
+        work = dst / STATE_DIR / WORK
+        shared = check_reason(options.shared_classes)
+        try:
+            manifest = indexed_source(root, found, index or IndexOptions(), work, options.progress, shared)
+        except ClassLeakError as exc:  # name the source, not the work folder it was decompressed into
+            raise ClassLeakError(f"the shards of {settings['source']}", exc.problem, exc.fix) from exc
     planned = plan_shards(manifest, options)
     store = ShardStore(manifest)
     wheres = {name: class_spans(manifest, name) for name in manifest.splits}
@@ -187,6 +195,18 @@ def reshard(
     result = _finish(manifest, dst, written, settings, options)
     shutil.rmtree(dst / STATE_DIR)
     return result
+
+
+def _checked_source(manifest: Manifest, source: str | os.PathLike[str], reason: str | None) -> Manifest:
+    """The source's manifest with ``reason`` recorded when given; refused (``ClassLeakError``) when its splits
+    share classes and neither it nor ``reason`` says why."""
+    if reason is not None:
+        manifest = replace(manifest, shared_classes=check_reason(reason))
+    problem = manifest_leak(manifest)
+    if problem is not None:
+        where = join_location(os.fspath(source), MANIFEST_NAME)
+        raise ClassLeakError(where, problem, f"rebuild the source with a class split; or, {RECORD_FIX}")
+    return manifest
 
 
 def _start(dst: Path, settings: dict[str, Any]) -> dict[str, ShardInfo]:
@@ -346,7 +366,14 @@ def _finish(
         for name, split in source.splits.items()
     }
     build = {"resharded_from": settings["source"], **settings["options"]}
-    manifest = Manifest(source.categories, source.classes, splits, build=build, root=str(dst))
+    manifest = Manifest(
+        source.categories,
+        source.classes,
+        splits,
+        build=build,
+        root=str(dst),
+        shared_classes=source.shared_classes,
+    )
     for name, split in splits.items():
         counts: dict[int, int] = {}
         for shard in split.shards:

@@ -71,16 +71,22 @@ def source_settings(
 
 
 def indexed_source(
-    root: str, found: dict[str, list[str]], index: IndexOptions, work: Path, progress: bool
+    root: str,
+    found: dict[str, list[str]],
+    index: IndexOptions,
+    work: Path,
+    progress: bool,
+    shared_classes: str | None = None,
 ) -> Manifest:
     """Index the shards ``found`` under ``root`` into ``work`` (decompressed there first when any is
-    compressed, see the module docstring); the manifest, loaded from ``work``."""
+    compressed, see the module docstring); the manifest, loaded from ``work``. ``shared_classes``: as
+    ``index_shards`` takes it (splits that share classes are refused without it)."""
     work.mkdir(parents=True, exist_ok=True)
     if any(_compression(root, rel) is not None for rels in found.values() for rel in rels):
         found = _decompressed(root, found, work, progress)
-        index_shards(work, found, index).manifest.save(work)
+        index_shards(work, found, index, shared_classes=shared_classes).manifest.save(work)
     else:
-        index_shards(root, found, index, out=work).manifest.save(work)
+        index_shards(root, found, index, out=work, shared_classes=shared_classes).manifest.save(work)
     return Manifest.load(work)
 
 

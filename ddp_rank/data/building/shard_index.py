@@ -47,6 +47,7 @@ from typing import Any
 
 from ddp_rank.data.building.listing import natural_key
 from ddp_rank.data.building.shard_sources import ShardIndexError, find_splits, source_splits, split_source
+from ddp_rank.data.format.class_leaks import RECORD_FIX, ClassLeakError, check_reason, manifest_leak
 from ddp_rank.data.format.compressed import CompressedShardError, sniff
 from ddp_rank.data.format.manifest import (
     FORMAT_NAME,
@@ -329,11 +330,15 @@ def index_shards(
     splits: Mapping[str, Sequence[str]],
     options: IndexOptions,
     out: str | os.PathLike[str] | None = None,
+    shared_classes: str | None = None,
 ) -> IndexReport:
     """Index the shards under ``directory`` (a local directory or a URL; split -> relative paths) into a
     manifest, returned and not saved. ``out`` is where the manifest will be saved (default: ``directory``);
     when that is not the shard directory, the manifest's ``shards_root`` points at the shards (see
-    ``_shards_root``), so the manifest can be kept anywhere (``Manifest.save``)."""
+    ``_shards_root``), so the manifest can be kept anywhere (``Manifest.save``). A class (as the samples name
+    it) of the ``train`` split found in another split is refused with ``ClassLeakError``, unless
+    ``shared_classes`` says why (then recorded in the manifest)."""
+    shared_classes = check_reason(shared_classes)
     root = os.fspath(directory).rstrip("/") or "/"
     walked: dict[str, list[tuple[str, list[_Run], int, str, list[str]]]] = {}
     skipped = 0
@@ -385,8 +390,19 @@ def index_shards(
         build={"indexed": True},
         root=None if is_url(saved_in) else saved_in,
         shards_root=_shards_root(root, out),
+        shared_classes=shared_classes,
     )
+    problem = manifest_leak(manifest)
+    if problem is not None:
+        raise ClassLeakError(f"the shards of {root}", problem, _RESPLIT)
     return IndexReport(manifest, skipped)
+
+
+_RESPLIT = (
+    "index splits whose shards hold classes of their own (--split NAME=PATTERN), and check that the class "
+    "option (--class-field, --class-from-key) names the class, not a label that restarts in each split; or, "
+    f"{RECORD_FIX}"
+)
 
 
 def _shards_root(root: str, out: str | os.PathLike[str] | None) -> str | None:

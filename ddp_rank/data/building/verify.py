@@ -3,7 +3,9 @@ vector of feature shards has its length and finite values).
 
 Checks, per shard: the file exists, its size and sha256 match, the tar reads to the end, every class's byte
 range has the manifest's digest and holds its samples (what the stream reads), and every image decodes. Problems
-are returned by shard name so the CLI can print them and exit non-zero; nothing is fixed silently.
+are returned by shard name so the CLI can print them and exit non-zero; nothing is fixed silently. One check is
+of the manifest alone: no class of the train split in another split unless it records why (``class_leaks``),
+named ``manifest.json``.
 
 The shards are read where the manifest says they are (``Manifest.location``: beside it, or its ``shards_root``).
 Shards made by other tools and indexed (``build.indexed``) take their classes from the manifest, so their samples
@@ -19,7 +21,15 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from ddp_rank.data.format.manifest import Manifest, ShardInfo, is_url, sha256_file, span_digest
+from ddp_rank.data.format.class_leaks import BUILT_FIX, leak_line, manifest_leak
+from ddp_rank.data.format.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    is_url,
+    sha256_file,
+    span_digest,
+)
 from ddp_rank.data.format.tar_scan import SpanError, SpanSample, parse_span, scan_shard
 from ddp_rank.data.reading.decode import DEFAULT_MAX_IMAGE_PIXELS, ImageDecodeError, decode_image
 from ddp_rank.features.records import decode_vector, feature_dim, feature_record
@@ -128,6 +138,9 @@ def verify_shards(
         results = [check(p, s) for p, s in zip(paths, shards)]
     problems = [p for r in results for p in r]
     problems += _whitening_problems(manifest, os.fspath(directory))
+    leak = manifest_leak(manifest)
+    if leak is not None:
+        problems.append(Problem(MANIFEST_NAME, leak_line("splits", leak, BUILT_FIX)))
     for split in manifest.splits.values():
         listed = sum(s.samples for s in split.shards)
         counted = sum(split.class_counts.values())

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.data.format.manifest_parts import is_url
 
 REQUEST_BOUND_BYTES = 1 << 20
 """Mean span size under which reads from a URL are bound by requests, not bandwidth (module docstring)."""
@@ -65,9 +66,19 @@ class Fragmentation:
         return f"bandwidth-bound (mean span >= {REQUEST_BOUND_BYTES / 2**20:g} MiB)"
 
     def advice(self, shards: str = "DIR") -> str | None:
-        """What to do when remote reads would be request-bound, or None when they would not."""
+        """What to do when reads of ``shards`` from a URL would be request-bound, or None when there is nothing to
+        do. A local folder gets no URL advice (a span there is a seek, not a round trip); only its classes cut into
+        several spans get the ``reshard`` hint, as each span is still a read of its own."""
         if not self.request_bound:
             return None
+        if not is_url(shards):
+            if self.spans <= self.classes:
+                return None
+            return (
+                f"classes lie in {self.spans_per_class:.1f} spans each on average, one read per span: "
+                f"`ddp-rank shards reshard {shards} OUT` makes every class one read (most useful before serving "
+                "the shards from a URL)"
+            )
         why = (
             f"read from a URL, split {self.split!r} would be request-bound (spans under "
             f"{REQUEST_BOUND_BYTES / 2**20:g} MiB cost more in round trips than in transfer)"

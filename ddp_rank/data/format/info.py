@@ -74,4 +74,10 @@ def format_info(directory: str | os.PathLike[str]) -> str:
         "  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
         for r in [header, *body]
     ]
-    return "\n".join([*lines, "", *fragmentation_lines(manifest, os.fspath(directory))])
+    shared = [] if manifest.shared_classes is None else [_shared_line(manifest.shared_classes)]
+    return "\n".join([*lines, "", *fragmentation_lines(manifest, os.fspath(directory)), *shared])
+
+
+def _shared_line(reason: str) -> str:
+    """The protocol a set records (``--shared-classes``): why its train classes may be in other splits."""
+    return f"shared classes: {reason} (recorded with --shared-classes: train classes may be in other splits)"

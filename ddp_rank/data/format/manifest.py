@@ -91,6 +91,9 @@ class Manifest:
     shards_root: str | None = None
     """Where the shard paths are relative to, when not beside the manifest: a local manifest can describe
     shards on object storage (``ddp-rank shards index URL --out DIR``)."""
+    shared_classes: str | None = None
+    """Why the splits may share classes (``--shared-classes REASON``); None: a class of the ``train`` split in
+    another split is a leak (``class_leaks``)."""
 
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits:
@@ -140,6 +143,7 @@ class Manifest:
             },
             "build": self.build,
             **({"shards_root": self.shards_root} if self.shards_root else {}),
+            **({"shared_classes": self.shared_classes} if self.shared_classes else {}),
         }
 
     @classmethod

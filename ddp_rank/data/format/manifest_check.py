@@ -91,6 +91,19 @@ def _absolute_root(text: str) -> str:
     return text
 
 
+def _reason(text: str) -> str:
+    """``shared_classes`` says why the splits share classes: a blank one says nothing."""
+    if not text.strip():
+        raise PydanticCustomError(
+            "manifest",
+            "is blank",
+            {
+                "fix": "write why the splits share classes there (`--shared-classes REASON`), or remove the key"
+            },
+        )
+    return text
+
+
 Integer = Annotated[int, Strict()]
 Count = Annotated[int, Strict(), Field(ge=0)]
 Text = Annotated[str, Strict()]
@@ -151,6 +164,8 @@ class ManifestFile(TypedDict):
     splits: dict[str, SplitEntry]
     build: NotRequired[dict[str, Any]]
     shards_root: NotRequired[Annotated[str, Strict(), AfterValidator(_absolute_root)]]
+    shared_classes: NotRequired[Annotated[str, Strict(), AfterValidator(_reason)]]
+    """Why the splits may share classes (``--shared-classes REASON``, ``class_leaks``); absent: they may not."""
 
 
 MANIFEST_FILE: TypeAdapter[ManifestFile] = TypeAdapter(ManifestFile)
@@ -214,6 +229,7 @@ class ManifestFields(NamedTuple):
     splits: dict[str, SplitInfo]
     build: dict[str, Any]
     shards_root: str | None
+    shared_classes: str | None
 
 
 def parse_manifest(data: Any, root: str | None = None) -> ManifestFields:
@@ -249,6 +265,7 @@ def parse_manifest(data: Any, root: str | None = None) -> ManifestFields:
         splits=splits,
         build=dict(top.get("build", {})),
         shards_root=top.get("shards_root"),
+        shared_classes=top.get("shared_classes"),
     )
 
 

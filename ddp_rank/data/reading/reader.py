@@ -31,6 +31,24 @@ class ClassReadError(Exception):
         self.reason = reason
 
 
+def group_failures(failures: Sequence[ClassReadError], named: int = 3, causes: int = 3) -> str:
+    """The failures of several classes in one line: each cause (shard and reason) once, with how many classes it
+    cost and the first ``named`` of them; at most ``causes`` causes, then how many more. A truncated shard fails
+    every class it holds for the same reason: its message once, not once per class."""
+    by_cause: dict[tuple[str, str], list[int]] = {}
+    for failure in failures:
+        by_cause.setdefault((failure.shard, failure.reason), []).append(failure.class_id)
+    parts = []
+    for (shard, reason), ids in list(by_cause.items())[:causes]:
+        listed = ", ".join(str(i) for i in ids[:named]) + (
+            f" and {len(ids) - named} more" if len(ids) > named else ""
+        )
+        parts.append(f"{shard}: {reason} ({len(ids)} class{'' if len(ids) == 1 else 'es'}: {listed})")
+    if len(by_cause) > causes:
+        parts.append(f"and {len(by_cause) - causes} more cause(s)")
+    return "; ".join(parts)
+
+
 def class_spans(manifest: Manifest, split: str) -> dict[int, list[tuple[ShardInfo, ClassSpan]]]:
     """Every class of a split -> its spans, in manifest order (shards as the split lists them, spans as each
     shard lists them); the classes in the order their first span appears."""

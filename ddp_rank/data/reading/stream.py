@@ -38,7 +38,7 @@ from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.format.tar_scan import SpanSample
 from ddp_rank.data.reading.batch import DataEvents, StreamBatch
 from ddp_rank.data.reading.decode import ImageDecodeError, decode_image
-from ddp_rank.data.reading.reader import ClassReader, ClassReadError
+from ddp_rank.data.reading.reader import ClassReader, ClassReadError, group_failures
 from ddp_rank.data.reading.shard_cache import ShardCache
 from ddp_rank.data.reading.transforms import (
     TransformConfig,
@@ -132,6 +132,7 @@ class ShardStream(IterableDataset):
         for left in self.plan.left_out if self.rank == 0 else ():  # every rank plans alike: say it once
             log.warning(f"category left out of the schedule: {left}")
         self.reader = ClassReader(self.manifest, split, cache_dir=cache_dir)
+        self._warned: set[tuple[str, str]] = set()  # (shard, reason) of the failures already logged
         self._position = (0, 0)
         self._class_category = np.array(
             [-1 if c.category is None else c.category for c in self.manifest.classes], dtype=np.int64
@@ -247,7 +248,7 @@ class ShardStream(IterableDataset):
             except ClassReadError as exc:
                 failures.append(exc)
                 events.note_bad_shard(exc.shard)
-                log.warning(f"{exc}; replaced from the plan's reserve")
+                self._warn_once(exc)
             if candidates is None:
                 reserve = self.plan.reserve(epoch, step, piece.group, self.rank, self.world_size)
                 candidates = [c for c in reserve if self.plan.class_size(c) >= piece.size]
@@ -255,9 +256,8 @@ class ShardStream(IterableDataset):
             if not candidates:
                 shards = sorted({f.shard for f in failures})
                 raise DataError(
-                    f"cannot fill this rank's part of epoch {epoch} step {step}: "
-                    + "; ".join(str(f) for f in failures[:5])
-                    + f"; no readable replacement of >= {piece.size} images is left. Check the shards "
+                    f"cannot fill this rank's part of epoch {epoch} step {step}: {group_failures(failures)}; "
+                    f"no readable replacement of >= {piece.size} images is left. Check the shards "
                     f"({', '.join(shards)}) with `ddp-rank shards verify`"
                 )
             class_id, candidates = candidates[0], candidates[1:]
@@ -267,6 +267,19 @@ class ShardStream(IterableDataset):
                 image_seed(self.schedule_config.seed, epoch, step, class_id)
             ).permutation(n)
             images = order[: piece.size].tolist()
+
+    def _warn_once(self, failure: ClassReadError) -> None:
+        """A class replaced: its failure's cause (shard and reason) in full the first time this stream meets it,
+        then nothing more for that cause (a truncated shard fails each of its classes alike; the replacements
+        are counted in the run's data events)."""
+        cause = (failure.shard, failure.reason)
+        if cause in self._warned:
+            return
+        self._warned.add(cause)
+        log.warning(
+            f"{failure}; replaced from the plan's reserve (further classes failing for this same cause are "
+            "replaced without a line each, and counted)"
+        )
 
     def _load(
         self,

@@ -212,6 +212,8 @@ class GlobalPlan:
                 + (f" (at most K={self.cap} per class)" if self.cap else "")
                 + f", fewer than one global batch of {self.global_batch}; use a smaller data.global_batch_size"
             )
+        if by_category and len(sizes) < cfg.categories_per_batch:
+            raise PlanError(self._too_few_categories(len(categories), len(sizes), need))
         try:
             return CategorySchedule(
                 cfg, sizes, self.global_batch, unlabelled_size=unlabelled, total_size=total
@@ -221,6 +223,34 @@ class GlobalPlan:
             if len(self.left_out) > 5:
                 detail += f"; and {len(self.left_out) - 5} more"
             raise PlanError(f"{exc}" + (f" (left out: {detail})" if detail else "")) from exc
+
+    def _too_few_categories(self, found: int, usable: int, need: int) -> str:
+        """Why a category-drawing sampler cannot start: the split has no categories at all, or too few of them
+        hold a step's share of ``need`` images (those named, with what they hold)."""
+        cfg = self.config
+        sampler = (
+            "data.sampler=hard" if cfg.strategy == "hard" else "data.sampler=pk with data.category_aware"
+        )
+        whole_split = "draw classes from the whole split with data.sampler=auto (or random, or pk)"
+        if found == 0:
+            return (
+                f"{sampler} draws each batch from {cfg.categories_per_batch} categories, but the split's classes "
+                "have none (shards built from root/<class>/<image>, or indexed without a category field): "
+                f"{whole_split}, or rebuild the shards from root/<category>/<class>/<image>"
+            )
+        if not self.left_out:
+            return (
+                f"{sampler} needs {cfg.categories_per_batch} categories per batch, but the split has only "
+                f"{found}: use a smaller data.categories_per_batch, or {whole_split}"
+            )
+        shown = "; ".join(str(x) for x in self.left_out[:3])
+        if len(self.left_out) > 3:
+            shown += f"; and {len(self.left_out) - 3} more"
+        return (
+            f"{sampler} needs {cfg.categories_per_batch} categories per batch, each holding a step's share of "
+            f"{need} images, but only {usable} of the split's {found} do (too small: {shown}); use a smaller "
+            f"data.categories_per_batch or data.global_batch_size, or {whole_split}"
+        )
 
     def _groups(self) -> list[int]:
         if self.schedule.by_category or self.config.strategy == "hard_unlabelled":

@@ -99,7 +99,9 @@ class CategorySchedule:
         if self.by_category and len(self.categories) < cfg.categories_per_batch:
             raise ValueError(
                 f"hard strategy needs {cfg.categories_per_batch} categories per batch but only "
-                f"{len(self.categories)} can fill their share ({list(self.categories)}); use a smaller "
+                f"{len(self.categories)} can fill their share"
+                + (f" (category ids {list(self.categories)})" if self.categories else "")
+                + "; use a smaller "
                 "data.categories_per_batch or data.global_batch_size, or draw classes from the whole split with "
                 "data.sampler=random"
             )

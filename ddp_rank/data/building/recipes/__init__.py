@@ -11,9 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ddp_rank.data.building.listing import Record
-from ddp_rank.data.building.recipes import emoji, inat, inshop, sop, vehicleid, words
+from ddp_rank.data.building.recipes import cars, cub, emoji, inat, inshop, sop, vehicleid, words
 
 RECIPES: dict[str, Callable[..., list[Record]]] = {
+    "cub": cub.records,
+    "cars": cars.records,
     "sop": sop.records,
     "inshop": inshop.records,
     "vehicleid": vehicleid.records,
