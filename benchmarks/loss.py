@@ -25,6 +25,8 @@ growth with N. ``--baseline DIR`` runs the same measurement on the ``ddp_rank`` 
 
     python -m benchmarks.loss --floor-ratios                  # N = 8192,16384; 1 thread and all cores
     python -m benchmarks.loss --floor-ratios --baseline /tmp/before --rounds 3
+    python -m benchmarks.loss --floor-ratios --sizes 8192 --thread-counts 1 --target 1.15
+                                                    # issue 48's check: a verdict per cell against 1.15x
 
 On CUDA, times are taken between ``torch.cuda.synchronize()`` calls and memory is the peak allocated by the
 caching allocator above the inputs. Note on the peer's Smooth-AP: pytorch-metric-learning's ``SmoothAPLoss``
@@ -222,6 +224,8 @@ def floor_ratios(args: argparse.Namespace) -> None:
     header = ["loss", "N", "threads", "ours / floor", "ours s", "floor s", "ours peak MB", "MB per 1k rows"]
     if args.baseline:
         header[4:4] = ["baseline / floor"]
+    if args.target is not None:
+        header.append(f"within {args.target:g}x")
     rows = []
     for t in threads:
         for name in names:
@@ -232,6 +236,8 @@ def floor_ratios(args: argparse.Namespace) -> None:
                        f"{med(cell, 'peak_mb') / n * 1000:.1f}"]  # fmt: skip
                 if args.baseline:
                     row[4:4] = [f"{med(runs[(name, n, t, 'baseline')], 'ratio'):.2f}"]
+                if args.target is not None:
+                    row.append("yes" if med(cell, "ratio") <= args.target else "no")
                 rows.append(row)
     table = markdown_table(header, rows)
     load = (
@@ -409,6 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--thread-counts", default=f"1,{os.cpu_count()}",
                         help="--floor-ratios: the thread counts (default: 1 and all cores)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="--floor-ratios: processes per cell")
+    parser.add_argument("--target", type=float, metavar="RATIO",
+                        help="--floor-ratios: say for each cell whether ours / floor is within RATIO")  # fmt: skip
     parser.add_argument("--baseline", metavar="DIR",
                         help="--floor-ratios: also measure the ddp_rank of this checkout, interleaved")  # fmt: skip
     parser.add_argument("--worker", nargs=3, metavar=("KIND", "LOSS", "N"), help=argparse.SUPPRESS)

@@ -3,7 +3,7 @@ evaluated once per final run (``make study-features``; the write-up: ``benchmark
 
 A linear head on the word set's frozen, PCA-whitened feature shards (``make words-whitened``: training words,
 validation words carved from them by ``shards build --val-fraction``, held-out test words; 8 fonts each) is
-trained with ``ddp-rank train``, one process per run.
+trained as ``ddp-rank train`` trains it, one process per run (in turn in ``--jobs`` worker processes).
 
 1. **Batch axis.** FastAP, random sampler, global batches ``--batches`` (64 ... 8,192).
 2. **One schedule for every batch.** Every final run trains ``--epochs`` epochs: a linear warm-up over
@@ -28,8 +28,11 @@ trained with ``ddp-rank train``, one process per run.
    noise only where the combined interval excludes zero (``ddp_rank.experiments.query_pairs``).
 
 Runs go ``--jobs`` at a time (default 2, one torch thread each on 2 cores: the stream is Python, so two runs of
-one thread each go faster than one run on both). A run that exists is reused only if its config holds the
-settings asked for (a rerun with other settings in the same ``--out`` stops and says so); a candidate rate whose
+one thread each go faster than one run on both), each job a worker process that trains its runs one after
+another (``ddp_rank.experiments.in_process``: the imports and set-up paid once per worker, not once per run, and
+every run trained as it would be alone; ``--own-processes``: one ``ddp-rank train`` process per run instead);
+the runs draw no pictures of their own (``train.plots=false``: the study draws its own). A run that exists is
+reused only if its config holds the settings asked for (a rerun with other settings in the same ``--out`` stops and says so); a candidate rate whose
 run fails (a non-finite loss) counts as the worst candidate; any other failure stops the study. Outputs in ``--out``: one folder per run, ``study.json`` (the
 record: every figure the table, plot and conclusions hold) and ``study.md``; ``--results`` copies the table and
 plots into ``benchmarks/results/`` with the date; ``--from-record`` rewrites them from a record without training.
@@ -51,7 +54,8 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
@@ -61,6 +65,7 @@ from benchmarks.study_features_report import differences, markdown, plots
 from ddp_rank.checkpoints.read import latest_checkpoint
 from ddp_rank.config import ConfigError, load_config, to_dict
 from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.experiments.in_process import train_in_worker, worker_pool
 from ddp_rank.experiments.runs import RunSummary, flatten_config, read_run
 from ddp_rank.features.records import feature_record
 
@@ -118,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     n_train = manifest.splits[args.train_split].samples
     start = time.monotonic()
     trainer = Trainer(args, out)
+    try:
+        return _study(args, out, manifest, n_train, start, trainer)
+    finally:
+        trainer.close()
+
+
+def _study(args: argparse.Namespace, out: Path, manifest: Manifest, n_train: int, start: float,
+           trainer: Trainer) -> int:  # fmt: skip
     final = Schedule(args.epochs, args.warmup, args.evals)
     short = Schedule(args.sweep_epochs, args.warmup, 1)
 
@@ -179,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     def budget_train(point: Point, factor: float) -> Path:
         """A budget check's run: seed 0 of ``point`` again for ``factor`` times the epochs."""
         steps, schedule = longer(factor).overrides(point.batch, n_train)
-        run = out / "budget" / f"{point.axis}={point.name},lr={point.lr:.3g},seed=0,epochs={factor * args.epochs:g}"
+        run = (
+            out
+            / "budget"
+            / f"{point.axis}={point.name},lr={point.lr:.3g},seed=0,epochs={factor * args.epochs:g}"
+        )
         trainer.train(
             run, [*_overrides(point.batch, point.lr), *point.extra, *schedule, "train.seed=0"], steps
         )
@@ -262,8 +279,12 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, out: Path) -> None:
         self.args = args
         self.out = out
-        self.env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.jobs)))
+        self.threads = max(1, (os.cpu_count() or 1) // args.jobs)
+        self.env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
         self.slots = threading.BoundedSemaphore(args.jobs)
+        self.lock = threading.Lock()
+        self.pool: ProcessPoolExecutor | None = None
+        """The ``--jobs`` worker processes that train the runs, started at the first run."""
         self.stopped = threading.Event()
         """Set by a fatal failure: no other run starts."""
         self.common = [f"data.shards={args.shards}", "model.backbone=features", "model.weights=none",
@@ -282,9 +303,34 @@ class Trainer:
                 return True
         for stale in ("test.json", "test-queries.npz"):
             (run / stale).unlink(missing_ok=True)
-        cmd = [self.args.python, "-m", "ddp_rank.cli", "train", "--config", self.args.config, *asked,
-               f"train.output_dir={run}", "train.keep_last=1", "train.progress=false", "train.resume=auto"]  # fmt: skip
-        return self._call(run, cmd, "train", may_fail)
+        # The study draws its own pictures from study.json: a run's own (matplotlib's import and three PNGs, about
+        # a second of each run's fixed cost) would go unread.
+        settings = [*asked, f"train.output_dir={run}", "train.keep_last=1", "train.progress=false",
+                    "train.resume=auto", "train.plots=false"]  # fmt: skip
+        if self.args.own_processes:
+            cmd = [self.args.python, "-m", "ddp_rank.cli", "train", "--config", self.args.config, *settings]
+            return self._call(run, cmd, "train", may_fail)
+        return self._call(run, (self.args.config, settings), "train", may_fail)
+
+    def _in_worker(self, config: str, settings: list[str], log: Path) -> int:
+        """The run trained by one of the ``--jobs`` worker processes; its exit status as ``ddp-rank train``'s."""
+        with self.lock:
+            if self.pool is None:
+                # In the repository, as the `ddp-rank train` processes ran: relative paths mean the same.
+                self.pool = worker_pool(self.args.jobs, self.threads, self.args.python, REPO)
+            pool = self.pool
+        try:
+            return pool.submit(train_in_worker, config, settings, str(log)).result()
+        except BrokenProcessPool:  # a worker ended without a word (killed, out of memory): the others with it
+            with self.lock:
+                if self.pool is pool:
+                    self.pool = None  # the next run starts fresh workers
+            return -9
+
+    def close(self) -> None:
+        """End the worker processes."""
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
 
     def test(self, run: Path) -> None:
         """The test split, once, on the run's last checkpoint (not its best on validation: the schedule ends)."""
@@ -297,14 +343,21 @@ class Trainer:
                          self.args.test_split, "--name", "test", "--output", str(run / "test.json"), "--per-query",
                          str(run / "test-queries.npz"), "eval.metrics=[]"], "test")  # fmt: skip
 
-    def _call(self, run: Path, cmd: list[str], what: str = "train", may_fail: bool = False) -> bool:
+    def _call(self, run: Path, cmd: list[str] | tuple[str, list[str]], what: str = "train",
+              may_fail: bool = False) -> bool:  # fmt: skip
+        """Run ``cmd``, a command, or (config, overrides) of a run for a worker process, with its output in the
+        run's log."""
         run.parent.mkdir(parents=True, exist_ok=True)
         log = run.parent / f"{run.name}.{what}.log"
-        with self.slots, log.open("a") as sink:
+        with self.slots:
             if self.stopped.is_set():
                 raise SystemExit(f"{run}: not started, the study is stopping after a failure")
             print(f"[{time.strftime('%H:%M:%S')}] {what} {run.relative_to(self.out)}", flush=True)
-            code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=self.env)
+            if isinstance(cmd, tuple):
+                code = self._in_worker(*cmd, log.resolve())
+            else:
+                with log.open("a") as sink:
+                    code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=self.env)
         if code != 0 and may_fail:
             print(f"[{time.strftime('%H:%M:%S')}] {run.relative_to(self.out)} failed (exit {code}): counted as the "
                   f"worst candidate; its output is in {log}", flush=True)  # fmt: skip
@@ -477,6 +530,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--jobs", type=int, default=2, help="runs at a time (each with cores / jobs torch threads)"
     )
+    p.add_argument("--own-processes", action="store_true",
+                   help="one `ddp-rank train` process per run (by default each job is a worker process that "
+                        "trains its runs in turn, paying the imports once)")  # fmt: skip
     p.add_argument("--results", action="store_true", help="copy table and plots into benchmarks/results/")
     p.add_argument(
         "--from-record", help="a study.json: write its table, plot and conclusions again, train nothing"
@@ -490,7 +546,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if not set(args.budget_check) <= set(args.batches):
         p.error(f"--budget-check {args.budget_check}: each must be one of --batches {args.batches}")
     if not args.budget_factors or any(f <= 1 for f in args.budget_factors):
-        p.error(f"--budget-factors {args.budget_factors}: each must be above 1 (a longer schedule than --epochs)")
+        p.error(
+            f"--budget-factors {args.budget_factors}: each must be above 1 (a longer schedule than --epochs)"
+        )
     return args
 
 

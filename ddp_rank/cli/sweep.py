@@ -48,6 +48,9 @@ def register(subparsers: Any) -> None:
                    help="print one launch command per point (for SLURM arrays, other schedulers) and exit; with "
                    "--processes N each is 'accelerate launch --multi_gpu --num_processes N' with no port, so the "
                    "machine that runs it decides: one process per GPU, or gloo processes without one")  # fmt: skip
+    p.add_argument("--in-process", action="store_true",
+                   help="train the (one-process) points in this process, one after another: the imports and "
+                   "set-up are paid once, and each point trains exactly as in a process of its own")  # fmt: skip
     p.add_argument("--metric", default="recall@1", help="the metric of the comparison and its plot")
     p.set_defaults(func=run)
 
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from ddp_rank.experiments.grid import REPLICATE_KEYS, expand_grid, split_axes
     from ddp_rank.experiments.plot import plot_comparison
     from ddp_rank.experiments.runs import read_run
-    from ddp_rank.experiments.sweep import Launcher, point_command, point_dir, run_sweep
+    from ddp_rank.experiments.sweep import Launcher, in_process_runner, point_command, point_dir, run_sweep
 
     try:
         fixed, axes = split_axes(args.overrides)
@@ -79,7 +82,12 @@ def run(args: argparse.Namespace) -> int:
             print(shlex.join(command))
         return 0
     print(f"sweep: {len(points)} runs into {out}/", flush=True)
-    outcome = run_sweep(commands, say=lambda line: print(line, flush=True))
+    try:
+        runner = in_process_runner(launcher) if args.in_process else None
+    except ValueError as exc:
+        print(f"ddp-rank sweep: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    outcome = run_sweep(commands, runner, say=lambda line: print(line, flush=True))
     runs = [read_run(folder) for _, folder, _ in commands]
     table = compare_runs(runs, args.metric)
     text = table.markdown()

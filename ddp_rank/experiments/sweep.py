@@ -6,6 +6,8 @@ command of the user's own), always with ``train.resume=auto``: a point whose ``r
 skipped, one that crashed, died or was stopped continues from its last checkpoint, so running the same sweep
 again after an interruption finishes it. A point whose trainer still runs on this host (another sweep, a
 scheduler's job) is skipped too: a second trainer in its folder would write over the first one's checkpoints.
+With ``in_process_runner`` (``sweep --in-process``) one-process points train in the sweep's own process instead,
+one after another, paying the imports once.
 A point that fails does not stop the others; a point stopped on a signal (exit 75) stops the sweep with that
 status, for the scheduler to requeue it.
 """
@@ -25,7 +27,7 @@ from ddp_rank.experiments.grid import SweepPoint
 from ddp_rank.train.preemption import EXIT_REQUEUE
 from ddp_rank.train.run_state import is_alive, read_run_state
 
-__all__ = ["Launcher", "SweepOutcome", "point_command", "run_sweep"]
+__all__ = ["Launcher", "SweepOutcome", "in_process_runner", "point_command", "run_sweep"]
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNING_ELSEWHERE = "running elsewhere"
@@ -153,6 +155,32 @@ def run_sweep(
 
 def _run_command(command: list[str]) -> int:
     return subprocess.run(command).returncode
+
+
+def in_process_runner(launcher: Launcher) -> Callable[[list[str]], int]:
+    """A ``run`` for :func:`run_sweep` that trains each point's command in this process, one after another,
+    each as it would train alone (``ddp_rank.experiments.in_process``): the imports and set-up are paid once.
+    Only for the one-process launcher; made before the first point (it records the state each starts from)."""
+    from ddp_rank.experiments.in_process import RunsInProcess
+
+    if launcher.processes > 1 or launcher.command:
+        raise ValueError(
+            "--in-process trains one-process points in the sweep's own process: drop --processes / --launch, "
+            "or --in-process to launch each point"
+        )
+    prefix = [*launcher.prefix(), "train"]
+    runs = RunsInProcess()
+
+    def run(command: list[str]) -> int:
+        if command[: len(prefix)] != prefix:
+            raise ValueError(f"not a one-process training command: {shlex.join(command)}")
+        rest = command[len(prefix) :]
+        config = None
+        if rest[:1] == ["--config"]:
+            config, rest = rest[1], rest[2:]
+        return runs.train(config, rest)
+
+    return run
 
 
 def _free_port() -> int:

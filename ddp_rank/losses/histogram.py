@@ -8,11 +8,12 @@ Two implementations of each:
 
 - ``torch``: plain tensor ops. The histograms subtract every level from a few rows at once into a
   ``[rows, num_bins, N]`` buffer, clamp it and sum it (three ops per sub-block of rows, whatever the number of
-  bins); the gradient reads each position's bin from a per-row table with one ``gather``. On CPU the rows go
-  in sub-blocks whose buffers stay in cache (``rows.pass_row_blocks``): each of these passes is a few
-  arithmetic instructions per element, so from memory they would wait on it. Scatter-adds into the two bins
-  each position touches would do less arithmetic but cost about 10 ns an element each on CPU (measured on
-  the 2-core test machine), several times the whole ``[rows, num_bins, N]`` pass.
+  bins); the gradient reads each position's bin from a per-row table with one ``gather``, keyed by
+  ``floor(t) + ceil(t)`` (which tells a position on an edge from one inside a bin without a comparison pass).
+  On CPU the rows go in sub-blocks whose buffers stay in cache (``rows.pass_row_blocks``): each of these
+  passes is a few arithmetic instructions per element, so from memory they would wait on it. Scatter-adds into
+  the two bins each position touches would do less arithmetic but cost about 10 ns an element each on CPU
+  (measured on the 2-core test machine), several times the whole ``[rows, num_bins, N]`` pass.
 - ``triton``: one fused pass each (``triton_kernels.py``): the histograms keep all the bins' sums of a row in
   registers, so the block is read once whatever the number of bins. Where they cannot run, the torch path does.
 
@@ -32,9 +33,9 @@ __all__ = ["bin_gradient", "cumulative_histograms", "cumulative_weights", "histo
 
 
 def histogram_pass_bytes(n_cols: int, num_bins: int, itemsize: int) -> int:
-    """Work space of one row in the torch passes: the ``[num_bins, N]`` levels, or the gradient's int64 bins and
-    their bool mask."""
-    return n_cols * max(num_bins * itemsize, 8 + 1)
+    """Work space of one row in the torch passes: the ``[num_bins, N]`` levels, or the gradient's ceilings and
+    its int32 and int64 keys."""
+    return n_cols * max(num_bins * itemsize, itemsize + 4 + 8)
 
 
 def cumulative_histograms(t: Tensor, num_bins: int, workspace: Workspace, fused: bool = False) -> Tensor:
@@ -77,19 +78,22 @@ def bin_gradient(t: Tensor, slopes: Tensor, out: Tensor, workspace: Workspace, f
         return fused_bin_gradient(t, slopes, out)
     n_rows, n_cols = t.shape
     num_bins = slopes.shape[1]
-    # A table per row over the buckets floor(t) + 1 in [0, num_bins + 2]: 0 below the range, slope l for t in
-    # [l, l + 1), the last slope again for t = num_bins exactly, 0 from num_bins + 1 on. Positions in
-    # (num_bins, num_bins + 1) (rows a hair off unit length) are sent to the last bucket by a mask of each
-    # sub-block, taken before the positions are overwritten: no host check of the whole block, which would make a
-    # GPU's host wait twice a chunk (``torch.bucketize`` finds the same buckets in one pass without a mask, but
-    # its binary search took 4.5x the time of these passes on CPU).
-    table = torch.cat([slopes.new_zeros(n_rows, 1), slopes, slopes[:, -1:], slopes.new_zeros(n_rows, 1)], 1)
-    table = table.to(t.dtype)
+    # The key floor(t) + ceil(t) is 2l at t = l exactly and 2l + 1 inside (l, l + 1), so one table per row over
+    # the keys, clamped to [-1, 2 num_bins + 1] and shifted by one, holds every case: 0 below 0, slope l on [l,
+    # l + 1), the last slope again at num_bins exactly, 0 above it (rows a hair off unit length). No mask pass
+    # and no host check of where positions lie (a GPU's host would wait twice a chunk): on CPU a comparison into
+    # a bool mask and a masked fill took as long as all the rest of this pass, ``torch.bucketize``'s binary
+    # search 4.5x. The float keys go to int64 through int32: a direct float-to-int64 copy is not vectorised and
+    # took twice as long as the two copies.
+    zero = slopes.new_zeros(n_rows, 1)
+    table = torch.cat([zero, slopes.repeat_interleave(2, 1), slopes[:, -1:], zero], 1).to(t.dtype)
     row_bytes = histogram_pass_bytes(n_cols, 1, t.element_size())
     for rows in pass_row_blocks(n_rows, row_bytes, workspace):
         t_rows, out_rows = t[rows], out[rows]
-        above = torch.gt(t_rows, num_bins, out=workspace.take("above", tuple(t_rows.shape), torch.bool))
-        bins = workspace.take("low", tuple(t_rows.shape), torch.int64)
-        torch.floor(t_rows, out=out_rows).clamp_(-1, num_bins + 1).add_(1).masked_fill_(above, num_bins + 2)
-        torch.gather(table[rows], 1, bins.copy_(out_rows), out=out_rows)
+        shape = tuple(t_rows.shape)
+        ceilings = torch.ceil(t_rows, out=workspace.take("ceil", shape, t.dtype))
+        keys = torch.floor(t_rows, out=out_rows).add_(ceilings).clamp_(-1, 2 * num_bins + 1).add_(1)
+        keys32 = workspace.take("key32", shape, torch.int32).copy_(keys)
+        keys64 = workspace.take("key64", shape, torch.int64).copy_(keys32)
+        torch.gather(table[rows], 1, keys64, out=out_rows)
     return out

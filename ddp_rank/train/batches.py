@@ -10,11 +10,12 @@ from typing import Any
 import torch
 
 from ddp_rank.data.reading.batch import DataEvents, StreamBatch
+from ddp_rank.data.reading.feature_stream import FeatureStream
 from ddp_rank.data.reading.loader import StreamLoader
 from ddp_rank.data.reading.stream import DataError, ShardStream
 from ddp_rank.distributed.agreement import RankFailure, agree, gather_counts
 from ddp_rank.runtime import TrainError
-from ddp_rank.train.device_feed import DeviceFeed
+from ddp_rank.train.device_feed import DeviceFeed, InlineFeed
 
 __all__ = ["TrainBatches"]
 
@@ -33,7 +34,7 @@ class TrainBatches:
         # Pinned host batches: their copy to the GPU is asynchronous (DeviceFeed overlaps it with the step).
         self.loader = StreamLoader(stream, pin_memory=device.type == "cuda", track_position=False)
         self.events = DataEvents()  # this rank's, summed over the batches handed out
-        self._feed: DeviceFeed | None = None
+        self._feed: DeviceFeed | InlineFeed | None = None
 
     def next(self) -> StreamBatch:
         """The next local batch, agreed on by every rank: if any rank's data layer fails (no readable
@@ -72,6 +73,9 @@ class TrainBatches:
             # run (which starts a new iterator mid-epoch) keeps the model's RNG stream identical to an
             # uninterrupted one. The stream seeds each image's augmentation from (seed, epoch, step, class, image).
             with torch.random.fork_rng(devices=[]):
-                self._feed = DeviceFeed(iter(self.loader), self.device, consumed=self.loader.consumed)
+                if isinstance(self.stream, FeatureStream):  # one gather from memory: inline, no DataLoader
+                    self._feed = InlineFeed(iter(self.stream), self.device, consumed=self.loader.consumed)
+                else:
+                    self._feed = DeviceFeed(iter(self.loader), self.device, consumed=self.loader.consumed)
                 batch = next(self._feed)
         return batch

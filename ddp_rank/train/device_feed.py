@@ -134,3 +134,39 @@ class DeviceFeed:
         )
         with on_side:
             return host.to(self.device, non_blocking=True)
+
+
+class InlineFeed:
+    """:class:`DeviceFeed`'s interface without its thread: each batch is read when it is asked for, in the
+    caller's thread, then moved to ``device``.
+
+    For a stream whose batch is one gather from memory (``FeatureStream``): reading it costs less than handing
+    it over from a thread (a wake-up, the GIL passed back and forth), and no thread competes with the step for
+    the cores. Errors are raised at their own batch, and ``consumed`` reports each batch as it is handed on, as
+    with the threaded feed.
+    """
+
+    def __init__(
+        self,
+        batches: Iterator[StreamBatch],
+        device: torch.device,
+        consumed: Callable[[StreamBatch], None] | None = None,
+    ) -> None:
+        self._source = batches
+        self.device = device
+        self._consumed = consumed
+
+    def __iter__(self) -> InlineFeed:
+        return self
+
+    def __next__(self) -> StreamBatch:
+        batch = next(self._source)
+        if self.device.type != "cpu":
+            batch = batch.to(self.device)
+        if self._consumed is not None:
+            self._consumed(batch)
+        return batch
+
+    def close(self) -> None:
+        """Nothing is read ahead: only the source is dropped."""
+        self._source = iter(())

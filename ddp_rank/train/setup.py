@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,11 +14,13 @@ from torch import nn
 
 from ddp_rank.config import ConfigError
 from ddp_rank.data.format.manifest import Manifest, is_url
+from ddp_rank.data.reading.feature_stream import FeatureStream
 from ddp_rank.data.reading.shard_cache import open_cache
 from ddp_rank.data.reading.stream import ShardStream
 from ddp_rank.data.settings import DataSettings
 from ddp_rank.eval.protocols import metric_names
 from ddp_rank.eval.runner import EvalSettings, vehicleid_splits
+from ddp_rank.features.records import feature_dim
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
 from ddp_rank.model.settings import ModelSettings
@@ -163,13 +167,20 @@ def check_inputs(evaluation: EvalSettings, backbone: str, best_metric: str) -> M
     return manifest
 
 
-def build_stream(data: DataSettings, manifest: Manifest, rank: int, world_size: int) -> ShardStream:
-    """The data layer's category-aware stream of this rank's local batches (uint8 pixels)."""
+def build_stream(
+    data: DataSettings, manifest: Manifest, rank: int, world_size: int, run_dir: Path | None = None
+) -> ShardStream:
+    """The data layer's category-aware stream of this rank's local batches (uint8 pixels). Feature shards are
+    read once into one array (``FeatureStream``): a large split is memory-mapped from one file in the node-local
+    cache folder (``data.cache_dir``), else beside the run in ``run_dir``."""
     if rank == 0 and data.sampler == "auto":
         strategy, why = resolve_sampler(data, manifest)
         log.info(f"sampler {strategy}: {why}")
+    cache = open_cache(data.cache_dir, data.cache_max_gb)
+    features = feature_dim(manifest) is not None
+    table_dir = cache.directory if cache is not None else run_dir / "feature-table" if run_dir else None
     try:
-        return ShardStream(
+        return (partial(FeatureStream, table_dir=table_dir) if features else ShardStream)(
             manifest,
             data.global_batch_size,
             split=data.train_split,
@@ -179,7 +190,7 @@ def build_stream(data: DataSettings, manifest: Manifest, rank: int, world_size: 
             num_workers=data.num_workers,
             rank=rank,
             world_size=world_size,
-            cache_dir=open_cache(data.cache_dir, data.cache_max_gb),
+            cache_dir=cache,
         )
     except ValueError as exc:  # the sampler settings cannot be met by these shards
         raise TrainError(f"data: {exc}; `ddp-rank plan --config ...` shows what the shards allow") from exc

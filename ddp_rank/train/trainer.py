@@ -114,7 +114,7 @@ class Trainer:
 
         # Same initial weights on every rank (DDP would broadcast them anyway; ZeRO would not check).
         torch.manual_seed(cfg.train.seed)
-        self.stream = build_stream(s.data, self.manifest, self.rank, self.world_size)
+        self.stream = build_stream(s.data, self.manifest, self.rank, self.world_size, self.out_dir)
         # Given by run_training, which takes the signals over before the (long) start-up; else made here.
         self.stop = stop if stop is not None else StopRequest(cfg.train.stop_signals, cfg.train.stop_grace_s)
         self.batches = TrainBatches(self.stream, self.device, lambda: self.stop.requested)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -231,3 +232,31 @@ def test_a_budget_check_no_longer_than_the_final_runs_is_refused(capsys: pytest.
     with pytest.raises(SystemExit):
         study.main(["--budget-factors", "2,1"])
     assert "--budget-factors [2.0, 1.0]: each must be above 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_runs_train_in_worker_processes_jobs_at_a_time(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ddp_rank.experiments.runs import read_run
+
+    shards = write_feature_shards(tmp_path / "shards", [6, 6, 6], images=6, dim=8, test_every=3, val_every=3)
+    out = tmp_path / "study"
+    trainer = study.Trainer(study._parse(["--shards", str(shards), "--out", str(out), "--jobs", "2"]), out)
+    runs = [out / "lr" / f"run{i}" for i in range(2)]
+    overrides = ["data.global_batch_size=12", "model.embedding_dim=8", "train.steps=2", "train.eval_every=2"]
+    try:
+        with ThreadPoolExecutor(2) as threads:
+            trained = list(threads.map(lambda run: trainer.train(run, overrides, 2), runs))
+        assert trainer.train(runs[0], overrides, 2)  # finished with these settings: kept, not trained again
+    finally:
+        trainer.close()
+    assert trained == [True, True]
+    for run in runs:
+        summary = read_run(run)
+        assert summary.status == "finished" and summary.steps == 2 and summary.last("recall@1") is not None
+        assert not list(run.glob("*.png"))  # the study draws its own pictures
+        log = (run.parent / f"{run.name}.train.log").read_text()
+        assert "step 2/2" in log and f"done: 2 steps, outputs in {run}" in log
+    pids = {json.loads((run / "run.json").read_text())["pid"] for run in runs}
+    assert len(pids) == 2 and os.getpid() not in pids  # two worker processes, one run each at a time

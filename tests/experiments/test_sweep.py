@@ -172,3 +172,28 @@ def test_a_real_sweep_of_two_points_ends_with_their_comparison(
         assert json.loads((out / name / RUN_FILE).read_text())["status"] == "finished"
     assert main(args) == 0  # again: nothing left to do
     assert capsys.readouterr().out.count("finished already, skipped") == 2
+
+
+def test_in_process_is_for_one_process_points(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["sweep", "--in-process", "--processes", "2", f"train.output_dir={tmp_path}", "train.seed=1,2"])
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "drop --processes" in err[-1], err
+
+
+@pytest.mark.slow
+def test_an_in_process_sweep_trains_every_point_in_this_process(tmp_path: Path) -> None:
+    from accelerate.state import AcceleratorState
+
+    shards = build_tiny_shards(tmp_path / "data")
+    out = tmp_path / "sweep"
+    tiny = [o for o in TINY_OVERRIDES if not o.startswith("train.steps=")]
+    args = ["sweep", "--in-process", f"data.shards={shards}", f"train.output_dir={out}", *tiny, "train.steps=2",
+            "train.mixed_precision=bf16,no"]  # fmt: skip
+    assert main(args) == 0
+    for name in ("train.mixed_precision=bf16", "train.mixed_precision=no"):
+        state = json.loads((out / name / RUN_FILE).read_text())
+        assert state["status"] == "finished" and state["pid"] == os.getpid()
+    assert not AcceleratorState._shared_state  # the process is left as the sweep found it

@@ -58,6 +58,28 @@ def test_the_torch_bin_gradient_reads_each_lower_bin_and_is_zero_outside() -> No
         assert torch.equal(got[:, 5:], torch.zeros(3, len(outside), dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("num_bins", [1, 2, 10])
+def test_the_torch_bin_gradient_tells_every_edge_from_its_neighbours(
+    dtype: torch.dtype, num_bins: int
+) -> None:
+    """Each edge ``l`` exactly and the nearest representable positions on either side of it, against the lower bin
+    found by comparisons: the key ``floor(t) + ceil(t)`` must tell ``t = l`` from ``(l - 1, l)`` and from ``(l, l +
+    1)``, and ``t = num_bins`` (the last slope) from a hair above it (0), with sub-blocks of a few rows."""
+    edges = torch.arange(-1, num_bins + 2, dtype=dtype)
+    t_row = torch.cat([
+        torch.nextafter(edges, edges - 1), edges, torch.nextafter(edges, edges + 1), edges + 0.5
+    ])  # fmt: skip
+    t = t_row.repeat(5, 1)
+    slopes = torch.randn(5, num_bins, generator=torch.Generator().manual_seed(num_bins), dtype=dtype)
+    inside = (t >= 0) & (t <= num_bins)
+    lower = t.floor().clamp(0, num_bins - 1).long()
+    expected = torch.where(inside, slopes.gather(1, lower), torch.zeros_like(t))
+    workspace = Workspace(t.device, pass_bytes=2 * t.shape[1] * 40)  # sub-blocks of two rows
+    got = bin_gradient(t.clone(), slopes, torch.empty_like(t), workspace)
+    assert torch.equal(got, expected)
+
+
 def test_the_torch_sigmoid_ranks_are_the_definition() -> None:
     """R and the scores' gradient of ``sum_ai w_ai f(R_ai)`` against autograd through a dense mask."""
     g = torch.Generator().manual_seed(1)
@@ -227,9 +249,9 @@ def test_the_fused_triton_kernels_match_the_torch_paths() -> None:
         loss_t, grad_t, chunks_t, names_t, largest_t = out[f"{make.__name__}-torch"]
         loss_f, grad_f, chunks_f, names_f, largest_f = out[f"{make.__name__}-triton"]
         assert chunks_f < chunks_t, (make.__name__, chunks_f, chunks_t)
-        # The fused path takes neither the [c, P, N] sigmoids nor FastAP's int64 bins, and on both paths no
+        # The fused path takes neither the [c, P, N] sigmoids nor FastAP's int64 keys, and on both paths no
         # chunk's buffers pass the 64 KiB budget.
-        torch_only = "low" if make is FastAPLoss else "sigma"
+        torch_only = "key64" if make is FastAPLoss else "sigma"
         assert torch_only in names_t and torch_only not in names_f, (make.__name__, names_t, names_f)
         assert largest_t <= 64 * 1024 and largest_f <= 64 * 1024, (make.__name__, largest_t, largest_f)
         assert loss_f == pytest.approx(loss_t, rel=1e-6), make.__name__
