@@ -50,13 +50,22 @@ lint: $(STAMP)
 	$(BIN)/mypy examples
 	$(BIN)/mypy docs/hooks
 
-# The documentation site (mkdocs.yml) into site/: --strict fails on a broken link, a missing anchor or page, or a
-# docstring the API reference cannot read. The reference and results pages are generated from the code and
-# benchmarks/results/ during the build (docs/hooks/); nothing is fetched. The code blocks of the pages are run
-# by the suite (tests/docs/test_code_blocks.py, in make test).
+# The documentation site (mkdocs.yml) into site/: --strict fails on a broken link, a missing anchor or page, a
+# docstring the API reference cannot read, or a page that would load a file from the network. The reference and
+# results pages are generated from the code and benchmarks/results/ during the build (docs/hooks/). The browser
+# libraries the site bundles (KaTeX, Mermaid) come from the npm registry at the versions docs/package-lock.json
+# pins, installed by `npm ci` into DOCS_NODE (network, once; then reused until the lock file changes). The code
+# blocks of the pages are run by the suite (tests/docs/test_code_blocks.py, in make test).
 SITE_DIR ?= site
-docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir $(SITE_DIR)
+DOCS_NODE ?= build/docs-node
+$(DOCS_NODE)/node_modules/.package-lock.json: docs/package.json docs/package-lock.json
+	mkdir -p $(DOCS_NODE)
+	cp docs/package.json docs/package-lock.json $(DOCS_NODE)/
+	cd $(DOCS_NODE) && npm ci --no-audit --no-fund --loglevel=error
+
+docs: $(STAMP) $(DOCS_NODE)/node_modules/.package-lock.json
+	DDP_RANK_DOCS_NODE=$(abspath $(DOCS_NODE)) NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict \
+		--site-dir $(SITE_DIR)
 
 # Builds the emoji shards (npm pack), trains FastAP on 2 CPU processes, evaluates; outputs in runs/demo/.
 demo: $(STAMP)

@@ -128,6 +128,16 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
     """Defaults <- YAML file at ``path`` (if any) <- ``section.key=value`` overrides; validated.
 
     Raises :class:`ConfigError` naming the file, the key, the valid choices and a close match for a typo.
+
+    Examples:
+        >>> from ddp_rank.config import load_config
+        >>> cfg = load_config(overrides=["data.global_batch_size=64", "loss.name=pnp"])
+        >>> cfg.data.global_batch_size, cfg.loss.name, cfg.model.weights
+        (64, 'pnp', 'none')
+        >>> load_config(overrides=["data.global_batch_sise=64"])
+        Traceback (most recent call last):
+            ...
+        ddp_rank.config.checks.ConfigError: command line: unknown key 'data.global_batch_sise'; ... Did you mean 'global_batch_size'?
     """
     values: dict[str, dict[str, Any]] = {}
     origins: Origins = {}

@@ -210,6 +210,25 @@ class GlobalBatchLoss(nn.Module):
     and hyper-parameters, and call ``backward`` on the result if any rank does. Invalid inputs, a different
     loss, or an exception inside the loss on one rank raise on every rank (the ranks exchange a small status
     vector first and a failure flag with the loss sums), so a bad batch fails the job instead of hanging it.
+
+    Examples:
+        Each rank passes its own rows and global class ids; without a process group (or with one process) the
+        wrapper is the wrapped loss itself, so the same code runs on a laptop and on W GPUs:
+
+        >>> import torch
+        >>> from ddp_rank.distributed import GlobalBatchLoss
+        >>> from ddp_rank.losses import PNPLoss
+        >>> generator = torch.Generator().manual_seed(0)
+        >>> embeddings = torch.randn(32, 8, generator=generator, requires_grad=True)
+        >>> labels = torch.arange(32) // 4
+        >>> global_loss = GlobalBatchLoss(PNPLoss("Dq"), grad_reduction="mean")
+        >>> loss = global_loss(embeddings, labels)
+        >>> bool(loss == PNPLoss("Dq")(embeddings, labels))
+        True
+        >>> loss.backward()
+
+        Under ``torchrun`` or ``accelerate launch`` every rank gets the loss of the whole global batch
+        (``docs/losses/global-batch.md`` runs it on 2 processes).
     """
 
     def __init__(

@@ -149,7 +149,22 @@ def recall_against_exact(
 
 @dataclass
 class SearchIndex:
-    """A built index with the keys, labels and categories of its rows (row i of the index is item i)."""
+    """A built index with the keys, labels and categories of its rows (row i of the index is item i).
+
+    Examples:
+        An exact (``flat``) index over four embedded items, and the two nearest to a query:
+
+        >>> import numpy as np
+        >>> from ddp_rank.eval import Embeddings, IndexSpec, SearchIndex
+        >>> items = Embeddings(
+        ...     np.eye(4, dtype=np.float32), keys=np.array(["a", "b", "c", "d"]), labels=np.arange(4),
+        ...     categories=np.zeros(4, dtype=np.int64), subsets=np.array(["test"] * 4),
+        ... )
+        >>> index = SearchIndex.build(items, IndexSpec("flat"))
+        >>> scores, rows = index.search(np.array([[0.8, 0.6, 0.0, 0.0]], dtype=np.float32), k=2)
+        >>> items.keys[rows[0]].tolist(), [round(float(score), 2) for score in scores[0]]
+        (['a', 'b'], [0.8, 0.6])
+    """
 
     index: Any
     items: Embeddings

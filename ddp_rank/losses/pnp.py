@@ -49,6 +49,22 @@ class PNPLoss(ListwiseLoss):
         count_self: count the query among its own positives, as the authors' code does.
         normalize, memory_budget, chunk_rows, matmul_precision, kernel: see ``ListwiseLoss`` (``kernel``: the
             sigmoid ranks through ``[c, P, N]`` or two fused passes).
+
+    Examples:
+        PNP-Dq with the steeper ``alpha=4`` of the SOP recipe (``configs/sop_pnp_dq_resnet50_m384.yaml``; the
+        paper asks for the largest alpha that still trains), and PNP-Ds, on 8 classes of 4 random rows:
+
+        >>> import torch
+        >>> from ddp_rank.losses import PNPLoss
+        >>> generator = torch.Generator().manual_seed(0)
+        >>> embeddings = torch.randn(32, 8, generator=generator, requires_grad=True)
+        >>> labels = torch.arange(32) // 4
+        >>> loss = PNPLoss("Dq", alpha=4.0)(embeddings, labels)
+        >>> round(loss.item(), 4)
+        0.7219
+        >>> loss.backward()
+        >>> round(PNPLoss("Ds")(embeddings, labels).item(), 4)  # log(1 + R): unbounded, unlike Dq's 1 - ...
+        1.9123
     """
 
     def __init__(

@@ -38,6 +38,22 @@ class SmoothAPLoss(ListwiseLoss):
             and PNPLoss (where that holds for both settings).
         normalize, memory_budget, chunk_rows, matmul_precision, kernel: see ``ListwiseLoss`` (``kernel``: the
             ranks among the negatives through ``[c, P, N]`` or two fused passes).
+
+    Examples:
+        ``tau=0.01`` is the temperature of Brown et al. (2020). With the authors' ``count_self=True`` the query
+        ranks first among its own positives, which lowers the loss against the paper's definition:
+
+        >>> import torch
+        >>> from ddp_rank.losses import SmoothAPLoss
+        >>> generator = torch.Generator().manual_seed(0)
+        >>> embeddings = torch.randn(32, 8, generator=generator, requires_grad=True)
+        >>> labels = torch.arange(32) // 4
+        >>> loss = SmoothAPLoss(tau=0.01)(embeddings, labels)
+        >>> round(loss.item(), 4)
+        0.5755
+        >>> loss.backward()
+        >>> round(SmoothAPLoss(tau=0.01, count_self=False)(embeddings, labels).item(), 4)
+        0.8251
     """
 
     def __init__(

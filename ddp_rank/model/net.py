@@ -284,7 +284,19 @@ def build_model(
     """Build the embedding network described by ``cfg`` (the model's settings, or the config's ``model``
     section; ``image_size`` matters to EfficientNet-Lite and to vision transformers, whose position embeddings
     are sized for it). ``feature_dim``: the vectors' length of feature shards, which ``model.backbone=features``
-    (a head only) needs."""
+    (a head only) needs.
+
+    Examples:
+        A small network from the config's ``model`` section: L2-normalised embeddings of the head's width.
+
+        >>> import torch
+        >>> from ddp_rank.config import ModelConfig
+        >>> from ddp_rank.model import build_model
+        >>> net = build_model(ModelConfig(backbone="tiny_cnn", embedding_dim=8), image_size=16)
+        >>> embeddings = net(torch.zeros(2, 3, 16, 16))
+        >>> tuple(embeddings.shape), embeddings.norm(dim=1).round(decimals=4).tolist()
+        ((2, 8), [1.0, 1.0])
+    """
     name, weights = cfg.backbone, cfg.weights
     if name == FEATURES_BACKBONE:
         if feature_dim is None:

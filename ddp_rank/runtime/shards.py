@@ -22,8 +22,7 @@ def open_shards(shards: str, backbone: str) -> Manifest:
         manifest = Manifest.load(shards)
     except FileNotFoundError as exc:
         raise TrainError(
-            f"data.shards='{shards}': {exc}. Build the shards first (`ddp-rank shards build SOURCE "
-            f"{shards}`) or point data.shards at an existing shard directory"
+            f"data.shards='{shards}': {exc}; or point data.shards at an existing shard directory"
         ) from exc
     except ValueError as exc:
         raise TrainError(f"data.shards='{shards}': {exc}") from exc

@@ -4,7 +4,9 @@ Why generated and not written: a page typed by hand drifts from the argument par
 day an option is added; these pages are rendered from the very objects ``ddp-rank`` parses with, so they cannot.
 ``reference/cli.md`` walks the parser of ``ddp_rank.cli.build_parser`` (every command and sub-command, every
 option with its default and choices) and those of the modules the docs run with ``python -m``; ``reference/config.md`` lists every config key with its type, default,
-allowed range or choices and meaning. Neither file exists in ``docs/``: they are added to the build here.
+allowed range or choices and meaning. Neither file exists in ``docs/``: they are added to the build here. The
+getting-started page's table of the first options gets its default and demo columns from the same schema and
+``configs/demo.yaml`` (``options_table``).
 
 The hook is loaded by MkDocs from its path (mkdocs.yml, ``hooks:``) and imported by ``tests/docs`` as
 ``docs.hooks.reference``; it imports only the standard library and ``ddp_rank`` at module level.
@@ -18,6 +20,7 @@ import importlib
 import os
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 CLI_PAGE = "reference/cli.md"
@@ -307,8 +310,76 @@ def config_page() -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The getting-started page's table of the first options
+# ---------------------------------------------------------------------------------------------------------------
+
+# The table follows this marker; its first column names keys (`section.key`, several separated by commas), and the
+# build fills its last two columns: each key's default from the schema, its value in configs/demo.yaml.
+OPTIONS_MARKER = (
+    "<!-- options-table: defaults and demo values filled from the schema by docs/hooks/reference.py -->"
+)
+OPTIONS_PAGE = "getting-started.md"
+DEMO_CONFIG = "configs/demo.yaml"
+
+
+class OptionsTableError(Exception):
+    """The options table is missing, malformed, or names a key the schema does not have."""
+
+
+def option_value(value: Any) -> str:
+    """A config value as a table cell shows it: ```hard```, ```256```, ```1e-05```; an empty string as a dash."""
+    if value == "" or value is None:
+        return "—"
+    if isinstance(value, list):
+        return "`[" + ", ".join(str(v) for v in value) + "]`"
+    return f"`{value:g}`" if isinstance(value, float) else f"`{value}`"
+
+
+def _demo_values() -> dict[str, Any]:
+    from ddp_rank.config import load_config, to_dict
+
+    loaded = to_dict(load_config(Path(__file__).resolve().parents[2] / DEMO_CONFIG))
+    return {f"{section}.{key}": value for section, keys in loaded.items() for key, value in keys.items()}
+
+
+def options_table(markdown: str) -> str:
+    """``markdown`` with the options table's default and demo columns rendered from the config schema and
+    ``configs/demo.yaml``, so the page cannot drift from either; :class:`OptionsTableError` on a bad table."""
+    lines = markdown.split("\n")
+    if OPTIONS_MARKER not in lines:
+        raise OptionsTableError(f"{OPTIONS_PAGE} lacks the options table's marker line {OPTIONS_MARKER}")
+    defaults = {key.key: key.default for section in config_sections() for key in section.keys}
+    demo = _demo_values()
+    row = lines.index(OPTIONS_MARKER) + 3  # the marker, the header, the separator
+    while row < len(lines) and lines[row].startswith("|"):
+        cells = lines[row].strip().strip("|").split("|")
+        keys = re.findall(r"`([a-z_]+\.[a-z_]+)`", cells[0])
+        unknown = [key for key in keys if key not in defaults]
+        if len(cells) != 4 or not keys or unknown:
+            problem = f"names unknown keys {unknown}" if unknown else "needs 4 cells, the first naming keys"
+            raise OptionsTableError(f"{OPTIONS_PAGE}: the options table's row {lines[row]!r} {problem}")
+        cells[2] = ", ".join(option_value(defaults[key]) for key in keys)
+        cells[3] = ", ".join(option_value(demo[key]) for key in keys)
+        lines[row] = "| " + " | ".join(cell.strip() for cell in cells) + " |"
+        row += 1
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # MkDocs events
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    """Fill the getting-started page's options table from the schema and the demo config."""
+    if page.file.src_uri != OPTIONS_PAGE:
+        return markdown
+    from mkdocs.exceptions import PluginError
+
+    try:
+        return options_table(markdown)
+    except OptionsTableError as exc:
+        raise PluginError(str(exc)) from None
 
 
 def on_files(files: Any, config: Any) -> Any:

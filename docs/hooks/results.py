@@ -10,7 +10,12 @@ analysis of the measurement of its topic and date, not a newer measurement: it i
 tables (and on a page of its own); only without such a measurement does it stand as one. A plot belongs to the measurement of its date whose topic is the longest prefix of its
 name (``study-features-batch-2026-11-26.png`` -> ``study-features``) or whose text names it; the rest are shown on
 ``results/index.md``. Nothing is written into ``docs/``; the pages are added to the build, and the nav gets a
-Results section listing every topic.
+Results section listing every topic, under its title less any date (the date is on the page).
+
+A topic's page shows its newest measurement in full and links the earlier ones (each on its page). The index
+gives each topic one line saying what it found: the ``<!-- summary: ... -->`` comment of its newest file (or of
+that file's findings), kept in the results file beside the figures it sums up, so a rerun that writes a newer
+file without one is caught by ``tests/docs/test_results_pages.py`` rather than left under an old line.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ PAGE_DIR = "results"
 NAV_TITLE = "Results"
 _DATED = re.compile(r"^(?P<topic>.+?)-(?P<date>\d{4}-\d{2}-\d{2})(?:-(?P<tag>[^.]+))?$")
 _FENCE = re.compile(r"^\s*(```|~~~)")
+_SUMMARY = re.compile(r"<!--\s*summary:\s*(?P<line>.*?)\s*-->", re.DOTALL)
+# A date in a title, with the comma or the parenthesis that carries it: "Demo, 2026-11-25", "(H100, 2026-11-27)".
+_TITLE_DATE = re.compile(r"\s*\([^()]*\d{4}-\d{2}-\d{2}[^()]*\)|,?\s*\d{4}-\d{2}-\d{2}")
 FINDINGS = "findings"
 
 
@@ -49,6 +57,20 @@ class Measurement:
         if self.findings is not None:  # a table without a title: its write-up's, less "(findings, date)"
             return re.sub(r"\s*\(findings\b[^)]*\)\s*$", "", self.findings.title)
         return self.topic.replace("-", " ").capitalize()
+
+    @property
+    def summary(self) -> str | None:
+        """What this measurement found, in one line: its ``<!-- summary: ... -->`` comment, else its
+        findings'; None when neither has one."""
+        match = _SUMMARY.search(self.text)
+        if match:
+            return " ".join(match["line"].split())
+        return self.findings.summary if self.findings is not None else None
+
+
+def nav_title(title: str) -> str:
+    """``title`` as the nav lists it: without its date (the page shows it) and without code marks."""
+    return _TITLE_DATE.sub("", title).replace("`", "").strip()
 
 
 @dataclass
@@ -129,19 +151,17 @@ def _label(m: Measurement) -> str:
 
 
 def topic_page(measurements: list[Measurement]) -> str:
-    """One topic's page: the newest measurement in full, then each earlier one as a section of its own; a
-    measurement's findings follow its tables."""
+    """One topic's page: the newest measurement in full (its findings after its tables), then a link to each
+    earlier one's page: the current figures are read without scrolling past superseded ones."""
     newest = measurements[0]
     out = [f"# {newest.title}", "", f"{_label(newest)}, from `benchmarks/results/{newest.path.name}`.", ""]
     out += _body(newest, level=1)
     if len(measurements) > 1:
         out += ["## Earlier measurements", ""]
     for m in measurements[1:]:
-        out += [f"### {_label(m)}", "", f"From `benchmarks/results/{m.path.name}`.", ""]
-        if m.title != newest.title:
-            out += [f"*{m.title}*", ""]
-        out += _body(m, level=3)
-    return "\n".join(out)
+        title = "" if m.title == newest.title else f": {m.title}"
+        out.append(f"- [{_label(m)}]({m.path.stem}.md){title}")
+    return "\n".join(out) + "\n"
 
 
 def _body(m: Measurement, level: int) -> list[str]:
@@ -167,12 +187,14 @@ def index_page(results: Results) -> str:
         "is built: a page per topic, its newest measurement first. The scripts under `benchmarks/` write these "
         "files; rerunning one adds a dated file and this site shows it.",
         "",
-        "| topic | newest | measurements |",
-        "|---|---|---|",
+        "| topic | what it found | newest | measurements |",
+        "|---|---|---|---|",
     ]
     for topic, measurements in results.topics.items():
+        newest = measurements[0]
+        found = (newest.summary or "-").replace("|", "\\|")
         out.append(
-            f"| [{measurements[0].title}]({topic}.md) | {_label(measurements[0])} | {len(measurements)} |"
+            f"| [{nav_title(newest.title)}]({topic}.md) | {found} | {_label(newest)} | {len(measurements)} |"
         )
     out.append("")
     if results.loose_figures:
@@ -226,7 +248,7 @@ def rendered_files(folder: Path = RESULTS) -> list[Path]:
 def nav_pages(results: Results) -> list[tuple[str, str]]:
     """The Results section of the nav: ``(title, page)`` for the index and each topic."""
     return [("Overview", f"{PAGE_DIR}/index.md")] + [
-        (ms[0].title, f"{PAGE_DIR}/{topic}.md") for topic, ms in results.topics.items()
+        (nav_title(ms[0].title), f"{PAGE_DIR}/{topic}.md") for topic, ms in results.topics.items()
     ]
 
 

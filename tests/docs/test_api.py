@@ -1,4 +1,5 @@
-"""The generated Python API page (docs/hooks/api.py): every public name on it, every ``:::`` target importable.
+"""The generated Python API pages (docs/hooks/api.py): every public name on its package's page, headed by its
+import path, every ``:::`` target importable.
 
 mkdocstrings renders a target from the source it reads; a target that names the package of a lazily loaded name,
 or a module a name moved out of, builds an empty or broken entry, so each target is imported here as Python
@@ -44,26 +45,30 @@ def resolve(target: str) -> Any:
     raise ModuleNotFoundError(target)
 
 
-def _section(page: str, package: str) -> str:
-    start = page.index(f"## `{package}` {{")
-    end = page.find("\n## ", start + 1)
-    return page[start : end if end != -1 else len(page)]
+@pytest.fixture(scope="module")
+def pages() -> dict[str, str]:
+    return api.api_pages()
 
 
 @pytest.fixture(scope="module")
-def page() -> str:
-    return api.api_page()
+def page(pages: dict[str, str]) -> str:
+    """Every generated page, one after the other."""
+    return "\n".join(pages.values())
 
 
 @pytest.mark.parametrize("package", api.PACKAGES)
-def test_every_name_of_a_package_all_is_on_the_page_as_its_object(page: str, package: str) -> None:
+def test_every_name_of_a_package_all_is_on_the_page_as_its_object(
+    pages: dict[str, str], package: str
+) -> None:
     module = importlib.import_module(package)
-    section = _section(page, package)
+    section = pages[api.page_of(package)]
     assert (module.__doc__ or "").split("\n", 1)[0].replace("``", "`") in section  # the package's docstring
     targets = set(api.targets(section))
     for name in module.__all__:
         documented = [t for t in targets if t.rsplit(".", 1)[-1] == name]
-        assert documented or f"- `{name}`: see" in section, f"{package}.{name} is not on reference/api.md"
+        assert documented or f"- `{package}.{name}`: the same object as" in section, (
+            f"{package}.{name} is not on {api.page_of(package)}"
+        )
         for target in documented:
             assert resolve(target) is getattr(module, name), f"{target} is not {package}.{name}"
 
@@ -84,7 +89,9 @@ def test_the_names_the_docs_use_are_exported(package: str) -> None:
 def test_every_name_the_pages_import_is_public_in_its_package() -> None:
     """``from ddp_rank.eval.search import Searcher`` in a page: ``Searcher`` must be in ``ddp_rank.eval.__all__``
     (and so on the API page), whichever module of the package the page imports it from."""
-    pattern = re.compile(r"from (ddp_rank(?:\.\w+)+) import (?:\(([^)]*)\)|([^\n#]*))")
+    # An import in a code block runs to the line's end; one in a code span (`from x import Y` in a table) to
+    # the span's closing backtick.
+    pattern = re.compile(r"from (ddp_rank(?:\.\w+)+) import (?:\(([^)]*)\)|([^\n#`]*))")
     missing = []
     for path in [REPO / "README.md", *_pages()]:
         for module, wrapped, line in pattern.findall(path.read_text(encoding="utf-8")):
@@ -103,10 +110,10 @@ def _pages() -> list[Path]:
 
 
 def test_every_target_of_every_page_imports(page: str) -> None:
-    found = {"reference/api.md (generated)": list(api.targets(page))}
+    found = {"reference/api/ (generated)": list(api.targets(page))}
     for path in _pages():
         found[path.relative_to(REPO).as_posix()] = list(api.targets(path.read_text(encoding="utf-8")))
-    assert len(found["reference/api.md (generated)"]) > 50
+    assert len(found["reference/api/ (generated)"]) > 50
     broken = []
     for where, targets in found.items():
         for target in targets:
@@ -126,3 +133,43 @@ def test_targets_are_read_as_mkdocstrings_reads_them() -> None:
 def test_package_docstrings_become_markdown() -> None:
     text = api.markdown_docstring("See :mod:`~ddp_rank.config.schema` and :func:`ddp_rank.x.f`, ``code``.")
     assert text == "See `schema` and `ddp_rank.x.f`, `code`."
+
+
+def test_each_entry_is_headed_by_its_import_path_not_its_defining_module(pages: dict[str, str]) -> None:
+    losses = pages["reference/api/losses.md"]
+    assert (
+        '::: ddp_rank.losses.fastap.FastAPLoss\n    options:\n      heading: "ddp_rank.losses.FastAPLoss"'
+        in losses
+    )
+    data = pages["reference/api/data.md"]
+    assert 'heading: "ddp_rank.data.StreamLoader"' in data
+    assert "ddp_rank.data.reading" not in "".join(re.findall(r'heading: "([^"]+)"', data))
+
+
+def test_a_page_per_package_each_in_the_index_and_the_nav(pages: dict[str, str]) -> None:
+    assert set(pages) == {api.INDEX_PAGE} | {api.page_of(p) for p in api.PACKAGES}
+    for package in api.PACKAGES:
+        assert f"[`{package}`]({api.page_of(package).rsplit('/', 1)[-1]})" in pages[api.INDEX_PAGE]
+    nav = [{"Home": "index.md"}, {"Reference": ["reference/index.md", {"Python API": api.INDEX_PAGE}]}]
+    config = api.on_config({"nav": nav})
+    section = config["nav"][1]["Reference"][1]["Python API"]
+    assert section == [api.INDEX_PAGE] + [{p: api.page_of(p)} for p in api.PACKAGES]
+
+
+def test_a_package_page_opens_with_its_main_names() -> None:
+    names = [entry.name for entry in api.entries("ddp_rank.data")]
+    assert names[:3] == ["Manifest", "ShardStream", "StreamLoader"]
+    assert sorted(names) == sorted(importlib.import_module("ddp_rank.data").__all__)
+    for package, lead in api.LEADS.items():
+        missing = set(lead) - set(importlib.import_module(package).__all__)
+        assert not missing, f"api.LEADS names {missing}, not in {package}.__all__"
+
+
+def test_an_object_exported_twice_links_to_its_first_page() -> None:
+    """A target already rendered by an earlier package's page is not rendered again: the entry links there."""
+    step = "ddp_rank.train.chunking.step.forward_backward"
+    earlier = api.Entry("ddp_rank.distributed", "forward_backward", step)  # as if distributed exported it too
+    page = api.package_page("ddp_rank.train", {step: earlier})
+    link = f"[`ddp_rank.distributed.forward_backward`](distributed.md#{step})"
+    assert f"- `ddp_rank.train.forward_backward`: the same object as {link}." in page
+    assert f"::: {step}" not in page

@@ -182,10 +182,14 @@ def test_results_are_grouped_by_topic_newest_first_with_their_figures(tmp_path: 
     pages = results.pages(found)
     loss = pages["results/loss.md"]
     assert isinstance(loss, str)
-    assert loss.index("new table") < loss.index("## Earlier measurements") < loss.index("old table")
+    assert (
+        loss.index("new table") < loss.index("## Earlier measurements") < loss.index("(loss-2026-01-01.md)")
+    )
+    assert "old table" not in loss  # an earlier measurement is linked, on its own page
     assert loss.startswith("# Loss timings\n") and "\n# Loss timings" not in loss  # one title: others demoted
     assert "\n## Loss timings\n\nappended" in loss
-    assert "#### Part" in loss and "# not a heading" in loss  # demoted, but not inside a code fence
+    old = str(pages["results/loss-2026-01-01.md"])
+    assert "## Part" in old and "# not a heading" in old  # demoted, but not inside a code fence
     assert "![roc-2026-02-01](roc-2026-02-01.png)" in pages["results/study.md"]
     assert pages["results/roc-2026-02-01.png"] == b"png"
     assert "2026-02-01 (h100)" in pages["results/index.md"]
@@ -219,7 +223,9 @@ def test_a_findings_file_is_the_write_up_of_its_measurement_not_a_newer_one(tmp_
     assert isinstance(page, str)
     # that day's table, its findings under it, then the earlier measurement
     assert page.index("that day's table") < page.index("## Findings") < page.index("yes, see")
-    assert page.index("yes, see") < page.index("## Earlier measurements") < page.index("old table")
+    assert (
+        page.index("yes, see") < page.index("## Earlier measurements") < page.index("(study-2026-01-01.md)")
+    )
     assert "### Answer" in page and "![plot-2026-02-01](plot-2026-02-01.png)" in page
     assert "2026-02-01 (findings)" not in page and "2026-02-01 (findings)" not in pages["results/index.md"]
     assert "| 2026-02-01 | 2 |" in pages["results/index.md"]

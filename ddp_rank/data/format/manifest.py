@@ -80,7 +80,27 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Manifest:
-    """Everything a reader needs about a shard directory; ``root`` is where the manifest was loaded from."""
+    """Everything a reader needs about a shard directory; ``root`` is where the manifest was loaded from.
+
+    Examples:
+        Shards of a folder of images (``root/<category>/<class>/<image>``), and what their manifest says:
+
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from PIL import Image
+        >>> from ddp_rank.data import BuildOptions, Manifest, build_shards, read_image_folder
+        >>> root = Path(tempfile.mkdtemp())
+        >>> for category, product, view in [(c, p, v) for c in ("mugs", "lamps") for p in (0, 1) for v in (0, 1, 2)]:
+        ...     folder = root / "images" / category / f"{category}-{product}"
+        ...     folder.mkdir(parents=True, exist_ok=True)
+        ...     Image.new("RGB", (8, 8), (40 * product, 80 * view, 0)).save(folder / f"{view}.png")
+        >>> _ = build_shards(read_image_folder(root / "images"), root / "shards", BuildOptions(progress=False))
+        >>> manifest = Manifest.load(root / "shards")
+        >>> manifest.categories, [c.name for c in manifest.classes]
+        (('lamps', 'mugs'), ['lamps-0', 'lamps-1', 'mugs-0', 'mugs-1'])
+        >>> manifest.split("train").class_counts  # class id -> images
+        {0: 3, 1: 3, 2: 3, 3: 3}
+    """
 
     categories: tuple[str, ...]
     classes: tuple[ClassInfo, ...]

@@ -84,4 +84,7 @@ def no_manifest_advice(root: str) -> str:
                 problem = f"{tar} is a {compression}-compressed tar, which cannot be read by byte range"
                 return str(CompressedShardError(problem, compression, convert))
             return f"{root} holds tars without a manifest; index them with `ddp-rank shards index {quoted}`"
-    return f"is {root} a shard directory made by `ddp-rank shards build` (or indexed with `ddp-rank shards index`)?"
+    return (
+        f"{root} is not a shard directory: make one with `ddp-rank shards build SOURCE {quoted}`, or index tars "
+        "with `ddp-rank shards index`"
+    )

@@ -100,6 +100,25 @@ class ShardStream(IterableDataset):
     One ``iter`` yields the rest of the current epoch. ``StreamLoader`` wraps the DataLoader and moves the
     position on as it hands out batches; with a raw ``DataLoader(stream, batch_size=None, num_workers=...)``
     call ``advance(batch)`` (or ``set_epoch``) yourself, since worker copies cannot report back.
+
+    Examples:
+        The first step's batch of one process, from shards of two categories (the ``hard`` sampler that
+        ``auto`` picks here draws whole classes of each category):
+
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from PIL import Image
+        >>> from ddp_rank.data import BuildOptions, ShardStream, TransformConfig, build_shards, read_image_folder
+        >>> root = Path(tempfile.mkdtemp())
+        >>> for category, product, view in [(c, p, v) for c in ("mugs", "lamps") for p in (0, 1) for v in (0, 1, 2)]:
+        ...     folder = root / "images" / category / f"{category}-{product}"
+        ...     folder.mkdir(parents=True, exist_ok=True)
+        ...     Image.new("RGB", (8, 8), (40 * product, 80 * view, 0)).save(folder / f"{view}.png")
+        >>> _ = build_shards(read_image_folder(root / "images"), root / "shards", BuildOptions(progress=False))
+        >>> stream = ShardStream(root / "shards", 6, rank=0, world_size=1, transform=TransformConfig(resize=8, crop=8))
+        >>> batch = next(iter(stream))
+        >>> tuple(batch.images.shape), batch.labels.tolist(), batch.categories.tolist()
+        ((6, 3, 8, 8), [0, 0, 0, 2, 2, 2], [0, 0, 0, 1, 1, 1])
     """
 
     def __init__(
