@@ -25,9 +25,27 @@ _BARE = re.compile(r"(?<![\w.{])([a-z_]+)=([A-Za-z0-9_.\-]+)")
 _PLACEHOLDER = "\x00"
 
 
+def _docstring(node: ast.AST) -> ast.Constant | None:
+    """The docstring node of a module, class or function, else None."""
+    if (
+        not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        or not node.body
+    ):
+        return None
+    first = node.body[0]
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
+        return first.value
+    return None
+
+
 def _strings(raised_only: bool = False) -> list[tuple[str, int, str]]:
-    """(file, line, text) of every string literal in the package (``raised_only``: in a ``raise`` statement);
-    a formatted field of an f-string becomes a placeholder."""
+    """(file, line, text) of every string literal in the package but the docstrings, whose examples may show a
+    refused setting on purpose (``raised_only``: in a ``raise`` statement); a formatted field of an f-string
+    becomes a placeholder."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -35,6 +53,7 @@ def _strings(raised_only: bool = False) -> list[tuple[str, int, str]]:
             [n for n in ast.walk(tree) if isinstance(n, ast.Raise)] if raised_only else [tree]
         )
         parts = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+        parts |= {id(doc) for n in ast.walk(tree) if (doc := _docstring(n)) is not None}
         for root in roots:
             for node in ast.walk(root):
                 if isinstance(node, ast.JoinedStr):

@@ -116,6 +116,7 @@ class ProcessState:
     and put back by :meth:`restore` (before each run and after the last)."""
 
     torch_seed: int
+    torch_cpu_rng: torch.Tensor
     numpy_rng: Any
     python_rng: Any
     switches: dict[str, Any]
@@ -133,6 +134,7 @@ class ProcessState:
             # A fresh process's generators (CPU and every CUDA device) start at this seed; seeding them with it
             # again gives the same state, also on a device not yet started.
             torch_seed=torch.initial_seed(),
+            torch_cpu_rng=torch.get_rng_state(),  # the CPU generator where it stands, drawn from or not
             numpy_rng=np.random.get_state(),  # noqa: NPY002 - the global generator is what leaks
             python_rng=random.getstate(),
             switches=_torch_switches(),
@@ -150,6 +152,7 @@ class ProcessState:
         _free_device_memory()
         _forget_said_once()
         torch.manual_seed(self.torch_seed)
+        torch.set_rng_state(self.torch_cpu_rng)
         np.random.set_state(self.numpy_rng)  # noqa: NPY002
         random.setstate(self.python_rng)
         _set_torch_switches(self.switches)
