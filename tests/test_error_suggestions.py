@@ -43,9 +43,9 @@ def _docstring(node: ast.AST) -> ast.Constant | None:
 
 
 def _strings(raised_only: bool = False) -> list[tuple[str, int, str]]:
-    """(file, line, text) of every string literal in the package but the docstrings, whose examples may show a
-    refused setting on purpose (``raised_only``: in a ``raise`` statement); a formatted field of an f-string
-    becomes a placeholder."""
+    """(file, line, text) of every string literal in the package (``raised_only``: in a ``raise`` statement); a
+    formatted field of an f-string becomes a placeholder, and a docstring's example lines (``>>>``, ``...``) are
+    left out: an example may show a refused setting on purpose."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -53,7 +53,7 @@ def _strings(raised_only: bool = False) -> list[tuple[str, int, str]]:
             [n for n in ast.walk(tree) if isinstance(n, ast.Raise)] if raised_only else [tree]
         )
         parts = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
-        parts |= {id(doc) for n in ast.walk(tree) if (doc := _docstring(n)) is not None}
+        docstrings = {id(doc) for n in ast.walk(tree) if (doc := _docstring(n)) is not None}
         for root in roots:
             for node in ast.walk(root):
                 if isinstance(node, ast.JoinedStr):
@@ -62,6 +62,10 @@ def _strings(raised_only: bool = False) -> list[tuple[str, int, str]]:
                     )
                 elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in parts:
                     text = node.value
+                    if id(node) in docstrings:
+                        text = "\n".join(
+                            line for line in text.splitlines() if not line.lstrip().startswith((">>>", "..."))
+                        )
                 else:
                     continue
                 found.append((str(path.relative_to(PACKAGE.parent)), node.lineno, text))
