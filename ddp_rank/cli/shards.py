@@ -30,7 +30,7 @@ from ddp_rank.cli import shards_build, shards_features
 from ddp_rank.cli.arguments import add_max_image_pixels
 from ddp_rank.cli.shards_convert import convert_command
 from ddp_rank.data.building.verify import verify_shards
-from ddp_rank.data.format.class_leaks import SHARED_CLASSES_HELP, SHARED_CLASSES_OPTION
+from ddp_rank.data.format.class_leaks import SHARED_CLASSES_HELP, SHARED_CLASSES_OPTION, record_shared_classes
 from ddp_rank.data.format.info import format_info
 
 _CORES = os.cpu_count() or 1  # the default of --workers
@@ -74,7 +74,12 @@ def _add_index(sub: Any) -> None:
         "--out", default=None, help="where to write manifest.json (default: DIRECTORY; required for a URL)"
     )
     _add_index_options(p, "category")
-    p.add_argument("--upgrade", action="store_true", help="add byte ranges to a version-1 ddp_rank manifest")
+    p.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="add byte ranges to a version-1 ddp_rank manifest; with --shared-classes, only record the reason "
+        "in the manifest in place",
+    )
     p.add_argument(SHARED_CLASSES_OPTION, default=None, metavar="REASON", help=SHARED_CLASSES_HELP)
     p.set_defaults(func=_index)
 
@@ -214,11 +219,9 @@ def _index(args: argparse.Namespace) -> int:
     out = args.out
     try:
         if args.upgrade and args.shared_classes is not None:
-            raise ShardIndexError(
-                f"--upgrade keeps the manifest's classes and splits: drop {SHARED_CLASSES_OPTION}, or re-index "
-                f"the shards (without --upgrade) to record it"
-            )
-        if args.upgrade:
+            record_shared_classes(args.directory, args.shared_classes)
+            out = args.directory
+        elif args.upgrade:
             upgrade_manifest(args.directory)
             out = args.directory
         else:

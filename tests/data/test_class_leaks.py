@@ -187,10 +187,16 @@ def test_index_decides_from_the_class_field_it_reads(
 
     assert main(["shards", "index", str(leaky), "--shared-classes", REASON]) == 0
     assert Manifest.load(leaky).shared_classes == REASON
-    assert main(["shards", "index", str(leaky), "--upgrade", "--shared-classes", REASON]) == 2
-    assert (
-        "--upgrade keeps the manifest's classes and splits: drop --shared-classes" in capsys.readouterr().err
-    )
+    # A set indexed earlier without the reason: --upgrade records it in place, every other field kept.
+    before = Manifest.load(leaky)
+    raw = json.loads((leaky / "manifest.json").read_text(encoding="utf-8"))
+    del raw["shared_classes"]
+    (leaky / "manifest.json").write_text(json.dumps(raw), encoding="utf-8")
+    assert Manifest.load(leaky).shared_classes is None
+    assert main(["shards", "index", str(leaky), "--upgrade", "--shared-classes", "closed-set"]) == 0
+    after = Manifest.load(leaky)
+    assert after.shared_classes == "closed-set"
+    assert (after.classes, after.splits, after.build) == (before.classes, before.splits, before.build)
 
     apart = _foreign(tmp_path / "apart", {"train": ["0", "1"], "val": ["2", "3"]})
     assert main(["shards", "index", str(apart)]) == 0

@@ -20,6 +20,7 @@ accepts the shared classes. A manifest written before that field existed loads a
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Mapping
+from dataclasses import replace
 from typing import TypeVar
 
 from ddp_rank.data.format.manifest import Manifest
@@ -33,6 +34,7 @@ __all__ = [
     "class_leak",
     "leak_line",
     "manifest_leak",
+    "record_shared_classes",
 ]
 
 SHARED_CLASSES_OPTION = "--shared-classes"
@@ -47,8 +49,8 @@ WHY = "held-out classes must be new to the model, or its retrieval figures come 
 RECORD_FIX = f"if your protocol shares classes on purpose, record it with {SHARED_CLASSES_OPTION} REASON"
 BUILT_FIX = (
     "rebuild the shards with a class split (`ddp-rank shards build SOURCE OUT --test-fraction F`); or, "
-    f"{RECORD_FIX} (`ddp-rank shards index DIR --class-field class {SHARED_CLASSES_OPTION} REASON` re-indexes "
-    "shards in place, keeping their classes' names)"
+    f"{RECORD_FIX} (`ddp-rank shards index DIR --upgrade {SHARED_CLASSES_OPTION} REASON` records it in the "
+    "manifest in place, changing nothing else)"
 )
 """The fix for a shard set that exists already (``shards verify``, a run's start-up)."""
 
@@ -131,3 +133,11 @@ def manifest_leak(manifest: Manifest, train: str = TRAIN_SPLIT) -> str | None:
 def _class_name(manifest: Manifest, class_id: int) -> str:
     info = manifest.classes[class_id]
     return info.name if info.category is None else f"{manifest.categories[info.category]}/{info.name}"
+
+
+def record_shared_classes(directory: str, reason: str) -> Manifest:
+    """Record ``reason`` as the ``shared_classes`` of the manifest in ``directory`` (a local shard set), every
+    other field kept: the way to accept an existing set whose splits share classes on purpose."""
+    manifest = replace(Manifest.load(directory), shared_classes=check_reason(reason))
+    manifest.save(directory)
+    return manifest

@@ -69,6 +69,19 @@ def no_manifest_advice(root: str) -> str:
             f"{root} names shards, not a shard directory; index them first with `ddp-rank shards index {quoted}` "
             "(it writes manifest.json beside them; --out DIR elsewhere)"
         )
+    try:
+        advice = _folder_advice(root, quoted)
+    except OSError:  # the folder changed while it was looked at: the general advice still holds
+        advice = None
+    return advice or (
+        f"{root} is not a shard directory: make one with `ddp-rank shards build SOURCE {quoted}`, or index tars "
+        "with `ddp-rank shards index`"
+    )
+
+
+def _folder_advice(root: str, quoted: str) -> str | None:
+    """The advice for a local folder without a manifest whose tars say more (compressed, or plain to index);
+    None when they say nothing."""
     base = Path(root)
     if not is_url(root) and base.is_dir():
         convert = f"ddp-rank shards reshard {quoted} {shlex.quote(root + '-plain')}"
@@ -84,7 +97,4 @@ def no_manifest_advice(root: str) -> str:
                 problem = f"{tar} is a {compression}-compressed tar, which cannot be read by byte range"
                 return str(CompressedShardError(problem, compression, convert))
             return f"{root} holds tars without a manifest; index them with `ddp-rank shards index {quoted}`"
-    return (
-        f"{root} is not a shard directory: make one with `ddp-rank shards build SOURCE {quoted}`, or index tars "
-        "with `ddp-rank shards index`"
-    )
+    return None

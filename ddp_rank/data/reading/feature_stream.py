@@ -90,7 +90,10 @@ class FeatureStream(ShardStream):
         """One class of a step the fast path left to ``ShardStream.batch``: from the table, failing where the
         per-sample path would (the class's read error, or the first chosen row that does not decode)."""
         if class_id in self.table.failures:
-            raise self.table.failures[class_id]
+            # A new error each time: the stored one, raised again, would carry every earlier raise's traceback
+            # (and the frames it holds) for as long as the run draws that class.
+            failure = self.table.failures[class_id]
+            raise ClassReadError(failure.class_id, failure.shard, failure.reason)
         first = int(self.table.starts[class_id])
         keys, out = [], []
         for index in images:

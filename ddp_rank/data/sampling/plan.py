@@ -231,7 +231,14 @@ class GlobalPlan:
         sampler = (
             "data.sampler=hard" if cfg.strategy == "hard" else "data.sampler=pk with data.category_aware"
         )
-        whole_split = "draw classes from the whole split with data.sampler=auto (or random, or pk)"
+        # What draws from the whole split instead: for pk, dropping its category constraint; for hard, random
+        # (auto picks random only where the split has no categories at all: elsewhere it would pick hard again).
+        if cfg.strategy != "hard":
+            whole_split = "draw classes from the whole split with data.category_aware=false"
+        elif found == 0:
+            whole_split = "draw classes from the whole split with data.sampler=auto (random here, or pk)"
+        else:
+            whole_split = "draw classes from the whole split with data.sampler=random (or pk)"
         if found == 0:
             return (
                 f"{sampler} draws each batch from {cfg.categories_per_batch} categories, but the split's classes "
