@@ -106,7 +106,9 @@ def load_feature_table(
         if mapped is not None:
             return mapped
         table, data = _read_table(reader, manifest, split, dim)
-        if table.failures or table.bad_rows:  # never shared: held by this process alone, as below the threshold
+        if (
+            table.failures or table.bad_rows
+        ):  # never shared: held by this process alone, as below the threshold
             table.vectors = table.vectors.astype(np.float32)
             return table
         index = {
