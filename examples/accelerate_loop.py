@@ -12,6 +12,7 @@ SHARD_DIR is what `ddp-rank shards build` (or `ddp-rank demo`) wrote. Copy this 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 from accelerate import Accelerator
@@ -42,6 +43,13 @@ def batch_recall_at_1(embeddings: torch.Tensor, labels: torch.Tensor) -> float:
     similarity = unit @ unit.T
     similarity.fill_diagonal_(-2.0)
     return float((labels[similarity.argmax(dim=1)] == labels).float().mean())
+
+
+def say(line: str) -> None:
+    """Print ``line`` in one write: the ranks share the terminal, and ``print``'s text and newline, written apart
+    when the output is unbuffered, let another rank's line land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -85,15 +93,14 @@ def main() -> None:
             step += 1
             assert out.embeddings is not None
             recall = batch_recall_at_1(out.embeddings, batch.labels)
-            print(
+            say(
                 f"rank {accelerator.process_index} step {step} loss {out.loss.item():.10f} chunks {out.chunks} "
-                f"local_batch {len(batch)} batch_recall@1 {recall:.3f}",
-                flush=True,
+                f"local_batch {len(batch)} batch_recall@1 {recall:.3f}"
             )
             if step == args.steps:
                 break
     checksum = sum(float(p.detach().double().sum()) for p in accelerator.unwrap_model(model).parameters())
-    print(f"rank {accelerator.process_index} weights_sum {checksum:.12f}", flush=True)
+    say(f"rank {accelerator.process_index} weights_sum {checksum:.12f}")
     accelerator.end_training()
 
 

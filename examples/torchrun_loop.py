@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,13 @@ def build_loss() -> GlobalBatchLoss:
     return GlobalBatchLoss(
         losses.MultiSimilarityLoss(), miner=miners.MultiSimilarityMiner(epsilon=0.1), grad_reduction="mean"
     )
+
+
+def say(line: str) -> None:
+    """Print ``line`` in one write: the ranks share the terminal, and ``print``'s text and newline, written apart
+    when the output is unbuffered, let another rank's line land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -77,15 +85,14 @@ def main() -> None:
             step += 1
             assert out.embeddings is not None
             norms = out.embeddings.norm(dim=1).mean().item() if len(batch) else float("nan")
-            print(
+            say(
                 f"rank {rank} step {step} loss {out.loss.item():.10f} chunks {out.chunks} "
-                f"local_batch {len(batch)} mean_norm {norms:.4f}",
-                flush=True,
+                f"local_batch {len(batch)} mean_norm {norms:.4f}"
             )
             if step == args.steps:
                 break
     checksum = sum(float(p.detach().double().sum()) for p in model.module.parameters())
-    print(f"rank {rank} weights_sum {checksum:.12f}", flush=True)
+    say(f"rank {rank} weights_sum {checksum:.12f}")
     dist.destroy_process_group()
 
 
