@@ -7,8 +7,12 @@ One definition, so ``train``, ``plan``, ``eval``, ``export``, ``sweep`` and the 
 from __future__ import annotations
 
 import argparse
+import os
 
-__all__ = ["add_config_arguments", "add_max_image_pixels", "pixel_count"]
+__all__ = ["CPU_CORES", "add_config_arguments", "add_max_image_pixels", "pixel_count"]
+
+CPU_CORES = os.cpu_count() or 1
+"""The default of the commands' ``--workers``."""
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, config_help: str) -> None:

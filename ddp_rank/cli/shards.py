@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from ddp_rank.cli import shards_build, shards_features
-from ddp_rank.cli.arguments import add_max_image_pixels
+from ddp_rank.cli.arguments import CPU_CORES, add_max_image_pixels
 from ddp_rank.cli.shards_convert import convert_command
 from ddp_rank.data.building.verify import verify_shards
 from ddp_rank.data.format.class_leaks import SHARED_CLASSES_HELP, SHARED_CLASSES_OPTION, record_shared_classes
 from ddp_rank.data.format.info import format_info
-
-_CORES = os.cpu_count() or 1  # the default of --workers
 
 
 def register(subparsers: Any) -> None:
@@ -43,7 +40,7 @@ def register(subparsers: Any) -> None:
     verify = sub.add_parser("verify", help="check checksums, counts and that every image decodes")
     verify.add_argument("directory", help="shard directory or URL (holding manifest.json)")
     verify.add_argument("--no-decode", action="store_true", help="skip decoding the images (faster)")
-    verify.add_argument("--workers", type=int, default=_CORES, help="processes (default: the CPU cores)")
+    verify.add_argument("--workers", type=int, default=CPU_CORES, help="processes (default: the CPU cores)")
     add_max_image_pixels(verify, "is a problem, as in training")
     verify.set_defaults(func=_verify)
     info = sub.add_parser("info", help="table of classes, images, shards and size per split and category")

@@ -4,12 +4,11 @@ public dataset's own files through a recipe) turned into shards. Thin: parse and
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.cli.arguments import add_max_image_pixels
+from ddp_rank.cli.arguments import CPU_CORES, add_max_image_pixels
 from ddp_rank.data.building.build import BuildOptions, build_shards
 from ddp_rank.data.building.listing import (
     RELATIVE_PATH_RULE,
@@ -24,9 +23,6 @@ from ddp_rank.data.building.listing import (
 from ddp_rank.data.building.recipes import RECIPES, run_recipe
 from ddp_rank.data.format.class_leaks import SHARED_CLASSES_HELP, SHARED_CLASSES_OPTION, ClassLeakError
 from ddp_rank.data.format.info import format_info
-
-_CORES = os.cpu_count() or 1  # the default of --workers
-
 
 _BUILD_DESCRIPTION = f"""\
 Write shards and manifest.json from an image folder (root/<category>/<class>/<img> or root/<class>/<img>) or a
@@ -97,7 +93,9 @@ def add_build(sub: Any) -> None:
         help="stop on bad input (default) or skip it and list what was skipped",
     )
     add_max_image_pixels(p, "is unreadable (see --on-bad)")
-    p.add_argument("--workers", type=int, default=_CORES, help="encoding processes (default: the CPU cores)")
+    p.add_argument(
+        "--workers", type=int, default=CPU_CORES, help="encoding processes (default: the CPU cores)"
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -139,7 +137,7 @@ def add_listing(sub: Any) -> None:
         "--train-list", default=None, help="inat: the published train split (image paths or class ids)"
     )
     p.add_argument("--test-list", default=None, help="inat: the published test split")
-    p.add_argument("--workers", type=int, default=_CORES, help="emoji, words: render workers")
+    p.add_argument("--workers", type=int, default=CPU_CORES, help="emoji, words: render workers")
     p.set_defaults(func=_listing)
 
 
