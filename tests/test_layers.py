@@ -37,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
 SLICE = "slice"
 """A package whose modules sit in different layers; its ``__init__`` imports nothing, so it is below all."""
 PACKAGE_LAYER: dict[str, str] = {
-    "ddp_rank": "base",  # the top-level modules: atomic_io, autocast_off, logs, _moved
+    "ddp_rank": "base",  # the top-level modules: atomic_io, autocast_off, logs
     "ddp_rank.config": "base",  # the typed config: below everything, like the top-level modules
     "ddp_rank.losses": "losses",
     "ddp_rank.distributed": "distributed",

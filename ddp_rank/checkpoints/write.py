@@ -1,7 +1,7 @@
 """Writing atomic checkpoints: keep the last K and the best, rotate, abandon a rewound timeline.
 
 Reading them (``read_meta``, ``resolve_checkpoint``, ``load_model_weights``) lives in ``ddp_rank.checkpoints.read``,
-which evaluation and export share; the names are re-exported here for the trainer's callers.
+which evaluation and export share.
 
 Layout under ``<output_dir>/checkpoints/``::
 
@@ -54,23 +54,10 @@ from ddp_rank.checkpoints.read import (
     CheckpointError,
     complete_checkpoints,
     latest_checkpoint,
-    load_model_weights,
     read_best,
-    read_meta,
-    resolve_checkpoint,
 )
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointManager",
-    "CheckpointSettings",
-    "atomic_write_text",
-    "check_world_size",
-    "fsync_tree",
-    "load_model_weights",
-    "read_meta",
-    "resolve_checkpoint",
-]
+__all__ = ["CheckpointManager", "CheckpointSettings", "check_world_size"]
 
 
 @dataclass(frozen=True)

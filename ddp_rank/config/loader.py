@@ -21,7 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.config.checks import LOADED, ConfigError, _bool, _list, _suggest, explain, field_choices
+from ddp_rank.config.checks import LOADED, ConfigError, _suggest, explain, field_choices
 from ddp_rank.config.schema import _SECTIONS, Config
 
 
@@ -61,24 +61,12 @@ def _merge(base: dict[str, dict[str, Any]], update: Mapping[str, Any], origin: s
         if not isinstance(values, Mapping):
             raise ConfigError(f"{origin}: section '{section}' must be a mapping of key: value")
         origins[(section,)] = origin
-        # The replaced train.tensorboard last: in one mapping with train.log_with it adds tensorboard to that
-        # list (merged, not overwritten by it, whatever the order of the two keys).
-        for key, value in sorted(
-            values.items(), key=lambda item: (section, item[0]) == ("train", "tensorboard")
-        ):
+        for key, value in values.items():
             if (section, key) == ("train", "tensorboard"):
-                # Replaced by train.log_with: a config.yaml of an earlier run still loads, and means the same.
-                flag = _bool(value)
-                if not isinstance(flag, bool):
-                    raise ConfigError(
-                        f"{origin}: train.tensorboard (replaced by train.log_with) is {value!r}, not a boolean "
-                        "(true/false)"
-                    )
-                trackers = _list(base.get("train", {}).get("log_with") or [])
-                if flag and isinstance(trackers, list) and "tensorboard" not in trackers:
-                    base.setdefault("train", {})["log_with"] = [*trackers, "tensorboard"]
-                    origins[("train", "log_with")] = origin
-                continue
+                raise ConfigError(
+                    f"{origin}: train.tensorboard was replaced by train.log_with: write train.log_with: [tensorboard] "
+                    "instead (or delete the line: no tracker)"
+                )
             base.setdefault(section, {})[str(key)] = value
             origins[(section, str(key))] = origin
 

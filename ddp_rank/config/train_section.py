@@ -148,8 +148,7 @@ class TrainConfig(_Section):
         "else a file store in OUTPUT_DIR/mlruns), 'wandb' (WANDB_MODE=offline works), 'aim', 'comet_ml', "
         "'clearml', 'dvclive', 'swanlab', 'trackio'; each needs its package (tensorboard, mlflow and wandb: the "
         "extra of that name, docs/install.md). "
-        "metrics.jsonl and the PNG plots are written whatever this holds. An older config's tensorboard: true loads "
-        "as [tensorboard].",
+        "metrics.jsonl and the PNG plots are written whatever this holds.",
     )
     tracker_project: Text = _field(
         "ddp_rank",

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from ddp_rank._moved import moved_attributes
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.reading.eval_reader import EvalShards
 from ddp_rank.data.reading.loader import ignore_stop_signals
@@ -291,7 +290,3 @@ def score(
     if kept is not None:
         out["per_query"] = kept
     return out
-
-
-# ``deployment_settings(cfg)`` moved to ``eval.settings`` with the settings objects (issue 39).
-__getattr__ = moved_attributes(__name__, {"deployment_settings": "ddp_rank.eval.settings"})

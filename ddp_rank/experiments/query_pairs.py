@@ -14,10 +14,13 @@ The difference of two points has two sources of noise:
   (the same hard classes are hard for both), which is why such a difference is far tighter than either figure's
   own interval.
 
-``compare_points`` gives both, and a combined interval: its half-width is the two half-widths added in quadrature
-(the test set's draw and the training's noise are independent, so their variances add; the seed part keeps its t
-quantile, which at 3 seeds makes the combination cautious). A difference is beyond noise only where the combined
-interval excludes zero, else "within noise".
+``compare_points`` gives both, and a combined interval: the two are independent (the seeds are scored on one test
+set, so their spread is the training's; the class draw is the test set's), so their variances add; the
+seeds' variance is estimated from 3 values and the classes' from thousands, and the Welch-Satterthwaite degrees of
+freedom of the sum set its t quantile (``intervals.combined_interval``). A difference is beyond noise only where the
+combined interval excludes zero, else "within noise". (The seeds' interaction with the test classes enters both
+variances, so the combination is slightly conservative.) ``point_interval`` gives one point's own mean the same way
+(for a plot's error bars: it keeps the noise that pairing cancels).
 """
 
 from __future__ import annotations
@@ -28,9 +31,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddp_rank.experiments.intervals import CONFIDENCE, Interval, paired_t_interval
+from ddp_rank.experiments.intervals import (
+    CONFIDENCE,
+    Interval,
+    VarianceTerm,
+    combined_interval,
+    paired_t_interval,
+)
 
-__all__ = ["PointDifference", "QueryValues", "class_bootstrap", "compare_points", "load_query_values"]
+__all__ = [
+    "PointDifference",
+    "QueryValues",
+    "class_bootstrap",
+    "compare_points",
+    "load_query_values",
+    "point_interval",
+]
 
 RESAMPLES = 2000
 """Class draws of a bootstrap: enough that the 2.5th and 97.5th percentiles move by a small fraction of the
@@ -74,16 +90,12 @@ def _check_same_queries(runs: Sequence[QueryValues], metric: str) -> None:
             raise ValueError(f"run {i}'s queries are other images than run 0's (their keys differ)")
 
 
-def class_bootstrap(
-    per_query: np.ndarray,
-    labels: np.ndarray,
-    resamples: int = RESAMPLES,
-    seed: int = 0,
-    confidence: float = CONFIDENCE,
-) -> tuple[float, float, float]:
-    """The mean of ``per_query`` and the percentile ``confidence`` interval of that mean when the classes of
-    ``labels`` are drawn with replacement (each drawn class brings all its queries; the mean is over the queries
-    drawn, so a draw of larger classes weighs them as the test set would)."""
+def class_draws(
+    per_query: np.ndarray, labels: np.ndarray, resamples: int = RESAMPLES, seed: int = 0
+) -> np.ndarray:
+    """The mean of ``per_query`` over each of ``resamples`` draws of the classes of ``labels`` with replacement
+    (each drawn class brings all its queries; the mean is over the queries drawn, so a draw of larger classes weighs
+    them as the test set would)."""
     classes, index = np.unique(labels, return_inverse=True)
     sums = np.bincount(index, weights=per_query, minlength=len(classes))
     counts = np.bincount(index, minlength=len(classes)).astype(np.float64)
@@ -94,6 +106,18 @@ def class_bootstrap(
         size = min(block, resamples - start)
         drawn = rng.multinomial(len(classes), np.full(len(classes), 1.0 / len(classes)), size=size)
         stats[start : start + size] = (drawn @ sums) / (drawn @ counts)
+    return stats
+
+
+def class_bootstrap(
+    per_query: np.ndarray,
+    labels: np.ndarray,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    confidence: float = CONFIDENCE,
+) -> tuple[float, float, float]:
+    """The mean of ``per_query`` and the percentile ``confidence`` interval of that mean over ``class_draws``."""
+    stats = class_draws(per_query, labels, resamples, seed)
     tail = 100 * (1 - confidence) / 2
     low, high = np.percentile(stats, [tail, 100 - tail])
     return float(per_query.mean()), float(low), float(high)
@@ -101,29 +125,30 @@ def class_bootstrap(
 
 @dataclass(frozen=True)
 class PointDifference:
-    """``a - b`` of one metric (fractions, as the metrics are): over the test classes (``queries``: the paired
-    class bootstrap of the seed-averaged per-query difference; ``count`` is the number of classes) and over the
-    seeds (``seeds``: paired t; None under two seeds)."""
+    """``a - b`` of one metric (fractions, as the metrics are): over the test classes (``queries``: the percentile
+    interval of the paired class bootstrap of the seed-averaged per-query difference, ``count`` its classes) and
+    over the seeds (``seeds``: paired t; None under two seeds); ``terms`` the two variances of the mean that
+    ``interval`` combines."""
 
     metric: str
     queries: Interval
     seeds: Interval | None
+    terms: tuple[VarianceTerm, ...] = ()
 
     @property
     def mean(self) -> float:
         return self.queries.mean
 
-    @property
-    def combined(self) -> Interval | None:
-        """The test classes' and the seeds' half-widths added in quadrature around the mean (None under two
+    def interval(self, confidence: float = CONFIDENCE) -> Interval | None:
+        """The seeds' and the test classes' noise combined (Welch-Satterthwaite) at ``confidence`` (None under two
         seeds: one seed says nothing of the training's noise)."""
         if self.seeds is None:
             return None
-        lows, highs = self.mean - self.queries.low, self.queries.high - self.mean
-        seed_half = (self.seeds.high - self.seeds.low) / 2
-        return Interval(self.mean, self.mean - (lows**2 + seed_half**2) ** 0.5,
-                        self.mean + (highs**2 + seed_half**2) ** 0.5, self.seeds.count,
-                        self.queries.confidence)  # fmt: skip
+        return combined_interval(self.mean, self.terms, self.seeds.count, confidence)
+
+    @property
+    def combined(self) -> Interval | None:
+        return self.interval(self.queries.confidence)
 
     @property
     def beyond_noise(self) -> bool:
@@ -138,6 +163,22 @@ class PointDifference:
         return "higher" if self.mean > 0 else "lower"
 
 
+def _terms(
+    per_seed: list[np.ndarray], labels: np.ndarray, resamples: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, tuple[VarianceTerm, ...]]:
+    """The seed-averaged per-query values, their class draws, and the variance of their mean over the seeds and over
+    the test classes (with its degrees of freedom)."""
+    averaged = np.mean(per_seed, axis=0)
+    draws = class_draws(averaged, labels, resamples, seed)
+    n_seeds, n_classes = len(per_seed), len(np.unique(labels))
+    seed_var = float(np.var([d.mean() for d in per_seed], ddof=1) / n_seeds) if n_seeds > 1 else 0.0
+    terms = (
+        VarianceTerm(seed_var, max(1, n_seeds - 1)),
+        VarianceTerm(float(np.var(draws, ddof=1)), n_classes - 1),
+    )
+    return averaged, draws, terms
+
+
 def compare_points(
     a: Sequence[QueryValues],
     b: Sequence[QueryValues],
@@ -146,8 +187,8 @@ def compare_points(
     seed: int = 0,
     confidence: float = CONFIDENCE,
 ) -> PointDifference:
-    """``a - b`` for ``metric``: seed i of ``a`` is paired with seed i of ``b`` (as many pairs as the shorter
-    list); every run must have scored the same queries in the same order."""
+    """``a - b`` for ``metric``: seed i of ``a`` is paired with seed i of ``b``; every run must have scored the same
+    queries in the same order."""
     if not a or len(a) != len(b):
         raise ValueError(
             f"compare_points pairs seed i of one point with seed i of the other: give both the same number of runs, "
@@ -156,8 +197,26 @@ def compare_points(
     pairs = list(zip(a, b, strict=True))
     _check_same_queries([run for pair in pairs for run in pair], metric)
     per_seed = [x.values[metric] - y.values[metric] for x, y in pairs]
-    averaged = np.mean(per_seed, axis=0)
-    mean, low, high = class_bootstrap(averaged, pairs[0][0].labels, resamples, seed, confidence)
+    labels = pairs[0][0].labels
+    averaged, draws, terms = _terms(per_seed, labels, resamples, seed)
+    tail = 100 * (1 - confidence) / 2
+    low, high = np.percentile(draws, [tail, 100 - tail])
     seeds = paired_t_interval([float(d.mean()) for d in per_seed], confidence)
-    classes = len(np.unique(pairs[0][0].labels))
-    return PointDifference(metric, Interval(mean, low, high, classes, confidence), seeds)
+    queries = Interval(float(averaged.mean()), float(low), float(high), len(np.unique(labels)), confidence)
+    return PointDifference(metric, queries, seeds, terms)
+
+
+def point_interval(
+    runs: Sequence[QueryValues],
+    metric: str,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    confidence: float = CONFIDENCE,
+) -> Interval | None:
+    """One point's mean ``metric`` over its seeds, with the seeds' and the test classes' noise combined as in
+    ``compare_points`` (None under two seeds)."""
+    if len(runs) < 2:
+        return None
+    _check_same_queries(runs, metric)
+    averaged, _, terms = _terms([r.values[metric] for r in runs], runs[0].labels, resamples, seed)
+    return combined_interval(float(averaged.mean()), terms, len(runs), confidence)

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from ddp_rank._moved import moved_attributes
 from ddp_rank.config import ConfigError, ModelConfig
 from ddp_rank.data.settings import DataSettings
 from ddp_rank.features.head import FeatureHeadNet, ImageFeatureNet, build_seeded, weights_digest
@@ -69,16 +68,3 @@ def image_data(data: DataSettings, record: FeatureRecord) -> DataSettings:
     return dataclasses.replace(
         data, **{k: record.transform[k] for k in ("crop", "resize_size", "image_size")}
     )
-
-
-# ``image_config(cfg) -> Config`` (in ``eval.feature_images``) took a whole config and opened the shards itself;
-# its replacement takes the data settings and the record already read, so no shim can keep the old call.
-__getattr__ = moved_attributes(
-    __name__,
-    {},
-    gone={
-        "image_config": "use image_data(data_settings, feature_record) from ddp_rank.features.images, which takes "
-        "the data settings (ddp_rank.runtime.settings.data_settings(cfg)) and the shards' feature record "
-        "(ddp_rank.features.records.feature_record) and returns the data settings with the recorded transform"
-    },
-)

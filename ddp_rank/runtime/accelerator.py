@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from ddp_rank._moved import moved_attributes
 from ddp_rank.config import ConfigError
 from ddp_rank.runtime.errors import TrainError
 
@@ -109,7 +108,3 @@ def _too_few_gpus() -> bool:
             "Launch one process per GPU (--num_processes) to use them."
         )
     return True
-
-
-# ``make_accelerator(cfg)`` moved to ``runtime.settings`` with the settings objects (issue 39).
-__getattr__ = moved_attributes(__name__, {"make_accelerator": "ddp_rank.runtime.settings"})

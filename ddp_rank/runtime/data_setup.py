@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ddp_rank._moved import moved_attributes
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.sampling.schedule import ScheduleConfig
 from ddp_rank.data.settings import DataSettings
@@ -42,7 +41,3 @@ def schedule_config(data: DataSettings, manifest: Manifest) -> ScheduleConfig:
         category_aware=data.category_aware,
         seed=data.seed,
     )
-
-
-# ``data_seed(cfg)`` moved to ``runtime.settings`` with the settings objects (issue 39).
-__getattr__ = moved_attributes(__name__, {"data_seed": "ddp_rank.runtime.settings"})

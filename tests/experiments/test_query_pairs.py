@@ -8,7 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddp_rank.experiments.query_pairs import QueryValues, class_bootstrap, compare_points, load_query_values
+from ddp_rank.experiments.query_pairs import (
+    QueryValues,
+    class_bootstrap,
+    compare_points,
+    load_query_values,
+    point_interval,
+)
 
 
 def _run(hits: np.ndarray, labels: np.ndarray) -> QueryValues:
@@ -45,26 +51,82 @@ def test_pairing_cancels_what_two_points_share() -> None:
     assert diff.queries.low > 0
     # the seeds agree exactly: zero spread, an interval of zero width that excludes zero
     assert diff.seeds is not None and diff.seeds.low == diff.seeds.high == pytest.approx(diff.mean)
-    assert diff.combined is not None and (diff.combined.low, diff.combined.high) == pytest.approx(
-        (diff.queries.low, diff.queries.high)
-    ), "no spread over the seeds: the combined interval is the classes' one"
+    assert diff.combined is not None and diff.combined.df == pytest.approx(199), (
+        "no spread over the seeds: the combined interval is the classes' alone, at their degrees of freedom"
+    )
     assert diff.beyond_noise and diff.verdict == "higher"
 
 
-def test_the_combined_interval_adds_the_half_widths_in_quadrature() -> None:
+def test_the_combined_interval_is_welch_satterthwaite_over_seeds_and_classes() -> None:
+    """Recomputed by hand: the seeds' variance of the mean (3 values, 2 df), the class draws' variance (49 df),
+    summed, with the Welch-Satterthwaite degrees of freedom and the t quantile from the density's integral."""
     labels = np.repeat(np.arange(50), 4)
     rng = np.random.default_rng(3)
     base = (rng.random(200) < 0.5).astype(float)
     a = [_run(np.clip(base + (rng.random(200) < p), 0, 1), labels) for p in (0.05, 0.10, 0.20)]
     b = [_run(base, labels)] * 3
-    diff = compare_points(a, b, "recall@1")
+    diff = compare_points(a, b, "recall@1", resamples=500, seed=4)
     assert diff.seeds is not None and diff.combined is not None
-    seed_half = (diff.seeds.high - diff.seeds.low) / 2
-    assert diff.combined.high - diff.mean == pytest.approx(np.hypot(diff.queries.high - diff.mean, seed_half))
-    assert diff.mean - diff.combined.low == pytest.approx(np.hypot(diff.mean - diff.queries.low, seed_half))
+    per_seed = [x.values["recall@1"] - y.values["recall@1"] for x, y in zip(a, b, strict=True)]
+    seed_var = np.var([d.mean() for d in per_seed], ddof=1) / 3
+    draws = []
+    for counts in np.random.default_rng(4).multinomial(50, np.full(50, 1 / 50), size=500):
+        chosen = np.concatenate([np.flatnonzero(labels == c).repeat(n) for c, n in enumerate(counts)])
+        draws.append(np.mean(per_seed, axis=0)[chosen].mean())
+    class_var = np.var(draws, ddof=1)
+    df = (seed_var + class_var) ** 2 / (seed_var**2 / 2 + class_var**2 / 49)
+    assert diff.combined.df == pytest.approx(df)
+    assert 2 < df < 51
+    half = _t_quantile_by_integration(0.975, df) * np.sqrt(seed_var + class_var)
+    assert (diff.combined.low, diff.combined.high) == pytest.approx(
+        (diff.mean - half, diff.mean + half), rel=1e-5
+    )
     assert diff.verdict == ("within noise" if diff.combined.within_noise else "higher")
+    wider = diff.interval(1 - 0.05 / 6)
+    assert wider is not None and wider.low < diff.combined.low and wider.high > diff.combined.high
     with pytest.raises(ValueError, match="the same number of runs"):
         compare_points(a, b[:2], "recall@1")
+
+
+def _t_quantile_by_integration(probability: float, df: float) -> float:
+    """Student's t quantile from its density (trapezoids on a fine grid, then bisection): independent of scipy."""
+    from math import gamma, pi, sqrt
+
+    scale = gamma((df + 1) / 2) / (sqrt(df * pi) * gamma(df / 2))
+
+    def cdf(t: float) -> float:
+        x = np.linspace(0, t, 20001)
+        y = scale * (1 + x**2 / df) ** (-(df + 1) / 2)
+        return 0.5 + float(np.sum((y[1:] + y[:-1]) / 2 * np.diff(x)))
+
+    low, high = 0.0, 50.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if cdf(mid) < probability else (low, mid)
+    return (low + high) / 2
+
+
+def test_one_points_interval_combines_its_seeds_and_its_test_classes() -> None:
+    """Recomputed by hand: the seeds' variance of the mean and the class draws' variance of the seed-averaged
+    values, summed, at the Welch-Satterthwaite degrees of freedom; wider than the paired difference's."""
+    labels = np.repeat(np.arange(80), 5)
+    rng = np.random.default_rng(5)
+    runs = [_run((rng.random(400) < p).astype(float), labels) for p in (0.55, 0.6, 0.7)]
+    own = point_interval(runs, "recall@1", resamples=300, seed=2)
+    assert own is not None
+    means = [r.values["recall@1"].mean() for r in runs]
+    seed_var = np.var(means, ddof=1) / 3
+    averaged = np.mean([r.values["recall@1"] for r in runs], axis=0)
+    draws = []
+    for counts in np.random.default_rng(2).multinomial(80, np.full(80, 1 / 80), size=300):
+        chosen = np.concatenate([np.flatnonzero(labels == c).repeat(n) for c, n in enumerate(counts)])
+        draws.append(averaged[chosen].mean())
+    class_var = np.var(draws, ddof=1)
+    df = (seed_var + class_var) ** 2 / (seed_var**2 / 2 + class_var**2 / 79)
+    half = _t_quantile_by_integration(0.975, df) * np.sqrt(seed_var + class_var)
+    assert own.df == pytest.approx(df) and own.mean == pytest.approx(np.mean(means))
+    assert (own.low, own.high) == pytest.approx((own.mean - half, own.mean + half), rel=1e-5)
+    assert point_interval(runs[:1], "recall@1") is None
 
 
 def test_within_noise_when_either_interval_holds_zero() -> None:

@@ -16,15 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from ddp_rank.checkpoints.write import (
-    CheckpointError,
-    CheckpointManager,
-    atomic_write_text,
-    check_world_size,
-    load_model_weights,
-    read_meta,
-    resolve_checkpoint,
-)
+from ddp_rank.atomic_io import atomic_write_text
+from ddp_rank.checkpoints.read import CheckpointError, load_model_weights, read_meta, resolve_checkpoint
+from ddp_rank.checkpoints.write import CheckpointManager, check_world_size
 
 
 def writer(value: int):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from ddp_rank.checkpoints.write import CheckpointError, resolve_checkpoint
+from ddp_rank.checkpoints.read import CheckpointError, resolve_checkpoint
 from ddp_rank.cli import main
 from ddp_rank.config import ConfigError, load_config
 from ddp_rank.model.net import ModelError
@@ -210,7 +210,8 @@ def test_rewind_moves_the_abandoned_checkpoints_aside(
 ) -> None:
     """Resuming a run from its own earlier checkpoint (e.g. with a lower optim.lr after a divergence): the later
     checkpoints move to abandoned-*/, so that the next train.resume=auto continues the new timeline."""
-    from ddp_rank.checkpoints.write import CheckpointManager, read_meta
+    from ddp_rank.checkpoints.read import read_meta
+    from ddp_rank.checkpoints.write import CheckpointManager
 
     run = tmp_path / "run"
     common = ["train.steps=4", "train.checkpoint_every=1", "train.keep_last=5", "data.test_split="]

@@ -113,26 +113,18 @@ def test_metric_names_every_tracker_accepts() -> None:
     assert tracker_key("train", "data_replaced_classes") == "train/data_replaced_classes"
 
 
-def test_the_replaced_tensorboard_key_still_loads_as_log_with() -> None:
-    assert load_config(None, ["train.tensorboard=true"]).train.log_with == ["tensorboard"]
-    assert load_config(None, ["train.tensorboard=false"]).train.log_with == []
-    both = load_config(None, ["train.log_with=[tensorboard,mlflow]", "train.tensorboard=true"])
-    assert both.train.log_with == ["tensorboard", "mlflow"]
-    # In one mapping with log_with, the old key adds tensorboard to it whatever the order (it was dropped).
-    assert load_config(None, ["train.tensorboard=true", "train.log_with=[mlflow]"]).train.log_with == [
-        "mlflow",
-        "tensorboard",
-    ]
+def test_the_replaced_tensorboard_key_stops_with_one_line_naming_log_with(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"train.tensorboard was replaced by train.log_with: write"
+    ) as caught:
+        load_config(None, ["train.tensorboard=true"])
+    assert "\n" not in str(caught.value)
+    config = tmp_path / "config.yaml"
+    config.write_text("train:\n  tensorboard: false\n  log_with: [mlflow]\n")
+    with pytest.raises(ConfigError, match=rf"{config}: train.tensorboard was replaced by train.log_with"):
+        load_config(config)
     with pytest.raises(ConfigError, match="log_with"):
         load_config(None, ["train.log_with=[tensorbord]"])
-
-
-def test_the_replaced_tensorboard_key_merges_with_log_with_in_one_yaml_mapping(tmp_path: Path) -> None:
-    config = tmp_path / "config.yaml"
-    config.write_text("train:\n  tensorboard: true\n  log_with: [mlflow]\n")
-    assert load_config(config).train.log_with == ["mlflow", "tensorboard"]
-    config.write_text("train:\n  tensorboard: false\n  log_with: [mlflow]\n")
-    assert load_config(config).train.log_with == ["mlflow"]
 
 
 def test_an_accelerator_passed_without_the_trackers_is_refused(shards: Path, tmp_path: Path) -> None:

@@ -27,13 +27,7 @@ from braceexpand import braceexpand
 
 from ddp_rank.data.format.compressed import compressed_suffix
 from ddp_rank.data.format.manifest_parts import is_url, natural_key, shard_path_problem, split_name_problem
-from ddp_rank.data.format.no_manifest import (  # noqa: F401 (no_manifest_advice: its old place)
-    _GLOB,
-    _PATTERN,
-    is_pattern,
-    no_manifest_advice,
-    refuse_compressed,
-)
+from ddp_rank.data.format.no_manifest import _GLOB, _PATTERN, is_pattern, refuse_compressed
 
 DEFAULT_SPLIT = "train"
 """The split of shards named without one (a pattern as the source, a directory without sub-directories)."""
