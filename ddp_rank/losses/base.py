@@ -20,7 +20,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +66,18 @@ def without_autocast(method: Callable[..., _T]) -> Callable[..., _T]:
             return method(self, first, *args, **kwargs)
 
     return outside
+
+
+class ListwiseOptions(TypedDict, total=False):
+    """The keyword arguments every listwise loss takes, declared once: each loss's ``__init__`` takes its own
+    hyper-parameters and ``**options: Unpack[ListwiseOptions]``, which it hands to :class:`ListwiseLoss` (where
+    the defaults and their meaning are)."""
+
+    normalize: bool
+    memory_budget: int | None
+    chunk_rows: int | None
+    matmul_precision: str
+    kernel: str
 
 
 class ListwiseLoss(nn.Module, abc.ABC):

@@ -31,10 +31,12 @@ factor of ``n_valid / 2`` and ignores ``grad_output``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss
+from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss, ListwiseOptions
 from ddp_rank.losses.histogram import (
     bin_gradient,
     cumulative_histograms,
@@ -42,6 +44,9 @@ from ddp_rank.losses.histogram import (
     histogram_pass_bytes,
 )
 from ddp_rank.losses.rows import ChunkInputs
+
+if TYPE_CHECKING:  # PEP 692's Unpack, in typing from Python 3.11
+    from typing_extensions import Unpack
 
 
 class FastAPLoss(ListwiseLoss):
@@ -71,20 +76,9 @@ class FastAPLoss(ListwiseLoss):
     def __init__(
         self,
         num_bins: int = 10,
-        *,
-        normalize: bool = True,
-        memory_budget: int | None = None,
-        chunk_rows: int | None = None,
-        matmul_precision: str = "highest",
-        kernel: str = "auto",
+        **options: Unpack[ListwiseOptions],
     ) -> None:
-        super().__init__(
-            normalize=normalize,
-            memory_budget=memory_budget,
-            chunk_rows=chunk_rows,
-            matmul_precision=matmul_precision,
-            kernel=kernel,
-        )
+        super().__init__(**options)
         if int(num_bins) != num_bins or num_bins < 1:
             raise ValueError(f"num_bins must be a positive integer, got {num_bins}")
         self.num_bins = int(num_bins)

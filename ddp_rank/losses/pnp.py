@@ -27,15 +27,21 @@ guards their exp against overflow (``torch.sigmoid`` needs no guard) and changes
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss
+from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss, ListwiseOptions
 from ddp_rank.losses.checks import check_positive
 from ddp_rank.losses.rows import ChunkInputs
 from ddp_rank.losses.sigmoid_ranks import NegativeRanks
 
 VARIANTS = ("O", "Iu", "Ib", "Ds", "Dq")
+
+
+if TYPE_CHECKING:  # PEP 692's Unpack, in typing from Python 3.11
+    from typing_extensions import Unpack
 
 
 class PNPLoss(ListwiseLoss):
@@ -74,20 +80,9 @@ class PNPLoss(ListwiseLoss):
         b: float = 2.0,
         alpha: float = 1.0,
         count_self: bool = True,
-        *,
-        normalize: bool = True,
-        memory_budget: int | None = None,
-        chunk_rows: int | None = None,
-        matmul_precision: str = "highest",
-        kernel: str = "auto",
+        **options: Unpack[ListwiseOptions],
     ) -> None:
-        super().__init__(
-            normalize=normalize,
-            memory_budget=memory_budget,
-            chunk_rows=chunk_rows,
-            matmul_precision=matmul_precision,
-            kernel=kernel,
-        )
+        super().__init__(**options)
         if variant not in VARIANTS:
             raise ValueError(f"unknown PNP variant {variant!r}; choose one of {', '.join(VARIANTS)}")
         self.variant = variant

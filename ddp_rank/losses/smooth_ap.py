@@ -17,14 +17,19 @@ sigmoid ranks, whose similarity gradient ``sigmoid_ranks.py`` (shared with PNP) 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss
+from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss, ListwiseOptions
 from ddp_rank.losses.checks import check_positive
 from ddp_rank.losses.pnp import counted_positives
 from ddp_rank.losses.rows import ChunkInputs
 from ddp_rank.losses.sigmoid_ranks import NegativeRanks, add_rank_gradient
+
+if TYPE_CHECKING:  # PEP 692's Unpack, in typing from Python 3.11
+    from typing_extensions import Unpack
 
 
 class SmoothAPLoss(ListwiseLoss):
@@ -60,20 +65,9 @@ class SmoothAPLoss(ListwiseLoss):
         self,
         tau: float = 0.01,
         count_self: bool = True,
-        *,
-        normalize: bool = True,
-        memory_budget: int | None = None,
-        chunk_rows: int | None = None,
-        matmul_precision: str = "highest",
-        kernel: str = "auto",
+        **options: Unpack[ListwiseOptions],
     ) -> None:
-        super().__init__(
-            normalize=normalize,
-            memory_budget=memory_budget,
-            chunk_rows=chunk_rows,
-            matmul_precision=matmul_precision,
-            kernel=kernel,
-        )
+        super().__init__(**options)
         self.tau, self.count_self = check_positive("tau", tau), count_self
 
     def hyper_parameters(self) -> dict[str, object]:

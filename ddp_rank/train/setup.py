@@ -21,7 +21,7 @@ from ddp_rank.data.settings import DataSettings
 from ddp_rank.eval.protocols import metric_names
 from ddp_rank.eval.runner import EvalSettings, vehicleid_splits
 from ddp_rank.features.records import feature_dim
-from ddp_rank.losses import FastAPLoss, ListwiseLoss, PNPLoss, SmoothAPLoss
+from ddp_rank.losses import FastAPLoss, ListwiseLoss, ListwiseOptions, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
 from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime import TrainError, open_shards
@@ -100,7 +100,7 @@ def build_loss(lc: LossSettings) -> ListwiseLoss:
     if lc.name.startswith(PML_PREFIX):
         raise ConfigError(f"loss.name={lc.name} is not a listwise loss: build it with build_training_loss")
     budget = lc.memory_budget_mb * 2**20 if lc.memory_budget_mb else None
-    common: dict[str, Any] = {
+    common: ListwiseOptions = {
         "normalize": lc.normalize,
         "memory_budget": budget,
         "matmul_precision": lc.matmul_precision,
