@@ -101,14 +101,19 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     if args.points and not args.csv:
-        print("ddp-rank compare: error: --points goes with --csv (markdown and JSON hold the points already)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "ddp-rank compare: error: --points goes with --csv (markdown and JSON hold the points already)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     axes = table.replicates.keys if table.replicates else table.keys  # replicates: pooled over their seeds
     if args.x and args.x not in axes:
         differ = ", ".join(axes) or "nothing"
-        print(f"ddp-rank compare: error: --x {args.x}: the {'points' if table.replicates else 'runs'} do not "
-              f"differ in it; they differ in: {differ}", file=sys.stderr)  # fmt: skip
+        print(
+            f"ddp-rank compare: error: --x {args.x}: the {'points' if table.replicates else 'runs'} do not "
+            f"differ in it; they differ in: {differ}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if args.points and table.replicates is None:
         note("--points: no runs differ only in their seeds (train.seed, data.seed): one row per run")

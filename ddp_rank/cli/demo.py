@@ -125,11 +125,21 @@ def main(argv: list[str] | None = None) -> int:
 
         shutil.rmtree(run_dir)
     launch = [
-        py, "-m", "accelerate.commands.launch",
-        "--config_file", str(REPO / "launch" / "accelerate_cpu_2proc.yaml"),
-        "--num_processes", str(args.processes), "--main_process_port", str(_free_port()),
-        "-m", "ddp_rank.cli", "train", *common, *train_overrides,
-    ]  # fmt: skip
+        py,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "launch" / "accelerate_cpu_2proc.yaml"),
+        "--num_processes",
+        str(args.processes),
+        "--main_process_port",
+        str(_free_port()),
+        "-m",
+        "ddp_rank.cli",
+        "train",
+        *common,
+        *train_overrides,
+    ]
     timings["training (incl. before/after evaluation)"] = _run(
         launch, f"FastAP training, {args.processes} processes"
     )

@@ -115,8 +115,17 @@ def _errors() -> tuple[type[Exception], ...]:
     from ddp_rank.model import CheckpointError, ModelError
     from ddp_rank.runtime import TrainError
 
-    return (ConfigError, ModelError, CheckpointError, TrainError, EvalError, SourceError, IndexBuildError,
-            ExportError, FileNotFoundError)  # fmt: skip
+    return (
+        ConfigError,
+        ModelError,
+        CheckpointError,
+        TrainError,
+        EvalError,
+        SourceError,
+        IndexBuildError,
+        ExportError,
+        FileNotFoundError,
+    )
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -140,8 +149,9 @@ def _run_index(args: argparse.Namespace) -> int:
     from ddp_rank.eval.vector_index import IndexSpec, SearchIndex
 
     try:
-        spec = IndexSpec(args.kind, args.nlist, args.nprobe, args.pq_m, args.pq_bits, args.hnsw_m,
-                         ef_search=args.ef_search)  # fmt: skip
+        spec = IndexSpec(
+            args.kind, args.nlist, args.nprobe, args.pq_m, args.pq_bits, args.hnsw_m, ef_search=args.ef_search
+        )
         built = SearchIndex.build(load_export(args.export), spec, args.recall_k, args.recall_queries)
         built.save(args.output)
     except _errors() as exc:
@@ -189,8 +199,11 @@ def _run_search(args: argparse.Namespace) -> int:
         results = searcher.search(images, args.k)
         indexed = len(searcher.index.items.keys)
         if args.k > indexed:
-            print(f"ddp-rank search: -k {args.k} is more than the {indexed:,} items the index holds: each query "
-                  f"lists at most {indexed:,}", file=sys.stderr)  # fmt: skip
+            print(
+                f"ddp-rank search: -k {args.k} is more than the {indexed:,} items the index holds: each query "
+                f"lists at most {indexed:,}",
+                file=sys.stderr,
+            )
     except _errors() as exc:
         return _fail("search", exc)
     except ValueError as exc:

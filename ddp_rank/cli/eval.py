@@ -95,12 +95,17 @@ def run(args: argparse.Namespace) -> int:
     from ddp_rank.runtime import TrainError
 
     if args.bootstrap == 1 or args.bootstrap < 0:
-        print(f"ddp-rank eval: error: --bootstrap {args.bootstrap}: give 2 or more resamples (1000 is usual), "
-              "or 0 for none", file=sys.stderr)  # fmt: skip
+        print(
+            f"ddp-rank eval: error: --bootstrap {args.bootstrap}: give 2 or more resamples (1000 is usual), "
+            "or 0 for none",
+            file=sys.stderr,
+        )
         return 2
     if args.bootstrap_seed is not None and not args.bootstrap:
-        print("ddp-rank eval: error: --bootstrap-seed seeds --bootstrap N: add --bootstrap 1000 or leave it out",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "ddp-rank eval: error: --bootstrap-seed seeds --bootstrap N: add --bootstrap 1000 or leave it out",
+            file=sys.stderr,
+        )
         return 2
     bootstrap = QueryBootstrap(args.bootstrap, args.bootstrap_seed or 0) if args.bootstrap else None
     try:

@@ -52,9 +52,13 @@ def add_build(sub: Any) -> None:
     )
     p.add_argument("out", help="output directory (must be new or empty, see --overwrite)")
     p.add_argument("--test-fraction", type=float, default=0.0, help="fraction of classes held out as test")
-    p.add_argument("--val-fraction", type=float, default=0.0,
-                   help="fraction of each category's training classes carved out as the val split, to choose "
-                   "settings on without the test split (drawn with --split-seed; recorded in the manifest)")  # fmt: skip
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of each category's training classes carved out as the val split, to choose "
+        "settings on without the test split (drawn with --split-seed; recorded in the manifest)",
+    )
     p.add_argument(
         "--test-classes",
         choices=TEST_CLASSES,

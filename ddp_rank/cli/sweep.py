@@ -35,22 +35,46 @@ def register(subparsers: Any) -> None:
         "and end with the comparison table (compare.md, compare.png in the sweep's folder).",
     )
     add_config_arguments(p, "experiment YAML the points start from")
-    p.add_argument("--equal", choices=("steps", "images"), default="steps",
-                   help="hold steps (default) or images seen equal across data.global_batch_size values")  # fmt: skip
-    p.add_argument("--replicates", type=int, default=0, metavar="K",
-                   help="train each point K times with train.seed = the config's seed, +1, ... +K-1; compare "
-                   "gives each point's mean and spread (an axis train.seed=0,1,2 or data.seed=0,1,2 does the same)")  # fmt: skip
-    p.add_argument("--processes", type=int, default=1,
-                   help="processes per run under accelerate launch (one per GPU with CUDA, gloo on the CPU)")  # fmt: skip
-    p.add_argument("--launch", default="", metavar="CMD",
-                   help="launch each run with CMD -m ddp_rank.cli train ... (e.g. 'torchrun --nproc-per-node 8')")  # fmt: skip
-    p.add_argument("--print", dest="print_only", action="store_true",
-                   help="print one launch command per point (for SLURM arrays, other schedulers) and exit; with "
-                   "--processes N each is 'accelerate launch --multi_gpu --num_processes N' with no port, so the "
-                   "machine that runs it decides: one process per GPU, or gloo processes without one")  # fmt: skip
-    p.add_argument("--in-process", action="store_true",
-                   help="train the (one-process) points in this process, one after another: the imports and "
-                   "set-up are paid once, and each point trains exactly as in a process of its own")  # fmt: skip
+    p.add_argument(
+        "--equal",
+        choices=("steps", "images"),
+        default="steps",
+        help="hold steps (default) or images seen equal across data.global_batch_size values",
+    )
+    p.add_argument(
+        "--replicates",
+        type=int,
+        default=0,
+        metavar="K",
+        help="train each point K times with train.seed = the config's seed, +1, ... +K-1; compare "
+        "gives each point's mean and spread (an axis train.seed=0,1,2 or data.seed=0,1,2 does the same)",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="processes per run under accelerate launch (one per GPU with CUDA, gloo on the CPU)",
+    )
+    p.add_argument(
+        "--launch",
+        default="",
+        metavar="CMD",
+        help="launch each run with CMD -m ddp_rank.cli train ... (e.g. 'torchrun --nproc-per-node 8')",
+    )
+    p.add_argument(
+        "--print",
+        dest="print_only",
+        action="store_true",
+        help="print one launch command per point (for SLURM arrays, other schedulers) and exit; with "
+        "--processes N each is 'accelerate launch --multi_gpu --num_processes N' with no port, so the "
+        "machine that runs it decides: one process per GPU, or gloo processes without one",
+    )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="train the (one-process) points in this process, one after another: the imports and "
+        "set-up are paid once, and each point trains exactly as in a process of its own",
+    )
     p.add_argument("--metric", default="recall@1", help="the metric of the comparison and its plot")
     p.set_defaults(func=run)
 

@@ -104,7 +104,11 @@ def deployment_metrics(
         if bootstrap is not None:
             spreads.update(bootstrap_identification(outcomes, y, bootstrap, settings.ranks, settings.fpirs))
     if bootstrap is not None:
-        out["bootstrap"] = {"resamples": bootstrap.resamples, "seed": bootstrap.seed, "over": ["identities"],
-                            "metrics": spreads}  # fmt: skip
+        out["bootstrap"] = {
+            "resamples": bootstrap.resamples,
+            "seed": bootstrap.seed,
+            "over": ["identities"],
+            "metrics": spreads,
+        }
     out[CURVES_KEY] = curves
     return out

@@ -146,8 +146,14 @@ def write_manifest(out_dir: str | os.PathLike[str], world: int, meta: dict[str, 
         with np.load(root / part_name(r, world)) as f:
             rows, dim = (int(n) for n in f["embeddings"].shape)
         parts.append({"file": part_name(r, world), "rows": rows, **file_digest(root / part_name(r, world))})
-    manifest = {"format": "ddp_rank-embeddings", "version": 1, "rows": sum(int(p["rows"]) for p in parts),
-                "dim": dim, "parts": parts, **meta}  # fmt: skip
+    manifest = {
+        "format": "ddp_rank-embeddings",
+        "version": 1,
+        "rows": sum(int(p["rows"]) for p in parts),
+        "dim": dim,
+        "parts": parts,
+        **meta,
+    }
     atomic_write_text(root / EXPORT_MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
 

@@ -79,8 +79,9 @@ def weighted_pair_counts(
         positive_weights.append(np.full(len(s), w[rows[0]]))
     scores = np.concatenate(positive_scores) if positive_scores else np.empty(0, np.float32)
     u_asc, where = np.unique(scores, return_inverse=True)
-    multiplicity = np.bincount(where, weights=np.concatenate(positive_weights) if positive_weights else None,
-                               minlength=len(u_asc))  # fmt: skip
+    multiplicity = np.bincount(
+        where, weights=np.concatenate(positive_weights) if positive_weights else None, minlength=len(u_asc)
+    )
     gaps = np.zeros(len(u_asc) + 1)  # gaps[g]: weight of the negatives above exactly g positive scores
     ties = np.zeros(len(u_asc))  # ties[j]: weight of the negatives equal to u_asc[j]
     num_neg = 0.0

@@ -226,8 +226,11 @@ def evaluate(
     figures = _deployment(protocol, groups, data, settings, bootstrap)
     if bootstrap is not None:  # one entry: Recall@k's spread over the queries, the rest over the identities
         spreads = figures.pop("bootstrap")
-        out["bootstrap"] = {**out["bootstrap"], "over": ["queries", "identities"],
-                            "metrics": {**out["bootstrap"]["metrics"], **spreads["metrics"]}}  # fmt: skip
+        out["bootstrap"] = {
+            **out["bootstrap"],
+            "over": ["queries", "identities"],
+            "metrics": {**out["bootstrap"]["metrics"], **spreads["metrics"]},
+        }
     return {**out, **figures}
 
 

@@ -190,9 +190,17 @@ def retrieval_metrics(
     the database is clipped (Recall@k then counts every non-lone query as a hit).
     """
     return query_scores(
-        queries, query_labels, database, database_labels, ks,
-        exclude_self=exclude_self, map_at_r=map_at_r, backend=backend, block=block, device=device,
-    ).metrics()  # fmt: skip
+        queries,
+        query_labels,
+        database,
+        database_labels,
+        ks,
+        exclude_self=exclude_self,
+        map_at_r=map_at_r,
+        backend=backend,
+        block=block,
+        device=device,
+    ).metrics()
 
 
 def query_scores(

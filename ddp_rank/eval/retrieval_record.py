@@ -428,9 +428,16 @@ class RetrievalPicture:
         images = ShardImages(manifest, split, cache, data_settings.max_image_pixels)
         try:
             record = record_from_embedded(
-                data, images, shards=_absolute(data_settings.shards), split=split, protocol=settings.protocol,
-                count=settings.grid_queries, k=settings.grid_k, seed=settings.grid_seed, device=device,
-            )  # fmt: skip
+                data,
+                images,
+                shards=_absolute(data_settings.shards),
+                split=split,
+                protocol=settings.protocol,
+                count=settings.grid_queries,
+                k=settings.grid_k,
+                seed=settings.grid_seed,
+                device=device,
+            )
             if record is None:
                 log.info(f"no retrieval picture: no query of split '{split}' has another image of its class")
                 return None

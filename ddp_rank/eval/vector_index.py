@@ -181,9 +181,17 @@ class SearchIndex:
         built = time.perf_counter() - t0
         recall, queries, seconds = recall_against_exact(index, data.embeddings, recall_k, recall_queries)
         per_query = seconds / max(queries, 1)
-        info = {"spec": asdict(resolved), "rows": len(data), "dim": data.dim, f"recall@{recall_k}": recall,
-                "recall_k": recall_k, "recall_queries": queries, "build_seconds": built,
-                "search_seconds_per_query": per_query, "export": data.meta}  # fmt: skip
+        info = {
+            "spec": asdict(resolved),
+            "rows": len(data),
+            "dim": data.dim,
+            f"recall@{recall_k}": recall,
+            "recall_k": recall_k,
+            "recall_queries": queries,
+            "build_seconds": built,
+            "search_seconds_per_query": per_query,
+            "export": data.meta,
+        }
         return cls(index, data, info)
 
     @property

@@ -40,9 +40,13 @@ def curve_left_out(runs: list[RunSummary], kind: str) -> list[str]:
     for run in runs:
         curves = run_curves(run)
         if not curves:
-            lines.append(f"{run.path}: no curves.json (its evaluations drew no curve: eval.protocol={group} or "
-                         f"eval.metrics=[{group}] draws the {kind} curve)")  # fmt: skip
+            lines.append(
+                f"{run.path}: no curves.json (its evaluations drew no curve: eval.protocol={group} or "
+                f"eval.metrics=[{group}] draws the {kind} curve)"
+            )
         elif not curves.get(SOURCE[kind]):
-            lines.append(f"{run.path}: its last evaluation drew {', '.join(sorted(curves))}, not {kind} (add "
-                         f"eval.metrics=[{group}])")  # fmt: skip
+            lines.append(
+                f"{run.path}: its last evaluation drew {', '.join(sorted(curves))}, not {kind} (add "
+                f"eval.metrics=[{group}])"
+            )
     return lines

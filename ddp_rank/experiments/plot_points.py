@@ -39,8 +39,15 @@ def draw_points(replicates: Replicates, path: Path, x_key: str | None, plt: Any)
         seeds = [100 * v for v in points[i].values(metric)]
         beside = x * 1.04 if numeric else x + 0.08  # beside the bar, not hidden behind it
         ax.plot([beside] * len(seeds), seeds, "o", color="0.5", markersize=3, zorder=1)
-    ax.errorbar(xs, means, yerr=errors, fmt="o-" if numeric else "o", capsize=4, zorder=2,
-                label=f"final {metric}: mean ± std over seeds (dots: each seed)")  # fmt: skip
+    ax.errorbar(
+        xs,
+        means,
+        yerr=errors,
+        fmt="o-" if numeric else "o",
+        capsize=4,
+        zorder=2,
+        label=f"final {metric}: mean ± std over seeds (dots: each seed)",
+    )
     if numeric:
         if min(xs) > 0 and max(xs) / min(xs) >= 8:
             ax.set_xscale("log", base=2)

@@ -69,9 +69,13 @@ class FeatureHeadNet(EmbeddingNet):
     def parameter_groups(self, lr: float, head_lr_mult: float, weight_decay: float) -> list[dict[str, Any]]:
         """One group, the head's, at ``lr * head_lr_mult`` (there is no backbone to train)."""
         return [
-            {"params": [p for p in self.head.parameters() if p.requires_grad], "lr": lr * head_lr_mult,
-             "weight_decay": weight_decay, "name": "head"},
-        ]  # fmt: skip
+            {
+                "params": [p for p in self.head.parameters() if p.requires_grad],
+                "lr": lr * head_lr_mult,
+                "weight_decay": weight_decay,
+                "name": "head",
+            },
+        ]
 
 
 class ImageFeatureNet(nn.Module):

@@ -94,8 +94,16 @@ class EmbeddingNet(nn.Module):
     def parameter_groups(self, lr: float, head_lr_mult: float, weight_decay: float) -> list[dict[str, Any]]:
         """Two optimizer groups, backbone at ``lr`` and head at ``lr * head_lr_mult`` (FastAP: 10x)."""
         return [
-            {"params": [p for p in self.backbone.parameters() if p.requires_grad], "lr": lr,
-             "weight_decay": weight_decay, "name": "backbone"},
-            {"params": [p for p in self.head.parameters() if p.requires_grad], "lr": lr * head_lr_mult,
-             "weight_decay": weight_decay, "name": "head"},
-        ]  # fmt: skip
+            {
+                "params": [p for p in self.backbone.parameters() if p.requires_grad],
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "name": "backbone",
+            },
+            {
+                "params": [p for p in self.head.parameters() if p.requires_grad],
+                "lr": lr * head_lr_mult,
+                "weight_decay": weight_decay,
+                "name": "head",
+            },
+        ]

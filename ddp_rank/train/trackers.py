@@ -199,5 +199,6 @@ def log_picture(accelerator: Any, name: str, path: str | os.PathLike[str], step:
             elif hasattr(tracker, "log_images"):
                 tracker.log_images({name: [picture]}, step=step)
         except Exception as error:  # any tracker's own failure: the run goes on
-            log.warning("the %s tracker could not take the picture %s of step %d: %s", tracker_name, name, step,
-                        error)  # fmt: skip
+            log.warning(
+                "the %s tracker could not take the picture %s of step %d: %s", tracker_name, name, step, error
+            )

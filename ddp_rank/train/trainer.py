@@ -131,9 +131,17 @@ class Trainer:
         if s.step.fixed_chunk is None:  # measured with the model still on the CPU
             largest_class = max(self.manifest.split(s.data.train_split).class_counts.values(), default=1)
             self.layout, choice = choose_chunk_for_run(
-                s.step, self.layout, model, training_loss.loss, self.device, autocast_dtype(acc), largest_class,
-                self.loss_parameters, uses_deepspeed(acc), self.is_main,
-            )  # fmt: skip
+                s.step,
+                self.layout,
+                model,
+                training_loss.loss,
+                self.device,
+                autocast_dtype(acc),
+                largest_class,
+                self.loss_parameters,
+                uses_deepspeed(acc),
+                self.is_main,
+            )
         optimizer = build_optimizer(self.parameter_groups(model), s.optim)
         self.scheduler = build_scheduler(optimizer, s.optim, self.total_steps)
         self.deepspeed = configure_deepspeed(acc, self.layout, s.step.grad_clip)
@@ -226,10 +234,10 @@ class Trainer:
         if self.layout.batchnorm.frozen:
             freeze_batchnorm(self.model)
         try:
+            chunk = self.layout.chunk_size
             out = forward_backward(
-                self.backend, batch.images, batch.labels, self.loss_fn, self.layout.chunk_size,
-                captured=self.captured,
-            )  # fmt: skip
+                self.backend, batch.images, batch.labels, self.loss_fn, chunk, captured=self.captured
+            )
         except (ValueError, RankFailure) as exc:
             # Raised on every rank alike by the loss layer: NaN / Inf embeddings (the network diverged), or an
             # exception inside the loss on some rank (its message names the rank).
@@ -459,7 +467,8 @@ def run_training(cfg: Config) -> dict[str, Any]:
             trainer.close()
             dist.barrier()
             ignore_signals(cfg.train.stop_signals)
-            _requeue(cfg, trainer.is_main)
+            if trainer.is_main and cfg.train.requeue == "auto":
+                requeue_slurm_job(ignore=cfg.train.stop_signals)
             dist.barrier()
             end_process_now(EXIT_REQUEUE)
         requeue = True
@@ -486,15 +495,6 @@ def run_training(cfg: Config) -> dict[str, Any]:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         stop.restore()
-        if requeue and trainer is not None:
-            _requeue(cfg, trainer.is_main)
-
-
-def _requeue(cfg: Config, is_main: bool) -> None:
-    """The last act of a run stopped on a signal: rank 0 asks SLURM to run the job again (``train.requeue=auto``).
-
-    Last, because ``scontrol requeue`` makes SLURM signal every process of the job at once: the checkpoint, the
-    stop record and ``run.json``'s "stopped" must all be written before.
-    """
-    if is_main and cfg.train.requeue == "auto":
-        requeue_slurm_job(ignore=cfg.train.stop_signals)
+        # Last: `scontrol requeue` signals the whole job at once, so checkpoint, stop record and run.json come first.
+        if requeue and trainer is not None and trainer.is_main and cfg.train.requeue == "auto":
+            requeue_slurm_job(ignore=cfg.train.stop_signals)

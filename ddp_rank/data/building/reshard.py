@@ -315,9 +315,12 @@ def _write_samples(
             for cid, src, samples in streamed:
                 for sample in samples:
                     writer.add(
-                        f"c{cid:07d}_{numbers[cid]:05d}", sample.image_ext, sample.image, cid,
+                        f"c{cid:07d}_{numbers[cid]:05d}",
+                        sample.image_ext,
+                        sample.image,
+                        cid,
                         _meta(manifest, cid, src.path, sample),
-                    )  # fmt: skip
+                    )
                     numbers[cid] += 1
         nbytes, sha256 = writer.close()
     return ShardInfo(shard.path, shard.category, tuple(writer.spans), writer.samples, nbytes, sha256)

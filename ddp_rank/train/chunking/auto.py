@@ -53,9 +53,17 @@ def choose_chunk_for_run(
     error: str | None = None
     try:
         choice = auto_chunk(
-            model, step, layout.local_batch, layout.global_batch, device, autocast_dtype, work,
-            world_size=layout.world_size, deepspeed=deepspeed, extra_parameters=extra,
-        )  # fmt: skip
+            model,
+            step,
+            layout.local_batch,
+            layout.global_batch,
+            device,
+            autocast_dtype,
+            work,
+            world_size=layout.world_size,
+            deepspeed=deepspeed,
+            extra_parameters=extra,
+        )
     except ValueError as exc:  # not even one image fits
         error = str(exc)
     except RuntimeError as exc:  # the probe itself ran out of memory, say: every rank must hear of it

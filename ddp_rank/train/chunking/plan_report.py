@@ -179,10 +179,15 @@ def _auto_chunk(
         database = 2 * layout.global_batch * step.embedding_dim * 4
         inputs = example_input(model, layout.local_batch, step.image_size, torch.device("meta"))
         fixed = fixed_costs(
-            model, step.optimizer, step.momentum, world_size, where, database + work_bytes,
+            model,
+            step.optimizer,
+            step.momentum,
+            world_size,
+            where,
+            database + work_bytes,
             input_batch_bytes=inputs.numel() * inputs.element_size(),
             prepared_batch_bytes=layout.local_batch * prepared_input_bytes(model, step.image_size),
-        )  # fmt: skip
+        )
         return None, (
             f"{format_bytes(probe.per_image)} of activations per image ({probe.how}, on this CPU); fixed "
             f"{format_bytes(fixed.total)} per GPU: {fixed.describe()}, plus the workspaces measured there; the "
@@ -191,9 +196,16 @@ def _auto_chunk(
         )
     # On CPU, planned as one node: its processes share the node's memory.
     choice = auto_chunk(
-        model.to(where), step, layout.local_batch, layout.global_batch, where, dtype, work_bytes, world_size,
+        model.to(where),
+        step,
+        layout.local_batch,
+        layout.global_batch,
+        where,
+        dtype,
+        work_bytes,
+        world_size,
         world_size=world_size,
-    )  # fmt: skip
+    )
     chosen = BatchLayout.from_settings(
         step, world_size, chunk_size=choice.chunk or 0
     )  # whole BatchNorm groups
