@@ -196,6 +196,6 @@ def build_loss(cfg: Config) -> ListwiseLoss:
 
 
 def check_inputs(cfg: Config) -> Manifest:
-    """The start-up checks of ``cfg``'s shards and evaluation (:func:`ddp_rank.train.setup.check_inputs`);
-    returns the manifest."""
-    return setup.check_inputs(evaluation_settings(cfg), cfg.model.backbone, cfg.train.best_metric)
+    """The start-up checks of ``cfg``'s shards and evaluation
+    (:func:`ddp_rank.train.setup.open_and_check_inputs`); returns the manifest."""
+    return setup.open_and_check_inputs(evaluation_settings(cfg), cfg.model.backbone, cfg.train.best_metric)

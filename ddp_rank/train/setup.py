@@ -41,8 +41,8 @@ __all__ = [
     "build_stream",
     "build_training_loss",
     "check_evaluation",
-    "check_inputs",
     "configure_deepspeed",
+    "open_and_check_inputs",
     "uses_deepspeed",
     "wants_channels_last",
 ]
@@ -140,7 +140,7 @@ def check_evaluation(settings: EvalSettings, best_metric: str, manifest: Manifes
         )
 
 
-def check_inputs(evaluation: EvalSettings, backbone: str, best_metric: str) -> Manifest:
+def open_and_check_inputs(evaluation: EvalSettings, backbone: str, best_metric: str) -> Manifest:
     """Fail fast, before any process group exists, on a missing shard directory or split, or on an evaluation
     setting that would only fail at the first evaluation. Returns the manifest, loaded once for the run.
     ``evaluation``: the evaluation's settings, with the data's; ``backbone``: ``model.backbone``;

@@ -66,9 +66,9 @@ from ddp_rank.train.setup import (
     build_stream,
     build_training_loss,
     configure_deepspeed,
+    open_and_check_inputs,
     uses_deepspeed,
 )
-from ddp_rank.train.setup import check_inputs as setup_checks
 from ddp_rank.train.trackers import run_accelerator
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class Trainer:
     def __init__(self, cfg: Config, accelerator: Any | None = None, stop: StopRequest | None = None) -> None:
         self.cfg = cfg
         self.settings = s = train_settings(cfg)  # the config translated once: each part gets its own below
-        self.manifest = setup_checks(s.evaluation, s.model.backbone, s.checkpoints.best_metric)
+        self.manifest = open_and_check_inputs(s.evaluation, s.model.backbone, s.checkpoints.best_metric)
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
         set_deterministic(cfg.train.deterministic, cfg.train.deterministic_fill)
         # A passed accelerator must carry train.log_with.
