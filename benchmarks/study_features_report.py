@@ -329,11 +329,10 @@ def conclusions(record: dict[str, Any]) -> list[str]:
     ):
         if sides[verdict]:
             out.append(f"{text} on test R@1 (points): {', '.join(sides[verdict])}.")
+    steps = [(a["batch"], b["batch"]) for a, b in zip(points[1:], points[:-1], strict=False)]
     moves = [
-        f"{a['batch']:,} - {b['batch']:,}: {difference(record, a['batch'], b['batch'])['mean']:+.2f} "
-        f"({difference(record, a['batch'], b['batch'])['verdict']}; Bonferroni: "
-        f"{difference(record, a['batch'], b['batch'])['bonferroni']})"
-        for a, b in zip(points[1:], points[:-1], strict=False)
+        f"{a:,} - {b:,}: {d['mean']:+.2f} ({d['verdict']}; Bonferroni: {d['bonferroni']})"
+        for (a, b), d in ((step, difference(record, *step)) for step in steps)
     ]
     out.append("Each step up the batch axis, test R@1 points: " + "; ".join(moves) + ".")
     out.append(
