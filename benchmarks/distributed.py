@@ -164,6 +164,8 @@ def time_loss(method: str, n_global: int, dim: int, repeats: int, rank: int) -> 
 def loss_worker(
     rank: int, port: int, sizes: list[int], pml_max: int, dim: int, repeats: int, queue: Any
 ) -> None:
+    from ddp_rank.distributed import end_process_group
+
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(minutes=10))
@@ -182,7 +184,7 @@ def loss_worker(
                 print(f"  {method:4s} N={n_global:6d}: {rows[-1]['time']:.3f} s", flush=True)
     if rank == 0:
         queue.put(rows)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def run_loss_benchmark(sizes: list[int], pml_max: int, dim: int, repeats: int) -> list[dict[str, Any]]:

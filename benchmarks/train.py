@@ -249,7 +249,13 @@ def trainer_worker(args: argparse.Namespace) -> None:
     import torch
 
     from ddp_rank.config import load_config
-    from ddp_rank.distributed import CommCounter, GlobalBatchLoss, all_gather_ints, padded_all_gather
+    from ddp_rank.distributed import (
+        CommCounter,
+        GlobalBatchLoss,
+        all_gather_ints,
+        end_process_group,
+        padded_all_gather,
+    )
     from ddp_rank.distributed.collectives import all_reduce_sum, padded_reduce_scatter
     from ddp_rank.distributed.process_group import is_distributed
     from ddp_rank.train.trainer import Trainer, build_loss
@@ -328,8 +334,7 @@ def trainer_worker(args: argparse.Namespace) -> None:
     finally:
         trainer.close()
         trainer.accelerator.end_training()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        end_process_group()
 
 
 def _label(mode: str, chunk: int, capture: str) -> str:

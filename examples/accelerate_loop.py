@@ -12,6 +12,7 @@ SHARD_DIR is what `ddp-rank shards build` (or `ddp-rank demo`) wrote. Copy this 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 import torch
@@ -52,7 +53,7 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", required=True, help="shard directory (manifest.json + tars)")
     parser.add_argument("--global-batch", type=int, default=16, help="images per step over ALL ranks")
@@ -60,9 +61,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--image-size", type=int, default=16)
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU even where a GPU is visible")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    accelerator = Accelerator(cpu=args.cpu)
+
+def train(accelerator: Accelerator, args: argparse.Namespace) -> None:
+    """Train ``args.steps`` steps on the processes ``accelerator`` joined."""
     # The stream deals each step's global batch to the ranks itself: it must NOT go through
     # accelerator.prepare (that would make rank 0 read everything and could duplicate samples).
     stream = ShardStream(
@@ -101,7 +104,20 @@ def main() -> None:
                 break
     checksum = sum(float(p.detach().double().sum()) for p in accelerator.unwrap_model(model).parameters())
     say(f"rank {accelerator.process_index} weights_sum {checksum:.12f}")
-    accelerator.end_training()
+
+
+def main() -> None:
+    args = parse_args()
+    accelerator = Accelerator(cpu=args.cpu)
+    try:
+        train(accelerator, args)
+    finally:
+        # The DDP model sits in a reference cycle and holds the process group: released and collected here, the
+        # group ends while Python runs; left to the interpreter's exit, gloo aborts a finished rank now and then
+        # ("terminate called without an active exception").
+        accelerator.free_memory()
+        gc.collect()
+        accelerator.end_training()
 
 
 if __name__ == "__main__":

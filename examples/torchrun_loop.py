@@ -10,6 +10,7 @@ the loss value is that of one process on all ranks' images together. Copy this f
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -48,17 +49,19 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", required=True, help="shard directory (manifest.json + tars)")
     parser.add_argument("--global-batch", type=int, default=16, help="images per step over ALL ranks")
     parser.add_argument("--chunk-size", type=int, default=None, help="most images per forward with a graph")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--image-size", type=int, default=16)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def train(args: argparse.Namespace) -> None:
+    """Train ``args.steps`` steps; the process group is already up."""
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, ...
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     rank = dist.get_rank()
     # Rank and world size come from the process group; every rank reads only its part of each step.
@@ -93,7 +96,20 @@ def main() -> None:
                 break
     checksum = sum(float(p.detach().double().sum()) for p in model.module.parameters())
     say(f"rank {rank} weights_sum {checksum:.12f}")
-    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = parse_args()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, ...
+    try:
+        train(args)
+    finally:
+        # The DDP model sits in a reference cycle and holds the process group: collected here, the group ends
+        # while Python runs; left to the interpreter's exit, gloo aborts a finished rank now and then
+        # ("terminate called without an active exception").
+        gc.collect()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

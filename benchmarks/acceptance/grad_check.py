@@ -330,6 +330,8 @@ def compare(run: Run, setup: Setup, rank: int, world: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------- the ranks
 def rank_main(rank: int, world: int, port: int, setup: Setup, runs: list[Run], out: str | None) -> None:
     """One rank: join the group, run every comparison (rank 0 writes the rows after each), leave the group."""
+    from ddp_rank.distributed import end_process_group
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR=_HOST, MASTER_PORT=str(port))  # fmt: skip
     if setup.device == "cpu":
@@ -357,7 +359,7 @@ def rank_main(rank: int, world: int, port: int, setup: Setup, runs: list[Run], o
             if rank == 0:
                 print(json.dumps(row), flush=True)
     finally:
-        dist.destroy_process_group()
+        end_process_group()
     if failed:
         sys.exit(1)
 

@@ -55,9 +55,8 @@ def _add_whiten(sub: Any) -> None:
 
 
 def _features(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
     from ddp_rank.config import ConfigError, load_config
+    from ddp_rank.distributed import end_process_group
     from ddp_rank.features.build import FeatureBuildError, FeatureBuildOptions, build_feature_shards
     from ddp_rank.model import ModelError
     from ddp_rank.runtime import make_accelerator
@@ -78,8 +77,7 @@ def _features(args: argparse.Namespace) -> int:
     finally:
         if accelerator is not None:
             accelerator.end_training()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
     if manifest is not None:
         print(format_info(args.out))
     return 0

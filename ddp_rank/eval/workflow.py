@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 from accelerate.utils import gather_object
 
 from ddp_rank.config import Config, ConfigError, to_dict
 from ddp_rank.data.reading.shard_cache import open_cache
+from ddp_rank.distributed import end_process_group
 from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.curves import draw_curves, split_curves
 from ddp_rank.eval.eval_model import RAW_PIXEL_SIZE, build_eval_model, feature_shards, images_in_front
@@ -198,8 +198,7 @@ def evaluate_and_record(
         )
     finally:
         accelerator.end_training()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
 
 
 def draw_curve_pictures(results: dict[str, dict[str, Any]], path: Path) -> list[Path]:
@@ -296,8 +295,7 @@ def export_embeddings(
         return manifest
     finally:
         accelerator.end_training()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
 
 
 def describe_export(manifest: dict[str, Any], output: str) -> str:

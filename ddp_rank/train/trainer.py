@@ -34,7 +34,7 @@ from ddp_rank.checkpoints.state_files import save_state_files
 from ddp_rank.checkpoints.write import CheckpointManager
 from ddp_rank.config import Config, ConfigError
 from ddp_rank.data.reading.batch import StreamBatch
-from ddp_rank.distributed import GlobalBatchLoss, average_gradients
+from ddp_rank.distributed import GlobalBatchLoss, average_gradients, end_process_group
 from ddp_rank.distributed.agreement import RankFailure
 from ddp_rank.eval.runner import evaluate_model
 from ddp_rank.logs import configure_run_logging
@@ -492,8 +492,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
         if trainer is not None:
             trainer.close()
             trainer.accelerator.end_training()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
         stop.restore()
         # Last: `scontrol requeue` signals the whole job at once, so checkpoint, stop record and run.json come first.
         if requeue and trainer is not None and trainer.is_main and cfg.train.requeue == "auto":

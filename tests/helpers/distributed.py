@@ -56,6 +56,8 @@ def _child(
     results: Any,
     cuda: bool = False,
 ) -> None:
+    from ddp_rank.distributed import end_process_group
+
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -76,7 +78,7 @@ def _child(
         try:
             value = fn(rank, world, *args)
         finally:
-            dist.destroy_process_group()
+            end_process_group()
         results.put((rank, True, _dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
