@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ddp_rank.data.features.records import FEATURE_EXTENSION, decode_vector, feature_dim
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.eval.retrieval import drop_self, knn_search
-from ddp_rank.features.records import FEATURE_EXTENSION, decode_vector, feature_dim
 
 
 @dataclass(frozen=True)

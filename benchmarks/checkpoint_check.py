@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import markdown_table, write_result
-from ddp_rank.checkpoints.file_checks import digest_files
-from ddp_rank.checkpoints.read import FILES_KEY, META_NAME, checkpoint_problem
+from ddp_rank.file_checks import digest_files
+from ddp_rank.model.checkpoint_read import FILES_KEY, META_NAME, checkpoint_problem
 
 
 def make_state(params: int) -> tuple[dict[str, torch.Tensor], dict[str, object]]:

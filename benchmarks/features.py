@@ -5,7 +5,7 @@
 
 With feature shards (``ddp-rank shards features``) the model is a head only, so the step is the loss over the
 global batch: this measures that the project's reason to exist, a 65,536 global batch, trains on this machine.
-The shards are synthetic (``ddp_rank.features.synthetic``: clustered float16 vectors, written straight to
+The shards are synthetic (``ddp_rank.data.features.synthetic``: clustered float16 vectors, written straight to
 shards; embedding 70,000 images first would take hours here and would not change the step), the run is the real
 ``ddp-rank train`` (stream, plan, GlobalBatchLoss, optimizer) with ``model.backbone=features``, one process. Per
 step, from the run's ``metrics.jsonl``: the step time (without the wait for data) and the data wait; the table
@@ -49,7 +49,7 @@ def main() -> int:
     p.add_argument("--no-write", action="store_true", help="print the table only")
     args = p.parse_args()
 
-    from ddp_rank.features.synthetic import write_feature_shards
+    from ddp_rank.data.features.synthetic import write_feature_shards
 
     # 10% more vectors than one batch: the plan needs whole classes to spare.
     classes = -(-int(args.batch * 1.1) // args.images_per_class)

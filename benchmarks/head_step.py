@@ -63,10 +63,10 @@ def bare_run(shards: Path, batch: int, steps: int, run: Path, images_per_class: 
     import torch
 
     from ddp_rank.config import load_config
+    from ddp_rank.data.features.records import feature_dim
     from ddp_rank.data.format.manifest import Manifest
     from ddp_rank.data.reading.feature_table import load_feature_table
     from ddp_rank.data.reading.reader import ClassReader
-    from ddp_rank.features.records import feature_dim
     from ddp_rank.model import build_model
     from ddp_rank.train.optim import build_optimizer, build_scheduler
     from ddp_rank.train.settings import build_loss, train_settings
@@ -139,7 +139,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     logging.disable(logging.WARNING)  # the trainer's start and end lines, per run
 
-    from ddp_rank.features.synthetic import write_feature_shards
+    from ddp_rank.data.features.synthetic import write_feature_shards
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="ddp_rank-head-step-") as tmp:

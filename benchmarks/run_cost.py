@@ -8,7 +8,7 @@ does).
 The fixed cost of a way of running is ``2 wall(N) - wall(2N)``: the steps cancel, what is paid once per run
 stays. The runs have the word study's settings (``configs/words_features.yaml``, a linear head on feature
 shards, ``model.backbone=features``, the study's overrides, evaluation off) on synthetic feature shards
-(``ddp_rank.features.synthetic``, so no feature build is needed), one torch thread each (the study's, two jobs
+(``data.features.synthetic``, so no feature build is needed), one torch thread each (the study's, two jobs
 on two cores). Each round measures every way in turn, interleaved (on a shared machine the load drifts: a
 comparison within a round is fair, one across rounds less so), and the table gives each round and the median.
 Ways:
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true", help="print the table only")
     args = p.parse_args(argv)
 
+    from ddp_rank.data.features.synthetic import write_feature_shards
     from ddp_rank.experiments.in_process import worker_pool
-    from ddp_rank.features.synthetic import write_feature_shards
 
     n = args.steps
     runs: dict[str, list[tuple[Cost, Cost]]] = {way: [] for way in WAYS}

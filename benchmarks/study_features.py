@@ -56,9 +56,9 @@ from typing import Any
 
 from benchmarks.study_features_report import add_intervals, markdown, plots, save_queries
 from benchmarks.study_features_runs import REPO, Schedule, Trainer, overrides_for
+from ddp_rank.data.features.records import feature_record
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.experiments.runs import RunSummary, read_run
-from ddp_rank.features.records import feature_record
 
 METRICS = ("recall@1", "recall@10", "map@r")
 RunKey = tuple[int, float, float, int]

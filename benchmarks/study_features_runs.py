@@ -14,10 +14,10 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddp_rank.checkpoints.read import latest_checkpoint
 from ddp_rank.config import ConfigError, load_config, to_dict
 from ddp_rank.experiments.in_process import train_in_worker, worker_pool
 from ddp_rank.experiments.runs import flatten_config, read_run
+from ddp_rank.model.checkpoint_read import latest_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 

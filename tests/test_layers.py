@@ -4,9 +4,9 @@ module grows past 500 lines, and the document's package map names every package.
 The layers (ARCHITECTURE.md, "Layers"): the base modules (``config``, ``atomic_io``, ...); ``losses`` ->
 ``distributed``; ``data``; ``model``; ``runtime`` (what training and evaluation both set up); ``train`` and
 ``eval`` (the trainer may call the evaluation, never the reverse); ``experiments``; the command line (``cli``) on
-top. A package has the layer of ``PACKAGE_LAYER``; a feature slice (``features``, ``checkpoints``) spans layers,
-and each of its modules has its own in ``MODULE_LAYER``. Imports inside functions and under ``TYPE_CHECKING``
-count too: a late import is still a dependency.
+top. Every package is in one layer (``PACKAGE_LAYER``): a feature that spans layers has a part in each (feature
+shards: ``data.features``, ``model.feature_head``, ``eval.features``). Imports inside functions and under
+``TYPE_CHECKING`` count too: a late import is still a dependency.
 """
 
 from __future__ import annotations
@@ -34,10 +34,8 @@ ALLOWED: dict[str, set[str]] = {
     "experiments": BASE | {"data", "model", "runtime", "eval", "train", "experiments"},
     "cli": set(),  # the top: anything
 }
-SLICE = "slice"
-"""A package whose modules sit in different layers; its ``__init__`` imports nothing, so it is below all."""
 PACKAGE_LAYER: dict[str, str] = {
-    "ddp_rank": "base",  # the top-level modules: atomic_io, autocast_off, logs
+    "ddp_rank": "base",  # the top-level modules: atomic_io, autocast_off, file_checks, logs
     "ddp_rank.config": "base",  # the typed config: below everything, like the top-level modules
     "ddp_rank.losses": "losses",
     "ddp_rank.distributed": "distributed",
@@ -48,43 +46,17 @@ PACKAGE_LAYER: dict[str, str] = {
     "ddp_rank.train": "train",
     "ddp_rank.experiments": "experiments",
     "ddp_rank.cli": "cli",
-    "ddp_rank.features": SLICE,
-    "ddp_rank.checkpoints": SLICE,
 }
-MODULE_LAYER: dict[str, str] = {
-    # feature shards: the format and the whitening are data, the head is model, the commands are eval
-    "ddp_rank.features.records": "data",
-    "ddp_rank.features.synthetic": "data",
-    "ddp_rank.features.whitening": "data",
-    "ddp_rank.features.head": "model",
-    "ddp_rank.features.build": "eval",
-    "ddp_rank.features.images": "eval",
-    "ddp_rank.features.whiten": "eval",
-    # checkpoints: the file digests are base, reading is model (evaluation and deployment read too), the rest
-    # is the trainer's
-    "ddp_rank.checkpoints.file_checks": "base",
-    "ddp_rank.checkpoints.safe_pickles": "model",
-    "ddp_rank.checkpoints.read": "model",
-    "ddp_rank.checkpoints.write": "train",
-    "ddp_rank.checkpoints.state_files": "train",
-    "ddp_rank.checkpoints.resume_check": "train",
-    "ddp_rank.checkpoints.resume": "train",
-}
+"""Every package is in one layer, so a module's layer is the first name of its path under ``ddp_rank/``."""
 MAX_LINES = 500
 LONG_EXEMPT: set[str] = set()  # none: a module that must be longer is named here, with the reason
 
 
 def _layer(module: str) -> str:
     """The layer of a module (or of a name in it): ``ddp_rank.train.trainer`` -> ``train``,
-    ``ddp_rank.features.head.FeatureHeadNet`` -> ``model``, a slice package itself -> ``base``."""
-    for table in (MODULE_LAYER, PACKAGE_LAYER):
-        parts = module.split(".")
-        while parts:
-            layer = table.get(".".join(parts))
-            if layer is not None:
-                return "base" if layer == SLICE else layer
-            parts.pop()
-    return "base"
+    ``ddp_rank.model.feature_head.FeatureHeadNet`` -> ``model``, ``ddp_rank.file_checks`` -> ``base``."""
+    parts = module.split(".")
+    return PACKAGE_LAYER.get(".".join(parts[:2]), "base")
 
 
 def _module_name(path: Path) -> str:
@@ -136,28 +108,33 @@ def _packages() -> list[str]:
     return sorted(_module_name(p) for p in PACKAGE.rglob("__init__.py"))
 
 
-def test_every_package_and_slice_module_has_a_layer() -> None:
+def test_every_package_has_a_layer() -> None:
     tops = {".".join(p.split(".")[:2]) for p in _packages()}
     assert tops <= set(PACKAGE_LAYER), f"give {sorted(tops - set(PACKAGE_LAYER))} a place in PACKAGE_LAYER"
-    names = {_module_name(p) for p in MODULES}
-    for package, layer in PACKAGE_LAYER.items():
-        if layer != SLICE:
-            continue
-        inside = {n for n in names if n.startswith(package + ".")}
-        assert inside <= set(MODULE_LAYER), (
-            f"give {sorted(inside - set(MODULE_LAYER))} a layer in MODULE_LAYER"
-        )
-    assert set(MODULE_LAYER) <= names, (
-        f"MODULE_LAYER names modules that are gone: {set(MODULE_LAYER) - names}"
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Package -> the packages its files import, at any depth and anywhere in a file (the top-level modules of
+    ``ddp_rank/`` are one package, ``ddp_rank``)."""
+    graph: dict[str, set[str]] = {}
+    for path in MODULES:
+        here = ".".join(_module_name(path).split(".")[:2]) if path.parent != PACKAGE else "ddp_rank"
+        for _, name in _imports(path):
+            top = ".".join(name.split(".")[:2])
+            there = top if top in PACKAGE_LAYER else "ddp_rank"
+            if there != here:
+                graph.setdefault(here, set()).add(there)
+    return graph
+
+
+def test_no_package_imports_one_that_imports_it_back() -> None:
+    """Packages as rooms: no arrow runs back up, so no two packages reach each other through their files'
+    imports (a knot of packages is one package in many folders, whatever the modules' own order)."""
+    graph = _package_graph()
+    knots = _cycles(graph)
+    assert not knots, "packages that import each other, directly or round about: " + "; ".join(
+        " <-> ".join(k) for k in knots
     )
-
-
-@pytest.mark.parametrize("package", [p for p, layer in PACKAGE_LAYER.items() if layer == SLICE])
-def test_a_slice_package_imports_nothing_of_its_own(package: str) -> None:
-    """A slice's ``__init__`` spans no layer: importing ``ddp_rank.features.records`` (data) must not import
-    the slice's eval modules through it."""
-    init = PACKAGE / Path(*package.split(".")[1:]) / "__init__.py"
-    assert not _imports(init), f"{init.relative_to(ROOT)} imports {_imports(init)}; keep it a docstring"
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -286,8 +263,8 @@ def test_no_two_modules_import_each_other() -> None:
 
 def test_importing_any_module_runs_no_import_cycle() -> None:
     """What the interpreter runs: importing a module runs the ``__init__`` of each package above it, so a cycle
-    may pass through a package that re-exports its modules (``features.head`` -> ``model`` -> ``model.net`` ->
-    ``features.head`` failed with a half-defined module whenever the head was imported first)."""
+    may pass through a package that re-exports its modules (``feature_head`` -> ``model`` -> ``model.net`` ->
+    ``feature_head`` failed with a half-defined module whenever the head was imported first)."""
     names = {_module_name(p) for p in MODULES}
     graph = {_module_name(p): _dependencies(p, names, run_time=True) for p in MODULES}
     cycles = _cycles(graph)
@@ -345,15 +322,6 @@ def test_architecture_names_every_package_with_its_layer() -> None:
     assert packages <= set(mapped), f"add {sorted(packages - set(mapped))} to ARCHITECTURE.md's package map"
     assert set(mapped) <= packages, f"ARCHITECTURE.md maps packages that are gone: {set(mapped) - packages}"
     for package, layer in mapped.items():
-        expected = PACKAGE_LAYER.get(package)
         if package == "ddp_rank":
             continue
-        if expected == SLICE:
-            inside = {MODULE_LAYER[m] for m in MODULE_LAYER if m.startswith(package + ".")}
-            assert set(layer.split(", ")) == inside, (
-                f"{package}: the map says ({layer}), its modules are {inside}"
-            )
-        else:
-            assert layer == _layer(package), (
-                f"{package}: the map says {layer}, the layer table {_layer(package)}"
-            )
+        assert layer == _layer(package), f"{package}: the map says {layer}, the layer table {_layer(package)}"

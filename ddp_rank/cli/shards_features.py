@@ -57,7 +57,7 @@ def _add_whiten(sub: Any) -> None:
 def _features(args: argparse.Namespace) -> int:
     from ddp_rank.config import ConfigError, load_config
     from ddp_rank.distributed import end_process_group
-    from ddp_rank.features.build import FeatureBuildError, FeatureBuildOptions, build_feature_shards
+    from ddp_rank.eval.features.build import FeatureBuildError, FeatureBuildOptions, build_feature_shards
     from ddp_rank.model import ModelError
     from ddp_rank.runtime import make_accelerator
     from ddp_rank.runtime.settings import data_settings, model_settings
@@ -84,8 +84,8 @@ def _features(args: argparse.Namespace) -> int:
 
 
 def _whiten(args: argparse.Namespace) -> int:
-    from ddp_rank.features.build import FeatureBuildError
-    from ddp_rank.features.whiten import WhitenOptions, whiten_feature_shards
+    from ddp_rank.eval.features.build import FeatureBuildError
+    from ddp_rank.eval.features.whiten import WhitenOptions, whiten_feature_shards
 
     try:
         options = WhitenOptions(args.dim, args.shrinkage, args.split, args.overwrite, not args.no_progress)

@@ -2,7 +2,7 @@
 
 Four parts: ``format`` (the manifest and the tar layout), ``building`` (making and checking shard sets),
 ``sampling`` (the global plan of each step and its dealing to the ranks) and ``reading`` (ranged reads, the
-cache, decoding, the training stream, the evaluation reader). Feature shards are the ``ddp_rank.features`` slice.
+cache, decoding, the training stream, the evaluation reader). Feature shards are ``data.features``.
 
 It knows nothing of losses or training. Public names are imported lazily, so the shard tools (and the worker
 processes they start) do not pay for importing torch.

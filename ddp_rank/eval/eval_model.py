@@ -3,7 +3,7 @@
 ``ddp-rank eval``, ``export`` and :class:`~ddp_rank.eval.search.Searcher` all build their model here, from
 settings made once at start-up (``ddp_rank.eval.settings``): the untrained network, a checkpoint's weights, or a
 baseline; for a head trained on feature shards, the shards' manifest gives the vectors' length and, when images
-are to be embedded, the recorded backbone in front of the head (``ddp_rank.features.images``).
+are to be embedded, the recorded backbone in front of the head (``ddp_rank.eval.features.images``).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from ddp_rank.config import FEATURES_BACKBONE, ConfigError
+from ddp_rank.data.features.records import feature_record
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.settings import DataSettings
-from ddp_rank.features.head import FeatureHeadNet, RawFeatures
-from ddp_rank.features.images import image_data, image_model
-from ddp_rank.features.records import feature_record
+from ddp_rank.eval.features.images import image_data, image_model
 from ddp_rank.model import RawPixels, build_model, load_model_weights, resolve_checkpoint
+from ddp_rank.model.feature_head import FeatureHeadNet, RawFeatures
 from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime.shards import model_input_dim, open_shards
 

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.checkpoints.file_checks import file_digest, size_problem
 from ddp_rank.eval.embed import autocast
 from ddp_rank.eval.sources import ImageBatch
+from ddp_rank.file_checks import file_digest, size_problem
 
 __all__ = [
     "EXPORT_MANIFEST",

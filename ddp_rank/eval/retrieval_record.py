@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ddp_rank.atomic_io import atomic_write_text
+from ddp_rank.data.features.records import feature_dim
 from ddp_rank.data.format.manifest import Manifest, is_url
 from ddp_rank.data.format.sample_names import class_name, sample_source
 from ddp_rank.data.reading.decode import DEFAULT_MAX_IMAGE_PIXELS
@@ -42,7 +43,6 @@ from ddp_rank.eval.retrieval import ExactSearch
 from ddp_rank.eval.retrieval_captions import RECORD_LEGEND, SampleName, neighbour_caption, query_caption
 from ddp_rank.eval.retrieval_grid import Cell, GridLayout, draw_grid, save_png
 from ddp_rank.eval.runner import EvalSettings, key_index
-from ddp_rank.features.records import feature_dim
 
 log = logging.getLogger(__name__)
 

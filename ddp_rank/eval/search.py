@@ -4,7 +4,7 @@
 model is rebuilt from what the index records: the checkpoint the export was made with and the exact config used
 (image size, crop, backbone) and the precision it embedded in, so a query is embedded exactly like the indexed
 collection. A head trained on feature shards gets the backbone their manifest records in front of it
-(``features.images``): the query image is embedded as the shards' images were, then by the head.
+(``eval.features.images``): the query image is embedded as the shards' images were, then by the head.
 
 The index folder goes down once: the index gives the export's record, that record (or the files given) the
 model's and the data's settings (``ddp_rank.eval.settings``), and those the network (``ddp_rank.eval.eval_model``).

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.checkpoints.file_checks import file_digest, size_problem
 from ddp_rank.eval.export import Embeddings, ExportError
+from ddp_rank.file_checks import file_digest, size_problem
 
 __all__ = [
     "INDEX_KINDS",

@@ -1,7 +1,7 @@
 """The embedding network and its weights: backbones, pooling, the head, weight files, ``init_from``, and reading a
 run's checkpoints. What training, evaluation and deployment share; it knows no ranks, losses or loops.
 
-The public names load on first use (as in ``ddp_rank.data``): ``features.head`` builds on ``model.embedding``
+The public names load on first use (as in ``ddp_rank.data``): ``feature_head`` builds on ``model.embedding``
 while ``model.net`` builds the head, so an ``__init__`` that imported ``net`` would make importing the head
 import the head again, half-defined.
 """
@@ -12,7 +12,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same names for type checkers; at run time ``__getattr__`` below loads them
-    from ddp_rank.checkpoints.read import CheckpointError, load_model_weights, read_meta, resolve_checkpoint
+    from ddp_rank.model.checkpoint_read import (
+        CheckpointError,
+        load_model_weights,
+        read_meta,
+        resolve_checkpoint,
+    )
     from ddp_rank.model.init_weights import InitReport, init_from, read_weights
     from ddp_rank.model.net import (
         EmbeddingNet,
@@ -25,10 +30,10 @@ if TYPE_CHECKING:  # the same names for type checkers; at run time ``__getattr__
     )
 
 _EXPORTS = {
-    "CheckpointError": "ddp_rank.checkpoints.read",
-    "load_model_weights": "ddp_rank.checkpoints.read",
-    "read_meta": "ddp_rank.checkpoints.read",
-    "resolve_checkpoint": "ddp_rank.checkpoints.read",
+    "CheckpointError": "ddp_rank.model.checkpoint_read",
+    "load_model_weights": "ddp_rank.model.checkpoint_read",
+    "read_meta": "ddp_rank.model.checkpoint_read",
+    "resolve_checkpoint": "ddp_rank.model.checkpoint_read",
     "InitReport": "ddp_rank.model.init_weights",
     "init_from": "ddp_rank.model.init_weights",
     "read_weights": "ddp_rank.model.init_weights",

@@ -1,6 +1,6 @@
 """The embedding network every backbone is wrapped in: backbone -> linear head -> L2 normalisation.
 
-Its own module, below both ``net`` (which builds one per configured backbone) and ``features.head`` (whose
+Its own module, below both ``net`` (which builds one per configured backbone) and ``feature_head`` (whose
 ``FeatureHeadNet`` is one without a backbone): ``net.build_model`` builds either, so the class they share sits
 beneath them and neither imports the other.
 """

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_rank.checkpoints.read import CheckpointError, resolve_checkpoint, verify_checkpoint
-from ddp_rank.checkpoints.safe_pickles import UnsafePickleError, load_torch_file
+from ddp_rank.model.checkpoint_read import CheckpointError, resolve_checkpoint, verify_checkpoint
+from ddp_rank.model.safe_pickles import UnsafePickleError, load_torch_file
 
 __all__ = ["InitReport", "init_from", "read_weights"]
 

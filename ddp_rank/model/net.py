@@ -27,9 +27,9 @@ from torch import nn
 from ddp_rank.config import BACKBONES, FEATURES_BACKBONE, TIMM_PREFIX, ModelConfig
 from ddp_rank.data.reading.transforms import uint8_to_unit
 from ddp_rank.extras import install_hint
-from ddp_rank.features.head import FeatureHeadNet
 from ddp_rank.model.backbones import build_timm_backbone, replace_pooling
 from ddp_rank.model.embedding import IMAGENET_MEAN, IMAGENET_STD, EmbeddingNet
+from ddp_rank.model.feature_head import FeatureHeadNet
 from ddp_rank.model.settings import ModelSettings
 
 __all__ = [

@@ -6,8 +6,8 @@ for an exception type.
 
 from __future__ import annotations
 
-from ddp_rank.checkpoints.read import CheckpointError
 from ddp_rank.config import ConfigError
+from ddp_rank.model.checkpoint_read import CheckpointError
 from ddp_rank.model.net import ModelError
 
 __all__ = ["AGREED_ERRORS", "TrainError"]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ddp_rank.config import FEATURES_BACKBONE, ConfigError
+from ddp_rank.data.features.records import FeatureRecordError, feature_dim, feature_record
 from ddp_rank.data.format.class_leaks import BUILT_FIX, leak_line, manifest_leak
 from ddp_rank.data.format.manifest import MANIFEST_NAME, Manifest, join_location
-from ddp_rank.features.records import FeatureRecordError, feature_dim, feature_record
 from ddp_rank.runtime.errors import TrainError
 
 __all__ = ["check_held_out_classes", "check_model_input", "check_split", "model_input_dim", "open_shards"]

@@ -21,7 +21,7 @@ signals (``ddp_rank.data.reading.loader.ignore_stop_signals``): a scheduler or l
 
 A second signal ends the process at once, and so does ``stop_grace_s`` running out. Neither can leave a
 half-written checkpoint: checkpoints are written to a temporary folder and renamed into place
-(``ddp_rank.checkpoints.write``), so the previous ones stay and the next start removes the partial one. A
+(``train.checkpoints.write``), so the previous ones stay and the next start removes the partial one. A
 signal repeated within ``debounce_s`` of the first is the same request (a launcher such as torchrun forwards
 the scheduler's SIGTERM to ranks that already received it), not a second one.
 """

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_rank.checkpoints.write import CheckpointSettings
 from ddp_rank.config import Config, save_config, to_dict
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.settings import DataSettings
@@ -24,6 +23,7 @@ from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime.accelerator import AcceleratorSettings
 from ddp_rank.runtime.settings import accelerator_settings, model_settings
 from ddp_rank.train import setup
+from ddp_rank.train.checkpoints.write import CheckpointSettings
 from ddp_rank.train.optim import OptimSettings
 from ddp_rank.train.run_outputs import ConfigRecord
 from ddp_rank.train.run_report import ReportSettings

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ddp_rank.config import ConfigError
+from ddp_rank.data.features.records import feature_dim
 from ddp_rank.data.format.manifest import Manifest, is_url
 from ddp_rank.data.reading.feature_stream import FeatureStream
 from ddp_rank.data.reading.shard_cache import open_cache
@@ -20,7 +21,6 @@ from ddp_rank.data.reading.stream import ShardStream
 from ddp_rank.data.settings import DataSettings
 from ddp_rank.eval.protocols import metric_names
 from ddp_rank.eval.runner import EvalSettings, vehicleid_splits
-from ddp_rank.features.records import feature_dim
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, ListwiseOptions, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
 from ddp_rank.model.settings import ModelSettings

@@ -29,9 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddp_rank.checkpoints import resume as resume_
-from ddp_rank.checkpoints.state_files import save_state_files
-from ddp_rank.checkpoints.write import CheckpointManager
 from ddp_rank.config import Config, ConfigError
 from ddp_rank.data.reading.batch import StreamBatch
 from ddp_rank.distributed import GlobalBatchLoss, average_gradients, end_process_group
@@ -45,6 +42,9 @@ from ddp_rank.runtime.failure import end_process_after_failure, end_process_now,
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batches import TrainBatches
 from ddp_rank.train.batchnorm import match_batchnorm_buffers_to_weights, sync_batchnorm_buffers
+from ddp_rank.train.checkpoints import resume as resume_
+from ddp_rank.train.checkpoints.state_files import save_state_files
+from ddp_rank.train.checkpoints.write import CheckpointManager
 from ddp_rank.train.chunking.auto import choose_chunk_for_run, confirm_chunk_for_run
 from ddp_rank.train.chunking.captured import captured_chunk_for
 from ddp_rank.train.chunking.layout import BatchLayout
@@ -148,8 +148,8 @@ class Trainer:
         self.model, self.optimizer = acc.prepare(model, optimizer)
         if self.deepspeed:
             match_batchnorm_buffers_to_weights(self.model)
-        # The scheduler and a loss's own parameters are saved by the trainer as JSON and safetensors
-        # (ddp_rank.checkpoints.state_files), not registered with accelerate, which unpickles those without restriction.
+        # The scheduler and a loss's own parameters are saved by the trainer as JSON and safetensors (state_files),
+        # not registered with accelerate, which unpickles those without restriction.
         self.loss_state = training_loss.loss if self.loss_parameters else None
         self.backend = backend_for_accelerator(acc, self.model)
         if choice is not None:  # the model is on its device now: one real step confirms the chunk
@@ -262,7 +262,7 @@ class Trainer:
             )
         return StepResult(loss, out.chunks, t1 - t0, time.perf_counter() - t0, lr, grad_norm)
 
-    # ------------------------------------------------------------------ state (ddp_rank.checkpoints.resume)
+    # ------------------------------------------------------------------ state (train/checkpoints/resume.py)
     def state_dict(self) -> dict[str, Any]:
         """The loop state that goes to ``meta.json`` (the rest is in the accelerate checkpoint)."""
         return resume_.state_dict(self)

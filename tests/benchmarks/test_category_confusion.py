@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.category_confusion import confusion, nearest_other, read_split
-from ddp_rank.features.synthetic import write_feature_shards
+from ddp_rank.data.features.synthetic import write_feature_shards
 
 
 def _on_circle(degrees: list[float]) -> torch.Tensor:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import head_step
-from ddp_rank.features.synthetic import write_feature_shards
+from ddp_rank.data.features.synthetic import write_feature_shards
 
 
 @pytest.mark.slow

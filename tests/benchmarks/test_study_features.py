@@ -16,8 +16,8 @@ import benchmarks.study_features as study
 from benchmarks.study_features_report import optimum, plots, summary
 from benchmarks.study_features_runs import Schedule, check_same_settings
 from ddp_rank.config import load_config, save_config
+from ddp_rank.data.features.synthetic import write_feature_shards
 from ddp_rank.data.format.manifest import Manifest
-from ddp_rank.features.synthetic import write_feature_shards
 
 
 def test_every_batch_gets_the_same_epochs_warm_up_share_and_a_decay_to_zero() -> None:

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ddp_rank.data.features.synthetic import write_feature_shards
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.reading.feature_stream import FeatureStream
 from ddp_rank.data.reading.feature_table import table_key
 from ddp_rank.data.reading.reader import ClassReader
 from ddp_rank.data.reading.stream import ShardStream
 from ddp_rank.data.sampling.schedule import ScheduleConfig
-from ddp_rank.features.synthetic import write_feature_shards
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from ddp_rank.data.building.verify import verify_shards
+from ddp_rank.data.features.records import FeatureRecord, FeatureRecordError, decode_vector, encode_vector
+from ddp_rank.data.features.synthetic import write_feature_shards
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.reading.eval_reader import EvalShards
 from ddp_rank.data.reading.stream import ShardStream
 from ddp_rank.data.sampling.schedule import ScheduleConfig
-from ddp_rank.features.records import FeatureRecord, FeatureRecordError, decode_vector, encode_vector
-from ddp_rank.features.synthetic import write_feature_shards
 from tests.helpers.feature_shards import RECORD
 
 

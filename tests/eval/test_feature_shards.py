@@ -21,11 +21,11 @@ from PIL import Image
 
 from ddp_rank.cli import main
 from ddp_rank.config import ModelConfig, load_config
+from ddp_rank.data.features.records import feature_record
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.reading.stream import ShardStream
-from ddp_rank.features.head import FeatureHeadNet, image_features, weights_digest
-from ddp_rank.features.records import feature_record
 from ddp_rank.model import build_model
+from ddp_rank.model.feature_head import FeatureHeadNet, image_features, weights_digest
 from ddp_rank.runtime.data_setup import schedule_config
 from ddp_rank.runtime.settings import data_settings
 from ddp_rank.train.settings import build_loss
@@ -149,7 +149,7 @@ def test_an_image_is_embedded_by_the_recorded_backbone_as_the_build_did(
 ) -> None:
     """``image_model`` (search queries, ``export --images``) rebuilds the backbone from the record alone: the
     head's config names none of it (tiny_cnn at 16 px here), yet each source image gives its stored vector."""
-    from ddp_rank.features.images import image_data, image_model
+    from ddp_rank.eval.features.images import image_data, image_model
 
     shards = built["feat"] if which == "default" else request.getfixturevalue("built_grid")
     record = feature_record(Manifest.load(shards))
@@ -167,7 +167,7 @@ def test_an_image_is_embedded_by_the_recorded_backbone_as_the_build_did(
 KILL_AFTER_ONE_SHARD = """
 import os, signal, sys
 from ddp_rank.config import load_config
-from ddp_rank.features.build import FeatureBuildOptions, build_feature_shards
+from ddp_rank.eval.features.build import FeatureBuildOptions, build_feature_shards
 from ddp_rank.runtime import make_accelerator
 from ddp_rank.runtime.settings import data_settings, model_settings
 cfg = load_config(None, sys.argv[3:])
@@ -204,7 +204,7 @@ def test_an_unfinished_build_from_before_output_stride_resumes(
     built: dict[str, Path], tmp_path: Path
 ) -> None:
     """Its build.json holds no output_stride: the whole network (32), as this config's, so the build goes on."""
-    from ddp_rank.features.build import PROGRESS_DIR
+    from ddp_rank.eval.features.build import PROGRESS_DIR
 
     older = json.loads((built["feat"] / "manifest.json").read_text())["build"]["features"]
     del older["output_stride"]

@@ -18,10 +18,10 @@ import torch
 from ddp_rank.cli import main
 from ddp_rank.config import ConfigError, load_config
 from ddp_rank.data.building.verify import verify_shards
+from ddp_rank.data.features.records import feature_record
+from ddp_rank.data.features.whitening import WhiteningError, fit_whitening, load_whitening
 from ddp_rank.data.format.manifest import Manifest
-from ddp_rank.features.head import FeatureHeadNet
-from ddp_rank.features.records import feature_record
-from ddp_rank.features.whitening import WhiteningError, fit_whitening, load_whitening
+from ddp_rank.model.feature_head import FeatureHeadNet
 from ddp_rank.train.trainer import run_training
 from tests.eval.test_feature_shards import HEAD, features_cmd, source_batch, stored
 from tests.helpers.training import REPO, build_tiny_shards, cpu_env
@@ -67,7 +67,7 @@ def test_rank_deficient_vectors_need_fewer_axes_or_shrinkage() -> None:
 
 
 def test_the_file_round_trips_and_a_changed_file_is_named(tmp_path: Path) -> None:
-    from ddp_rank.features.whitening import WHITENING_FILE, WhiteningRecord
+    from ddp_rank.data.features.whitening import WHITENING_FILE, WhiteningRecord
 
     whitening, _ = fit_whitening([correlated(500, 5)], dim=4)
     digest = whitening.save(tmp_path / WHITENING_FILE)
@@ -129,7 +129,7 @@ def test_whitened_shards_mirror_the_source_and_hold_the_map_of_each_vector(built
 
 KILL_AFTER_ONE_SHARD = """
 import os, signal, sys
-from ddp_rank.features.whiten import WhitenOptions, whiten_feature_shards
+from ddp_rank.eval.features.whiten import WhitenOptions, whiten_feature_shards
 whiten_feature_shards(sys.argv[1], sys.argv[2], WhitenOptions(dim=int(sys.argv[3]), progress=False),
                       on_shard=lambda info: os.kill(os.getpid(), signal.SIGKILL))
 """
@@ -184,7 +184,7 @@ def test_bad_sources_and_settings_get_one_line(built: dict[str, Path], tmp_path:
 def test_an_image_goes_through_the_backbone_then_the_map_as_the_shards_were_made(
     built: dict[str, Path], tmp_path: Path
 ) -> None:
-    from ddp_rank.features.images import image_data, image_model
+    from ddp_rank.eval.features.images import image_data, image_model
     from ddp_rank.runtime.settings import data_settings
 
     cfg = load_config(None, [*HEAD, f"data.shards={built['white']}"])
@@ -236,7 +236,7 @@ def test_a_head_trains_on_whitened_shards_and_a_malformed_record_is_refused(
 
 
 def test_a_record_naming_a_file_outside_the_shard_root_is_refused() -> None:
-    from ddp_rank.features.whitening import WhiteningRecord
+    from ddp_rank.data.features.whitening import WhiteningRecord
 
     good = {"file": "whitening.safetensors", "sha256": "ab", "input_dim": 4, "fitted_on": "train",
             "shrinkage": 0.0, "source": "feat"}  # fmt: skip
@@ -251,8 +251,8 @@ def test_a_record_naming_a_file_outside_the_shard_root_is_refused() -> None:
 def test_the_map_runs_in_float32_under_the_callers_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
     """``search`` may embed under the run's autocast: the backbone follows it, the map does not (the build
     computed it in float32), so the head sees the vectors the shards hold."""
-    import ddp_rank.features.head as feature_head
-    from ddp_rank.features.head import ImageFeatureNet
+    import ddp_rank.model.feature_head as feature_head
+    from ddp_rank.model.feature_head import ImageFeatureNet
 
     whitening, _ = fit_whitening([correlated(400, 12)], dim=6)
     monkeypatch.setattr(feature_head, "image_features", lambda backbone, x: x)  # vectors in, as the backbone's

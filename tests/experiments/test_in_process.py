@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from ddp_rank.data.features.synthetic import write_feature_shards
 from ddp_rank.experiments.in_process import EXIT_USAGE, RunsInProcess, train_in_worker
-from ddp_rank.features.synthetic import write_feature_shards
 from ddp_rank.runtime.process_state import ProcessState
 
 REPO = Path(__file__).resolve().parents[2]

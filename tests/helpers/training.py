@@ -47,7 +47,7 @@ def final_weights(run_dir: Path, step: int | None = None) -> dict[str, torch.Ten
     """The model weights of checkpoint ``step`` of a run (default: its latest)."""
     from safetensors.torch import load_file
 
-    from ddp_rank.checkpoints.read import resolve_checkpoint
+    from ddp_rank.model.checkpoint_read import resolve_checkpoint
 
     ckpt = (
         run_dir / "checkpoints" / f"step-{step:08d}"

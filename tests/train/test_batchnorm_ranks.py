@@ -247,10 +247,10 @@ def test_evaluation_equals_the_saved_checkpoint_rescored(
 ) -> None:
     """2 ranks: the evaluation and the checkpoint see one model (the ranks' averaged BatchNorm statistics), so
     re-scoring the checkpoint in one process gives the logged numbers."""
-    from ddp_rank.checkpoints.read import load_model_weights
     from ddp_rank.config import load_config
     from ddp_rank.eval.runner import evaluate_model
     from ddp_rank.eval.settings import evaluation_settings
+    from ddp_rank.model.checkpoint_read import load_model_weights
     from ddp_rank.model.net import build_model
     from tests.helpers.training import TINY_OVERRIDES
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.checkpoints.read import CheckpointError, load_model_weights, read_meta, resolve_checkpoint
-from ddp_rank.checkpoints.write import CheckpointManager, check_world_size
+from ddp_rank.model.checkpoint_read import CheckpointError, load_model_weights, read_meta, resolve_checkpoint
+from ddp_rank.train.checkpoints.write import CheckpointManager, check_world_size
 
 
 def writer(value: int):
@@ -105,7 +105,7 @@ def test_sigkill_during_save_keeps_last_good(tmp_path: Path) -> None:
         f"""
         import time
         from pathlib import Path
-        from ddp_rank.checkpoints.write import CheckpointManager
+        from ddp_rank.train.checkpoints.write import CheckpointManager
         m = CheckpointManager({str(tmp_path)!r}, keep_last=5)
         m.save(1, {{}}, lambda d: (d / "w.bin").write_bytes(b"x" * 1000))
         def slow(d):
@@ -179,7 +179,7 @@ def test_replacing_a_step_survives_a_kill_while_the_old_one_is_deleted(
 ) -> None:
     """A step written again (a rewound run) while an older step-* of that number exists: a kill while the old
     files are deleted must leave the new checkpoint whole, not an old one that lost files but kept meta.json."""
-    import ddp_rank.checkpoints.write as ck
+    import ddp_rank.train.checkpoints.write as ck
 
     def files(tag: str):
         def save(directory: Path) -> None:

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ddp_rank.checkpoints.read import (
+from ddp_rank.cli import main
+from ddp_rank.config import load_config
+from ddp_rank.model.checkpoint_read import (
     FILES_KEY,
     META_NAME,
     CheckpointError,
@@ -20,8 +22,6 @@ from ddp_rank.checkpoints.read import (
     newest_intact_checkpoint,
     verify_checkpoint,
 )
-from ddp_rank.cli import main
-from ddp_rank.config import load_config
 from ddp_rank.train.trainer import run_training
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
@@ -68,7 +68,7 @@ def truncate(path: Path, keep: float = 0.5) -> None:
 
 
 def test_meta_json_records_every_file_of_the_checkpoint(finished: Path) -> None:
-    from ddp_rank.checkpoints.file_checks import file_digest
+    from ddp_rank.file_checks import file_digest
 
     latest = ckpt(finished, 4)
     files = json.loads((latest / META_NAME).read_text())[FILES_KEY]

@@ -23,14 +23,14 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_rank.checkpoints.read import (
+from ddp_rank.model.checkpoint_read import (
     FILES_KEY,
     META_NAME,
     CheckpointError,
     load_model_weights,
     newest_intact_checkpoint,
 )
-from ddp_rank.checkpoints.write import CheckpointManager
+from ddp_rank.train.checkpoints.write import CheckpointManager
 
 CASES = 400
 SEED = 20261125

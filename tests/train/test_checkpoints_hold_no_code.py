@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from ddp_rank.checkpoints.file_checks import digest_files
-from ddp_rank.checkpoints.read import FILES_KEY, META_NAME, CheckpointError, checkpoint_problem
-from ddp_rank.checkpoints.safe_pickles import load_torch_file, unsafe_pickle_problem
-from ddp_rank.checkpoints.state_files import LOSS_FILE, SCHEDULER_FILE
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
+from ddp_rank.file_checks import digest_files
+from ddp_rank.model.checkpoint_read import FILES_KEY, META_NAME, CheckpointError, checkpoint_problem
+from ddp_rank.model.safe_pickles import load_torch_file, unsafe_pickle_problem
+from ddp_rank.train.checkpoints.state_files import LOSS_FILE, SCHEDULER_FILE
 from ddp_rank.train.trainer import Trainer, run_training
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
@@ -172,7 +172,7 @@ def test_a_resume_runs_no_planted_code(
     if layer == "blind scan":
         monkeypatch.setattr(torch.serialization, "get_unsafe_globals_in_checkpoint", lambda *a, **k: [])
     elif layer == "loads only":
-        import ddp_rank.checkpoints.safe_pickles as safe_pickles
+        import ddp_rank.model.safe_pickles as safe_pickles
 
         monkeypatch.setattr(safe_pickles, "unsafe_pickle_problem", lambda *a, **k: None)
     before = json.loads((run / "run.json").read_text())
@@ -229,7 +229,7 @@ def test_weights_only_loads_override_an_explicit_weights_only_false_and_restore_
 ) -> None:
     """What accelerate's and DeepSpeed's own loads get inside the block: weights-only even when they ask for
     ``weights_only=False`` (DeepSpeed 0.19 does), the allowed types, and the user's environment back after it."""
-    from ddp_rank.checkpoints.safe_pickles import RNG_STATE_TYPES, weights_only_loads
+    from ddp_rank.model.safe_pickles import RNG_STATE_TYPES, weights_only_loads
 
     marker = tmp_path / "ran"
     torch.save({"state": RunsCode(marker)}, tmp_path / "f.pkl")
@@ -252,7 +252,7 @@ def test_weights_only_loads_override_an_explicit_weights_only_false_and_restore_
     with pytest.raises(pickle.UnpicklingError), weights_only_loads():
         torch.load(tmp_path / "rng.pkl", weights_only=False)
     with pytest.raises(CheckpointError, match="no checkpoint needs"):
-        from ddp_rank.checkpoints.read import _read_weights_file
+        from ddp_rank.model.checkpoint_read import _read_weights_file
 
         _read_weights_file(tmp_path / "f.pkl")
     assert not marker.exists()

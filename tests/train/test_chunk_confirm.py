@@ -247,7 +247,7 @@ def test_the_trainer_confirms_its_chunk_and_backs_off_from_a_probe_that_under_co
 
 def test_the_prepared_batch_is_counted_where_the_chunked_step_holds_one() -> None:
     """uint8 images become float32 (4 bytes a pixel) once for both passes; feature vectors are taken as they are."""
-    from ddp_rank.features.head import FeatureHeadNet
+    from ddp_rank.model.feature_head import FeatureHeadNet
     from ddp_rank.train.chunking.choice import prepared_input_bytes
 
     assert prepared_input_bytes(_model(), 16) == 4 * 3 * 16 * 16

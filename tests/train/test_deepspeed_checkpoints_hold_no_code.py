@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddp_rank.checkpoints.safe_pickles import (
+from ddp_rank.model.safe_pickles import (
     RNG_STATE_TYPES,
     deepspeed_types,
     unsafe_files,

@@ -12,9 +12,9 @@ import pytest
 
 import ddp_rank.train.setup as setup
 from ddp_rank.config import load_config
+from ddp_rank.data.features.synthetic import write_feature_shards
 from ddp_rank.data.reading.feature_stream import FeatureStream
 from ddp_rank.data.reading.stream import ShardStream
-from ddp_rank.features.synthetic import write_feature_shards
 from ddp_rank.train.trainer import Trainer, run_training
 from tests.helpers.training import TINY_OVERRIDES, launch
 

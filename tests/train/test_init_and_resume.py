@@ -8,9 +8,9 @@ import pytest
 import torch
 import yaml
 
-from ddp_rank.checkpoints.read import CheckpointError, resolve_checkpoint
 from ddp_rank.cli import main
 from ddp_rank.config import ConfigError, load_config
+from ddp_rank.model.checkpoint_read import CheckpointError, resolve_checkpoint
 from ddp_rank.model.net import ModelError
 from ddp_rank.train.trainer import Trainer, run_training
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
@@ -210,8 +210,8 @@ def test_rewind_moves_the_abandoned_checkpoints_aside(
 ) -> None:
     """Resuming a run from its own earlier checkpoint (e.g. with a lower optim.lr after a divergence): the later
     checkpoints move to abandoned-*/, so that the next train.resume=auto continues the new timeline."""
-    from ddp_rank.checkpoints.read import read_meta
-    from ddp_rank.checkpoints.write import CheckpointManager
+    from ddp_rank.model.checkpoint_read import read_meta
+    from ddp_rank.train.checkpoints.write import CheckpointManager
 
     run = tmp_path / "run"
     common = ["train.steps=4", "train.checkpoint_every=1", "train.keep_last=5", "data.test_split="]
@@ -294,8 +294,8 @@ def test_config_of_a_run_without_history_is_kept(shards: Path, run: Path) -> Non
 
 
 def test_another_pml_loss_is_a_structural_change_a_listwise_one_is_not() -> None:
-    from ddp_rank.checkpoints.resume_check import resume_changes
     from ddp_rank.config import Config, to_dict
+    from ddp_rank.train.checkpoints.resume_check import resume_changes
     from ddp_rank.train.settings import config_record
 
     def meta_of(name: str) -> dict:
@@ -317,8 +317,8 @@ def test_a_changed_output_stride_is_refused_as_a_structural_change(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """resnet18 cut at stride 16 has no layer4 and a 256-wide head input: the checkpoint cannot load as it is."""
-    from ddp_rank.checkpoints.resume_check import resume_changes
     from ddp_rank.config import Config, to_dict
+    from ddp_rank.train.checkpoints.resume_check import resume_changes
     from ddp_rank.train.settings import config_record
 
     run = tmp_path / "run"

@@ -61,7 +61,7 @@ def test_without_data_seed_train_seed_varies_both(shards: Path, tmp_path: Path) 
 def test_a_resume_with_another_data_seed_is_refused(shards: Path, tmp_path: Path) -> None:
     """The checkpoint records the data's seed: a resume under another one would not see the interrupted run's
     batches. train.seed with data.seed fixed leaves the batches alone, so it is no such change."""
-    from ddp_rank.checkpoints.read import CheckpointError
+    from ddp_rank.model.checkpoint_read import CheckpointError
     from ddp_rank.train.trainer import run_training
 
     def cfg(*extra: str):

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_rank.checkpoints.read import CheckpointError
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
+from ddp_rank.model.checkpoint_read import CheckpointError
 from ddp_rank.train.trainer import Trainer, TrainError, check_inputs, run_training
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards, final_weights
 

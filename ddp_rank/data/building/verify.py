@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from ddp_rank.data.features.records import decode_vector, feature_dim, feature_record
+from ddp_rank.data.features.whitening import WhiteningError, load_whitening
 from ddp_rank.data.format.class_leaks import BUILT_FIX, leak_line, manifest_leak
 from ddp_rank.data.format.manifest import (
     MANIFEST_NAME,
@@ -32,8 +34,6 @@ from ddp_rank.data.format.manifest import (
 )
 from ddp_rank.data.format.tar_scan import SpanError, SpanSample, parse_span, scan_shard
 from ddp_rank.data.reading.decode import DEFAULT_MAX_IMAGE_PIXELS, ImageDecodeError, decode_image
-from ddp_rank.features.records import decode_vector, feature_dim, feature_record
-from ddp_rank.features.whitening import WhiteningError, load_whitening
 
 
 @dataclass(frozen=True)

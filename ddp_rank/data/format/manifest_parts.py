@@ -24,7 +24,7 @@ SPAN_DIGEST = "blake2b-128"
 IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
 """Image members the readers decode. Nothing else is ever decoded except ``.cls`` text and ``.json``."""
 PAYLOAD_EXTENSIONS: tuple[str, ...] = (*IMAGE_EXTENSIONS, "f16")
-"""The member that makes a sample: an image, or a feature vector (``features.records``: raw float16 bytes)."""
+"""The member that makes a sample: an image, or a feature vector (``data.features.records``: float16 bytes)."""
 
 _UNSAFE_PATH_CHARACTERS = frozenset("\\:%?#") | frozenset(map(chr, range(32))) | {"\x7f"}
 """Characters refused in a shard path: a backslash or a colon (another separator, a drive or a scheme), and

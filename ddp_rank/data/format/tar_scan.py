@@ -9,7 +9,7 @@ truncated file ends the scan with a reason instead of an exception, and samples 
 dropped, so one bad shard costs its own samples and nothing else. Shards made by other tools and indexed
 (``labelled=False``) need only an image per sample: their classes come from the manifest. Only image, ``.cls``
 and ``.json`` bytes are ever interpreted (and the raw float16 ``.f16`` vector of a feature sample, which takes
-an image's place: ``features.records``): there is no pickle decoder anywhere in the read path.
+an image's place: ``data.features.records``): there is no pickle decoder anywhere in the read path.
 
 Both walk the 512-byte headers with one decoder, ``decode_header``, seeking over member data. It accepts what
 stdlib ``tarfile.TarInfo.frombuf`` accepts, with the same name, size and type: the common header (a file or a

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ddp_rank.data.features.records import decode_vector, feature_dim
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.format.tar_scan import SpanSample
 from ddp_rank.data.reading.decode import ImageDecodeError, decode_image
@@ -30,7 +31,6 @@ from ddp_rank.data.reading.reader import ClassReader, ClassReadError
 from ddp_rank.data.reading.shard_cache import ShardCache
 from ddp_rank.data.reading.stream import resolve_rank_world
 from ddp_rank.data.reading.transforms import TransformConfig, collate_images, test_transform
-from ddp_rank.features.records import decode_vector, feature_dim
 
 log = logging.getLogger(__name__)
 

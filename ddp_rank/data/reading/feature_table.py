@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from ddp_rank.atomic_io import atomic_write_bytes, atomic_write_text
+from ddp_rank.data.features.records import FEATURE_DTYPE
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.reading.reader import ClassReader, ClassReadError
-from ddp_rank.features.records import FEATURE_DTYPE
 
 __all__ = ["MEMORY_MAP_BYTES", "FeatureTable", "load_feature_table", "table_key"]
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ddp_rank.data.features.records import decode_vector, feature_dim
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.format.tar_scan import SpanSample
 from ddp_rank.data.reading.batch import DataEvents, StreamBatch
@@ -49,7 +50,6 @@ from ddp_rank.data.reading.transforms import (
 from ddp_rank.data.sampling.dealing import deal
 from ddp_rank.data.sampling.plan import Catalog, GlobalPlan, Piece, PlanError, local_batch_size
 from ddp_rank.data.sampling.schedule import ScheduleConfig
-from ddp_rank.features.records import decode_vector, feature_dim
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class ShardStream(IterableDataset):
             [-1 if c.category is None else c.category for c in self.manifest.classes], dtype=np.int64
         )
         self.feature_dim = feature_dim(self.manifest)
-        """The vectors' length for feature shards (``features.records``: batches are ``[n, dim]`` float32, no
+        """The vectors' length for feature shards (``data.features``: batches are ``[n, dim]`` float32, no
         transform), None for image shards."""
 
     # ---------------------------------------------------------------- position

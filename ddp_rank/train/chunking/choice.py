@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ddp_rank.features.head import example_input
 from ddp_rank.model import freeze_batchnorm
+from ddp_rank.model.feature_head import example_input
 from ddp_rank.train.chunking.host_memory import available_memory
 from ddp_rank.train.chunking.step import PreparesBatch
 from ddp_rank.train.chunking.step_memory import FixedCosts, fixed_costs

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from ddp_rank.distributed.agreement import agree
-from ddp_rank.features.head import example_input
 from ddp_rank.model import freeze_batchnorm
+from ddp_rank.model.feature_head import example_input
 from ddp_rank.train.chunking.choice import OutOfMemoryError, count_saved
 
 __all__ = ["BACK_OFF", "Confirmation", "confirm_chunk", "trial_step"]

@@ -17,9 +17,9 @@ from ddp_rank.data.format.fragmentation import fragmentation
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.sampling.dealing import deal
 from ddp_rank.data.sampling.plan import Catalog, GlobalPlan, PlanError
-from ddp_rank.features.head import example_input
 from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
 from ddp_rank.model import build_model
+from ddp_rank.model.feature_head import example_input
 from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config

@@ -1,6 +1,6 @@
 """Reading a run's checkpoints: where they are, which one is complete, best or latest, and its model weights.
 
-This is the read side of the layout ``ddp_rank.checkpoints.write`` writes (``<run>/checkpoints/step-NNNNNNNN/``
+This is the read side of the layout ``train.checkpoints.write`` writes (``<run>/checkpoints/step-NNNNNNNN/``
 with ``meta.json`` written last, ``best.json`` beside them). Training, evaluation, export and ``init_from`` all
 read checkpoints; only training writes them, so the reading lives here, below both.
 
@@ -23,8 +23,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.checkpoints.file_checks import recorded_problem
-from ddp_rank.checkpoints.safe_pickles import TORCH_SUFFIXES, UnsafePickleError, load_torch_file
+from ddp_rank.file_checks import recorded_problem
+from ddp_rank.model.safe_pickles import TORCH_SUFFIXES, UnsafePickleError, load_torch_file
 
 __all__ = [
     "BEST_NAME",

@@ -114,8 +114,8 @@ def saved_shapes(checkpoint: str | os.PathLike[str]) -> dict[str, tuple[int, ...
             for k in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 shapes[k] = tuple(f.get_slice(k).get_shape())
     elif pt.is_file():
-        from ddp_rank.checkpoints.read import CheckpointError
-        from ddp_rank.checkpoints.safe_pickles import UnsafePickleError, load_torch_file
+        from ddp_rank.model.checkpoint_read import CheckpointError
+        from ddp_rank.model.safe_pickles import UnsafePickleError, load_torch_file
 
         try:
             state = load_torch_file(pt, mmap=True)

@@ -1,4 +1,4 @@
-"""Synthetic feature shards (``features.records``): clustered float16 vectors written straight to shards.
+"""Synthetic feature shards (``data.features.records``): clustered float16 vectors written straight to shards.
 
 For tests of the feature path and for benchmarks of a training step at global batches far beyond what the
 machine could embed: class centres scattered around their category's centre (so a category's classes are each
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ddp_rank.data.features.records import BUILD_KEY, FEATURE_EXTENSION, encode_vector
 from ddp_rank.data.format.manifest import ClassInfo, Manifest, ShardInfo, SplitInfo
 from ddp_rank.data.format.tar_writer import shard_writer
-from ddp_rank.features.records import BUILD_KEY, FEATURE_EXTENSION, encode_vector
 
 __all__ = ["synthetic_record", "write_feature_shards"]
 

@@ -1,13 +1,13 @@
 """Writing atomic checkpoints: keep the last K and the best, rotate, abandon a rewound timeline.
 
-Reading them (``read_meta``, ``resolve_checkpoint``, ``load_model_weights``) lives in ``ddp_rank.checkpoints.read``,
+Reading them (``read_meta``, ``resolve_checkpoint``, ``load_model_weights``) lives in ``model.checkpoint_read``,
 which evaluation and export share.
 
 Layout under ``<output_dir>/checkpoints/``::
 
     step-00000120/          one complete checkpoint (whatever the save function writes: with accelerate, the
         meta.json           model, optimizer, scaler, per-rank RNG; the trainer's scheduler.json and
-                            loss_state.safetensors, ``ddp_rank.checkpoints.state_files``) + meta.json, written LAST, with
+                            loss_state.safetensors, ``state_files``) + meta.json, written LAST, with
                             the size and SHA-256 of every other file (``files``: what readers check first)
     .tmp-step-00000160/     a checkpoint being written (ignored, removed at the next start)
     .tmp-trash-step-*/      a checkpoint being deleted (ignored, removed at the next start)
@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ddp_rank.atomic_io import atomic_write_text, follow_umask, fsync_dir, fsync_tree
-from ddp_rank.checkpoints.file_checks import digest_files
-from ddp_rank.checkpoints.read import (
+from ddp_rank.file_checks import digest_files
+from ddp_rank.model.checkpoint_read import (
     BEST_NAME,
     FILES_KEY,
     META_NAME,

@@ -1,4 +1,4 @@
-"""``ddp-rank shards whiten``: feature shards whose vectors are PCA-whitened (``ddp_rank.features.whitening``).
+"""``ddp-rank shards whiten``: feature shards whose vectors are PCA-whitened (``data.features.whitening``).
 
 The map is fitted on the training split's vectors only, so the test split is whitened as unseen data would be.
 The output mirrors the source as ``shards features`` does (same splits, shard paths, classes, keys and json),
@@ -24,9 +24,18 @@ import numpy as np
 from tqdm import tqdm
 
 from ddp_rank.atomic_io import atomic_write_text
+from ddp_rank.data.features.records import FeatureRecord, decode_vector, encode_vector, feature_record
+from ddp_rank.data.features.whitening import (
+    WHITENING_FILE,
+    Whitening,
+    WhiteningError,
+    WhiteningRecord,
+    fit_whitening,
+    parse_whitening,
+)
 from ddp_rank.data.format.manifest import Manifest, ShardInfo
 from ddp_rank.data.reading.reader import ClassReader, ClassReadError
-from ddp_rank.features.build import (
+from ddp_rank.eval.features.build import (
     PROGRESS_DIR,
     FeatureBuildError,
     all_shards,
@@ -38,15 +47,6 @@ from ddp_rank.features.build import (
     shard_json,
     write_shard,
 )
-from ddp_rank.features.records import FeatureRecord, decode_vector, encode_vector, feature_record
-from ddp_rank.features.whitening import (
-    WHITENING_FILE,
-    Whitening,
-    WhiteningError,
-    WhiteningRecord,
-    fit_whitening,
-    parse_whitening,
-)
 
 __all__ = ["WhitenOptions", "whiten_feature_shards"]
 
@@ -56,7 +56,7 @@ class WhitenOptions:
     dim: int | None = None
     """Axes kept, largest variance first (None: all, the vectors' own length)."""
     shrinkage: float = 1e-4
-    """Added to every eigenvalue, times their mean (``ddp_rank.features.whitening``)."""
+    """Added to every eigenvalue, times their mean (``ddp_rank.data.features.whitening``)."""
     split: str = "train"
     """The split the map is fitted on."""
     overwrite: bool = False
@@ -171,7 +171,7 @@ def _vectors(src: Manifest, split: str, dim: int, batch: int = 16_384) -> Iterat
 
 
 class _Whiten:
-    """Stored vectors to whitened ones, as ``.f16`` bytes (``features.build.VectorMaker``)."""
+    """Stored vectors to whitened ones, as ``.f16`` bytes (``eval.features.build.VectorMaker``)."""
 
     batch = 4096
 

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from ddp_rank.config import ConfigError, ModelConfig
+from ddp_rank.data.features.records import FeatureRecord
+from ddp_rank.data.features.whitening import WhiteningError, load_whitening
 from ddp_rank.data.settings import DataSettings
-from ddp_rank.features.head import FeatureHeadNet, ImageFeatureNet, build_seeded, weights_digest
-from ddp_rank.features.records import FeatureRecord
-from ddp_rank.features.whitening import WhiteningError, load_whitening
 from ddp_rank.model import build_model
+from ddp_rank.model.feature_head import FeatureHeadNet, ImageFeatureNet, build_seeded, weights_digest
 from ddp_rank.runtime import precision_dtype
 
 __all__ = ["image_data", "image_model"]
@@ -38,7 +38,7 @@ def image_model(record: FeatureRecord, shards: str, head: FeatureHeadNet) -> Ima
     }
     try:
         backbone_cfg = ModelConfig(**recorded)
-    except ConfigError as exc:  # e.g. the synthetic vectors of ddp_rank.features.synthetic
+    except ConfigError as exc:  # e.g. the synthetic vectors of ddp_rank.data.features.synthetic
         raise ConfigError(
             f"{shards}/manifest.json records the backbone {record.backbone!r}, which cannot embed an "
             f"image ({exc}); search with vectors of shards made by `ddp-rank shards features` instead"

@@ -5,7 +5,7 @@ Why not ``accelerator.register_for_checkpointing``: accelerate 1.15 restores reg
 ``custom_checkpoint_<i>.pkl`` with ``torch.load(weights_only=False)`` (``load_custom_state``), so such a file from
 someone else runs whatever it holds at resume. Checkpoints written before this change hold exactly those files
 (``custom_checkpoint_0.pkl``: the scheduler, ``custom_checkpoint_1.pkl``: the loss, when it has parameters);
-they are read weights-only (``ddp_rank.checkpoints.safe_pickles``), must hold the same plain state, and are
+they are read weights-only (``ddp_rank.model.safe_pickles``), must hold the same plain state, and are
 resumed as before; anything else in them is refused in one line.
 
 The scheduler's state (``last_epoch``, ``_step_count``, ``base_lrs``, ``_last_lr`` ...) is numbers, booleans,
@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.checkpoints.read import CheckpointError
-from ddp_rank.checkpoints.safe_pickles import UnsafePickleError, load_torch_file
+from ddp_rank.model.checkpoint_read import CheckpointError
+from ddp_rank.model.safe_pickles import UnsafePickleError, load_torch_file
 
 __all__ = [
     "LOSS_FILE",

@@ -1,6 +1,6 @@
 """The network of ``model.backbone=features``: a head only, on vectors a frozen backbone made once.
 
-Feature shards (``ddp_rank.features.records``) hold one backbone output per image; training on them trains the
+Feature shards (``data.features.records``) hold one backbone output per image; training on them trains the
 embedding head alone, so the loss over the global batch is the whole step. ``FeatureHeadNet`` is an
 ``EmbeddingNet`` whose backbone is the identity and whose input is ``[n, input_dim]`` float vectors; its head is
 linear (``model.head_hidden=0``) or a small MLP (one hidden layer with a ReLU).

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from ddp_rank.data.features.whitening import WhiteningRecord
 from ddp_rank.data.format.manifest import Manifest
-from ddp_rank.features.whitening import WhiteningRecord
 
 FEATURE_EXTENSION = "f16"
 """The member of a feature sample: the vector as raw little-endian float16 bytes."""

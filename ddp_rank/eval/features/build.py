@@ -2,7 +2,7 @@
 
 The output mirrors the source: the same splits, shard paths, classes (in the same order, so the same byte-range
 layout and plan) and categories; each sample's image becomes ``<key>.f16``, the backbone's output as float16
-(``ddp_rank.features.records``). The backbone is the config's (``model.backbone``, ``model.weights``,
+(``ddp_rank.data.features.records``). The backbone is the config's (``model.backbone``, ``model.weights``,
 ``model.pooling``), in eval mode, with the evaluation transform of ``data.*``, in the launcher's precision; the
 manifest records all of that under ``build.features`` with the digest of the weights, so that an image searched
 later is embedded the same way.
@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.config import FEATURES_BACKBONE, ConfigError
+from ddp_rank.data.features.records import BUILD_KEY, FeatureRecord, encode_vector, feature_record
 from ddp_rank.data.format.manifest import MANIFEST_NAME, ClassSpan, Manifest, ShardInfo, SplitInfo, is_url
 from ddp_rank.data.format.tar_scan import SpanSample
 from ddp_rank.data.format.tar_writer import shard_writer
@@ -41,9 +42,8 @@ from ddp_rank.data.reading.reader import ClassReader, ClassReadError
 from ddp_rank.data.reading.transforms import collate_images, test_transform
 from ddp_rank.data.settings import DataSettings
 from ddp_rank.eval.embed import autocast
-from ddp_rank.features.head import build_seeded, image_features, weights_digest
-from ddp_rank.features.records import BUILD_KEY, FeatureRecord, encode_vector, feature_record
 from ddp_rank.model import EmbeddingNet, build_model
+from ddp_rank.model.feature_head import build_seeded, image_features, weights_digest
 from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime import autocast_dtype
 
@@ -271,7 +271,7 @@ class _Embedder:
 
 class VectorMaker(Protocol):
     """What turns a source shard's samples into the output's vectors: the backbone on images (``_Embedder``),
-    or a map on vectors (``ddp_rank.features.whiten``)."""
+    or a map on vectors (``ddp_rank.eval.features.whiten``)."""
 
     batch: int
     """Samples per call."""

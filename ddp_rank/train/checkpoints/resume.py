@@ -13,31 +13,31 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ddp_rank.checkpoints.read import (
+from ddp_rank.model import init_from
+from ddp_rank.model.checkpoint_read import (
     CheckpointError,
     newest_intact_checkpoint,
     read_meta,
     resolve_checkpoint,
     verify_checkpoint,
 )
-from ddp_rank.checkpoints.resume_check import describe_changes, resume_changes, tensor_changes
-from ddp_rank.checkpoints.safe_pickles import (
+from ddp_rank.model.safe_pickles import (
     RNG_STATE_TYPES,
     deepspeed_types,
     refusal_detail,
     unsafe_files,
     weights_only_loads,
 )
-from ddp_rank.checkpoints.state_files import accelerate_view, load_state_files
-from ddp_rank.checkpoints.write import check_world_size
-from ddp_rank.model import init_from
+from ddp_rank.train.checkpoints.resume_check import describe_changes, resume_changes, tensor_changes
+from ddp_rank.train.checkpoints.state_files import accelerate_view, load_state_files
+from ddp_rank.train.checkpoints.write import check_world_size
 from ddp_rank.train.optim import lr_factor
 
 if TYPE_CHECKING:
-    from ddp_rank.checkpoints.write import CheckpointManager
     from ddp_rank.data.reading.stream import ShardStream
     from ddp_rank.model import EmbeddingNet
     from ddp_rank.train.batches import TrainBatches
+    from ddp_rank.train.checkpoints.write import CheckpointManager
     from ddp_rank.train.run_report import RunReport
     from ddp_rank.train.settings import TrainSettings
 
@@ -225,7 +225,7 @@ def resume(trainer: ResumedRun) -> Path | None:
 
 
 def _intact_latest(trainer: ResumedRun) -> Path | None:
-    """The newest checkpoint of this run whose files are intact (``ddp_rank.checkpoints.read``), each newer,
+    """The newest checkpoint of this run whose files are intact (``model.checkpoint_read``), each newer,
     damaged one noted in one line; it is moved aside with the other later checkpoints once the resume is done
     (:func:`_abandon_later_checkpoints`). Every rank checks (each reads the files it loads anyway)."""
     path, damaged = newest_intact_checkpoint(trainer.checkpoints.root)
@@ -242,7 +242,7 @@ def _intact_latest(trainer: ResumedRun) -> Path | None:
 
 def _load_accelerate_state(trainer: ResumedRun, path: Path) -> None:
     """``accelerator.load_state`` of a checked checkpoint, then the state the trainer writes itself
-    (``ddp_rank.checkpoints.state_files``); what a parser still refuses (a file the checks could not judge: a
+    (``checkpoints.state_files``); what a parser still refuses (a file the checks could not judge: a
     checkpoint of an older version) becomes one line naming the checkpoint.
 
     accelerate's and DeepSpeed's own ``torch.load`` calls run weights-only, with the types of
@@ -261,7 +261,7 @@ def _load_accelerate_state(trainer: ResumedRun, path: Path) -> None:
 
 def _allowed_types(trainer: ResumedRun) -> list[Any]:
     """The types beyond torch's defaults a checkpoint of this run may hold: numpy's random state, and DeepSpeed's
-    own classes under DeepSpeed (``ddp_rank.checkpoints.safe_pickles``)."""
+    own classes under DeepSpeed (``ddp_rank.model.safe_pickles``)."""
     return [*RNG_STATE_TYPES, *(deepspeed_types() if trainer.deepspeed else [])]
 
 
