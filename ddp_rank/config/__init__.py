@@ -4,8 +4,8 @@ The files, one job each:
 
 - :mod:`~ddp_rank.config.schema`: :class:`Config` (one section per layer) with the checks across sections, and
   :func:`config_json_schema`; the sections themselves, each field with its doc, type, choices and bounds and
-  each section with its own checks, in ``data_section``, ``model_section`` (model, loss), ``train_section``
-  (optim, train) and ``eval_section`` (eval, distributed);
+  each section with its own checks, in one file per section (``data_section``, ``model_section``,
+  ``loss_section``, ``optim_section``, ``train_section``, ``eval_section``, ``distributed_section``);
 - :mod:`~ddp_rank.config.checks`: what the sections share: :class:`ConfigError`, the value types that read
   command-line text, the section base, and pydantic's errors translated into one-line messages;
 - :mod:`~ddp_rank.config.loader`: defaults <- YAML file <- ``section.key=value`` overrides, validated once,

@@ -18,16 +18,12 @@ from pydantic import Field, model_validator
 
 from ddp_rank.config.checks import ConfigError, _Model, _Section, _section_key
 from ddp_rank.config.data_section import DataConfig
-from ddp_rank.config.eval_section import DistributedConfig, EvalConfig
-from ddp_rank.config.model_section import (
-    BACKBONES,
-    FEATURES_BACKBONE,
-    LISTWISE_LOSSES,
-    TIMM_PREFIX,
-    LossConfig,
-    ModelConfig,
-)
-from ddp_rank.config.train_section import OptimConfig, TrainConfig
+from ddp_rank.config.distributed_section import DistributedConfig
+from ddp_rank.config.eval_section import EvalConfig
+from ddp_rank.config.loss_section import LISTWISE_LOSSES, LossConfig
+from ddp_rank.config.model_section import BACKBONES, FEATURES_BACKBONE, TIMM_PREFIX, ModelConfig
+from ddp_rank.config.optim_section import OptimConfig
+from ddp_rank.config.train_section import TrainConfig
 
 __all__ = [
     "BACKBONES",

@@ -1,4 +1,4 @@
-"""The ``optim`` and ``train`` sections: the optimizer and its schedule, and the loop around it."""
+"""The ``train`` section: the loop around the optimizer: length, precision, checkpoints, logging."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from ddp_rank.config.checks import (
     Float,
     Int,
     ListOf,
-    NonNegative,
-    Positive,
     Text,
     _field,
     _Section,
@@ -25,38 +23,6 @@ Tracker = Literal[
     "tensorboard", "wandb", "mlflow", "aim", "comet_ml", "clearml", "dvclive", "swanlab", "trackio"
 ]
 """The experiment trackers of accelerate that ``train.log_with`` may name."""
-
-
-class OptimConfig(_Section):
-    """Optimizer and learning-rate schedule (defaults: the FastAP paper, sec. 5.1)."""
-
-    name: Literal["adam", "adamw", "sgd"] = _field(
-        "adam",
-        "Optimizer (FastAP: Adam; PNP: Adam with weight decay 4e-4).",
-    )
-    lr: Float = _field(1e-5, "Base learning rate of the backbone (papers: 1e-5).", minimum=0.0)
-    head_lr_mult: Float = _field(
-        10.0, "Learning-rate multiplier of the embedding head (FastAP: 10x).", minimum=0.0
-    )
-    weight_decay: Float = _field(0.0, "Weight decay (FastAP: 0, PNP: 4e-4).", minimum=0.0)
-    betas: Annotated[list[NonNegative], ListOf] = _field([0.9, 0.999], "Adam betas, each in [0, 1).")
-    momentum: Float = _field(0.9, "SGD momentum.", minimum=0.0)
-    schedule: Literal["constant", "cosine", "linear", "step"] = _field(
-        "constant",
-        "Learning-rate schedule after warm-up: constant, cosine (to min_lr_ratio), linear (to min_lr_ratio), "
-        "step (x step_gamma at each of step_milestones).",
-    )
-    warmup_steps: Int = _field(0, "Linear warm-up steps from 0 to the base rate.", minimum=0)
-    min_lr_ratio: Float = _field(
-        0.0, "Cosine / linear: final rate as a fraction of the base rate.", minimum=0.0, maximum=1.0
-    )
-    step_milestones: Annotated[list[Positive], ListOf] = _field(
-        [], "Step schedule: steps at which the rate is multiplied."
-    )
-    step_gamma: Float = _field(0.1, "Step schedule: the multiplier.", minimum=0.0)
-    grad_clip: Float = _field(
-        0.0, "Clip the global gradient norm to this value; 0 = no clipping.", minimum=0.0
-    )
 
 
 class TrainConfig(_Section):
