@@ -69,10 +69,9 @@ def bare_run(shards: Path, batch: int, steps: int, run: Path, images_per_class: 
     from ddp_rank.data.reading.reader import ClassReader
     from ddp_rank.model import build_model
     from ddp_rank.train.optim import build_optimizer, build_scheduler
-    from ddp_rank.train.settings import build_loss, train_settings
+    from ddp_rank.train.settings import build_loss
 
     cfg = load_config(None, overrides(shards, batch, steps, run))
-    s = train_settings(cfg)
     manifest = Manifest.load(shards)
     dim = feature_dim(manifest) or 0
     table = load_feature_table(ClassReader(manifest, "train"), manifest, "train", dim)
@@ -80,10 +79,10 @@ def bare_run(shards: Path, batch: int, steps: int, run: Path, images_per_class: 
     classes = torch.tensor([c for c in range(len(table.starts)) if table.starts[c] >= 0])
     starts = torch.from_numpy(table.starts)[classes]
     torch.manual_seed(cfg.train.seed)
-    model = build_model(s.model, s.model.image_size, dim)
+    model = build_model(cfg.model, cfg.data.image_size, dim)
     loss_fn = build_loss(cfg)
-    optimizer = build_optimizer(model.parameter_groups(s.optim.lr, s.optim.head_lr_mult, 0.0), s.optim)
-    scheduler = build_scheduler(optimizer, s.optim, steps)
+    optimizer = build_optimizer(model.parameter_groups(cfg.optim.lr, cfg.optim.head_lr_mult, 0.0), cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, steps)
     generator = torch.Generator().manual_seed(0)
     model.train()
     for step in range(steps):

@@ -1,8 +1,9 @@
-"""The config is translated once: only the modules listed here read the experiment config as a whole.
+"""Each part gets its own: only the modules listed here read the experiment config as a whole.
 
-At start-up each command turns its :class:`~ddp_rank.config.Config` into the parts' own small settings (the data
-layer's ``DataSettings``, the evaluation's ``EvalSettings``, ...), in the translation modules below; every other
-module of ``ddp_rank/`` receives the settings of its part and never sees the whole config. A module that
+At start-up each command hands each part its own section of the :class:`~ddp_rank.config.Config` as it is
+(``cfg.data``, ``cfg.model``, ...), or the settings the translation modules below still make (the evaluation's
+``EvalSettings``, the loss's, the step's, ...); every other module of ``ddp_rank/`` receives its part and never
+sees the whole config. A module that
 imports ``Config``, takes a parameter typed ``Config``, or reads a section of one (``cfg.data``,
 ``self.cfg.train``, ``config.eval``, ...) fails here unless it is listed, the way ``tests/test_layers.py`` keeps
 the imports going down.
@@ -25,14 +26,14 @@ SECTIONS = {"data", "model", "loss", "optim", "train", "eval", "distributed"}
 
 READS_CONFIG: dict[str, str] = {
     # The translation modules: Config -> the parts' settings, one per layer where the layering forces it.
-    "runtime/settings.py": "Config -> the data layer's, the model's and the accelerator's settings",
     "eval/settings.py": "Config -> the evaluation's settings (they cannot be built below the eval layer)",
     "train/settings.py": "Config -> the training parts' settings (loss, optimizer, step, checkpoints, report)",
     # The commands' tops: they take the config a user wrote and translate it at start-up.
     "train/trainer.py": "the trainer's top: Trainer(cfg), run_training(cfg)",
     "eval/workflow.py": "the top of `ddp-rank eval` / `export`: translates the run's config at its start",
     "train/chunking/plan_report.py::describe_plan": "the top of `ddp-rank plan`: translates the config at its start",
-    "train/trackers.py::tracker_arguments": "public: make_accelerator(cfg, tracker_arguments(cfg)) (runtime/settings.py)",
+    "train/trackers.py::tracker_arguments": "public: make_accelerator(cfg, tracker_arguments(cfg))",
+    "runtime/accelerator.py::make_accelerator": "a command's accelerator, made at its start from two sections",
     "cli": "the command line: loads the config files and overrides",
     "experiments": "sweeps and comparisons edit and compare whole configs",
     "config": "the config itself",
@@ -120,7 +121,8 @@ def test_only_the_translation_reads_the_config(path: Path) -> None:
     reads = _outside(source, config_reads(source, str(path)), _allowed_functions(path))
     assert not reads, (
         f"{path.relative_to(PACKAGE)} reads the whole config ({'; '.join(reads)}): take the settings of its part "
-        "instead (made once at start-up by ddp_rank/runtime/settings.py or ddp_rank/eval/settings.py)"
+        "instead: its section(s) of the config, or the settings made once at start-up (ddp_rank/train/settings.py, "
+        "ddp_rank/eval/settings.py)"
     )
 
 
@@ -161,8 +163,13 @@ def test_the_settings_carry_the_config_values() -> None:
 
     from ddp_rank.config import load_config
     from ddp_rank.eval.settings import evaluation_settings
-    from ddp_rank.runtime.settings import data_settings, model_settings
-    from ddp_rank.train.settings import checkpoint_settings, loss_settings, optim_settings, step_settings
+    from ddp_rank.train.settings import (
+        checkpoint_settings,
+        loss_settings,
+        optim_settings,
+        step_settings,
+        train_settings,
+    )
 
     cfg = load_config(
         None,
@@ -176,8 +183,6 @@ def test_the_settings_carry_the_config_values() -> None:
         ],
     )  # fmt: skip
     pairs = [
-        (data_settings(cfg), cfg.data),
-        (model_settings(cfg), cfg.model),
         (loss_settings(cfg), cfg.loss),
         (optim_settings(cfg), cfg.optim),
         (evaluation_settings(cfg), cfg.eval),
@@ -189,8 +194,10 @@ def test_the_settings_carry_the_config_values() -> None:
                 continue
             value = getattr(section, f.name)
             assert getattr(settings, f.name) == (tuple(value) if isinstance(value, list) else value), f.name
-    assert data_settings(cfg).seed == 11  # data.seed=-1: train.seed
-    assert evaluation_settings(cfg).seed == 11 and model_settings(cfg).init_seed == 11
-    assert model_settings(cfg).image_size == 96 and loss_settings(cfg).embedding_dim == 64
+    run = train_settings(cfg)
+    assert run.data is cfg.data and run.model is cfg.model and run.evaluation.data is cfg.data  # as they are
+    assert run.data_seed == cfg.data_seed == 11  # data.seed=-1: train.seed
+    assert cfg.model_copy(update={"data": cfg.data.replaced(seed=3)}).data_seed == 3
+    assert evaluation_settings(cfg).seed == 11 and loss_settings(cfg).embedding_dim == 64
     step = step_settings(cfg)
     assert (step.global_batch_size, step.image_size, step.sampler, step.fixed_chunk) == (256, 96, "pk", None)

@@ -93,7 +93,6 @@ class Bench:
         from ddp_rank.data.format.manifest import Manifest
         from ddp_rank.data.reading.loader import StreamLoader
         from ddp_rank.model import build_model
-        from ddp_rank.runtime.settings import data_settings
         from ddp_rank.train import PlainBackend
         from ddp_rank.train.optim import build_optimizer
         from ddp_rank.train.settings import build_loss
@@ -105,7 +104,7 @@ class Bench:
                                  f"model.backbone={args.backbone}", "model.weights=none", "model.embedding_dim=128"])  # fmt: skip
         self.device = torch.device(args.device)
         # The stream's position stays put (track_position=False): every iter starts the same epoch again.
-        self.loader = StreamLoader(build_stream(data_settings(cfg), Manifest.load(shards), 0, 1),
+        self.loader = StreamLoader(build_stream(cfg.data, cfg.data_seed, Manifest.load(shards), 0, 1),
                                    pin_memory=self.device.type == "cuda", track_position=False)  # fmt: skip
         self.step_s = args.device_step_s
         if self.step_s > 0:

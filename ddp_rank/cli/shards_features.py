@@ -60,7 +60,6 @@ def _features(args: argparse.Namespace) -> int:
     from ddp_rank.eval.features.build import FeatureBuildError, FeatureBuildOptions, build_feature_shards
     from ddp_rank.model import ModelError
     from ddp_rank.runtime import make_accelerator
-    from ddp_rank.runtime.settings import data_settings, model_settings
 
     accelerator = None
     try:
@@ -69,8 +68,9 @@ def _features(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         accelerator = make_accelerator(cfg)
         options = FeatureBuildOptions(args.batch_size, args.overwrite, not args.no_progress)
-        model, data = model_settings(cfg), data_settings(cfg)
-        manifest = build_feature_shards(model, data, args.source, args.out, accelerator, options)
+        manifest = build_feature_shards(
+            cfg.model, cfg.data, cfg.train.seed, args.source, args.out, accelerator, options
+        )
     except (ConfigError, ModelError, FeatureBuildError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

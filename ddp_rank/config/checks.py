@@ -163,10 +163,11 @@ _M = TypeVar("_M", bound="_Model")
 
 
 class _Model(BaseModel):
-    """Base of the config and its sections: unknown keys refused, NaN and infinities refused, and pydantic's
-    errors raised as a one-line :class:`ConfigError` also when a section is built in Python."""
+    """Base of the config and its sections: unknown keys refused, NaN and infinities refused, frozen once made (a
+    part handed a section reads what the run was started with; :meth:`replaced` makes a checked copy), and
+    pydantic's errors raised as a one-line :class:`ConfigError` also when a section is built in Python."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     def __init__(self, /, **data: Any) -> None:
         try:

@@ -55,6 +55,12 @@ class Config(_Model):
         default_factory=DistributedConfig, description=DistributedConfig.__doc__
     )
 
+    @property
+    def data_seed(self) -> int:
+        """The seed of the data schedule, the dealing to ranks and the augmentations: ``data.seed``, or
+        ``train.seed`` when it is -1 (so one seed varies everything, and ``data.seed`` varies the data alone)."""
+        return self.data.seed if self.data.seed >= 0 else self.train.seed
+
     @model_validator(mode="after")
     def _check(self) -> Config:
         """Cross-section checks that no single section can make."""

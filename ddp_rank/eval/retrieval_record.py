@@ -416,21 +416,21 @@ class RetrievalPicture:
         captured, self._captured = self._captured, None
         if captured is None:
             return None
-        split, data = captured
-        settings, data_settings = self.settings, self.settings.data
-        manifest = self.manifest if self.manifest is not None else Manifest.load(data_settings.shards)
+        split, embedded = captured
+        settings, data = self.settings, self.settings.data
+        manifest = self.manifest if self.manifest is not None else Manifest.load(data.shards)
         if feature_dim(manifest) is not None:
             if not self._said_no_images:
                 log.info("no retrieval picture: the test shards hold feature vectors, not images")
                 self._said_no_images = True
             return None
-        cache = open_cache(data_settings.cache_dir, data_settings.cache_max_gb)
-        images = ShardImages(manifest, split, cache, data_settings.max_image_pixels)
+        cache = open_cache(data.cache_dir, data.cache_max_gb)
+        images = ShardImages(manifest, split, cache, data.max_image_pixels)
         try:
             record = record_from_embedded(
-                data,
+                embedded,
                 images,
-                shards=_absolute(data_settings.shards),
+                shards=_absolute(data.shards),
                 split=split,
                 protocol=settings.protocol,
                 count=settings.grid_queries,

@@ -22,11 +22,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from ddp_rank.config import DataConfig
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.reading.eval_reader import EvalShards
 from ddp_rank.data.reading.loader import ignore_stop_signals
 from ddp_rank.data.reading.shard_cache import open_cache
-from ddp_rank.data.settings import DataSettings
+from ddp_rank.data.reading.transforms import transform_from_config
 from ddp_rank.distributed.process_group import is_distributed, rank, world_size
 from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.deployment import DeploymentSettings
@@ -57,10 +58,10 @@ class EvalSettings:
     """What an evaluation reads of a run, made once at start-up (``ddp_rank.eval.settings``): the config keys
     ``eval.*`` of the same names (``deployment``: ``eval.fprs``, ``fpirs``, ``enrolled_fraction``,
     ``gallery_per_identity``, ``max_positive_pairs``, ``block_mb``), ``seed`` = ``train.seed`` (VehicleID's
-    gallery draws, the identification split), and ``data``: the data layer's settings (``data.shards``,
+    gallery draws, the identification split), and ``data``: the config's ``data`` section (``data.shards``,
     ``data.test_split``, the reader's workers and cache, the image sizes)."""
 
-    data: DataSettings
+    data: DataConfig
     protocol: str = "sop"
     ks: tuple[int, ...] = ()
     batch_size: int = 128
@@ -105,7 +106,7 @@ def read_eval_batches(
         manifest if manifest is not None else data.shards,
         split=split,
         batch_size=settings.batch_size,
-        transform=data.transform(pixels="uint8"),  # the model scales them on its device
+        transform=transform_from_config(data, pixels="uint8"),  # the model scales them on its device
         rank=rank() if rank_ is None else rank_,
         world_size=world_size() if world is None else world,
         cache_dir=open_cache(data.cache_dir, data.cache_max_gb),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +22,8 @@ import torch
 from PIL import Image
 from torch import nn
 
-from ddp_rank.data.settings import DataSettings
+from ddp_rank.config import DataConfig
+from ddp_rank.data.reading.transforms import transform_from_config
 from ddp_rank.eval.embed import autocast
 from ddp_rank.eval.eval_model import build_eval_model, feature_shards, images_in_front
 from ddp_rank.eval.settings import index_settings
@@ -49,18 +50,18 @@ class Searcher:
     def __init__(
         self,
         model: nn.Module,
-        data: DataSettings,
+        data: DataConfig,
         index: SearchIndex,
         device: torch.device | str = "cpu",
         autocast_dtype: torch.dtype | None = None,
     ) -> None:
-        """``data``: the data settings the indexed images were read with (their transform and pixel limit)."""
+        """``data``: the ``data`` section the indexed images were read with (their transform and pixel limit)."""
         self.model = model.to(device).eval()
         self.data = data
         self.index = index
         self.device = torch.device(device)
         self.autocast_dtype = autocast_dtype
-        self.transform = data.transform()
+        self.transform = transform_from_config(data)
 
     @classmethod
     def from_index(
@@ -76,12 +77,12 @@ class Searcher:
         index = SearchIndex.load(index_dir)
         export = index.info.get("export", {})
         checkpoint = checkpoint or export.get("checkpoint")
-        model_settings, data = index_settings(export, f"{index_dir}/index.json", config, checkpoint)
-        manifest = feature_shards(model_settings, data)
-        model, _ = build_eval_model(model_settings, manifest, checkpoint, None)
+        model_cfg, data = index_settings(export, f"{index_dir}/index.json", config, checkpoint)
+        manifest = feature_shards(model_cfg, data)
+        model, _ = build_eval_model(model_cfg, data.image_size, manifest, checkpoint, None)
         model, data = images_in_front(model, data, manifest)  # queries are images: a feature head's backbone
         if max_pixels is not None:
-            data = replace(data, max_image_pixels=max_pixels)
+            data = data.replaced(max_image_pixels=max_pixels)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = precision_dtype(export.get("mixed_precision", "no"))

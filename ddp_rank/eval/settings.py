@@ -1,7 +1,6 @@
 """The config translated once, for the evaluation: ``Config`` -> :class:`~ddp_rank.eval.runner.EvalSettings`.
 
-The evaluation's settings are the eval layer's own, so they are made here and not with the lower parts'
-(``ddp_rank.runtime.settings``); the trainer and ``ddp-rank eval`` / ``export`` / ``search`` call
+The evaluation's settings are the eval layer's own; the trainer and ``ddp-rank eval`` / ``export`` / ``search`` call
 :func:`evaluation_settings` once at start-up and hand the result down. :func:`load_run_config` finds the config a
 checkpoint or an export was made with, so that a command reading a run needs nothing from a layer above it.
 """
@@ -11,13 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.config import Config, ConfigError, config_from_dict, load_config
-from ddp_rank.data.settings import DataSettings
+from ddp_rank.config import Config, ConfigError, DataConfig, ModelConfig, config_from_dict, load_config
 from ddp_rank.eval.deployment import DeploymentSettings
 from ddp_rank.eval.runner import EvalSettings
 from ddp_rank.model import read_meta, resolve_checkpoint
-from ddp_rank.model.settings import ModelSettings
-from ddp_rank.runtime.settings import data_settings, model_settings
 
 __all__ = ["deployment_settings", "evaluation_settings", "index_settings", "load_run_config"]
 
@@ -36,10 +32,10 @@ def deployment_settings(cfg: Config) -> DeploymentSettings:
 
 
 def evaluation_settings(cfg: Config) -> EvalSettings:
-    """The evaluation's settings: the ``eval`` section, ``train.seed`` and the data layer's settings."""
+    """The evaluation's settings: the ``eval`` section, ``train.seed`` and the ``data`` section."""
     e = cfg.eval
     return EvalSettings(
-        data=data_settings(cfg),
+        data=cfg.data,
         protocol=e.protocol,
         ks=tuple(e.ks),
         batch_size=e.batch_size,
@@ -82,8 +78,8 @@ def load_run_config(config: str | None, checkpoint: str | None, overrides: list[
 
 def index_settings(
     export: dict[str, Any], origin: str, config: str | None, checkpoint: str | None
-) -> tuple[ModelSettings, DataSettings]:
-    """The model's and the data's settings of a search index: those of ``config`` if given, else of the config
+) -> tuple[ModelConfig, DataConfig]:
+    """The ``model`` and ``data`` sections of a search index: those of ``config`` if given, else of the config
     the export recorded (``export``, from ``origin``), else of the run ``checkpoint`` belongs to."""
     if config is not None:
         cfg = load_config(config)
@@ -91,4 +87,4 @@ def index_settings(
         cfg = config_from_dict(export["config"], origin=origin)
     else:
         cfg = load_run_config(None, checkpoint, [])
-    return model_settings(cfg), data_settings(cfg)
+    return cfg.model, cfg.data

@@ -16,6 +16,7 @@ from accelerate.utils import gather_object
 
 from ddp_rank.config import Config, ConfigError, to_dict
 from ddp_rank.data.reading.shard_cache import open_cache
+from ddp_rank.data.reading.transforms import transform_from_config
 from ddp_rank.distributed import end_process_group
 from ddp_rank.eval.bootstrap import QueryBootstrap
 from ddp_rank.eval.curves import draw_curves, split_curves
@@ -30,7 +31,6 @@ from ddp_rank.eval.settings import evaluation_settings, load_run_config
 from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
 from ddp_rank.model import resolve_checkpoint
 from ddp_rank.runtime import autocast_dtype, make_accelerator, open_shards
-from ddp_rank.runtime.settings import model_settings
 from ddp_rank.runtime.shards import check_split as _check_in_manifest
 
 log = logging.getLogger(__name__)
@@ -145,11 +145,11 @@ def evaluate_and_record(
     split, described = _splits_to_evaluate(cfg, split)
     if checkpoint is not None and baseline is not None:
         raise ConfigError("pass either --checkpoint or --baseline, not both")
-    settings, model_part = evaluation_settings(cfg), model_settings(cfg)
+    settings = evaluation_settings(cfg)
     accelerator = make_accelerator(cfg)
     try:
-        shards = feature_shards(model_part, settings.data)
-        model, default_name = build_eval_model(model_part, shards, checkpoint, baseline)
+        shards = feature_shards(cfg.model, cfg.data)
+        model, default_name = build_eval_model(cfg.model, cfg.data.image_size, shards, checkpoint, baseline)
         model.to(accelerator.device)
         picture = RetrievalPicture(settings, accelerator.is_main_process)
         result = evaluate_model(
@@ -247,14 +247,14 @@ def export_embeddings(
     try:
         rank, world = accelerator.process_index, accelerator.num_processes
         skipped: list[str] | None = [] if on_bad == "skip" else None
-        model_part, data_part = model_settings(cfg), evaluation_settings(cfg).data
-        shards = feature_shards(model_part, data_part)
-        model, _ = build_eval_model(model_part, shards, ckpt, None)
+        data_part = cfg.data
+        shards = feature_shards(cfg.model, data_part)
+        model, _ = build_eval_model(cfg.model, data_part.image_size, shards, ckpt, None)
         if source["kind"] != "split":
             # Images into a head trained on feature shards: the backbone the shards record goes first.
             model, data_part = images_in_front(model, data_part, shards)
         model.to(accelerator.device)
-        transform, bs = data_part.transform(), cfg.eval.batch_size
+        transform, bs = transform_from_config(data_part), cfg.eval.batch_size
         cache = open_cache(data_part.cache_dir, data_part.cache_max_gb)
         if source["kind"] == "split":
             batches = split_batches(

@@ -43,7 +43,7 @@ class Launcher:
     CPU launcher file); False, GPUs (one process each); both on a free port of this machine. None: not known
     here, because the commands are printed for another machine (``sweep --print`` on a login node for a SLURM
     array): ``--multi_gpu`` with no port, which gives one process per GPU where there are GPUs and gloo
-    processes where there are none (``ddp_rank.runtime.settings.make_accelerator``), on accelerate's port
+    processes where there are none (``ddp_rank.runtime.make_accelerator``), on accelerate's port
     of that machine (its default config's, else 29500; accelerate 1.15 takes a free one when that is busy),
     with its default config's mixed precision."""
 

@@ -30,7 +30,6 @@ from ddp_rank.extras import install_hint
 from ddp_rank.model.backbones import build_timm_backbone, replace_pooling
 from ddp_rank.model.embedding import IMAGENET_MEAN, IMAGENET_STD, EmbeddingNet
 from ddp_rank.model.feature_head import FeatureHeadNet
-from ddp_rank.model.settings import ModelSettings
 
 __all__ = [
     "BACKBONES",
@@ -278,11 +277,9 @@ def _efficientnet_lite0(weights: str, image_size: int, output_stride: int = 32) 
     return _EfficientNetLiteFeatures(net, output_stride)
 
 
-def build_model(
-    cfg: ModelSettings | ModelConfig, image_size: int = 224, feature_dim: int | None = None
-) -> EmbeddingNet:
-    """Build the embedding network described by ``cfg`` (the model's settings, or the config's ``model``
-    section; ``image_size`` matters to EfficientNet-Lite and to vision transformers, whose position embeddings
+def build_model(cfg: ModelConfig, image_size: int = 224, feature_dim: int | None = None) -> EmbeddingNet:
+    """Build the embedding network described by ``cfg`` (the config's ``model`` section; ``image_size``
+    (``data.image_size``) matters to EfficientNet-Lite and to vision transformers, whose position embeddings
     are sized for it). ``feature_dim``: the vectors' length of feature shards, which ``model.backbone=features``
     (a head only) needs.
 

@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ddp_rank.config import ConfigError
+from ddp_rank.config import Config, ConfigError, DistributedConfig
 from ddp_rank.runtime.errors import TrainError
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "AcceleratorSettings",
     "autocast_dtype",
+    "make_accelerator",
     "precision_dtype",
     "resolve_mixed_precision",
     "start_accelerator",
@@ -59,25 +58,19 @@ def resolve_mixed_precision(configured: str, launcher: str | None = None) -> str
     return configured
 
 
-@dataclass(frozen=True)
-class AcceleratorSettings:
-    """What the accelerator of a run is made from: ``distributed.cpu``, ``train.mixed_precision`` (as configured;
-    resolved against the launcher's here) and ``distributed.find_unused_parameters``."""
-
-    cpu: bool = False
-    mixed_precision: str = "auto"
-    find_unused_parameters: bool = False
-
-
-def start_accelerator(settings: AcceleratorSettings, tracker_arguments: dict[str, Any] | None = None) -> Any:
+def start_accelerator(
+    distributed: DistributedConfig, mixed_precision: str, tracker_arguments: dict[str, Any] | None = None
+) -> Any:
     """An ``Accelerator`` for this machine: gloo on CPU (also under ``accelerate launch --multi_gpu`` with no
-    GPU), NCCL on GPUs, DeepSpeed when the launcher config asks for it. ``tracker_arguments``: the trainer's
-    experiment trackers (``log_with`` and the logging directory, ``ddp_rank.train.trackers``)."""
+    GPU), NCCL on GPUs, DeepSpeed when the launcher config asks for it. ``distributed``: the config's section
+    (``cpu``, ``find_unused_parameters``); ``mixed_precision``: ``train.mixed_precision`` as configured (resolved
+    against the launcher's here); ``tracker_arguments``: the trainer's experiment trackers (``log_with`` and the
+    logging directory, ``ddp_rank.train.trackers``)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    cpu = settings.cpu or not torch.cuda.is_available() or _too_few_gpus()
+    cpu = distributed.cpu or not torch.cuda.is_available() or _too_few_gpus()
     if deepspeed and cpu:
         # Checked with accelerate 1.15: Accelerator(cpu=True) silently drops the DeepSpeed plugin (plain DDP),
         # and Accelerator(cpu=False) without a GPU reports every process as rank 0 of 1. Neither is what was asked.
@@ -87,12 +80,18 @@ def start_accelerator(settings: AcceleratorSettings, tracker_arguments: dict[str
         )
     return Accelerator(
         cpu=cpu,
-        mixed_precision=resolve_mixed_precision(settings.mixed_precision),
+        mixed_precision=resolve_mixed_precision(mixed_precision),
         kwargs_handlers=[
-            DistributedDataParallelKwargs(find_unused_parameters=settings.find_unused_parameters)
+            DistributedDataParallelKwargs(find_unused_parameters=distributed.find_unused_parameters)
         ],
         **(tracker_arguments or {}),
     )
+
+
+def make_accelerator(cfg: Config, tracker_arguments: dict[str, Any] | None = None) -> Any:
+    """The accelerator of a command started from ``cfg`` (:func:`start_accelerator` on its ``distributed``
+    section and ``train.mixed_precision``). ``tracker_arguments``: see :func:`start_accelerator`."""
+    return start_accelerator(cfg.distributed, cfg.train.mixed_precision, tracker_arguments)
 
 
 def _too_few_gpus() -> bool:

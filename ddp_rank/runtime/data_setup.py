@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from ddp_rank.config import DataConfig
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.sampling.schedule import ScheduleConfig
-from ddp_rank.data.settings import DataSettings
 
 __all__ = ["resolve_sampler", "schedule_config"]
 
 
-def resolve_sampler(data: DataSettings, manifest: Manifest) -> tuple[str, str]:
+def resolve_sampler(data: DataConfig, manifest: Manifest) -> tuple[str, str]:
     """(strategy, why) of ``data.sampler`` on the training split of ``manifest``. ``auto`` is the category-aware
     ``hard`` sampler when the split's classes span enough categories for a batch (at least two, and at least
     ``data.categories_per_batch``), else ``random``: shards made by other tools often carry no category."""
@@ -30,8 +30,9 @@ def resolve_sampler(data: DataSettings, manifest: Manifest) -> tuple[str, str]:
     )
 
 
-def schedule_config(data: DataSettings, manifest: Manifest) -> ScheduleConfig:
-    """The sampler settings of ``data`` on ``manifest`` (``auto`` resolved; seeded by ``data.seed``)."""
+def schedule_config(data: DataConfig, manifest: Manifest, seed: int) -> ScheduleConfig:
+    """The sampler settings of the ``data`` section on ``manifest`` (``auto`` resolved), drawn with ``seed``
+    (``Config.data_seed``: ``data.seed``, or ``train.seed`` when it is -1)."""
     return ScheduleConfig(
         strategy=resolve_sampler(data, manifest)[0],  # type: ignore[arg-type]
         categories_per_batch=data.categories_per_batch,
@@ -39,5 +40,5 @@ def schedule_config(data: DataSettings, manifest: Manifest) -> ScheduleConfig:
         steps_per_epoch=data.steps_per_epoch or None,
         images_per_class=data.images_per_class,
         category_aware=data.category_aware,
-        seed=data.seed,
+        seed=seed,
     )

@@ -1,11 +1,10 @@
 """The config translated once, for training: ``Config`` -> the settings of each part the trainer drives.
 
-``Trainer(cfg)`` calls :func:`train_settings` at start-up and hands each part its own settings: the data layer
-its :class:`~ddp_rank.data.settings.DataSettings`, the network its
-:class:`~ddp_rank.model.settings.ModelSettings`, the loss, the optimizer, the step (batch layout, chunk,
-BatchNorm, capture, clipping), the evaluation, the checkpointing and the reporting theirs. Below the trainer no
-module reads the config (``tests/test_settings.py`` keeps it so): a value enters in one place, here or in the
-lower layers' translations (``ddp_rank.runtime.settings``, ``ddp_rank.eval.settings``), which this module uses.
+``Trainer(cfg)`` calls :func:`train_settings` at start-up and hands each part its own: the data stream the
+config's ``data`` section (with ``Config.data_seed``), the network the ``model`` section, the loss, the
+optimizer, the step (batch layout, chunk, BatchNorm, capture, clipping), the evaluation, the checkpointing and
+the reporting their settings. Below the trainer no module reads the whole config (``tests/test_settings.py`` keeps
+it so): a value enters in one place, here or in the evaluation's translation (``ddp_rank.eval.settings``).
 ``build_loss(cfg)`` and ``check_inputs(cfg)`` keep the config-level names the trainer module has exported.
 """
 
@@ -13,15 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_rank.config import Config, save_config, to_dict
+from ddp_rank.config import Config, DataConfig, ModelConfig, save_config, to_dict
 from ddp_rank.data.format.manifest import Manifest
-from ddp_rank.data.settings import DataSettings
 from ddp_rank.eval.runner import EvalSettings
 from ddp_rank.eval.settings import evaluation_settings
 from ddp_rank.losses import ListwiseLoss
-from ddp_rank.model.settings import ModelSettings
-from ddp_rank.runtime.accelerator import AcceleratorSettings
-from ddp_rank.runtime.settings import accelerator_settings, model_settings
 from ddp_rank.train import setup
 from ddp_rank.train.checkpoints.write import CheckpointSettings
 from ddp_rank.train.optim import OptimSettings
@@ -48,17 +43,18 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """Every part's settings of one training run (the trainer hands each part its own)."""
+    """Every part's settings of one training run (the trainer hands each part its own): the ``data`` and
+    ``model`` sections as they are, ``data_seed`` (``Config.data_seed``), and the other parts' settings."""
 
-    data: DataSettings
-    model: ModelSettings
+    data: DataConfig
+    data_seed: int
+    model: ModelConfig
     loss: LossSettings
     optim: OptimSettings
     step: StepSettings
     evaluation: EvalSettings
     checkpoints: CheckpointSettings
     report: ReportSettings
-    accelerator: AcceleratorSettings
 
     @property
     def tracking(self) -> TrackerSettings:
@@ -178,15 +174,15 @@ def train_settings(cfg: Config) -> TrainSettings:
     """Every part's settings of a training run of ``cfg``."""
     evaluation = evaluation_settings(cfg)
     return TrainSettings(
-        data=evaluation.data,
-        model=model_settings(cfg),
+        data=cfg.data,
+        data_seed=cfg.data_seed,
+        model=cfg.model,
         loss=loss_settings(cfg),
         optim=optim_settings(cfg),
         step=step_settings(cfg),
         evaluation=evaluation,
         checkpoints=checkpoint_settings(cfg),
         report=report_settings(cfg, evaluation),
-        accelerator=accelerator_settings(cfg),
     )
 
 

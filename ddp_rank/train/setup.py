@@ -12,18 +12,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_rank.config import ConfigError
+from ddp_rank.config import ConfigError, DataConfig, ModelConfig
 from ddp_rank.data.features.records import feature_dim
 from ddp_rank.data.format.manifest import Manifest, is_url
 from ddp_rank.data.reading.feature_stream import FeatureStream
 from ddp_rank.data.reading.shard_cache import open_cache
 from ddp_rank.data.reading.stream import ShardStream
-from ddp_rank.data.settings import DataSettings
+from ddp_rank.data.reading.transforms import transform_from_config
 from ddp_rank.eval.protocols import metric_names
 from ddp_rank.eval.runner import EvalSettings, vehicleid_splits
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, ListwiseOptions, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
-from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime import TrainError, open_shards
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.shards import check_held_out_classes, model_input_dim
@@ -43,6 +42,7 @@ __all__ = [
     "check_evaluation",
     "configure_deepspeed",
     "open_and_check_inputs",
+    "trainable_loss_parameters",
     "uses_deepspeed",
     "wants_channels_last",
 ]
@@ -93,6 +93,24 @@ def build_training_loss(loss: LossSettings, manifest: Manifest) -> TrainingLoss:
         parts = build_pml(loss.name, loss.miner, len(manifest.classes), loss.embedding_dim)
         return TrainingLoss(parts.loss, parts.miner, parts.description)
     return TrainingLoss(build_loss(loss))
+
+
+def trainable_loss_parameters(
+    training_loss: TrainingLoss, accelerator: Any, device: torch.device, loss_name: str
+) -> list[nn.Parameter]:
+    """The loss's own parameters (a proxy loss's proxies), moved to ``device``; refused where ``accelerator``
+    cannot train them exactly (``loss_name``: ``loss.name``, for the message)."""
+    params = training_loss.parameters
+    if not params:
+        return []
+    if uses_deepspeed(accelerator) or accelerator.mixed_precision == "fp16":
+        raise TrainError(
+            f"loss.name={loss_name} has parameters of its own, which this run cannot train: DeepSpeed and fp16 "
+            "loss scaling handle only the model's parameters. Use DDP (no DeepSpeed config) with "
+            "train.mixed_precision=bf16 or no, or a loss without parameters"
+        )
+    training_loss.loss.to(device)
+    return params
 
 
 def build_loss(lc: LossSettings) -> ListwiseLoss:
@@ -168,11 +186,12 @@ def open_and_check_inputs(evaluation: EvalSettings, backbone: str, best_metric: 
 
 
 def build_stream(
-    data: DataSettings, manifest: Manifest, rank: int, world_size: int, run_dir: Path | None = None
+    data: DataConfig, seed: int, manifest: Manifest, rank: int, world_size: int, run_dir: Path | None = None
 ) -> ShardStream:
-    """The data layer's category-aware stream of this rank's local batches (uint8 pixels). Feature shards are
-    read once into one array (``FeatureStream``): a large split is memory-mapped from one file in the node-local
-    cache folder (``data.cache_dir``), else beside the run in ``run_dir``."""
+    """The data layer's category-aware stream of this rank's local batches (uint8 pixels), from the ``data``
+    section and ``seed`` (``Config.data_seed``). Feature shards are read once into one array
+    (``FeatureStream``): a large split is memory-mapped from one file in the node-local cache folder
+    (``data.cache_dir``), else beside the run in ``run_dir``."""
     if rank == 0 and data.sampler == "auto":
         strategy, why = resolve_sampler(data, manifest)
         log.info(f"sampler {strategy}: {why}")
@@ -184,8 +203,8 @@ def build_stream(
             manifest,
             data.global_batch_size,
             split=data.train_split,
-            schedule=schedule_config(data, manifest),
-            transform=data.transform(augment=data.augment, pixels="uint8"),
+            schedule=schedule_config(data, manifest, seed),
+            transform=transform_from_config(data, augment=data.augment, pixels="uint8"),
             augment=data.augment,
             num_workers=data.num_workers,
             rank=rank,
@@ -197,7 +216,8 @@ def build_stream(
 
 
 def build_network(
-    settings: ModelSettings,
+    model_cfg: ModelConfig,
+    image_size: int,
     device: torch.device,
     batchnorm: BatchNormMode,
     deepspeed: bool = False,
@@ -205,18 +225,19 @@ def build_network(
     manifest: Manifest,
 ) -> tuple[EmbeddingNet, list[str]]:
     """The embedding network on this device's layout, with what the user must hear about it (``init_from``'s
-    report). Channels-last where :func:`wants_channels_last` says; BatchNorm as ``batchnorm`` (the layout's mode)
-    says: across ranks with ``model.sync_bn``, over groups of local images with ``model.bn_group_size``.
+    report), from the ``model`` section at ``image_size`` (``data.image_size``). Channels-last where
+    :func:`wants_channels_last` says; BatchNorm as ``batchnorm`` (the layout's mode) says: across ranks with
+    ``model.sync_bn``, over groups of local images with ``model.bn_group_size``.
     ``manifest``: the run's shards (loaded once), whose vectors' length a feature head takes."""
     notes: list[str] = []
-    model = build_model(settings, settings.image_size, model_input_dim(settings.backbone, manifest))
-    if settings.init_from:
-        notes.append(init_from(model, settings.init_from).summary())
+    model = build_model(model_cfg, image_size, model_input_dim(model_cfg.backbone, manifest))
+    if model_cfg.init_from:
+        notes.append(init_from(model, model_cfg.init_from).summary())
     if wants_channels_last(model, device, deepspeed):
         model.use_channels_last()
     if batchnorm.kind == "groups":
         convert_to_ghost(model, batchnorm.group)
-    if settings.sync_bn:
+    if model_cfg.sync_bn:
         # In place (an EmbeddingNet is not itself a BatchNorm layer); PyTorch's fused SyncBatchNorm on CUDA.
         convert_to_cross_rank(model, cuda=device.type == "cuda")
     return model, notes

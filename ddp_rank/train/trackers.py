@@ -23,10 +23,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.config import Config, ConfigError
+from ddp_rank.config import Config, ConfigError, DistributedConfig
 from ddp_rank.extras import install_hint
 from ddp_rank.runtime import TrainError
-from ddp_rank.runtime.accelerator import AcceleratorSettings, start_accelerator
+from ddp_rank.runtime.accelerator import start_accelerator
 from ddp_rank.train.run_outputs import ConfigRecord
 
 log = logging.getLogger(__name__)
@@ -107,14 +107,18 @@ def accelerator_trackers(log_with: Sequence[str], output_dir: str) -> dict[str, 
 
 
 def run_accelerator(
-    tracking: TrackerSettings, settings: AcceleratorSettings, accelerator: Any | None = None
+    tracking: TrackerSettings,
+    distributed: DistributedConfig,
+    mixed_precision: str,
+    accelerator: Any | None = None,
 ) -> Any:
-    """The trainer's accelerator: made from ``settings`` with the trackers of ``train.log_with``
-    (:func:`accelerator_trackers`), or the caller's, refused unless it was built with them. accelerate takes the
-    trackers only when the Accelerator is made, so one built without them would log nothing: ``accelerator.log``
-    drops every record without a word."""
+    """The trainer's accelerator: made from the ``distributed`` section and ``train.mixed_precision`` with the
+    trackers of ``train.log_with`` (:func:`accelerator_trackers`), or the caller's, refused unless it was built
+    with them. accelerate takes the trackers only when the Accelerator is made, so one built without them would
+    log nothing: ``accelerator.log`` drops every record without a word."""
     if accelerator is None:
-        return start_accelerator(settings, accelerator_trackers(tracking.log_with, tracking.output_dir))
+        trackers = accelerator_trackers(tracking.log_with, tracking.output_dir)
+        return start_accelerator(distributed, mixed_precision, trackers)
     # accelerate's log_with: a LoggerType per named tracker (its text is the name), or a custom tracker object.
     kept = getattr(accelerator, "log_with", None) or []
     carried = {str(t) if isinstance(t, (str, Enum)) else str(getattr(t, "name", t)) for t in kept}

@@ -61,12 +61,12 @@ from ddp_rank.train.run_report import RunReport, StepResult
 from ddp_rank.train.run_state import RunState
 from ddp_rank.train.settings import build_loss, check_inputs, train_settings
 from ddp_rank.train.setup import (
-    TrainingLoss,
     build_network,
     build_stream,
     build_training_loss,
     configure_deepspeed,
     open_and_check_inputs,
+    trainable_loss_parameters,
     uses_deepspeed,
 )
 from ddp_rank.train.trackers import run_accelerator
@@ -103,7 +103,9 @@ class Trainer:
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
         set_deterministic(cfg.train.deterministic, cfg.train.deterministic_fill)
         # A passed accelerator must carry train.log_with.
-        self.accelerator = acc = run_accelerator(s.tracking, s.accelerator, accelerator)
+        self.accelerator = acc = run_accelerator(
+            s.tracking, cfg.distributed, cfg.train.mixed_precision, accelerator
+        )
         self.world_size = acc.num_processes
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
@@ -114,7 +116,9 @@ class Trainer:
 
         # Same initial weights on every rank (DDP would broadcast them anyway; ZeRO would not check).
         torch.manual_seed(cfg.train.seed)
-        self.stream = build_stream(s.data, self.manifest, self.rank, self.world_size, self.out_dir)
+        self.stream = build_stream(
+            s.data, s.data_seed, self.manifest, self.rank, self.world_size, self.out_dir
+        )
         # Given by run_training, which takes the signals over before the (long) start-up; else made here.
         self.stop = stop if stop is not None else StopRequest(cfg.train.stop_signals, cfg.train.stop_grace_s)
         self.batches = TrainBatches(self.stream, self.device, lambda: self.stop.requested)
@@ -122,11 +126,16 @@ class Trainer:
         self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
 
         model, notes = build_network(
-            s.model, self.device, self.layout.batchnorm, deepspeed=uses_deepspeed(acc), manifest=self.manifest
+            s.model,
+            s.data.image_size,
+            self.device,
+            self.layout.batchnorm,
+            deepspeed=uses_deepspeed(acc),
+            manifest=self.manifest,
         )
         # After the network: a proxy loss's random proxies leave the model's initial weights as with any loss.
         training_loss = build_training_loss(s.loss, self.manifest)
-        self.loss_parameters = self._loss_parameters(training_loss)
+        self.loss_parameters = trainable_loss_parameters(training_loss, acc, self.device, s.loss.name)
         choice = None
         if s.step.fixed_chunk is None:  # measured with the model still on the CPU
             largest_class = max(self.manifest.split(s.data.train_split).class_counts.values(), default=1)
@@ -176,21 +185,6 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             self.out_dir / "checkpoints", s.checkpoints.keep_last, self.is_main, acc.wait_for_everyone
         )
-
-    def _loss_parameters(self, training_loss: TrainingLoss) -> list[torch.nn.Parameter]:
-        """The loss's own parameters (proxies), on the device; refused where they cannot be trained exactly."""
-        params = training_loss.parameters
-        if not params:
-            return []
-        acc = self.accelerator
-        if uses_deepspeed(acc) or acc.mixed_precision == "fp16":
-            raise TrainError(
-                f"loss.name={self.settings.loss.name} has parameters of its own, which this run cannot train: DeepSpeed "
-                "and fp16 loss scaling handle only the model's parameters. Use DDP (no DeepSpeed config) with "
-                "train.mixed_precision=bf16 or no, or a loss without parameters"
-            )
-        training_loss.loss.to(self.device)
-        return params
 
     def parameter_groups(self, model: EmbeddingNet) -> list[dict[str, Any]]:
         """The optimizer's groups: the model's (backbone, head), then the loss's own parameters, if any, at

@@ -13,7 +13,6 @@ from ddp_rank.cli import main
 from ddp_rank.config import load_config
 from ddp_rank.data.format.manifest import ClassInfo, ClassSpan, Manifest, ShardInfo, SplitInfo
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
-from ddp_rank.runtime.settings import data_settings
 from ddp_rank.train.chunking.plan_report import describe_plan
 
 SAMPLE = 3 * 1024  # an image, a .cls and a .json member of one block each
@@ -59,18 +58,18 @@ def test_auto_takes_the_categories_only_when_there_are_two(
 ) -> None:
     cfg = load_config(None, ["data.global_batch_size=8"])
     assert cfg.data.sampler == "auto"
-    strategy, why = resolve_sampler(data_settings(cfg), _manifest(category_of, categories))
+    strategy, why = resolve_sampler(cfg.data, _manifest(category_of, categories))
     assert strategy == expected
     assert why.startswith("data.sampler=auto: split 'train' has")
-    assert schedule_config(data_settings(cfg), _manifest(category_of, categories)).strategy == expected
+    assert schedule_config(cfg.data, _manifest(category_of, categories), cfg.data_seed).strategy == expected
 
 
 def test_auto_needs_as_many_categories_as_a_batch_takes() -> None:
     manifest = _manifest([0] * 4 + [1] * 4 + [2] * 4, ["a", "b", "c"])
     three = load_config(None, ["data.categories_per_batch=3", "data.global_batch_size=12"])
     four = load_config(None, ["data.categories_per_batch=4", "data.global_batch_size=12"])
-    assert resolve_sampler(data_settings(three), manifest)[0] == "hard"
-    assert resolve_sampler(data_settings(four), manifest) == (
+    assert resolve_sampler(three.data, manifest)[0] == "hard"
+    assert resolve_sampler(four.data, manifest) == (
         "random",
         "data.sampler=auto: split 'train' has 3 categories (the category-aware sampler needs 4), so classes "
         "are drawn at random from the whole split",
@@ -79,7 +78,7 @@ def test_auto_needs_as_many_categories_as_a_batch_takes() -> None:
 
 def test_a_sampler_that_is_set_is_kept() -> None:
     cfg = load_config(None, ["data.sampler=hard"])
-    assert resolve_sampler(data_settings(cfg), _manifest([None] * 4, [])) == ("hard", "set by data.sampler")
+    assert resolve_sampler(cfg.data, _manifest([None] * 4, [])) == ("hard", "set by data.sampler")
 
 
 def test_plan_starts_on_shards_without_categories_and_says_why(
@@ -108,6 +107,6 @@ def test_the_run_logs_the_choice(tmp_path: Path, ddp_rank_log: pytest.LogCapture
     manifest.save(tmp_path)
     cfg = load_config(None, [f"data.shards={tmp_path}", "data.global_batch_size=8", "data.num_workers=0"])
     with ddp_rank_log.at_level(logging.INFO):
-        stream = build_stream(data_settings(cfg), Manifest.load(tmp_path), rank=0, world_size=1)
+        stream = build_stream(cfg.data, cfg.data_seed, Manifest.load(tmp_path), rank=0, world_size=1)
     assert stream.schedule_config.strategy == "hard"
     assert "sampler hard: data.sampler=auto: split 'train' has 2 categories" in ddp_rank_log.text

@@ -24,7 +24,6 @@ from ddp_rank.eval.search import Searcher
 from ddp_rank.eval.settings import evaluation_settings
 from ddp_rank.eval.vector_index import IndexSpec, SearchIndex
 from ddp_rank.eval.workflow import build_eval_model, load_run_config
-from ddp_rank.runtime.settings import model_settings
 from ddp_rank.train.trainer import run_training
 from tests.helpers.image_fuzz import fuzz_cases, legitimate_images, png_bomb
 from tests.helpers.quick_server import serve_quickly
@@ -63,7 +62,7 @@ def test_export_holds_the_evaluation_embeddings_with_keys_labels_categories(tiny
     assert set(data.categories.tolist()) == {"cat0", "cat1", "cat2"}
     assert all(int(k[1:8]) == label for k, label in zip(data.keys, data.labels))  # key c<class>_<n>
     cfg = load_run_config(None, str(tiny["run"]), [])
-    model, _ = build_eval_model(model_settings(cfg), None, str(tiny["run"]), None)
+    model, _ = build_eval_model(cfg.model, cfg.data.image_size, None, str(tiny["run"]), None)
     evaluated = embed_split(model, evaluation_settings(cfg), "test")  # the evaluation's rows, sorted by the key hash
     order = np.argsort([key_index(k) for k in data.keys])
     np.testing.assert_allclose(data.embeddings[order], evaluated.embeddings.numpy(), rtol=0, atol=1e-6)

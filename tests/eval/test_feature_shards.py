@@ -27,7 +27,6 @@ from ddp_rank.data.reading.stream import ShardStream
 from ddp_rank.model import build_model
 from ddp_rank.model.feature_head import FeatureHeadNet, image_features, weights_digest
 from ddp_rank.runtime.data_setup import schedule_config
-from ddp_rank.runtime.settings import data_settings
 from ddp_rank.train.settings import build_loss
 from ddp_rank.train.trainer import run_training
 from tests.helpers.training import REPO, TINY_OVERRIDES, build_tiny_shards, cpu_env, final_weights, launch
@@ -159,7 +158,7 @@ def test_an_image_is_embedded_by_the_recorded_backbone_as_the_build_did(
     assert net.backbone.head.in_features == record.dim
     samples = stored(shards)
     with torch.no_grad():
-        vectors = image_features(net.backbone, source_batch(samples, image_data(data_settings(cfg), record)))
+        vectors = image_features(net.backbone, source_batch(samples, image_data(cfg.data, record)))
     rounded = vectors.to(torch.float16).float().numpy()  # as ImageFeatureNet hands them to the head
     np.testing.assert_allclose(rounded, np.stack([v for v, _ in samples.values()]), rtol=2e-3, atol=2e-3)
 
@@ -169,10 +168,9 @@ import os, signal, sys
 from ddp_rank.config import load_config
 from ddp_rank.eval.features.build import FeatureBuildOptions, build_feature_shards
 from ddp_rank.runtime import make_accelerator
-from ddp_rank.runtime.settings import data_settings, model_settings
 cfg = load_config(None, sys.argv[3:])
 acc = make_accelerator(cfg)
-build_feature_shards(model_settings(cfg), data_settings(cfg), sys.argv[1], sys.argv[2], acc,
+build_feature_shards(cfg.model, cfg.data, cfg.train.seed, sys.argv[1], sys.argv[2], acc,
                      FeatureBuildOptions(progress=False),
                      on_shard=lambda info: os.kill(os.getpid(), signal.SIGKILL))
 """
@@ -239,7 +237,7 @@ def test_one_training_step_of_the_head_matches_autograd_by_hand(
     torch.manual_seed(cfg.train.seed)
     net = FeatureHeadNet(128, 16, hidden=8)
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    schedule = schedule_config(data_settings(cfg), Manifest.load(built["feat"]))
+    schedule = schedule_config(cfg.data, Manifest.load(built["feat"]), cfg.data_seed)
     stream = ShardStream(built["feat"], 16, schedule=schedule, rank=0, world_size=1)
     batch = stream.batch(0, 0)
     build_loss(cfg)(net(batch.images), batch.labels).backward()

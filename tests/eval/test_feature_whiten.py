@@ -185,7 +185,6 @@ def test_an_image_goes_through_the_backbone_then_the_map_as_the_shards_were_made
     built: dict[str, Path], tmp_path: Path
 ) -> None:
     from ddp_rank.eval.features.images import image_data, image_model
-    from ddp_rank.runtime.settings import data_settings
 
     cfg = load_config(None, [*HEAD, f"data.shards={built['white']}"])
     record = feature_record(Manifest.load(built["white"]))
@@ -196,7 +195,7 @@ def test_an_image_goes_through_the_backbone_then_the_map_as_the_shards_were_made
     net = image_model(record, str(built["white"]), head)
     samples = stored(built["white"])
     with torch.no_grad():
-        net(source_batch(samples, image_data(data_settings(cfg), record)))
+        net(source_batch(samples, image_data(cfg.data, record)))
     vectors = inputs[0].numpy()
     expected = np.stack([v for v, _ in samples.values()])
     # float16 rounding of the backbone's output may land one step apart; the map scales that step up.

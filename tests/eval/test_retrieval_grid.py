@@ -37,7 +37,6 @@ from ddp_rank.eval.retrieval_record import (
 from ddp_rank.eval.runner import embed_split, key_index
 from ddp_rank.eval.settings import evaluation_settings
 from ddp_rank.eval.workflow import build_eval_model
-from ddp_rank.runtime.settings import model_settings
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
 
 LAYOUT = GridLayout()
@@ -127,7 +126,7 @@ def test_eval_draws_its_own_neighbours_framed_by_their_true_class(shards: Path, 
     assert name == "raw pixels" and record.split == "test" and len(record.queries) == 5
     # The neighbours are those of an exact search over the same embeddings (itself left out).
     cfg = load_config(None, [*TINY_OVERRIDES, f"data.shards={shards}"])
-    model, _ = build_eval_model(model_settings(cfg), None, None, "raw-pixels")
+    model, _ = build_eval_model(cfg.model, cfg.data.image_size, None, None, "raw-pixels")
     data = embed_split(model, evaluation_settings(cfg), "test")
     manifest = Manifest.load(shards)
     reader = ClassReader(manifest, "test")

@@ -294,7 +294,7 @@ def test_config_of_a_run_without_history_is_kept(shards: Path, run: Path) -> Non
 
 
 def test_another_pml_loss_is_a_structural_change_a_listwise_one_is_not() -> None:
-    from ddp_rank.config import Config, to_dict
+    from ddp_rank.config import Config, LossConfig, to_dict
     from ddp_rank.train.checkpoints.resume_check import resume_changes
     from ddp_rank.train.settings import config_record
 
@@ -302,8 +302,7 @@ def test_another_pml_loss_is_a_structural_change_a_listwise_one_is_not() -> None
         return {"config": {**to_dict(Config()), "loss": {**to_dict(Config())["loss"], "name": name}}}
 
     def changes(saved: str, new: str) -> dict:
-        cfg = Config()
-        cfg.loss.name = new
+        cfg = Config(loss=LossConfig(name=new))
         return {c.key: c.structural for c in resume_changes(meta_of(saved), config_record(cfg))}
 
     assert changes("fastap", "pnp") == {"loss.name": False}
@@ -317,7 +316,7 @@ def test_a_changed_output_stride_is_refused_as_a_structural_change(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """resnet18 cut at stride 16 has no layer4 and a 256-wide head input: the checkpoint cannot load as it is."""
-    from ddp_rank.config import Config, to_dict
+    from ddp_rank.config import Config, ModelConfig, to_dict
     from ddp_rank.train.checkpoints.resume_check import resume_changes
     from ddp_rank.train.settings import config_record
 
@@ -336,10 +335,9 @@ def test_a_changed_output_stride_is_refused_as_a_structural_change(
     assert (run / "config.yaml").read_text() == config_before
     # Structural (a forced resume starts the optimizer afresh); a checkpoint older than the key used 32.
     older = {"config": {**to_dict(Config()), "model": {"backbone": "resnet18"}}}
-    cfg = Config()
-    cfg.model.backbone = "resnet18"
+    cfg = Config(model=ModelConfig(backbone="resnet18"))
     assert resume_changes(older, config_record(cfg)) == []
-    cfg.model.output_stride = 16
+    cfg = Config(model=ModelConfig(backbone="resnet18", output_stride=16))
     assert [(c.key, c.structural) for c in resume_changes(older, config_record(cfg))] == [
         ("model.output_stride", True)
     ]

@@ -151,12 +151,10 @@ def test_loss_parameters_are_refused_where_they_cannot_be_trained(plugin: object
     from pytorch_metric_learning import losses
 
     from ddp_rank.runtime import TrainError
-    from ddp_rank.train.settings import train_settings
-    from ddp_rank.train.setup import TrainingLoss
+    from ddp_rank.train.setup import TrainingLoss, trainable_loss_parameters
 
     accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), mixed_precision=precision)
-    settings = train_settings(load_config(None, [PROXY[0]]))
-    trainer = SimpleNamespace(accelerator=accelerator, device=torch.device("cpu"), settings=settings)
+    proxies, plain = TrainingLoss(losses.ProxyAnchorLoss(5, 4)), TrainingLoss(losses.ContrastiveLoss())
     with pytest.raises(TrainError, match="has parameters of its own, which this run cannot train"):
-        Trainer._loss_parameters(trainer, TrainingLoss(losses.ProxyAnchorLoss(5, 4)))  # type: ignore[arg-type]
-    assert Trainer._loss_parameters(trainer, TrainingLoss(losses.ContrastiveLoss())) == []  # type: ignore[arg-type]
+        trainable_loss_parameters(proxies, accelerator, torch.device("cpu"), "pml:ProxyAnchorLoss")
+    assert trainable_loss_parameters(plain, accelerator, torch.device("cpu"), "pml:ContrastiveLoss") == []

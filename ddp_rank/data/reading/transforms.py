@@ -79,7 +79,7 @@ class TransformConfig:
 
 
 class ImageSizes(Protocol):
-    """The image keys of the config's ``data`` section (``DataConfig``, or the data layer's ``DataSettings``)."""
+    """The image keys of the config's ``data`` section (``DataConfig``)."""
 
     @property
     def resize_size(self) -> int: ...

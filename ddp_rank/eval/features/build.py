@@ -32,19 +32,17 @@ import torch
 from tqdm import tqdm
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.config import FEATURES_BACKBONE, ConfigError
+from ddp_rank.config import FEATURES_BACKBONE, ConfigError, DataConfig, ModelConfig
 from ddp_rank.data.features.records import BUILD_KEY, FeatureRecord, encode_vector, feature_record
 from ddp_rank.data.format.manifest import MANIFEST_NAME, ClassSpan, Manifest, ShardInfo, SplitInfo, is_url
 from ddp_rank.data.format.tar_scan import SpanSample
 from ddp_rank.data.format.tar_writer import shard_writer
 from ddp_rank.data.reading.decode import ImageDecodeError, decode_image
 from ddp_rank.data.reading.reader import ClassReader, ClassReadError
-from ddp_rank.data.reading.transforms import collate_images, test_transform
-from ddp_rank.data.settings import DataSettings
+from ddp_rank.data.reading.transforms import collate_images, test_transform, transform_from_config
 from ddp_rank.eval.embed import autocast
 from ddp_rank.model import EmbeddingNet, build_model
 from ddp_rank.model.feature_head import build_seeded, image_features, weights_digest
-from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime import autocast_dtype
 
 __all__ = [
@@ -81,10 +79,10 @@ class FeatureBuildOptions:
 
 
 def feature_record_for(
-    model: ModelSettings, data: DataSettings, backbone: EmbeddingNet, mixed_precision: str, source: str
+    model: ModelConfig, data: DataConfig, seed: int, backbone: EmbeddingNet, mixed_precision: str, source: str
 ) -> FeatureRecord:
-    """The ``build.features`` record of vectors made by ``backbone`` (built from ``model``, its images read
-    with ``data``'s transform)."""
+    """The ``build.features`` record of vectors made by ``backbone`` (built from the ``model`` section with
+    fresh weights drawn from ``seed``, its images read with the ``data`` section's transform)."""
     return FeatureRecord(
         backbone=model.backbone,
         weights=model.weights,
@@ -93,15 +91,16 @@ def feature_record_for(
         dim=int(backbone.head.in_features),
         transform={"crop": data.crop, "resize_size": data.resize_size, "image_size": data.image_size},
         mixed_precision=mixed_precision,
-        init_seed=model.init_seed,
+        init_seed=seed,
         source=source,
         output_stride=model.output_stride,
     )
 
 
 def build_feature_shards(
-    model_settings: ModelSettings,
-    data: DataSettings,
+    model: ModelConfig,
+    data: DataConfig,
+    seed: int,
     source: str,
     out: str,
     accelerator: Any,
@@ -110,12 +109,13 @@ def build_feature_shards(
 ) -> Manifest | None:
     """Build feature shards of ``source`` in ``out`` on every rank of ``accelerator``; rank 0 returns the
     manifest it wrote, the other ranks None. ``on_shard`` is called after each shard this rank finished.
-    ``model_settings``: the backbone that makes the vectors; ``data``: the transform of its images."""
+    ``model``: the backbone that makes the vectors (the config's ``model`` section; ``seed``: ``train.seed``,
+    which draws the weights a backbone has no file for); ``data``: the transform of its images."""
     src = _open_source(source, out)
-    model = _backbone(model_settings)
+    backbone = _backbone(model, data.image_size, seed)
     device = accelerator.device
-    model.to(device)
-    record = feature_record_for(model_settings, data, model, str(accelerator.mixed_precision), source)
+    backbone.to(device)
+    record = feature_record_for(model, data, seed, backbone, str(accelerator.mixed_precision), source)
     dst = Path(out)
     progress = dst / PROGRESS_DIR
     if accelerator.is_main_process:
@@ -123,7 +123,7 @@ def build_feature_shards(
     accelerator.wait_for_everyone()
     todo = [(split, shard) for split, shard in all_shards(src) if not done_path(progress, shard).is_file()]
     mine = todo[accelerator.process_index :: accelerator.num_processes]
-    embed = _Embedder(model, data, device, accelerator, options.batch_size)
+    embed = _Embedder(backbone, data, device, accelerator, options.batch_size)
     total = sum(shard.samples for _, shard in mine)
     desc = (
         f"features (rank 0 of {accelerator.num_processes})" if accelerator.num_processes > 1 else "features"
@@ -169,17 +169,17 @@ def open_build_source(source: str, out: str) -> Manifest:
     return src
 
 
-def _backbone(settings: ModelSettings) -> EmbeddingNet:
-    if settings.backbone == FEATURES_BACKBONE:
+def _backbone(model: ModelConfig, image_size: int, seed: int) -> EmbeddingNet:
+    if model.backbone == FEATURES_BACKBONE:
         raise ConfigError(
             f"model.backbone={FEATURES_BACKBONE} has no image backbone to embed with: the config of "
             "`ddp-rank shards features` names the backbone that makes the vectors (resnet50, timm:..., ...)"
         )
-    model = build_seeded(lambda: build_model(settings, settings.image_size), settings.init_seed)
-    model.eval()
-    for p in model.parameters():
+    net = build_seeded(lambda: build_model(model, image_size), seed)
+    net.eval()
+    for p in net.parameters():
         p.requires_grad_(False)
-    return model
+    return net
 
 
 def _start(dst: Path, record: FeatureRecord, overwrite: bool) -> None:
@@ -242,12 +242,12 @@ class _Embedder:
     """Images to backbone vectors in batches, in eval mode and the launcher's precision."""
 
     def __init__(
-        self, model: EmbeddingNet, data: DataSettings, device: torch.device, accelerator: Any, batch: int
+        self, model: EmbeddingNet, data: DataConfig, device: torch.device, accelerator: Any, batch: int
     ):
         self.model = model
         self.device = device
         self.dtype = autocast_dtype(accelerator)
-        self.transform_config = data.transform(pixels="uint8")
+        self.transform_config = transform_from_config(data, pixels="uint8")
         self.transform = test_transform(self.transform_config)
         self.batch = batch
 

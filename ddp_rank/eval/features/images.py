@@ -9,15 +9,13 @@ shards add their map (``whitening.safetensors``, checked against the sha256 the 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
-from ddp_rank.config import ConfigError, ModelConfig
+from ddp_rank.config import ConfigError, DataConfig, ModelConfig
 from ddp_rank.data.features.records import FeatureRecord
 from ddp_rank.data.features.whitening import WhiteningError, load_whitening
-from ddp_rank.data.settings import DataSettings
 from ddp_rank.model import build_model
 from ddp_rank.model.feature_head import FeatureHeadNet, ImageFeatureNet, build_seeded, weights_digest
 from ddp_rank.runtime import precision_dtype
@@ -62,9 +60,7 @@ def image_model(record: FeatureRecord, shards: str, head: FeatureHeadNet) -> Ima
     return ImageFeatureNet(backbone, head, precision_dtype(record.mixed_precision), whitening)
 
 
-def image_data(data: DataSettings, record: FeatureRecord) -> DataSettings:
-    """``data`` with the transform ``record`` holds (crop, resize_size, image_size), so that images are cropped
-    as the feature shards' images were."""
-    return dataclasses.replace(
-        data, **{k: record.transform[k] for k in ("crop", "resize_size", "image_size")}
-    )
+def image_data(data: DataConfig, record: FeatureRecord) -> DataConfig:
+    """The ``data`` section with the transform ``record`` holds (crop, resize_size, image_size), so that images
+    are cropped as the feature shards' images were."""
+    return data.replaced(**{k: record.transform[k] for k in ("crop", "resize_size", "image_size")})

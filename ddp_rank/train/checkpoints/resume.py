@@ -115,7 +115,7 @@ def schedule_signature(trainer: ResumedRun) -> dict[str, Any]:
     """What decides which samples each step draws, besides the layout the stream itself records."""
     data = trainer.settings.data
     return {
-        "seed": data.seed,
+        "seed": trainer.settings.data_seed,
         "sampler": trainer.stream.schedule_config.strategy,  # data.sampler=auto resolved
         "categories_per_batch": data.categories_per_batch,
         "batches_per_pair": data.batches_per_pair,

@@ -7,12 +7,11 @@ dealt as a check. No process group, no images, no GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
 
-from ddp_rank.config import Config, ConfigError
+from ddp_rank.config import Config, ConfigError, ModelConfig
 from ddp_rank.data.format.fragmentation import fragmentation
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.sampling.dealing import deal
@@ -20,7 +19,6 @@ from ddp_rank.data.sampling.plan import Catalog, GlobalPlan, PlanError
 from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
 from ddp_rank.model import build_model
 from ddp_rank.model.feature_head import example_input
-from ddp_rank.model.settings import ModelSettings
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.shards import check_model_input, model_input_dim
@@ -77,7 +75,9 @@ def describe_plan(
     sampler = strategy + (f", K={data.images_per_class}" if strategy == "pk" else "")
     facts.append(("sampler", sampler + (f" ({why})" if data.sampler == "auto" else "")))
     try:
-        plan = GlobalPlan(catalog, schedule_config(data, manifest), data.global_batch_size)
+        plan = GlobalPlan(
+            catalog, schedule_config(data, manifest, settings.data_seed), data.global_batch_size
+        )
     except PlanError as exc:
         return facts, [*problems, f"the sampler cannot be met: {exc}"]
     facts.append(("steps per epoch", f"{plan.steps_per_epoch:,}"))
@@ -96,10 +96,10 @@ def describe_plan(
     max_positives = data.images_per_class if strategy == "pk" else min(largest_class, data.global_batch_size)
     work_line, work_bytes = _work_space(settings.loss, layout, max_positives, where)
     try:  # the trainer's accelerator resolves it the same way: ``auto`` follows the launcher
-        precision = resolve_mixed_precision(settings.accelerator.mixed_precision)
+        precision = resolve_mixed_precision(cfg.train.mixed_precision)
     except ConfigError as exc:
         problems.append(str(exc))
-        precision = settings.accelerator.mixed_precision
+        precision = cfg.train.mixed_precision
     facts.append(("mixed precision", precision))
     step = _step_line(layout)
     if settings.step.fixed_chunk is None:
@@ -154,7 +154,7 @@ def _step_line(layout: BatchLayout) -> str:
 
 
 def _auto_chunk(
-    model_settings: ModelSettings,
+    model_cfg: ModelConfig,
     step: StepSettings,
     layout: BatchLayout,
     where: torch.device,
@@ -169,9 +169,9 @@ def _auto_chunk(
     from a machine without it gives the per-image figure only, and no layout. Raises ValueError when not even one
     image fits."""
     model = build_model(
-        dataclasses.replace(model_settings, weights="none", init_from=""),
+        model_cfg.replaced(weights="none", init_from=""),
         step.image_size,
-        model_input_dim(model_settings.backbone, manifest),
+        model_input_dim(model_cfg.backbone, manifest),
     )
     confirm = "; one real step confirms it at start-up, backing off on an out-of-memory error"
     if where.type == "cuda" and not torch.cuda.is_available():
