@@ -163,13 +163,7 @@ def test_the_settings_carry_the_config_values() -> None:
 
     from ddp_rank.config import load_config
     from ddp_rank.eval.settings import evaluation_settings
-    from ddp_rank.train.settings import (
-        checkpoint_settings,
-        loss_settings,
-        optim_settings,
-        step_settings,
-        train_settings,
-    )
+    from ddp_rank.train.settings import step_settings, train_settings
 
     cfg = load_config(
         None,
@@ -182,12 +176,7 @@ def test_the_settings_carry_the_config_values() -> None:
             "train.keep_last=5", "train.best_metric=recall@2", "train.seed=11", "train.resume=never",
         ],
     )  # fmt: skip
-    pairs = [
-        (loss_settings(cfg), cfg.loss),
-        (optim_settings(cfg), cfg.optim),
-        (evaluation_settings(cfg), cfg.eval),
-        (checkpoint_settings(cfg), cfg.train),
-    ]
+    pairs = [(evaluation_settings(cfg), cfg.eval)]
     for settings, section in pairs:
         for f in dataclasses.fields(settings):
             if f.name == "seed" or not hasattr(section, f.name):
@@ -195,9 +184,12 @@ def test_the_settings_carry_the_config_values() -> None:
             value = getattr(section, f.name)
             assert getattr(settings, f.name) == (tuple(value) if isinstance(value, list) else value), f.name
     run = train_settings(cfg)
-    assert run.data is cfg.data and run.model is cfg.model and run.evaluation.data is cfg.data  # as they are
+    parts = [run.data, run.model, run.loss, run.optim, run.train]
+    assert parts == [cfg.data, cfg.model, cfg.loss, cfg.optim, cfg.train]  # the sections as they are
+    assert all(part is section for part, section in zip(parts, [cfg.data, cfg.model, cfg.loss, cfg.optim, cfg.train]))
+    assert run.evaluation.data is cfg.data
     assert run.data_seed == cfg.data_seed == 11  # data.seed=-1: train.seed
     assert cfg.model_copy(update={"data": cfg.data.replaced(seed=3)}).data_seed == 3
-    assert evaluation_settings(cfg).seed == 11 and loss_settings(cfg).embedding_dim == 64
+    assert evaluation_settings(cfg).seed == 11
     step = step_settings(cfg)
     assert (step.global_batch_size, step.image_size, step.sampler, step.fixed_chunk) == (256, 96, "pk", None)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,32 +20,12 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from ddp_rank.config import OptimConfig
 
-__all__ = ["OptimSettings", "build_optimizer", "build_scheduler", "lr_factor"]
+__all__ = ["build_optimizer", "build_scheduler", "lr_factor"]
 
 
-@dataclass(frozen=True)
-class OptimSettings:
-    """The optimizer and its schedule, from the config keys ``optim.*`` of the same names (made once at
-    start-up by ``ddp_rank.train.settings``; the functions here take the config's ``optim`` section as well)."""
-
-    name: str = "adam"
-    lr: float = 1e-5
-    head_lr_mult: float = 10.0
-    weight_decay: float = 0.0
-    betas: tuple[float, ...] = (0.9, 0.999)
-    momentum: float = 0.9
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    step_milestones: tuple[int, ...] = ()
-    step_gamma: float = 0.1
-    grad_clip: float = 0.0
-
-
-def build_optimizer(
-    param_groups: list[dict[str, Any]], cfg: OptimSettings | OptimConfig
-) -> torch.optim.Optimizer:
-    """Adam / AdamW / SGD over the model's parameter groups (each group keeps its own ``lr``)."""
+def build_optimizer(param_groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """Adam / AdamW / SGD of the config's ``optim`` section over the model's parameter groups (each group keeps
+    its own ``lr``)."""
     groups = [{k: v for k, v in g.items() if k != "name"} | {"name": g.get("name", "")} for g in param_groups]
     if cfg.name == "adam":
         return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)  # type: ignore[arg-type]
@@ -59,7 +38,7 @@ def build_optimizer(
     )  # pragma: no cover - config checks
 
 
-def lr_factor(cfg: OptimSettings | OptimConfig, total_steps: int) -> Callable[[int], float]:
+def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the base rates at optimizer step ``s`` (0-based): warm-up, then the schedule."""
     warmup = cfg.warmup_steps
     decay_steps = max(1, total_steps - warmup)
@@ -80,8 +59,6 @@ def lr_factor(cfg: OptimSettings | OptimConfig, total_steps: int) -> Callable[[i
     return factor
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: OptimSettings | OptimConfig, total_steps: int
-) -> LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
     """The ``LambdaLR`` for :func:`lr_factor`; step it once per optimizer step."""
     return LambdaLR(optimizer, lr_factor(cfg, total_steps))

@@ -1,10 +1,10 @@
 """The config translated once, for training: ``Config`` -> the settings of each part the trainer drives.
 
 ``Trainer(cfg)`` calls :func:`train_settings` at start-up and hands each part its own: the data stream the
-config's ``data`` section (with ``Config.data_seed``), the network the ``model`` section, the loss, the
-optimizer, the step (batch layout, chunk, BatchNorm, capture, clipping), the evaluation, the checkpointing and
-the reporting their settings. Below the trainer no module reads the whole config (``tests/test_settings.py`` keeps
-it so): a value enters in one place, here or in the evaluation's translation (``ddp_rank.eval.settings``).
+config's ``data`` section (with ``Config.data_seed``), the network the ``model`` section, the loss the ``loss``
+section, the optimizer the ``optim`` section, the checkpointing the ``train`` section; the step (batch layout,
+chunk, BatchNorm, capture, clipping), the evaluation and the reporting, which read keys of several sections, their
+settings. Below the trainer no module reads the whole config (``tests/test_settings.py`` keeps it so).
 ``build_loss(cfg)`` and ``check_inputs(cfg)`` keep the config-level names the trainer module has exported.
 """
 
@@ -12,17 +12,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddp_rank.config import Config, DataConfig, ModelConfig, save_config, to_dict
+from ddp_rank.config import (
+    Config,
+    DataConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    save_config,
+    to_dict,
+)
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.eval.runner import EvalSettings
 from ddp_rank.eval.settings import evaluation_settings
 from ddp_rank.losses import ListwiseLoss
 from ddp_rank.train import setup
-from ddp_rank.train.checkpoints.write import CheckpointSettings
-from ddp_rank.train.optim import OptimSettings
 from ddp_rank.train.run_outputs import ConfigRecord
 from ddp_rank.train.run_report import ReportSettings
-from ddp_rank.train.setup import LossSettings
 from ddp_rank.train.step_settings import StepSettings
 from ddp_rank.train.trackers import TrackerSettings
 
@@ -30,10 +36,7 @@ __all__ = [
     "TrainSettings",
     "build_loss",
     "check_inputs",
-    "checkpoint_settings",
     "config_record",
-    "loss_settings",
-    "optim_settings",
     "report_settings",
     "step_settings",
     "tracker_settings",
@@ -43,17 +46,18 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """Every part's settings of one training run (the trainer hands each part its own): the ``data`` and
-    ``model`` sections as they are, ``data_seed`` (``Config.data_seed``), and the other parts' settings."""
+    """What the parts of one training run read (the trainer hands each part its own): the ``data``, ``model``,
+    ``loss``, ``optim`` and ``train`` sections as they are, ``data_seed`` (``Config.data_seed``), and the
+    settings of the step, the evaluation and the report."""
 
     data: DataConfig
     data_seed: int
     model: ModelConfig
-    loss: LossSettings
-    optim: OptimSettings
+    loss: LossConfig
+    optim: OptimConfig
     step: StepSettings
     evaluation: EvalSettings
-    checkpoints: CheckpointSettings
+    train: TrainConfig
     report: ReportSettings
 
     @property
@@ -65,46 +69,6 @@ def config_record(cfg: Config) -> ConfigRecord:
     """The whole config as the run's outputs record it (``config.yaml``, ``meta.json``, ``run.json``)."""
     return ConfigRecord(
         values=to_dict(cfg), defaults=to_dict(Config()), write=lambda path: save_config(cfg, path)
-    )
-
-
-def loss_settings(cfg: Config) -> LossSettings:
-    """The loss's settings: the ``loss`` section and ``model.embedding_dim``."""
-    lc = cfg.loss
-    return LossSettings(
-        name=lc.name,
-        miner=lc.miner,
-        params_lr_mult=lc.params_lr_mult,
-        num_bins=lc.num_bins,
-        kernel=lc.kernel,
-        matmul_precision=lc.matmul_precision,
-        normalize=lc.normalize,
-        memory_budget_mb=lc.memory_budget_mb,
-        pnp_variant=lc.pnp_variant,
-        tau=lc.tau,
-        b=lc.b,
-        alpha=lc.alpha,
-        count_self=lc.count_self,
-        embedding_dim=cfg.model.embedding_dim,
-    )
-
-
-def optim_settings(cfg: Config) -> OptimSettings:
-    """The optimizer's settings: the ``optim`` section."""
-    o = cfg.optim
-    return OptimSettings(
-        name=o.name,
-        lr=o.lr,
-        head_lr_mult=o.head_lr_mult,
-        weight_decay=o.weight_decay,
-        betas=tuple(o.betas),
-        momentum=o.momentum,
-        schedule=o.schedule,
-        warmup_steps=o.warmup_steps,
-        min_lr_ratio=o.min_lr_ratio,
-        step_milestones=tuple(o.step_milestones),
-        step_gamma=o.step_gamma,
-        grad_clip=o.grad_clip,
     )
 
 
@@ -128,19 +92,6 @@ def step_settings(cfg: Config) -> StepSettings:
         optimizer=cfg.optim.name,
         momentum=cfg.optim.momentum,
         grad_clip=cfg.optim.grad_clip,
-    )
-
-
-def checkpoint_settings(cfg: Config) -> CheckpointSettings:
-    """The checkpointing's settings: ``train.resume``, ``force_resume``, ``keep_last``, ``checkpoint_every``,
-    ``best_metric``."""
-    t = cfg.train
-    return CheckpointSettings(
-        resume=t.resume,
-        force_resume=t.force_resume,
-        keep_last=t.keep_last,
-        checkpoint_every=t.checkpoint_every,
-        best_metric=t.best_metric,
     )
 
 
@@ -177,18 +128,18 @@ def train_settings(cfg: Config) -> TrainSettings:
         data=cfg.data,
         data_seed=cfg.data_seed,
         model=cfg.model,
-        loss=loss_settings(cfg),
-        optim=optim_settings(cfg),
+        loss=cfg.loss,
+        optim=cfg.optim,
         step=step_settings(cfg),
         evaluation=evaluation,
-        checkpoints=checkpoint_settings(cfg),
+        train=cfg.train,
         report=report_settings(cfg, evaluation),
     )
 
 
 def build_loss(cfg: Config) -> ListwiseLoss:
-    """The listwise loss of ``cfg.loss`` (:func:`ddp_rank.train.setup.build_loss` on :func:`loss_settings`)."""
-    return setup.build_loss(loss_settings(cfg))
+    """The listwise loss of ``cfg.loss`` (:func:`ddp_rank.train.setup.build_loss`)."""
+    return setup.build_loss(cfg.loss)
 
 
 def check_inputs(cfg: Config) -> Manifest:

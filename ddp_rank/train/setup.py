@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_rank.config import ConfigError, DataConfig, ModelConfig
+from ddp_rank.config import ConfigError, DataConfig, LossConfig, ModelConfig
 from ddp_rank.data.features.records import feature_dim
 from ddp_rank.data.format.manifest import Manifest, is_url
 from ddp_rank.data.reading.feature_stream import FeatureStream
@@ -33,7 +33,6 @@ from ddp_rank.train.ghost_batchnorm import convert_to_ghost
 from ddp_rank.train.pml_loss import PML_PREFIX, build_pml
 
 __all__ = [
-    "LossSettings",
     "TrainingLoss",
     "build_loss",
     "build_network",
@@ -51,28 +50,6 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class LossSettings:
-    """The loss of a run, from the config keys ``loss.*`` of the same names (made once at start-up by
-    ``ddp_rank.train.settings``); ``embedding_dim`` is ``model.embedding_dim`` (a proxy loss's default
-    ``embedding_size``)."""
-
-    name: str = "fastap"
-    miner: str = ""
-    params_lr_mult: float = 100.0
-    num_bins: int = 10
-    kernel: str = "auto"
-    matmul_precision: str = "highest"
-    normalize: bool = True
-    memory_budget_mb: int = 0
-    pnp_variant: str = "Dq"
-    tau: float = 0.01
-    b: float = 2.0
-    alpha: float = 1.0
-    count_self: bool = True
-    embedding_dim: int = 512
-
-
-@dataclass(frozen=True)
 class TrainingLoss:
     """The loss a run trains with: a listwise loss, or a pytorch-metric-learning loss with its optional miner
     and a line for the log saying how it was built."""
@@ -87,10 +64,11 @@ class TrainingLoss:
         return [p for p in self.loss.parameters() if p.requires_grad]
 
 
-def build_training_loss(loss: LossSettings, manifest: Manifest) -> TrainingLoss:
-    """The loss of ``loss``: a pml loss sized on the shards' class count (proxies), else :func:`build_loss`."""
+def build_training_loss(loss: LossConfig, embedding_dim: int, manifest: Manifest) -> TrainingLoss:
+    """The loss of the ``loss`` section: a pml loss sized on the shards' class count and ``embedding_dim``
+    (``model.embedding_dim``: a proxy loss's proxies), else :func:`build_loss`."""
     if loss.name.startswith(PML_PREFIX):
-        parts = build_pml(loss.name, loss.miner, len(manifest.classes), loss.embedding_dim)
+        parts = build_pml(loss.name, loss.miner, len(manifest.classes), embedding_dim)
         return TrainingLoss(parts.loss, parts.miner, parts.description)
     return TrainingLoss(build_loss(loss))
 
@@ -113,8 +91,8 @@ def trainable_loss_parameters(
     return params
 
 
-def build_loss(lc: LossSettings) -> ListwiseLoss:
-    """The listwise loss ``lc`` names (it knows no ranks; :class:`GlobalBatchLoss` spreads it)."""
+def build_loss(lc: LossConfig) -> ListwiseLoss:
+    """The listwise loss the ``loss`` section names (it knows no ranks; :class:`GlobalBatchLoss` spreads it)."""
     if lc.name.startswith(PML_PREFIX):
         raise ConfigError(f"loss.name={lc.name} is not a listwise loss: build it with build_training_loss")
     budget = lc.memory_budget_mb * 2**20 if lc.memory_budget_mb else None

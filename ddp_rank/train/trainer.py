@@ -99,7 +99,7 @@ class Trainer:
     def __init__(self, cfg: Config, accelerator: Any | None = None, stop: StopRequest | None = None) -> None:
         self.cfg = cfg
         self.settings = s = train_settings(cfg)  # the config translated once: each part gets its own below
-        self.manifest = open_and_check_inputs(s.evaluation, s.model.backbone, s.checkpoints.best_metric)
+        self.manifest = open_and_check_inputs(s.evaluation, s.model.backbone, s.train.best_metric)
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
         set_deterministic(cfg.train.deterministic, cfg.train.deterministic_fill)
         # A passed accelerator must carry train.log_with.
@@ -134,7 +134,7 @@ class Trainer:
             manifest=self.manifest,
         )
         # After the network: a proxy loss's random proxies leave the model's initial weights as with any loss.
-        training_loss = build_training_loss(s.loss, self.manifest)
+        training_loss = build_training_loss(s.loss, s.model.embedding_dim, self.manifest)
         self.loss_parameters = trainable_loss_parameters(training_loss, acc, self.device, s.loss.name)
         choice = None
         if s.step.fixed_chunk is None:  # measured with the model still on the CPU
@@ -183,7 +183,7 @@ class Trainer:
         )
         self.progress = _Progress()
         self.checkpoints = CheckpointManager(
-            self.out_dir / "checkpoints", s.checkpoints.keep_last, self.is_main, acc.wait_for_everyone
+            self.out_dir / "checkpoints", s.train.keep_last, self.is_main, acc.wait_for_everyone
         )
 
     def parameter_groups(self, model: EmbeddingNet) -> list[dict[str, Any]]:
@@ -311,7 +311,7 @@ class Trainer:
             )
 
     def _maybe_best(self, metrics: dict[str, Any]) -> None:
-        name = self.settings.checkpoints.best_metric
+        name = self.settings.train.best_metric
         if name not in metrics:
             raise ConfigError(
                 f"train.best_metric='{name}' is not among the evaluation metrics {sorted(metrics)}"
@@ -355,7 +355,7 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         has_eval = bool(self.settings.data.test_split)
         eval_every = cfg.train.eval_every or self.steps_per_epoch
-        ckpt_every = self.settings.checkpoints.checkpoint_every
+        ckpt_every = self.settings.train.checkpoint_every
         last_eval: dict[str, Any] | None = None
         if has_eval and cfg.train.eval_at_start and self.step == 0:
             self.report.evaluation(self.step, self.evaluate())

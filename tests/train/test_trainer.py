@@ -67,9 +67,9 @@ def test_resume_refuses_a_changed_data_schedule_unless_forced(shards: Path, tmp_
         # The layout is not part of the schedule: another worker count (or world size) continues the sequence.
         trainer.load_state_dict(state | {"step": 1, "stream": {**state["stream"], "num_workers": 3}})
         assert trainer.stream.position == divmod(1, trainer.steps_per_epoch)
-        # The trainer reads its settings, made once from the config at start-up.
-        forced = dataclasses.replace(trainer.settings.checkpoints, force_resume=True)
-        trainer.settings = dataclasses.replace(trainer.settings, checkpoints=forced)
+        # The trainer reads the train section it was started with (frozen: a forced resume is another section).
+        forced = trainer.settings.train.replaced(force_resume=True)
+        trainer.settings = dataclasses.replace(trainer.settings, train=forced)
         trainer.load_state_dict(
             state | {"step": 2, "stream": {**state["stream"], "seed": 7, "num_workers": 3}}
         )

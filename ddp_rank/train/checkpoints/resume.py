@@ -105,7 +105,7 @@ def state_dict(trainer: ResumedRun) -> dict[str, Any]:
         "total_steps": trainer.total_steps,
         "best_value": trainer.progress.best_value,
         "best_step": trainer.progress.best_step,
-        "best_metric": trainer.settings.checkpoints.best_metric,
+        "best_metric": trainer.settings.train.best_metric,
         "stream": {**trainer.stream.state_dict(), **schedule_signature(trainer)},
         "config": trainer.settings.report.config.values,
     }
@@ -139,7 +139,7 @@ def load_state_dict(trainer: ResumedRun, meta: dict[str, Any]) -> None:
     changed = {
         k: (v, saved[k]) for k, v in schedule_signature(trainer).items() if k in saved and saved[k] != v
     }
-    if changed and not trainer.settings.checkpoints.force_resume:
+    if changed and not trainer.settings.train.force_resume:
         details = ", ".join(f"{k}: {old} -> {new}" for k, (new, old) in changed.items())
         raise CheckpointError(
             f"the data schedule differs from the checkpoint's ({details}), so the resumed run would not see "
@@ -156,7 +156,7 @@ def load_state_dict(trainer: ResumedRun, meta: dict[str, Any]) -> None:
 
 def resume(trainer: ResumedRun) -> Path | None:
     """Apply ``train.resume``; returns the checkpoint continued from, or None for a fresh start."""
-    mode = trainer.settings.checkpoints.resume
+    mode = trainer.settings.train.resume
     set_aside = trainer.checkpoints.cleanup_partial().set_aside
     if set_aside:
         trainer.report.note(
@@ -178,7 +178,7 @@ def resume(trainer: ResumedRun) -> Path | None:
         return None
     meta = read_meta(path)
     _refuse_unsafe_files(trainer, path)
-    force = trainer.settings.checkpoints.force_resume
+    force = trainer.settings.train.force_resume
     # Only DeepSpeed's partitioned optimizer state ties a checkpoint to its world size: the data plan does not.
     check_world_size(meta, trainer.world_size, force or not trainer.deepspeed, str(path))
     # The saved weights' shapes as well: not every shape is a model.* key (a ViT's position embeddings follow
@@ -293,7 +293,7 @@ def _abandon_later_checkpoints(trainer: ResumedRun, meta: dict[str, Any]) -> Non
     next ``train.resume=auto`` continues this timeline, not the abandoned one. Collective (all ranks)."""
     best = None
     if meta.get("best_step") is not None and meta.get("best_value") is not None:
-        metric = str(meta.get("best_metric", trainer.settings.checkpoints.best_metric))
+        metric = str(meta.get("best_metric", trainer.settings.train.best_metric))
         best = (int(meta["best_step"]), metric, float(meta["best_value"]))
     folder, moved = trainer.checkpoints.abandon_after(trainer.step, best)
     if folder is not None:

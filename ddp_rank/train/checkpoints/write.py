@@ -40,7 +40,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -57,20 +56,7 @@ from ddp_rank.model.checkpoint_read import (
     read_best,
 )
 
-__all__ = ["CheckpointManager", "CheckpointSettings", "check_world_size"]
-
-
-@dataclass(frozen=True)
-class CheckpointSettings:
-    """The checkpointing of a run, from the config keys ``train.*`` of the same names (``resume``,
-    ``force_resume``, ``keep_last``, ``checkpoint_every``, ``best_metric``: the metric whose best step is kept),
-    made once at start-up by ``ddp_rank.train.settings``."""
-
-    resume: str = "auto"
-    force_resume: bool = False
-    keep_last: int = 3
-    checkpoint_every: int = 0
-    best_metric: str = "recall@1"
+__all__ = ["CheckpointManager", "check_world_size"]
 
 
 def check_world_size(meta: dict[str, Any], world_size: int, force: bool, where: str = "") -> None:

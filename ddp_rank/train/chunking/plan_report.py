@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ddp_rank.config import Config, ConfigError, ModelConfig
+from ddp_rank.config import Config, ConfigError, LossConfig, ModelConfig
 from ddp_rank.data.format.fragmentation import fragmentation
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.sampling.dealing import deal
@@ -27,7 +27,7 @@ from ddp_rank.train.chunking.layout import BatchLayout
 from ddp_rank.train.chunking.step_memory import fixed_costs
 from ddp_rank.train.pml_loss import GENERIC_MATRICES, PML_PREFIX, generic_work_space
 from ddp_rank.train.settings import train_settings
-from ddp_rank.train.setup import LossSettings, build_loss
+from ddp_rank.train.setup import build_loss
 from ddp_rank.train.step_settings import StepSettings
 
 __all__ = ["describe_plan", "format_bytes"]
@@ -94,7 +94,7 @@ def describe_plan(
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     largest_class = max(catalog.class_sizes.values(), default=1)
     max_positives = data.images_per_class if strategy == "pk" else min(largest_class, data.global_batch_size)
-    work_line, work_bytes = _work_space(settings.loss, layout, max_positives, where)
+    work_line, work_bytes = _work_space(cfg.loss, cfg.model.embedding_dim, layout, max_positives, where)
     try:  # the trainer's accelerator resolves it the same way: ``auto`` follows the launcher
         precision = resolve_mixed_precision(cfg.train.mixed_precision)
     except ConfigError as exc:
@@ -218,12 +218,12 @@ def _auto_chunk(
 
 
 def _work_space(
-    loss_settings: LossSettings, layout: BatchLayout, max_positives: int, where: torch.device
+    loss_cfg: LossConfig, embedding_dim: int, layout: BatchLayout, max_positives: int, where: torch.device
 ) -> tuple[str, int]:
     """What the step's loss will hold on one rank: the gathered database and its gradient (float32), and the
     largest chunk of this rank's query rows as the loss's own chunk plan sizes it, beside the chunk budget."""
-    if loss_settings.name.startswith(PML_PREFIX):
-        database = layout.global_batch * loss_settings.embedding_dim * 4
+    if loss_cfg.name.startswith(PML_PREFIX):
+        database = layout.global_batch * embedding_dim * 4
         work = generic_work_space(layout.global_batch)
         line = (
             f"about {format_bytes(database + work)} on {where.type} (a pytorch-metric-learning loss: the whole "
@@ -231,10 +231,10 @@ def _work_space(
             f"estimated as {GENERIC_MATRICES} float32 matrices of that size)"
         )
         return line, work
-    loss = build_loss(loss_settings)
+    loss = build_loss(loss_cfg)
     chunk_bytes, rows = loss.work_space(layout.local_batch, layout.global_batch, max_positives, where)
     budget = loss.memory_budget or DEFAULT_BUDGET_BYTES["cuda" if where.type == "cuda" else "cpu"]
-    database = 2 * layout.global_batch * loss_settings.embedding_dim * 4
+    database = 2 * layout.global_batch * embedding_dim * 4
     chunks = -(-layout.local_batch // max(rows, 1))
     line = (
         f"{format_bytes(database + chunk_bytes)} on {where.type} (database {format_bytes(database)} + "
