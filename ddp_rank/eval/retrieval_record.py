@@ -399,7 +399,7 @@ class RetrievalPicture:
 
     def __init__(self, settings: EvalSettings, is_main: bool, manifest: Manifest | None = None) -> None:
         self.settings = settings
-        self.enabled = is_main and settings.grid_queries > 0
+        self.enabled = is_main and settings.eval.grid_queries > 0
         self.manifest = manifest
         self._captured: tuple[str, EmbeddedSet] | None = None
         self._said_no_images = False
@@ -432,10 +432,10 @@ class RetrievalPicture:
                 images,
                 shards=_absolute(data.shards),
                 split=split,
-                protocol=settings.protocol,
-                count=settings.grid_queries,
-                k=settings.grid_k,
-                seed=settings.grid_seed,
+                protocol=settings.eval.protocol,
+                count=settings.eval.grid_queries,
+                k=settings.eval.grid_k,
+                seed=settings.eval.grid_seed,
                 device=device,
             )
             if record is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from ddp_rank.config import DataConfig
+from ddp_rank.config import DataConfig, EvalConfig
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.reading.eval_reader import EvalShards
 from ddp_rank.data.reading.loader import ignore_stop_signals
@@ -55,26 +55,29 @@ __all__ = [
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """What an evaluation reads of a run, made once at start-up (``ddp_rank.eval.settings``): the config keys
-    ``eval.*`` of the same names (``deployment``: ``eval.fprs``, ``fpirs``, ``enrolled_fraction``,
-    ``gallery_per_identity``, ``max_positive_pairs``, ``block_mb``), ``seed`` = ``train.seed`` (VehicleID's
-    gallery draws, the identification split), and ``data``: the config's ``data`` section (``data.shards``,
-    ``data.test_split``, the reader's workers and cache, the image sizes)."""
+    """What an evaluation reads of a run: the config's ``eval`` and ``data`` sections as they are (``data.shards``,
+    ``data.test_split``, the reader's workers and cache, the image sizes), and ``seed``: ``train.seed``
+    (VehicleID's gallery draws, the identification split). Made once at start-up (``ddp_rank.eval.settings``)."""
 
+    eval: EvalConfig
     data: DataConfig
-    protocol: str = "sop"
-    ks: tuple[int, ...] = ()
-    batch_size: int = 128
-    search: str = "auto"
-    map_at_r: bool = True
-    vehicleid_sizes: tuple[str, ...] = VEHICLEID_SIZES
-    vehicleid_repeats: int = 1
-    metrics: tuple[str, ...] = ()
-    deployment: DeploymentSettings = field(default_factory=DeploymentSettings)
     seed: int = 0
-    grid_queries: int = 8
-    grid_k: int = 5
-    grid_seed: int = 0
+
+    @property
+    def deployment(self) -> DeploymentSettings:
+        """The options of the verification and identification metrics (``eval.fprs``, ``fpirs``,
+        ``enrolled_fraction``, ``gallery_per_identity``, ``max_positive_pairs``, ``block_mb``; the split seeded
+        with ``seed``)."""
+        e = self.eval
+        return DeploymentSettings(
+            fprs=tuple(e.fprs),
+            fpirs=tuple(e.fpirs),
+            enrolled_fraction=e.enrolled_fraction,
+            gallery_per_identity=e.gallery_per_identity,
+            max_positive_pairs=e.max_positive_pairs,
+            block_bytes=e.block_mb << 20,
+            seed=self.seed,
+        )
 
 
 EmbeddedHook = Callable[[str, EmbeddedSet], None]
@@ -105,7 +108,7 @@ def read_eval_batches(
     reader = EvalShards(
         manifest if manifest is not None else data.shards,
         split=split,
-        batch_size=settings.batch_size,
+        batch_size=settings.eval.batch_size,
         transform=transform_from_config(data, pixels="uint8"),  # the model scales them on its device
         rank=rank() if rank_ is None else rank_,
         world_size=world_size() if world is None else world,
@@ -189,11 +192,11 @@ def evaluate_model(
     loaded manifest of ``data.shards`` (the trainer passes its own, so a periodic evaluation reads no manifest);
     loaded once here when None.
     """
-    refusal = per_query_refusal(settings.protocol) if per_query else None
+    refusal = per_query_refusal(settings.eval.protocol) if per_query else None
     if refusal is not None:
         raise EvalError(refusal)
     manifest = manifest if manifest is not None else Manifest.load(settings.data.shards)
-    if settings.protocol == "vehicleid":
+    if settings.eval.protocol == "vehicleid":
         per_size = vehicleid_splits(settings, manifest) if split is None else _vehicleid_list_split(split)
         if per_size:
             return _evaluate_vehicleid_splits(
@@ -216,8 +219,8 @@ def vehicleid_splits(settings: EvalSettings, manifest: Manifest | None = None) -
     """``{size: split}`` for the VehicleID test lists stored as splits ``test_small`` / ``test_medium`` /
     ``test_large`` (the data layer's VehicleID recipe); empty when the shards carry subset tokens instead."""
     splits = (manifest if manifest is not None else Manifest.load(settings.data.shards)).splits
-    found = {size: f"test_{size}" for size in settings.vehicleid_sizes if f"test_{size}" in splits}
-    missing = [s for s in settings.vehicleid_sizes if s not in found]
+    found: dict[str, str] = {s: f"test_{s}" for s in settings.eval.vehicleid_sizes if f"test_{s}" in splits}
+    missing = [s for s in settings.eval.vehicleid_sizes if s not in found]
     if found and missing:
         raise EvalError(
             f"the shards have VehicleID splits {sorted(found.values())} but not test_{missing[0]}: rebuild them or "
@@ -256,26 +259,27 @@ def score(
     bootstrap: QueryBootstrap | None = None,
     per_query: bool = False,
 ) -> dict[str, Any]:
-    """Run ``settings.protocol`` on gathered embeddings on rank 0 and broadcast the result to every rank.
+    """Run ``eval.protocol`` on gathered embeddings on rank 0 and broadcast the result to every rank.
 
     The exact search runs where the model ran (``device``): chunked top-k on a GPU, faiss or top-k on a CPU.
     ``per_query``: rank 0's result keeps each query's values under ``per_query``; they are not broadcast (only
     rank 0 writes them, and SOP's 60k queries with their keys are megabytes the other ranks would not use).
     """
     result: list[Any] = [None]
+    e = settings.eval
     if rank() == 0:
         try:
             result[0] = evaluate(
-                settings.protocol,
+                e.protocol,
                 data,
-                list(settings.ks) or None,
-                map_at_r=settings.map_at_r,
-                backend=settings.search,
-                vehicleid_sizes=vehicleid_sizes or list(settings.vehicleid_sizes),
-                repeats=settings.vehicleid_repeats,
+                list(e.ks) or None,
+                map_at_r=e.map_at_r,
+                backend=e.search,
+                vehicleid_sizes=vehicleid_sizes or list(e.vehicleid_sizes),
+                repeats=e.vehicleid_repeats,
                 seed=settings.seed,
                 device=device,
-                metrics=list(settings.metrics),
+                metrics=list(e.metrics),
                 deployment=settings.deployment,
                 bootstrap=bootstrap,
                 per_query=per_query,

@@ -11,45 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from ddp_rank.config import Config, ConfigError, DataConfig, ModelConfig, config_from_dict, load_config
-from ddp_rank.eval.deployment import DeploymentSettings
 from ddp_rank.eval.runner import EvalSettings
 from ddp_rank.model import read_meta, resolve_checkpoint
 
-__all__ = ["deployment_settings", "evaluation_settings", "index_settings", "load_run_config"]
-
-
-def deployment_settings(cfg: Config) -> DeploymentSettings:
-    """The verification / identification settings of ``cfg.eval`` (the split seeded with ``train.seed``)."""
-    return DeploymentSettings(
-        fprs=tuple(cfg.eval.fprs),
-        fpirs=tuple(cfg.eval.fpirs),
-        enrolled_fraction=cfg.eval.enrolled_fraction,
-        gallery_per_identity=cfg.eval.gallery_per_identity,
-        max_positive_pairs=cfg.eval.max_positive_pairs,
-        block_bytes=cfg.eval.block_mb << 20,
-        seed=cfg.train.seed,
-    )
+__all__ = ["evaluation_settings", "index_settings", "load_run_config"]
 
 
 def evaluation_settings(cfg: Config) -> EvalSettings:
-    """The evaluation's settings: the ``eval`` section, ``train.seed`` and the ``data`` section."""
-    e = cfg.eval
-    return EvalSettings(
-        data=cfg.data,
-        protocol=e.protocol,
-        ks=tuple(e.ks),
-        batch_size=e.batch_size,
-        search=e.search,
-        map_at_r=e.map_at_r,
-        vehicleid_sizes=tuple(e.vehicleid_sizes),
-        vehicleid_repeats=e.vehicleid_repeats,
-        metrics=tuple(e.metrics),
-        deployment=deployment_settings(cfg),
-        seed=cfg.train.seed,
-        grid_queries=e.grid_queries,
-        grid_k=e.grid_k,
-        grid_seed=e.grid_seed,
-    )
+    """The evaluation's settings: the ``eval`` and ``data`` sections as they are, and ``train.seed``."""
+    return EvalSettings(cfg.eval, cfg.data, cfg.train.seed)
 
 
 def load_run_config(config: str | None, checkpoint: str | None, overrides: list[str]) -> Config:

@@ -117,22 +117,23 @@ def check_evaluation(settings: EvalSettings, best_metric: str, manifest: Manifes
     report."""
     if not settings.data.test_split:
         return
-    sizes = list(settings.vehicleid_sizes)
-    if settings.protocol == "vehicleid":
+    e = settings.eval
+    sizes: list[str] = list(e.vehicleid_sizes)
+    if e.protocol == "vehicleid":
         sizes = list(vehicleid_splits(settings, manifest)) or sizes
     names = metric_names(
-        settings.protocol,
-        list(settings.ks) or None,
-        map_at_r=settings.map_at_r,
+        e.protocol,
+        list(e.ks) or None,
+        map_at_r=e.map_at_r,
         vehicleid_sizes=sizes,
-        metrics=list(settings.metrics),
+        metrics=list(e.metrics),
         deployment=settings.deployment,
     )
     if best_metric not in names:
         valid = [n for n in names if not n.rsplit("/", 1)[-1].startswith("num_")]
         raise ConfigError(
             f"train.best_metric='{best_metric}' is not among the metrics eval.protocol="
-            f"{settings.protocol} reports with these settings; valid: {', '.join(valid)}"
+            f"{e.protocol} reports with these settings; valid: {', '.join(valid)}"
         )
 
 
