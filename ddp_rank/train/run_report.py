@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ddp_rank.atomic_io import atomic_write_text
+from ddp_rank.config import TrainConfig
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.reading.batch import DataEvents
 from ddp_rank.eval.curves import draw_curves, split_curves
@@ -27,7 +28,7 @@ from ddp_rank.eval.runner import EvalSettings
 from ddp_rank.train.chunking.layout import BatchLayout
 from ddp_rank.train.console import StepLine, peak_memory
 from ddp_rank.train.run_outputs import ConfigRecord, MetricsLogger, read_metrics, write_plots, write_summary
-from ddp_rank.train.trackers import TrackerSettings, log_metrics, log_picture, start_trackers
+from ddp_rank.train.trackers import log_metrics, log_picture, start_trackers
 
 log = logging.getLogger(__name__)
 
@@ -65,17 +66,12 @@ class StepResult:
 
 @dataclass(frozen=True)
 class ReportSettings:
-    """What the reporting of a run reads, made once at start-up by ``ddp_rank.train.settings``: the config keys
-    ``train.output_dir``, ``train.progress``, ``train.plots``, ``train.best_metric`` and ``data.test_split`` of
-    the same names; ``tracking`` (``train.log_with``, ...), ``evaluation`` (the retrieval picture's settings) and
-    ``config``, the whole config the run records (``config.yaml``, ``summary.md``)."""
+    """What the reporting of a run reads, made once at start-up by ``ddp_rank.train.settings``: the ``train``
+    section as it is (``output_dir``, ``progress``, ``plots``, ``best_metric``, the trackers of ``log_with``),
+    ``evaluation`` (``data.test_split``, the retrieval picture's settings) and ``config``, the whole config the
+    run records (``config.yaml``, ``summary.md``, the trackers' hyper-parameters)."""
 
-    output_dir: str
-    progress: bool
-    plots: bool
-    best_metric: str
-    test_split: str
-    tracking: TrackerSettings
+    train: TrainConfig
     evaluation: EvalSettings
     config: ConfigRecord
 
@@ -109,7 +105,7 @@ class RunReport:
         self.layout = layout
         self.device = device
         self.is_main = is_main
-        self.out_dir = Path(settings.output_dir)
+        self.out_dir = Path(settings.train.output_dir)
         self.notes: list[str] = []
         self.logger: MetricsLogger | None = None
         self._bar: Any = None
@@ -135,9 +131,9 @@ class RunReport:
         )
         log.info(steps_to_train(step, total_steps, how))
         self._write_config(step)
-        acc = self.accelerator if self.settings.tracking.log_with else None
+        acc = self.accelerator if self.settings.train.log_with else None
         if acc is not None:
-            start_trackers(acc, self.settings.tracking)
+            start_trackers(acc, self.settings.train, self.settings.config)
         self.logger = MetricsLogger(
             self.out_dir / "metrics.jsonl",
             None if acc is None else lambda kind, step, values: log_metrics(acc, kind, step, values),
@@ -145,7 +141,7 @@ class RunReport:
         # A resumed run drops what the killed one logged after its checkpoint; a fresh one starts empty.
         self.logger.truncate_after(step if resumed else -1)
         self.logger.log("data", step, data_facts)
-        if self.settings.progress and sys.stderr.isatty():
+        if self.settings.train.progress and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
@@ -233,7 +229,7 @@ class RunReport:
         if self.is_main:
             shown = {k: v for k, v in metrics.items() if not k.rsplit("/", 1)[-1].startswith("num_")}
             log.info(
-                f"evaluation at step {step} ({self.settings.test_split}):\n"
+                f"evaluation at step {step} ({self.settings.evaluation.data.test_split}):\n"
                 + format_table({f"step {step}": shown})
             )
 
@@ -251,7 +247,7 @@ class RunReport:
         if not self.is_main:
             return
         records = read_metrics(self.out_dir / "metrics.jsonl")
-        plots = write_plots(records, self.out_dir) if self.settings.plots else []
+        plots = write_plots(records, self.out_dir) if self.settings.train.plots else []
         plots += self._curve_plots()
         for plot in plots:
             self._log_picture(plot.stem, plot, summary["steps"])
@@ -287,7 +283,7 @@ class RunReport:
             facts[f"note {i}"] = note.replace("\n", " ")
         if summary["best_step"] is not None:
             facts["best"] = (
-                f"{self.settings.best_metric} {100 * summary['best_value']:.2f} at step {summary['best_step']}"
+                f"{self.settings.train.best_metric} {100 * summary['best_value']:.2f} at step {summary['best_step']}"
             )
         write_summary(
             self.out_dir / "summary.md",
@@ -300,13 +296,13 @@ class RunReport:
         )
 
     def _log_picture(self, name: str, path: Path, step: int) -> None:
-        if self.accelerator is not None and self.settings.tracking.log_with:
+        if self.accelerator is not None and self.settings.train.log_with:
             log_picture(self.accelerator, name, path, step)
 
     def _curve_plots(self) -> list[Path]:
         """roc.png, det.png, pr.png, cmc.png of the first and the last evaluation (``train.plots``)."""
         saved = read_curves(self.out_dir)
-        if not self.settings.plots or not saved:
+        if not self.settings.train.plots or not saved:
             return []
         names = list(saved)
         return draw_curves({name: saved[name] for name in dict.fromkeys([names[0], names[-1]])}, self.out_dir)

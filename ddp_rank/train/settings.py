@@ -30,7 +30,6 @@ from ddp_rank.train import setup
 from ddp_rank.train.run_outputs import ConfigRecord
 from ddp_rank.train.run_report import ReportSettings
 from ddp_rank.train.step_settings import StepSettings
-from ddp_rank.train.trackers import TrackerSettings
 
 __all__ = [
     "TrainSettings",
@@ -39,7 +38,6 @@ __all__ = [
     "config_record",
     "report_settings",
     "step_settings",
-    "tracker_settings",
     "train_settings",
 ]
 
@@ -59,10 +57,6 @@ class TrainSettings:
     evaluation: EvalSettings
     train: TrainConfig
     report: ReportSettings
-
-    @property
-    def tracking(self) -> TrackerSettings:
-        return self.report.tracking
 
 
 def config_record(cfg: Config) -> ConfigRecord:
@@ -95,30 +89,11 @@ def step_settings(cfg: Config) -> StepSettings:
     )
 
 
-def tracker_settings(cfg: Config, config: ConfigRecord | None = None) -> TrackerSettings:
-    """The experiment trackers' settings: ``train.log_with``, ``output_dir``, ``tracker_project``."""
-    return TrackerSettings(
-        log_with=tuple(cfg.train.log_with),
-        output_dir=cfg.train.output_dir,
-        tracker_project=cfg.train.tracker_project,
-        config=config if config is not None else config_record(cfg),
-    )
-
-
 def report_settings(cfg: Config, evaluation: EvalSettings | None = None) -> ReportSettings:
-    """The reporting's settings (``train.output_dir``, ``progress``, ``plots``, ``best_metric``,
-    ``data.test_split``, the trackers, the retrieval picture's evaluation settings, the config record)."""
-    record = config_record(cfg)
-    return ReportSettings(
-        output_dir=cfg.train.output_dir,
-        progress=cfg.train.progress,
-        plots=cfg.train.plots,
-        best_metric=cfg.train.best_metric,
-        test_split=cfg.data.test_split,
-        tracking=tracker_settings(cfg, record),
-        evaluation=evaluation if evaluation is not None else evaluation_settings(cfg),
-        config=record,
-    )
+    """The reporting's settings: the ``train`` section, the evaluation's settings (``data.test_split``, the
+    retrieval picture's) and the config record."""
+    evaluation = evaluation if evaluation is not None else evaluation_settings(cfg)
+    return ReportSettings(cfg.train, evaluation, config_record(cfg))
 
 
 def train_settings(cfg: Config) -> TrainSettings:

@@ -18,12 +18,11 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.config import Config, ConfigError, DistributedConfig
+from ddp_rank.config import Config, ConfigError, DistributedConfig, TrainConfig
 from ddp_rank.extras import install_hint
 from ddp_rank.runtime import TrainError
 from ddp_rank.runtime.accelerator import start_accelerator
@@ -32,7 +31,6 @@ from ddp_rank.train.run_outputs import ConfigRecord
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "TrackerSettings",
     "accelerator_trackers",
     "check_trackers",
     "log_metrics",
@@ -72,18 +70,6 @@ def check_trackers(names: list[str]) -> None:
             )
 
 
-@dataclass(frozen=True)
-class TrackerSettings:
-    """The experiment trackers of a run, from the config keys ``train.log_with``, ``train.output_dir`` and
-    ``train.tracker_project`` (made once at start-up by ``ddp_rank.train.settings``); ``config``: the whole
-    config, logged as the run's hyper-parameters."""
-
-    log_with: tuple[str, ...]
-    output_dir: str
-    tracker_project: str
-    config: ConfigRecord
-
-
 def tracker_arguments(cfg: Config) -> dict[str, Any]:
     """The ``Accelerator`` keyword arguments of ``cfg``'s ``train.log_with`` (:func:`accelerator_trackers`):
     ``make_accelerator(cfg, tracker_arguments(cfg))`` builds an accelerator a ``Trainer`` accepts."""
@@ -107,26 +93,23 @@ def accelerator_trackers(log_with: Sequence[str], output_dir: str) -> dict[str, 
 
 
 def run_accelerator(
-    tracking: TrackerSettings,
-    distributed: DistributedConfig,
-    mixed_precision: str,
-    accelerator: Any | None = None,
+    train: TrainConfig, distributed: DistributedConfig, accelerator: Any | None = None
 ) -> Any:
     """The trainer's accelerator: made from the ``distributed`` section and ``train.mixed_precision`` with the
     trackers of ``train.log_with`` (:func:`accelerator_trackers`), or the caller's, refused unless it was built
     with them. accelerate takes the trackers only when the Accelerator is made, so one built without them would
     log nothing: ``accelerator.log`` drops every record without a word."""
     if accelerator is None:
-        trackers = accelerator_trackers(tracking.log_with, tracking.output_dir)
-        return start_accelerator(distributed, mixed_precision, trackers)
+        trackers = accelerator_trackers(train.log_with, train.output_dir)
+        return start_accelerator(distributed, train.mixed_precision, trackers)
     # accelerate's log_with: a LoggerType per named tracker (its text is the name), or a custom tracker object.
     kept = getattr(accelerator, "log_with", None) or []
     carried = {str(t) if isinstance(t, (str, Enum)) else str(getattr(t, "name", t)) for t in kept}
-    missing = [name for name in tracking.log_with if name not in carried]
+    missing = [name for name in train.log_with if name not in carried]
     if missing:
         raise TrainError(
-            f"train.log_with={list(tracking.log_with)} but the accelerator passed to Trainer carries no "
-            f"{', '.join(missing)} tracker: build it with Accelerator(log_with={list(tracking.log_with)}, "
+            f"train.log_with={list(train.log_with)} but the accelerator passed to Trainer carries no "
+            f"{', '.join(missing)} tracker: build it with Accelerator(log_with={list(train.log_with)}, "
             f"project_dir=OUTPUT_DIR), or with ddp_rank.runtime.make_accelerator(cfg, tracker_arguments(cfg)), "
             f"or pass no accelerator"
         )
@@ -143,14 +126,15 @@ def tracker_config(config: ConfigRecord) -> dict[str, Any]:
     return flat
 
 
-def start_trackers(accelerator: Any, tracking: TrackerSettings) -> None:
-    """Start the trackers of ``train.log_with`` on rank 0, the run named after its output folder. MLflow logs to
-    MLFLOW_TRACKING_URI, else to a file store in ``OUTPUT_DIR/mlruns`` (nothing leaves the machine)."""
-    if not tracking.log_with or not accelerator.is_main_process:
+def start_trackers(accelerator: Any, train: TrainConfig, config: ConfigRecord) -> None:
+    """Start the trackers of ``train.log_with`` on rank 0, the run named after its output folder, with the whole
+    ``config`` as its hyper-parameters. MLflow logs to MLFLOW_TRACKING_URI, else to a file store in
+    ``OUTPUT_DIR/mlruns`` (nothing leaves the machine)."""
+    if not train.log_with or not accelerator.is_main_process:
         return
-    out = Path(tracking.output_dir).resolve()
+    out = Path(train.output_dir).resolve()
     run = out.name
-    if "mlflow" in tracking.log_with and not os.environ.get("MLFLOW_TRACKING_URI"):
+    if "mlflow" in train.log_with and not os.environ.get("MLFLOW_TRACKING_URI"):
         import mlflow
 
         # MLflow 3 refuses a file store unless this is set (its database store needs SQLAlchemy, which
@@ -158,8 +142,8 @@ def start_trackers(accelerator: Any, tracking: TrackerSettings) -> None:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow.set_tracking_uri((out / "mlruns").as_uri())
     accelerator.init_trackers(
-        tracking.tracker_project,
-        config=tracker_config(tracking.config),
+        train.tracker_project,
+        config=tracker_config(config),
         init_kwargs={"wandb": {"name": run, "dir": str(out)}, "mlflow": {"run_name": run}},
     )
 

@@ -103,9 +103,7 @@ class Trainer:
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
         set_deterministic(cfg.train.deterministic, cfg.train.deterministic_fill)
         # A passed accelerator must carry train.log_with.
-        self.accelerator = acc = run_accelerator(
-            s.tracking, cfg.distributed, cfg.train.mixed_precision, accelerator
-        )
+        self.accelerator = acc = run_accelerator(cfg.train, cfg.distributed, accelerator)
         self.world_size = acc.num_processes
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
