@@ -333,8 +333,11 @@ def trainer_worker(args: argparse.Namespace) -> None:
             Path(args.result).write_text(json.dumps(result))
     finally:
         trainer.close()
-        trainer.accelerator.end_training()
+        accelerator = trainer.accelerator
+        del trainer  # the DDP model released for end_process_group to collect (ddp_rank.train.trainer.run_training)
+        accelerator.free_memory()
         end_process_group()
+        accelerator.end_training()
 
 
 def _label(mode: str, chunk: int, capture: str) -> str:

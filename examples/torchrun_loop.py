@@ -100,8 +100,10 @@ def train(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, ...
+    if torch.cuda.is_available():  # one GPU per rank: the collectives' small tensors go to the current device
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, ...: the process group reads them.
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         train(args)
     finally:

@@ -1,8 +1,8 @@
 """Each part gets its own: only the modules listed here read the experiment config as a whole.
 
 At start-up each command hands each part its own section of the :class:`~ddp_rank.config.Config` as it is
-(``cfg.data``, ``cfg.model``, ...), or the settings the translation modules below still make (the evaluation's
-``EvalSettings``, the loss's, the step's, ...); every other module of ``ddp_rank/`` receives its part and never
+(``cfg.data``, ``cfg.model``, ...), or the settings the translation modules below still make where a part reads
+several sections (the evaluation's ``EvalSettings``, the step's, the report's); every other module of ``ddp_rank/`` receives its part and never
 sees the whole config. A module that
 imports ``Config``, takes a parameter typed ``Config``, or reads a section of one (``cfg.data``,
 ``self.cfg.train``, ``config.eval``, ...) fails here unless it is listed, the way ``tests/test_layers.py`` keeps
@@ -27,7 +27,7 @@ SECTIONS = {"data", "model", "loss", "optim", "train", "eval", "distributed"}
 READS_CONFIG: dict[str, str] = {
     # The translation modules: Config -> the parts' settings, one per layer where the layering forces it.
     "eval/settings.py": "Config -> the evaluation's settings (they cannot be built below the eval layer)",
-    "train/settings.py": "Config -> the training parts' settings (loss, optimizer, step, checkpoints, report)",
+    "train/settings.py": "Config -> the training parts' sections and settings (the step's, the report's)",
     # The commands' tops: they take the config a user wrote and translate it at start-up.
     "train/trainer.py": "the trainer's top: Trainer(cfg), run_training(cfg)",
     "eval/workflow.py": "the top of `ddp-rank eval` / `export`: translates the run's config at its start",
@@ -157,8 +157,8 @@ def test_the_checker_sees_every_way_of_reading_the_config() -> None:
 
 
 def test_the_settings_carry_the_config_values() -> None:
-    """Each part's settings hold the config's value under the key's own name (lists as tuples), and the
-    resolved seeds: a key copied from the wrong place, or left at its default by the translation, fails here."""
+    """Each part gets the sections it reads as they are (the very objects), and the resolved seeds: a section
+    copied from the wrong place, or a seed resolved the wrong way, fails here."""
 
     from ddp_rank.config import load_config
     from ddp_rank.eval.settings import evaluation_settings
@@ -181,9 +181,10 @@ def test_the_settings_carry_the_config_values() -> None:
     assert all(part is section for part, section in zip(parts, [cfg.data, cfg.model, cfg.loss, cfg.optim, cfg.train]))
     assert run.evaluation.data is cfg.data
     assert run.data_seed == cfg.data_seed == 11  # data.seed=-1: train.seed
-    assert cfg.model_copy(update={"data": cfg.data.replaced(seed=3)}).data_seed == 3
+    assert cfg.replaced(data=cfg.data.replaced(seed=3)).data_seed == 3
     evaluation = evaluation_settings(cfg)
     assert (evaluation.eval, evaluation.data, evaluation.seed) == (cfg.eval, cfg.data, 11)
     assert evaluation.deployment.block_bytes == cfg.eval.block_mb << 20 and evaluation.deployment.seed == 11
     step = step_settings(cfg)
-    assert (step.global_batch_size, step.image_size, step.sampler, step.fixed_chunk) == (256, 96, "pk", None)
+    assert (step.data, step.model, step.distributed, step.optim) == (cfg.data, cfg.model, cfg.distributed, cfg.optim)
+    assert step.distributed.fixed_chunk is None  # distributed.chunk_size=auto

@@ -1,8 +1,9 @@
-"""The network a command evaluates, exports or searches with, built from the config's ``model`` and ``data`` sections.
+"""The network a command evaluates, exports or searches with, built from the config's ``model`` and ``data``.
 
 ``ddp-rank eval``, ``export`` and :class:`~ddp_rank.eval.search.Searcher` all build their model here: the
-untrained network, a checkpoint's weights, or a baseline; for a head trained on feature shards, the shards' manifest gives the vectors' length and, when images
-are to be embedded, the recorded backbone in front of the head (``ddp_rank.eval.features.images``).
+untrained network, a checkpoint's weights, or a baseline; for a head trained on feature shards, the shards'
+manifest gives the vectors' length and, when images are to be embedded, the recorded backbone in front of the
+head (``ddp_rank.eval.features.images``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ collection. A head trained on feature shards gets the backbone their manifest re
 (``eval.features.images``): the query image is embedded as the shards' images were, then by the head.
 
 The index folder goes down once: the index gives the export's record, that record (or the files given) the
-model's and the data's settings (``ddp_rank.eval.settings``), and those the network (``ddp_rank.eval.eval_model``).
+config's ``model`` and ``data`` sections (``ddp_rank.eval.settings``), and those the network
+(``ddp_rank.eval.eval_model``).
 """
 
 from __future__ import annotations

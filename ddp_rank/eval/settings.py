@@ -1,7 +1,8 @@
 """The config translated once, for the evaluation: ``Config`` -> :class:`~ddp_rank.eval.runner.EvalSettings`.
 
-The evaluation's settings are the eval layer's own; the trainer and ``ddp-rank eval`` / ``export`` / ``search`` call
-:func:`evaluation_settings` once at start-up and hand the result down. :func:`load_run_config` finds the config a
+The evaluation's settings (its ``eval`` and ``data`` sections, ``train.seed``) are the eval layer's own; the
+trainer and ``ddp-rank eval`` / ``export`` call :func:`evaluation_settings` once at start-up and hand the result
+down. :func:`load_run_config` finds the config a
 checkpoint or an export was made with, so that a command reading a run needs nothing from a layer above it.
 """
 

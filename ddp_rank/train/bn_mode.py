@@ -52,10 +52,10 @@ class BatchNormMode:
     def from_settings(cls, step: StepSettings, local_batch: int) -> BatchNormMode:
         """The mode of ``step`` for ``local_batch`` images per rank; ConfigError for a combination that would make
         the chunked step train another function than the direct one (the message names the settings)."""
-        chunk, group = step.fixed_chunk, step.bn_group_size
-        if step.freeze_bn == "always":
+        chunk, group = step.distributed.fixed_chunk, step.model.bn_group_size
+        if step.model.freeze_bn == "always":
             return cls("frozen")
-        if step.sync_bn and group:
+        if step.model.sync_bn and group:
             raise ConfigError(
                 f"model.sync_bn=true normalises BatchNorm over the global batch and model.bn_group_size={group} "
                 "over groups of local images: set one of them (model.bn_group_size=0, or model.sync_bn=false)"
@@ -68,9 +68,9 @@ class BatchNormMode:
                     "is whole"
                 )
             mode = cls("groups", group)
-        elif step.sync_bn:
+        elif step.model.sync_bn:
             mode = cls("global", local_batch)
-        elif step.freeze_bn == "never" or chunk == 0 or (chunk is not None and chunk >= local_batch):
+        elif step.model.freeze_bn == "never" or chunk == 0 or (chunk is not None and chunk >= local_batch):
             mode = cls("batch", local_batch)
         else:
             return cls("frozen")  # auto, a step that may be chunked and no group size: frozen in both paths

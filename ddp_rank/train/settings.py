@@ -67,26 +67,8 @@ def config_record(cfg: Config) -> ConfigRecord:
 
 
 def step_settings(cfg: Config) -> StepSettings:
-    """The step's settings: the batch, the chunk, BatchNorm, capture, clipping and reduction."""
-    d, m, dist = cfg.data, cfg.model, cfg.distributed
-    return StepSettings(
-        global_batch_size=d.global_batch_size,
-        image_size=d.image_size,
-        sampler=d.sampler,
-        images_per_class=d.images_per_class,
-        fixed_chunk=dist.fixed_chunk,
-        capture_chunk=dist.capture_chunk,
-        memory_fraction=dist.memory_fraction,
-        memory_budget_mb=dist.memory_budget_mb,
-        grad_reduction=dist.grad_reduction,
-        freeze_bn=m.freeze_bn,
-        sync_bn=m.sync_bn,
-        bn_group_size=m.bn_group_size,
-        embedding_dim=m.embedding_dim,
-        optimizer=cfg.optim.name,
-        momentum=cfg.optim.momentum,
-        grad_clip=cfg.optim.grad_clip,
-    )
+    """The step's settings: the ``data``, ``model``, ``distributed`` and ``optim`` sections as they are."""
+    return StepSettings(cfg.data, cfg.model, cfg.distributed, cfg.optim)
 
 
 def report_settings(cfg: Config, evaluation: EvalSettings | None = None) -> ReportSettings:

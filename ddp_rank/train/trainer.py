@@ -135,7 +135,7 @@ class Trainer:
         training_loss = build_training_loss(s.loss, s.model.embedding_dim, self.manifest)
         self.loss_parameters = trainable_loss_parameters(training_loss, acc, self.device, s.loss.name)
         choice = None
-        if s.step.fixed_chunk is None:  # measured with the model still on the CPU
+        if s.step.distributed.fixed_chunk is None:  # measured with the model still on the CPU
             largest_class = max(self.manifest.split(s.data.train_split).class_counts.values(), default=1)
             self.layout, choice = choose_chunk_for_run(
                 s.step,
@@ -151,7 +151,7 @@ class Trainer:
             )
         optimizer = build_optimizer(self.parameter_groups(model), s.optim)
         self.scheduler = build_scheduler(optimizer, s.optim, self.total_steps)
-        self.deepspeed = configure_deepspeed(acc, self.layout, s.step.grad_clip)
+        self.deepspeed = configure_deepspeed(acc, self.layout, s.optim.grad_clip)
         self.model, self.optimizer = acc.prepare(model, optimizer)
         if self.deepspeed:
             match_batchnorm_buffers_to_weights(self.model)
@@ -164,7 +164,9 @@ class Trainer:
                 s.step, self.layout, choice, self.backend, self.device, self.deepspeed, self.is_main
             )
         try:  # after the chunk is final: the captured chunk compiles for its shape on the first step
-            self.captured = captured_chunk_for(self.backend, self.layout.chunk_size, s.step.capture_chunk)
+            self.captured = captured_chunk_for(
+                self.backend, self.layout.chunk_size, s.step.distributed.capture_chunk
+            )
         except ValueError as exc:
             raise TrainError(str(exc)) from None
         self.report = RunReport(s.report, self.layout, self.device, self.is_main, acc, self.manifest)
@@ -176,7 +178,7 @@ class Trainer:
             log.info(f"loss: {training_loss.description}")
         self.loss_fn = GlobalBatchLoss(
             training_loss.loss,
-            grad_reduction="sum" if s.step.grad_reduction == "sum" else "mean",
+            grad_reduction="sum" if s.step.distributed.grad_reduction == "sum" else "mean",
             miner=training_loss.miner,
         )
         self.progress = _Progress()
@@ -238,7 +240,7 @@ class Trainer:
         # bitwise equal on every rank.
         average_gradients(self.loss_parameters)
         grad_norm = None
-        clip = self.settings.step.grad_clip
+        clip = self.settings.optim.grad_clip
         if clip and not self.deepspeed:
             grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), clip))
         self.optimizer.step()
@@ -481,11 +483,18 @@ def run_training(cfg: Config) -> dict[str, Any]:
             )
         raise
     finally:
+        main = trainer is not None and trainer.is_main
+        accelerator = trainer.accelerator if trainer is not None else None
         if trainer is not None:
             trainer.close()
-            trainer.accelerator.end_training()
+        # The DDP model released (the trainer and the accelerator held it) for end_process_group to collect.
+        trainer = None
+        if accelerator is not None:
+            accelerator.free_memory()
         end_process_group()
+        if accelerator is not None:
+            accelerator.end_training()  # the trackers
         stop.restore()
         # Last: `scontrol requeue` signals the whole job at once, so checkpoint, stop record and run.json come first.
-        if requeue and trainer is not None and trainer.is_main and cfg.train.requeue == "auto":
+        if requeue and main and cfg.train.requeue == "auto":
             requeue_slurm_job(ignore=cfg.train.stop_signals)

@@ -44,7 +44,9 @@ def choose_chunk_for_run(
 ) -> tuple[BatchLayout, ChunkChoice]:
     """Collective: measure, choose, agree on the smallest chunk over the ranks. (The layout of that chunk, this
     rank's choice, whose figures the trial step uses.) A failure on any rank is a TrainError on every rank."""
-    positives = step.images_per_class if step.sampler == "pk" else min(largest_class, layout.global_batch)
+    positives = (
+        step.data.images_per_class if step.data.sampler == "pk" else min(largest_class, layout.global_batch)
+    )
     if isinstance(loss, ListwiseLoss):
         work, _ = loss.work_space(layout.local_batch, layout.global_batch, positives, device)
     else:
@@ -130,7 +132,7 @@ def _confirm(
     autocast: Any = backend.autocast
     step = trial_step(
         backend.bare_module,
-        settings.image_size,
+        settings.data.image_size,
         autocast,
         layout.batchnorm.frozen,
         hold_aside=choice.fixed.not_yet_allocated,

@@ -142,30 +142,30 @@ def auto_chunk(
     ranks and confirms it with one real step). Besides activations the step holds the fixed costs of
     ``ddp_rank.train.chunking.step_memory``; the loss's work space is ``loss_work_space`` plus the gathered database and
     its gradient."""
-    database = 2 * global_batch * step.embedding_dim * 4
+    database = 2 * global_batch * step.model.embedding_dim * 4
     fixed = fixed_costs(
         model,
-        step.optimizer,
-        step.momentum,
+        step.optim.name,
+        step.optim.momentum,
         world_size,
         device,
         database + loss_work_space,
         deepspeed=deepspeed,
         extra_parameters=extra_parameters,
-        input_batch_bytes=local_batch * _input_bytes(model, step.image_size),
-        prepared_batch_bytes=local_batch * prepared_input_bytes(model, step.image_size),
+        input_batch_bytes=local_batch * _input_bytes(model, step.data.image_size),
+        prepared_batch_bytes=local_batch * prepared_input_bytes(model, step.data.image_size),
     )
     if local_processes is None:  # the processes of this node share its memory
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     budget, decided = memory_budget(
         device,
-        step.memory_fraction,
-        step.memory_budget_mb,
+        step.distributed.memory_fraction,
+        step.distributed.memory_budget_mb,
         fixed.total,
         local_processes,
     )
     probe = measure_activation_bytes(
-        model, step.image_size, device, autocast_dtype, budget_bytes=budget, largest=local_batch
+        model, step.data.image_size, device, autocast_dtype, budget_bytes=budget, largest=local_batch
     )
     if device.type == "cuda":  # what the probe held beyond its gradients and the activations: workspaces
         grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

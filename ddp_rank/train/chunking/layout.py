@@ -40,19 +40,19 @@ class BatchLayout:
         large as the local batch is no chunk (``ddp_rank.train.chunking.step.runs_chunked``). A chosen chunk is rounded
         down to whole BatchNorm groups; a chunk that cannot hold them is a ConfigError."""
         try:
-            local = local_batch_size(step.global_batch_size, world_size)
+            local = local_batch_size(step.data.global_batch_size, world_size)
         except ValueError as exc:
             raise ConfigError(
-                f"data.global_batch_size={step.global_batch_size} does not split over {world_size} "
+                f"data.global_batch_size={step.data.global_batch_size} does not split over {world_size} "
                 f"process(es) ({exc}): every rank holds the same number of images; change the batch or "
                 "--num_processes"
             ) from None
         batchnorm = BatchNormMode.from_settings(step, local)
-        chunk = chunk_size if chunk_size is not None else step.fixed_chunk
-        if chunk_size and step.fixed_chunk is None:  # chosen by chunk_size=auto: whole groups
+        chunk = chunk_size if chunk_size is not None else step.distributed.fixed_chunk
+        if chunk_size and step.distributed.fixed_chunk is None:  # chosen by chunk_size=auto: whole groups
             chunk = batchnorm.round_chunk(chunk_size, local)
         return cfg_cls(
-            global_batch=step.global_batch_size,
+            global_batch=step.data.global_batch_size,
             world_size=world_size,
             local_batch=local,
             chunk_size=chunk if chunk and runs_chunked(local, chunk) else None,

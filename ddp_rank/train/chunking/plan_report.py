@@ -102,7 +102,7 @@ def describe_plan(
         precision = cfg.train.mixed_precision
     facts.append(("mixed precision", precision))
     step = _step_line(layout)
-    if settings.step.fixed_chunk is None:
+    if settings.step.distributed.fixed_chunk is None:
         try:
             chosen, why = _auto_chunk(
                 settings.model,
@@ -170,29 +170,29 @@ def _auto_chunk(
     image fits."""
     model = build_model(
         model_cfg.replaced(weights="none", init_from=""),
-        step.image_size,
+        step.data.image_size,
         model_input_dim(model_cfg.backbone, manifest),
     )
     confirm = "; one real step confirms it at start-up, backing off on an out-of-memory error"
     if where.type == "cuda" and not torch.cuda.is_available():
-        probe = measure_activation_bytes(model, step.image_size, torch.device("cpu"), dtype)
-        database = 2 * layout.global_batch * step.embedding_dim * 4
-        inputs = example_input(model, layout.local_batch, step.image_size, torch.device("meta"))
+        probe = measure_activation_bytes(model, step.data.image_size, torch.device("cpu"), dtype)
+        database = 2 * layout.global_batch * step.model.embedding_dim * 4
+        inputs = example_input(model, layout.local_batch, step.data.image_size, torch.device("meta"))
         fixed = fixed_costs(
             model,
-            step.optimizer,
-            step.momentum,
+            step.optim.name,
+            step.optim.momentum,
             world_size,
             where,
             database + work_bytes,
             input_batch_bytes=inputs.numel() * inputs.element_size(),
-            prepared_batch_bytes=layout.local_batch * prepared_input_bytes(model, step.image_size),
+            prepared_batch_bytes=layout.local_batch * prepared_input_bytes(model, step.data.image_size),
         )
         return None, (
             f"{format_bytes(probe.per_image)} of activations per image ({probe.how}, on this CPU); fixed "
             f"{format_bytes(fixed.total)} per GPU: {fixed.describe()}, plus the workspaces measured there; the "
             f"chunk is chosen at start-up from the GPU's free memory (distributed.memory_fraction="
-            f"{step.memory_fraction:g}){confirm}"
+            f"{step.distributed.memory_fraction:g}){confirm}"
         )
     # On CPU, planned as one node: its processes share the node's memory.
     choice = auto_chunk(
