@@ -8,9 +8,9 @@ One ``Trainer`` per process. Every process of a job runs the same code on its ow
     -> gradient clipping, optimizer step, schedule step (DDP / ZeRO have averaged the gradients)
 
 The layers stay apart: the losses know no ranks, the distributed layer no images, the data layer no losses;
-only the training package knows all three. Its parts: ``settings`` (the config translated once: each part
-below gets its own settings, never the config), ``setup`` (start-up checks, building the parts), ``layout``
-(the batch layout), ``batches`` (this rank's batches, read ahead), ``resume`` (checkpoint state and the resume
+only the training package knows all three. Its parts: ``settings`` (each part below gets its config sections,
+never the whole config), ``setup`` (start-up checks, building the parts), ``chunking`` (the batch layout, the
+chunk), ``batches`` (this rank's batches, read ahead), ``checkpoints`` (the state saved, the resume and its
 checks), ``run_report`` (logs, tables, summary). ``train_step`` / ``state_dict`` /
 ``load_state_dict`` are the units the tests drive; ``fit`` is the loop with evaluation and checkpoints;
 ``run_training`` is the entry point with guaranteed teardown (``close``).
