@@ -101,27 +101,27 @@ class Trainer:
         self.settings = s = train_settings(cfg)  # the config translated once: each part gets its own below
         self.manifest = open_and_check_inputs(s.evaluation, s.model.backbone, s.train.best_metric)
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
-        set_deterministic(cfg.train.deterministic, cfg.train.deterministic_fill)
+        set_deterministic(s.train.deterministic, s.train.deterministic_fill)
         # A passed accelerator must carry train.log_with.
-        self.accelerator = acc = run_accelerator(cfg.train, cfg.distributed, accelerator)
+        self.accelerator = acc = run_accelerator(s.train, cfg.distributed, accelerator)
         self.world_size = acc.num_processes
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
         self.device = acc.device
         self.layout = BatchLayout.from_settings(s.step, self.world_size)  # the chunk: below, when 'auto'
-        self.out_dir = Path(cfg.train.output_dir)
+        self.out_dir = Path(s.train.output_dir)
         configure_run_logging(self.rank, self.out_dir)
 
         # Same initial weights on every rank (DDP would broadcast them anyway; ZeRO would not check).
-        torch.manual_seed(cfg.train.seed)
+        torch.manual_seed(s.train.seed)
         self.stream = build_stream(
             s.data, s.data_seed, self.manifest, self.rank, self.world_size, self.out_dir
         )
         # Given by run_training, which takes the signals over before the (long) start-up; else made here.
-        self.stop = stop if stop is not None else StopRequest(cfg.train.stop_signals, cfg.train.stop_grace_s)
+        self.stop = stop if stop is not None else StopRequest(s.train.stop_signals, s.train.stop_grace_s)
         self.batches = TrainBatches(self.stream, self.device, lambda: self.stop.requested)
         self.steps_per_epoch = self.stream.steps_per_epoch
-        self.total_steps = cfg.train.steps or cfg.train.epochs * self.steps_per_epoch
+        self.total_steps = s.train.steps or s.train.epochs * self.steps_per_epoch
 
         model, notes = build_network(
             s.model,
@@ -345,7 +345,7 @@ class Trainer:
             self.stop.restore()
 
     def _fit(self, started: Callable[[], None]) -> dict[str, Any]:
-        cfg = self.cfg
+        train = self.settings.train
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         resumed = self.resume()
@@ -354,10 +354,10 @@ class Trainer:
         self.report.start(self.step, self.total_steps, resumed, data_facts)
         self.accelerator.wait_for_everyone()
         has_eval = bool(self.settings.data.test_split)
-        eval_every = cfg.train.eval_every or self.steps_per_epoch
-        ckpt_every = self.settings.train.checkpoint_every
+        eval_every = train.eval_every or self.steps_per_epoch
+        ckpt_every = train.checkpoint_every
         last_eval: dict[str, Any] | None = None
-        if has_eval and cfg.train.eval_at_start and self.step == 0:
+        if has_eval and train.eval_at_start and self.step == 0:
             self.report.evaluation(self.step, self.evaluate())
         start_step, t_start = self.step, time.perf_counter()
         window: list[StepResult] = []
@@ -366,7 +366,7 @@ class Trainer:
             window.append(result)
             self.report.step_done(result)
             s = self.step
-            if s % cfg.train.log_every == 0 or s == self.total_steps:
+            if s % train.log_every == 0 or s == self.total_steps:
                 data = self.batches.counts()  # a collective: every rank, every log step
                 # The model's groups (backbone, head); a proxy loss's group is not the head's.
                 lrs = {
