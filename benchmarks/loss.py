@@ -172,7 +172,7 @@ def paired_worker(name: str, n: int, args: argparse.Namespace) -> dict:
     """``--floor-ratios``: the loss step's peak memory, then floor and loss steps alternated ``args.repeats``
     times in this process; the median of the paired time ratios and each step's median time."""
     x, labels = _inputs(n, args.dim, "cpu", args.dtype)
-    loss_fn = _ours(name)
+    loss_fn = _ours(name, kernel=args.kernel)
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
     def loss_step() -> None:
@@ -245,8 +245,8 @@ def floor_ratios(args: argparse.Namespace) -> None:
     )
     body = (
         f"Forward + backward of one batch on CPU against the floor (the three N x N x d matmuls in 2048-row "
-        f"chunks), d = {args.dim}, {args.dtype}, {SAMPLES_PER_CLASS} images per class, ours with the defaults "
-        f"(kernel=torch). Each cell: the median over {args.rounds} processes of the median of "
+        f"chunks), d = {args.dim}, {args.dtype}, {SAMPLES_PER_CLASS} images per class, ours with "
+        f"kernel={args.kernel}. Each cell: the median over {args.rounds} processes of the median of "
         f"{args.repeats} paired (floor step, loss step) time ratios in one process; times are the medians of "
         f"the steps. Peak = resident memory of the loss step above the inputs (ru_maxrss). "
         + (
@@ -265,7 +265,8 @@ def _paired(root: str, folder: Path, name: str, n: int, threads: int, args: argp
     """One paired worker process of the checkout ``root``, run from ``folder``, whose ``ddp_rank`` is the one
     measured (``python -m`` imports from the folder it runs in first)."""
     cmd = [sys.executable, "-m", "benchmarks.loss", "--paired-worker", name, str(n), "--dim", str(args.dim),
-           "--threads", str(threads), "--repeats", str(args.repeats), "--dtype", args.dtype]  # fmt: skip
+           "--threads", str(threads), "--repeats", str(args.repeats), "--dtype", args.dtype,
+           "--kernel", args.kernel]  # fmt: skip
     done = subprocess.run(
         cmd, capture_output=True, text=True, cwd=folder, timeout=args.time_limit_s, check=False
     )
@@ -403,8 +404,8 @@ def main(argv: list[str] | None = None) -> None:
         "--kernel",
         default="auto",
         choices=("auto", "torch", "triton"),
-        help="ours' per-block passes: the losses' default (auto: Triton on CUDA float32, torch elsewhere), plain "
-        "torch ops, or the fused Triton kernels",
+        help="ours' per-block passes: the losses' default (auto: Triton on CUDA float32, FastAP's compiled CPU "
+        "passes on CPU float32, torch elsewhere), plain torch ops, or the fused Triton kernels",
     )
     parser.add_argument("--no-floor", action="store_true",
                         help="skip the matmul floors (gpu_check measures them in its first run only)")  # fmt: skip

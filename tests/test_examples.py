@@ -111,4 +111,7 @@ def test_example_trains_the_global_batch_on_two_processes(name: str, shards: Pat
     assert expected_losses[0] != pytest.approx(expected_losses[-1], rel=1e-4), "the loss must move"
     weights = dict(WEIGHTS_LINE.findall(output))
     assert weights["0"] == weights["1"], "the ranks end with different weights"
-    assert float(weights["0"]) == pytest.approx(expected_weights, rel=1e-6)
+    # The same float32 gradients summed in two orders (the ranks' chunks and all-reduce, one process's rows):
+    # Adam's first steps carry a rounding-level difference in a near-zero coordinate up to a share of its step.
+    # Measured on the 2-core machine: 0.7e-6 with the torch path's FastAP passes, 1.0-1.2e-6 with the compiled ones.
+    assert float(weights["0"]) == pytest.approx(expected_weights, rel=3e-6)

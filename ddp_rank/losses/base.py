@@ -20,7 +20,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable
-from typing import TypedDict, TypeVar
+from typing import ClassVar, TypedDict, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ from ddp_rank.losses.checks import (
     check_rows_inputs,
     check_unit_rows,
 )
+from ddp_rank.losses.cpu_kernels import native_kernels_run
 from ddp_rank.losses.matmul import MATMUL_PRECISIONS, affine_operands, bf16_mm, matmuls_in
 from ddp_rank.losses.rows import (
     CPU_PASS_BYTES,
@@ -109,8 +110,14 @@ class ListwiseLoss(nn.Module, abc.ABC):
             bfloat16 and float16 inputs are computed in float32) and Triton imports, the torch path elsewhere
             (CPU, float64, no Triton); the choice is logged once per device and dtype. On an H100 at N = 65,536
             the fused kernels took 1.14-1.27x the fp32 matmul floor, the torch path 2.0-3.0x
-            (``benchmarks/results/gpu-2026-11-27.md``).
+            (``benchmarks/results/gpu-2026-11-27.md``). On CPU, ``"auto"`` takes FastAP's passes compiled for the
+            CPU that runs them (``cpu_kernels.py``, built on first use where a C compiler is found) for float32
+            blocks: at N = 8,192 on one thread they cut FastAP from 1.27x to 1.01-1.03x the floor of its three
+            matmuls (``benchmarks/results/loss-floor-*.md``).
     """
+
+    # Whether the family has passes compiled for the CPU (``takes_native_passes``).
+    native_passes: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -226,8 +233,10 @@ class ListwiseLoss(nn.Module, abc.ABC):
         grad_queries = torch.zeros_like(queries) if need_grad else None
         grad_database = torch.zeros_like(database) if need_grad else None
 
-        # One choice of path for every chunk, so that the plan sizes chunks for the path they take.
+        # One choice of path for every chunk, so that the plan sizes chunks for the path they take. The compiled
+        # CPU passes take the torch path's plan: they replace its passes over the same blocks.
         fused = self.takes_fused_kernels(queries.device, dtype)
+        native = not fused and self.takes_native_passes(queries.device, dtype)
         row_bytes, chunk_budget, pass_bytes = self._plan(n_database, dtype, queries.device, fused)
         # Queries sorted by class size, chunked at each chunk's own widest class (one device sync per call).
         sizes = labels.class_sizes_of(query_labels)
@@ -242,7 +251,7 @@ class ListwiseLoss(nn.Module, abc.ABC):
         )
         if low_precision:
             scaled_queries, block_database = scaled_queries.bfloat16(), block_database.bfloat16()
-        workspace = Workspace(queries.device, pass_bytes)
+        workspace = Workspace(queries.device, pass_bytes, native)
         for start, stop, width in chunks:
             idx = order[start:stop]
             q_c = queries[idx]
@@ -276,8 +285,15 @@ class ListwiseLoss(nn.Module, abc.ABC):
         fused = device.type == "cuda" and fused_kernels_run(device, dtype)
         below = cuda_below_triton(device) if fused else None
         if log:
-            _log_auto_kernel(device.type, dtype, fused and not below, below)
+            native = not fused and self.takes_native_passes(device, dtype)
+            _log_auto_kernel(device.type, dtype, fused and not below, native, below)
         return fused and not below
+
+    def takes_native_passes(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a call's blocks take the family's passes compiled for the CPU (``cpu_kernels.py``): with
+        ``kernel="auto"``, for float32 blocks on CPU, where the family has them (``native_passes``) and they
+        build."""
+        return self.kernel == "auto" and self.native_passes and native_kernels_run(device, dtype)
 
     def _plan(
         self, n_database: int, dtype: torch.dtype, device: torch.device, fused: bool
@@ -408,9 +424,13 @@ def cuda_below_triton(device: torch.device) -> str | None:
 
 
 @functools.cache
-def _log_auto_kernel(device_type: str, dtype: torch.dtype, fused: bool, below: str | None = None) -> None:
+def _log_auto_kernel(
+    device_type: str, dtype: torch.dtype, fused: bool, native: bool = False, below: str | None = None
+) -> None:
     """Say once per process, device type and dtype which path ``kernel="auto"`` took (not once per call)."""
-    if below:
+    if native:
+        _log.info("loss kernel=auto: the passes compiled for this CPU for %s blocks", _dtype_name(dtype))
+    elif below:
         _log.info("loss kernel=auto: the torch path on cuda, as %s", below)
     elif fused:
         _log.info(

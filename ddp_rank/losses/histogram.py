@@ -4,7 +4,7 @@ Positions are taken as clamped to ``[0, num_bins]`` (rows a hair off unit length
 kernel), without a clamping pass over the block: the histograms below saturate at both ends by themselves,
 and the gradient is 0 where the clamp is active, as for ``torch.clamp``.
 
-Two implementations of each:
+Three implementations of each:
 
 - ``torch``: plain tensor ops. The histograms subtract every level from a few rows at once into a
   ``[rows, num_bins, N]`` buffer, clamp it and sum it (three ops per sub-block of rows, whatever the number of
@@ -16,6 +16,8 @@ Two implementations of each:
   (measured on the 2-core test machine), several times the whole ``[rows, num_bins, N]`` pass.
 - ``triton``: one fused pass each (``triton_kernels.py``): the histograms keep all the bins' sums of a row in
   registers, so the block is read once whatever the number of bins. Where they cannot run, the torch path does.
+- ``native``: the torch path's two passes as C compiled for the CPU (``cpu_kernels.py``, where
+  ``workspace.native``): one loop over each row, which skips the bins a tile of it does not reach.
 
 Both form every ``clamp(l + 1 - t, 0, 1)`` before adding it: summing ``clamp(t, l, l + 1)`` and subtracting the
 total from ``(l + 1) N`` would cancel away float32's digits at large N.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ddp_rank.losses.cpu_kernels import native_bin_gradient, native_cumulative_histograms
 from ddp_rank.losses.rows import Workspace, pass_row_blocks
 from ddp_rank.losses.triton_kernels import fused_bin_gradient, fused_cumulative_histograms
 
@@ -41,10 +44,12 @@ def histogram_pass_bytes(n_cols: int, num_bins: int, itemsize: int) -> int:
 def cumulative_histograms(t: Tensor, num_bins: int, workspace: Workspace, fused: bool = False) -> Tensor:
     """``[c, num_bins + 1]`` cumulative histograms of ``clamp(t, 0, num_bins)``, ``t [c, N]``.
 
-    ``fused`` takes the Triton pass instead (where ``fused_kernels_run``).
+    ``fused`` takes the Triton pass instead (where ``fused_kernels_run``), ``workspace.native`` the compiled one.
     """
     if fused:
         return fused_cumulative_histograms(t, num_bins)
+    if workspace.native:
+        return native_cumulative_histograms(t, num_bins)
     n_rows, n_cols = t.shape
     minus_H = t.new_empty(n_rows, num_bins)
     levels = torch.arange(1, num_bins + 1, device=t.device, dtype=t.dtype)[:, None]  # [num_bins, 1]
@@ -72,10 +77,12 @@ def bin_gradient(t: Tensor, slopes: Tensor, out: Tensor, workspace: Workspace, f
     ``[c, num_bins]``, the top position ``num_bins`` reads bin ``num_bins - 1``), 0 outside ``[0, num_bins]``.
 
     Written into ``out``, which may be ``t`` itself on the torch path (each row is read before it is written);
-    ``fused`` takes the Triton pass, whose ``out`` must be another buffer.
+    ``fused`` takes the Triton pass, whose ``out`` must be another buffer, ``workspace.native`` the compiled one.
     """
     if fused:
         return fused_bin_gradient(t, slopes, out)
+    if workspace.native:
+        return native_bin_gradient(t, slopes, out)
     n_rows, n_cols = t.shape
     num_bins = slopes.shape[1]
     # The key floor(t) + ceil(t) is 2l at t = l exactly and 2l + 1 inside (l, l + 1), so one table per row over

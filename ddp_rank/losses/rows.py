@@ -72,9 +72,10 @@ class Workspace:
     until the call returns.
     """
 
-    def __init__(self, device: torch.device, pass_bytes: int | None = None) -> None:
+    def __init__(self, device: torch.device, pass_bytes: int | None = None, native: bool = False) -> None:
         self.device = device
         self.pass_bytes = pass_bytes  # the passes' sub-blocks (``pass_row_blocks``); None: whole blocks
+        self.native = native  # the torch path's passes run compiled for the CPU where a family has them
         self._buffers: dict[str, Tensor] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:

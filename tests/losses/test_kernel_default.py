@@ -145,10 +145,12 @@ def test_auto_says_once_per_device_and_dtype_which_path_it_took(kernel_log: _Rec
         for _ in range(2):
             loss(x.clone().requires_grad_(), labels).backward()
     assert kernel_log.auto() == [
-        "loss kernel=auto: the torch path for float32 blocks on cpu (the fused Triton kernels take float32 on CUDA)"
+        "loss kernel=auto: the torch path for float32 blocks on cpu (the fused Triton kernels take float32 on CUDA)",
+        "loss kernel=auto: the passes compiled for this CPU for float32 blocks",  # FastAP's, cpu_kernels.py
     ]
     PNPLoss()(x.double(), labels)
-    assert len(kernel_log.auto()) == 2 and "float64 blocks on cpu" in kernel_log.auto()[1]
+    FastAPLoss()(x.double(), labels)  # the compiled passes take float32 only
+    assert len(kernel_log.auto()) == 3 and "float64 blocks on cpu" in kernel_log.auto()[2]
     kernel_log.messages.clear()
     PNPLoss(kernel="torch")(x.half(), labels)
     assert kernel_log.auto() == []
