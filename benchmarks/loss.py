@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         "--kernel",
         default="auto",
         choices=("auto", "torch", "triton"),
-        help="ours' per-block passes: the losses' default (auto: Triton on CUDA float32, FastAP's compiled CPU "
+        help="ours' per-block passes: the losses' default (auto: Triton on CUDA float32, the compiled CPU "
         "passes on CPU float32, torch elsewhere), plain torch ops, or the fused Triton kernels",
     )
     parser.add_argument("--no-floor", action="store_true",

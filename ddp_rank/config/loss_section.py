@@ -39,8 +39,8 @@ class LossConfig(_Section):
     kernel: Literal["auto", "torch", "triton"] = _field(
         "auto",
         "The loss's per-block passes: 'auto' (the fused Triton kernels on CUDA float32 blocks, bf16 and fp16 "
-        "inputs included, when Triton imports; on CPU float32 blocks FastAP's passes compiled for the CPU on "
-        "first use where a C compiler is found; the torch path elsewhere; logged once), 'torch' (plain tensor "
+        "inputs included, when Triton imports; on CPU float32 blocks the passes compiled for the CPU on first "
+        "use where a C compiler is found; the torch path elsewhere; logged once), 'torch' (plain tensor "
         "ops, any device) or 'triton' (the fused kernels wherever they run: FastAP's histograms in one pass, "
         "PNP's and Smooth-AP's sigmoid ranks without [c, P, N]; on an H100 at N = 65,536, 1.14-1.27x the fp32 "
         "matmul floor against 2.0-3.0x for torch).",

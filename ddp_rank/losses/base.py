@@ -20,7 +20,7 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable
-from typing import ClassVar, TypedDict, TypeVar
+from typing import TypedDict, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -110,14 +110,11 @@ class ListwiseLoss(nn.Module, abc.ABC):
             bfloat16 and float16 inputs are computed in float32) and Triton imports, the torch path elsewhere
             (CPU, float64, no Triton); the choice is logged once per device and dtype. On an H100 at N = 65,536
             the fused kernels took 1.14-1.27x the fp32 matmul floor, the torch path 2.0-3.0x
-            (``benchmarks/results/gpu-2026-11-27.md``). On CPU, ``"auto"`` takes FastAP's passes compiled for the
-            CPU that runs them (``cpu_kernels.py``, built on first use where a C compiler is found) for float32
-            blocks: at N = 8,192 on one thread they cut FastAP from 1.27x to 1.01-1.03x the floor of its three
-            matmuls (``benchmarks/results/loss-floor-*.md``).
+            (``benchmarks/results/gpu-2026-11-27.md``). On CPU, ``"auto"`` takes the passes compiled for the CPU
+            that runs them (``cpu_kernels.py``, built on first use where a C compiler is found) for float32
+            blocks: at N = 8,192 on one thread FastAP went from 1.27x to 1.01-1.03x the floor of its three
+            matmuls, PNP-Dq from 1.29-1.33x to 1.09-1.13x (``benchmarks/results/loss-floor-*.md``).
     """
-
-    # Whether the family has passes compiled for the CPU (``takes_native_passes``).
-    native_passes: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -290,10 +287,9 @@ class ListwiseLoss(nn.Module, abc.ABC):
         return fused and not below
 
     def takes_native_passes(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether a call's blocks take the family's passes compiled for the CPU (``cpu_kernels.py``): with
-        ``kernel="auto"``, for float32 blocks on CPU, where the family has them (``native_passes``) and they
-        build."""
-        return self.kernel == "auto" and self.native_passes and native_kernels_run(device, dtype)
+        """Whether a call's blocks take the passes compiled for the CPU (``cpu_kernels.py``): with
+        ``kernel="auto"``, for float32 blocks on CPU, where they build."""
+        return self.kernel == "auto" and native_kernels_run(device, dtype)
 
     def _plan(
         self, n_database: int, dtype: torch.dtype, device: torch.device, fused: bool

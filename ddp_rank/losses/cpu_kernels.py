@@ -1,19 +1,22 @@
-"""FastAP's block passes compiled for the CPU that runs them (``cpu_kernels.c``), and where they may run.
+"""The losses' block passes compiled for the CPU that runs them (``cpu_kernels.c``), and where they may run.
 
-The torch path's cumulative histograms make three passes over a ``[rows, num_bins, N]`` buffer and its bin
-gradient eight over ``[rows, N]``: each a few instructions per element, so on one CPU thread at N = 8,192 they
-took a third of the loss's time beside its three matmuls. The C functions make one pass each, skip the bins
-a tile of columns does not reach, and take the same inputs and give the same values (the histograms' sums in
-another order, the gradient bit for bit).
+On one CPU thread at N = 8,192 the torch path's passes after the similarity matmul took a quarter of the loss's
+time: FastAP's cumulative histograms make three passes over a ``[rows, num_bins, N]`` buffer and its bin
+gradient eight over ``[rows, N]``; PNP's and Smooth-AP's sigmoid ranks build ``[rows, P, N]`` and make six
+passes over it, one sigmoid per (query, positive, column). Each C function here makes one pass over a row: the
+histograms skip the bins a tile of columns does not reach, and the ranks take one exponential per column for
+all of a row's positives (``rank_tile`` in the C file says how, and within what bound of the sigmoid). They
+take the same inputs and give the same values as the torch path: the bin gradient bit for bit, the sums
+rounded in another order.
 
 They are built on first use with the C compiler found (``$CC``, else ``cc``, ``gcc`` or ``clang``), for this
 CPU (``-march=native``), into a cache shared by the processes of a machine: ``$DDP_RANK_KERNEL_CACHE``, else
-``$XDG_CACHE_HOME/ddp_rank/kernels`` or ``~/.cache/ddp_rank/kernels``. A build takes about a quarter of a
-second; the file is named by a digest of the source, the compiler, the flags and the CPU's features, so a
-change of any of them builds anew, and it is written under a temporary name and renamed, so that ranks
-building at once never load half a file. Without a compiler, or where the build fails, the torch path runs
-(``kernel="auto"`` says so once in the log). Calls release the GIL (ctypes), so the rows of a block are
-split over ``torch.get_num_threads()`` Python threads.
+``$XDG_CACHE_HOME/ddp_rank/kernels`` or ``~/.cache/ddp_rank/kernels``. A build takes under a second; the file is
+named by a digest of the source, the compiler, the flags and the CPU's features, so a change of any of them
+builds anew, and it is written under a temporary name and renamed, so that ranks building at once never load
+half a file. Without a compiler, or where the build fails, the torch path runs (``kernel="auto"`` says so once
+in the log). Calls release the GIL (ctypes), so the rows of a block are split over
+``torch.get_num_threads()`` Python threads.
 """
 
 from __future__ import annotations
@@ -34,15 +37,26 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["kernel_cache_dir", "native_bin_gradient", "native_cumulative_histograms", "native_kernels_run"]
+__all__ = [
+    "kernel_cache_dir",
+    "native_bin_gradient",
+    "native_cumulative_histograms",
+    "native_kernels_run",
+    "native_sigmoid_rank_gradient",
+    "native_sigmoid_rank_sums",
+    "over_threads",
+    "thread_count",
+]
 
 _log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -march=native first; a compiler that does not know it (some clang targets) builds for the baseline instead.
+# -ffp-contract=fast lets a multiply and an add become one FMA (ISO C mode would keep them apart): the
+# exponential's polynomial and the gradient's sums are the passes' arithmetic.
 FLAG_SETS = (
-    ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC"),
-    ("-O3", "-std=c11", "-shared", "-fPIC"),
+    ("-O3", "-march=native", "-std=c11", "-ffp-contract=fast", "-shared", "-fPIC"),
+    ("-O3", "-std=c11", "-ffp-contract=fast", "-shared", "-fPIC"),
 )
 BUILD_TIMEOUT_S = 120
 # Below this many elements a block is not split over threads: a thread's start costs more than its share.
@@ -52,6 +66,8 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 _SIGNATURES = {
     "cumulative_histograms_f32": (_ptr, _i64, _i64, _i64, _i32, _ptr),
     "bin_gradient_f32": (_ptr, _i64, _i64, _i64, _ptr, _i32, _ptr, _i64),
+    "sigmoid_rank_sums_f32": (_ptr, _i64, _i64, _i64, _ptr, _i32, _ptr, _ptr, _ptr),
+    "sigmoid_rank_gradient_f32": (_ptr, _ptr, _i64, _i64, _i32, _ptr, _i64),
 }
 
 
@@ -67,13 +83,13 @@ def native_cumulative_histograms(t: Tensor, num_bins: int) -> Tensor:
     out = torch.empty(t.shape[0], num_bins + 1, dtype=torch.float32)
     lib = _required()
 
-    def run(rows: slice) -> None:
+    def run(rows: slice, thread: int) -> None:
         block = t[rows]
         lib.cumulative_histograms_f32(
             block.data_ptr(), block.shape[0], block.shape[1], block.stride(0), num_bins, out[rows].data_ptr()
         )
 
-    _over_threads(run, t.shape[0], t.shape[1])
+    over_threads(run, t.shape[0], thread_count(*t.shape))
     return out
 
 
@@ -85,7 +101,7 @@ def native_bin_gradient(t: Tensor, slopes: Tensor, out: Tensor) -> Tensor:
     num_bins = slopes.shape[1]
     lib = _required()
 
-    def run(rows: slice) -> None:
+    def run(rows: slice, thread: int) -> None:
         block, into = t[rows], out[rows]
         lib.bin_gradient_f32(
             block.data_ptr(),
@@ -98,7 +114,55 @@ def native_bin_gradient(t: Tensor, slopes: Tensor, out: Tensor) -> Tensor:
             into.stride(0),
         )
 
-    _over_threads(run, t.shape[0], t.shape[1])
+    over_threads(run, t.shape[0], thread_count(*t.shape))
+    return out
+
+
+def native_sigmoid_rank_sums(
+    scores: Tensor, same_scores: Tensor, dsigma: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(R, slope_sums)``, both ``[c, P]``: ``R[r, i] = sum_j sigmoid(scores[r, j] - same_scores[r, i])`` and
+    the sums of ``s (1 - s)``, for ``scores [c, N]`` whose same-class columns hold -inf
+    (``sigmoid_ranks.NegativeRanks``); with ``dsigma`` (``[c, P, N]``, contiguous), each ``s (1 - s)`` too.
+    In the calling thread: the caller splits a block over threads (``over_threads``)."""
+    _check_rows(scores)
+    n_rows, n_cols = scores.shape
+    same = same_scores.to(torch.float32).contiguous()
+    p = same.shape[1]
+    if dsigma is not None and (
+        dsigma.shape != (n_rows, p, n_cols) or not dsigma.is_contiguous() or dsigma.dtype != torch.float32
+    ):
+        raise ValueError(f"dsigma must be a contiguous float32 [{n_rows}, {p}, {n_cols}] tensor")
+    ranks, slope_sums = torch.empty(n_rows, p), torch.empty(n_rows, p)
+    lib = _required()
+
+    lib.sigmoid_rank_sums_f32(
+        scores.data_ptr(),
+        n_rows,
+        n_cols,
+        scores.stride(0),
+        same.data_ptr(),
+        p,
+        ranks.data_ptr(),
+        slope_sums.data_ptr(),
+        None if dsigma is None else dsigma.data_ptr(),
+    )
+    return ranks, slope_sums
+
+
+def native_sigmoid_rank_gradient(dsigma: Tensor, weights: Tensor, out: Tensor) -> Tensor:
+    """``out[r, j] = sum_i weights[r, i] dsigma[r, i, j]`` (``dsigma [c, P, N]`` contiguous, ``weights [c, P]``);
+    ``out`` may be the scores the ranks were taken from. In the calling thread. Returns ``out``."""
+    _check_rows(out)
+    n_rows, p, n_cols = dsigma.shape
+    if not dsigma.is_contiguous() or dsigma.dtype != torch.float32 or out.shape != (n_rows, n_cols):
+        raise ValueError("dsigma must be contiguous float32 [c, P, N] and out [c, N]")
+    w = weights.to(torch.float32).contiguous()
+    lib = _required()
+
+    lib.sigmoid_rank_gradient_f32(
+        dsigma.data_ptr(), w.data_ptr(), n_rows, n_cols, p, out.data_ptr(), out.stride(0)
+    )
     return out
 
 
@@ -119,7 +183,7 @@ def library() -> ctypes.CDLL | None:
         path = _built_library()
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        _log.info("loss: FastAP's compiled CPU passes are not available (%s); the torch path runs", exc)
+        _log.info("loss: the passes compiled for the CPU are not available (%s); the torch path runs", exc)
         return None
     for name, argtypes in _SIGNATURES.items():
         function = getattr(lib, name)
@@ -154,7 +218,8 @@ def _built_library() -> Path:
             if done.returncode == 0:
                 os.replace(partial, path)
                 return path
-            errors.append(f"{' '.join(flags)}: {done.stderr.strip().splitlines()[-1:]}")
+            last_line = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+            errors.append(f"{' '.join(flags)}: {last_line}")
         finally:
             Path(partial).unlink(missing_ok=True)
     raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {'; '.join(errors)}")
@@ -181,7 +246,7 @@ def _required() -> ctypes.CDLL:
     lib = library()
     if lib is None:
         raise RuntimeError(
-            "FastAP's compiled CPU passes are not available: take the torch path (kernel='torch')"
+            "the passes compiled for the CPU are not available: take the torch path (kernel='torch')"
         )
     return lib
 
@@ -195,15 +260,27 @@ def _check_rows(*tensors: Tensor) -> None:
             )
 
 
-def _over_threads(run: Callable[[slice], None], n_rows: int, n_cols: int) -> None:
-    """``run`` over ``n_rows`` rows, split into one range per thread (``torch.get_num_threads()``)."""
-    threads = max(1, min(torch.get_num_threads(), n_rows, (n_rows * n_cols) // MIN_ELEMENTS_PER_THREAD))
-    if threads == 1:
-        run(slice(0, n_rows))
-        return
-    step = -(-n_rows // threads)
+def thread_count(n_rows: int, row_elements: int) -> int:
+    """Threads a pass over ``n_rows`` rows of ``row_elements`` each takes: ``torch.get_num_threads()``, fewer
+    where a thread's share would be under ``MIN_ELEMENTS_PER_THREAD``."""
+    return max(1, min(torch.get_num_threads(), n_rows, (n_rows * row_elements) // MIN_ELEMENTS_PER_THREAD))
+
+
+def over_threads(run: Callable[[slice, int], None], n_rows: int, threads: int) -> None:
+    """``run(rows, thread)`` over ``n_rows`` rows split into ``threads`` ranges, the last in the calling thread
+    (the compiled passes release the GIL); the first error raised is raised here, after every range ended."""
+    step = -(-n_rows // max(1, threads))
     ranges = [slice(start, min(n_rows, start + step)) for start in range(0, n_rows, step)]
-    for future in [_pool(threads, os.getpid()).submit(run, rows) for rows in ranges]:
+    if len(ranges) <= 1:
+        run(slice(0, n_rows), 0)
+        return
+    pool = _pool(len(ranges) - 1, os.getpid())
+    futures = [pool.submit(run, rows, thread) for thread, rows in enumerate(ranges[:-1])]
+    try:
+        run(ranges[-1], len(ranges) - 1)
+    finally:
+        concurrent.futures.wait(futures)
+    for future in futures:
         future.result()
 
 

@@ -73,8 +73,6 @@ class FastAPLoss(ListwiseLoss):
         torch.Size([32, 8])
     """
 
-    native_passes = True  # histogram.py's two passes, compiled for the CPU (cpu_kernels.py)
-
     def __init__(
         self,
         num_bins: int = 10,

@@ -20,8 +20,8 @@ positive set in the batch) instead of the authors' ``[N, N, N]``. With ``c_ai = 
 
     G[a, j in N_a] =  sum_i c_ai sigma'_aij            G[a, i in P_a] -= c_ai sum_j sigma'_aij
 
-(``sigmoid_ranks.py``: one batched matmul and one scatter-add, or two fused Triton passes with no
-``[c, P, N]`` at all). The authors clamp the sigmoid's argument to [-50, 50]; this only
+(``sigmoid_ranks.py``: one batched matmul and one scatter-add, two fused Triton passes with no
+``[c, P, N]`` at all, or the compiled CPU passes). The authors clamp the sigmoid's argument to [-50, 50]; this only
 guards their exp against overflow (``torch.sigmoid`` needs no guard) and changes values by < 2e-22.
 """
 
@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss, ListwiseOptions
+from ddp_rank.losses.base import ListwiseOptions
 from ddp_rank.losses.checks import check_positive
 from ddp_rank.losses.rows import ChunkInputs
-from ddp_rank.losses.sigmoid_ranks import NegativeRanks
+from ddp_rank.losses.sigmoid_ranks import NegativeRanks, SigmoidRankLoss, counted_positives
 
 VARIANTS = ("O", "Iu", "Ib", "Ds", "Dq")
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # PEP 692's Unpack, in typing from Python 3.11
     from typing_extensions import Unpack
 
 
-class PNPLoss(ListwiseLoss):
+class PNPLoss(SigmoidRankLoss):
     """PNP loss in its five variants, from the labels (any class sizes, any order).
 
     Args:
@@ -82,51 +82,20 @@ class PNPLoss(ListwiseLoss):
         count_self: bool = True,
         **options: Unpack[ListwiseOptions],
     ) -> None:
-        super().__init__(**options)
+        super().__init__(tau, count_self, **options)
         if variant not in VARIANTS:
             raise ValueError(f"unknown PNP variant {variant!r}; choose one of {', '.join(VARIANTS)}")
         self.variant = variant
-        self.tau, self.b, self.alpha = (
-            check_positive("tau", tau),
-            check_positive("b", b),
-            check_positive("alpha", alpha),
-        )
-        self.count_self = count_self
+        self.b, self.alpha = check_positive("b", b), check_positive("alpha", alpha)
 
     def hyper_parameters(self) -> dict[str, object]:
-        return {
-            **super().hyper_parameters(),
-            "variant": self.variant,
-            "tau": self.tau,
-            "b": self.b,
-            "alpha": self.alpha,
-            "count_self": self.count_self,
-        }
+        return {**super().hyper_parameters(), "variant": self.variant, "b": self.b, "alpha": self.alpha}
 
     def extra_repr(self) -> str:
         return (
             f"variant={self.variant!r}, tau={self.tau}, b={self.b}, alpha={self.alpha}, "
             f"count_self={self.count_self}, normalize={self.normalize}"
         )
-
-    def _bytes_per_query_row(
-        self, n_database: int, max_positives: int, itemsize: int, fused: bool = False
-    ) -> int:
-        # The block (scores, then G over them), and G's own buffer on the fused path; the torch path's [P, N]
-        # sigmoids are ``_pass_bytes_per_query_row``.
-        p = max(1, max_positives)
-        per_column = 2 if fused else 1
-        return (
-            per_column * n_database * itemsize
-            + p * SAME_CLASS_BYTES
-            + (0 if fused else self._pass_bytes_per_query_row(n_database, max_positives, itemsize))
-        )
-
-    def _pass_bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
-        return max(1, max_positives) * n_database * itemsize
-
-    def _similarity_affine(self) -> tuple[float, float]:
-        return 1.0 / self.tau, 0.0
 
     def _score_chunk(
         self, block: Tensor, chunk: ChunkInputs, need_grad: bool
@@ -162,10 +131,3 @@ class PNPLoss(ListwiseLoss):
             return torch.log1p(ranks), 1 / (1 + ranks)
         power = (1 + ranks) ** -self.alpha
         return -power, self.alpha * power / (1 + ranks)
-
-
-def counted_positives(
-    same_index: Tensor, same_mask: Tensor, self_columns: Tensor, count_self: bool
-) -> Tensor:
-    """[c, P] mask of the same-class columns that count as positives (the query only with ``count_self``)."""
-    return same_mask if count_self else same_mask & (same_index != self_columns[:, None])

@@ -10,7 +10,7 @@ to the scores:
     G[a, j in N_a] = sum_i w_ai sigma'_aij             G[a, index[a, i]] -= w_ai sum_j sigma'_aij
 
 Both losses' ``w`` of a row depends on that row's ranks alone, so the caller passes it as a function of
-them, and the ranks and the gradient come out of one sweep over the block. Two implementations:
+them, and the ranks and the gradient come out of one sweep over the block. Three implementations:
 
 - ``torch``: the sigmoids of a few rows as a ``[rows, P, N]`` tensor (subtraction, sigmoid, sum, derivative,
   one batched matmul, sum), written over the rows' scores. On CPU the rows go in sub-blocks whose sigmoids stay
@@ -19,23 +19,81 @@ them, and the ranks and the gradient come out of one sweep over the block. Two i
 - ``triton``: two fused passes over ``[c, N]`` (``triton_kernels.py``): one for ``R`` and the slope sums
   ``sum_j sigma'``, one for ``G``; the ``[c, P, N]`` tensor never exists. Where they cannot run, the torch
   path does.
+- ``native``: the torch path's sweep with its passes as C compiled for the CPU (``cpu_kernels.py``, where
+  ``workspace.native``): per sub-block, one pass for ``R``, the slope sums and ``sigma'`` (one exponential per
+  column for all of a row's positives), and one for ``G``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss, ListwiseOptions
+from ddp_rank.losses.checks import check_positive
+from ddp_rank.losses.cpu_kernels import (
+    native_sigmoid_rank_gradient,
+    native_sigmoid_rank_sums,
+    over_threads,
+    thread_count,
+)
 from ddp_rank.losses.rows import Workspace, pass_row_blocks
 from ddp_rank.losses.triton_kernels import fused_sigmoid_rank_gradient, fused_sigmoid_rank_sums
 
-__all__ = ["NegativeRanks", "RankWeights", "add_rank_gradient"]
+if TYPE_CHECKING:  # PEP 692's Unpack, in typing from Python 3.11
+    from typing_extensions import Unpack
+
+__all__ = ["NegativeRanks", "RankWeights", "SigmoidRankLoss", "add_rank_gradient", "counted_positives"]
 
 RankWeights = Callable[[Tensor, slice], Tensor]
 """``(R [rows, P], rows) -> d(loss)/dR [rows, P]`` for the block's rows ``rows``."""
+
+
+class SigmoidRankLoss(ListwiseLoss):
+    """Base of the losses whose ranks are sums of sigmoids of score differences (PNP, Smooth-AP): the scores
+    ``S / tau``, which positives count (``count_self``), and the work space of :class:`NegativeRanks`."""
+
+    def __init__(self, tau: float, count_self: bool, **options: Unpack[ListwiseOptions]) -> None:
+        super().__init__(**options)
+        self.tau, self.count_self = check_positive("tau", tau), count_self
+
+    def hyper_parameters(self) -> dict[str, object]:
+        return {**super().hyper_parameters(), "tau": self.tau, "count_self": self.count_self}
+
+    def _positive_pair_bytes(self, max_positives: int, itemsize: int) -> int:
+        """Work space a query row holds for ``[P, P]`` values among its positives (0 unless a family has some)."""
+        return 0
+
+    def _bytes_per_query_row(
+        self, n_database: int, max_positives: int, itemsize: int, fused: bool = False
+    ) -> int:
+        # The block (scores, then G over them), G's own buffer on the fused path, the family's [P, P] values;
+        # the torch path's [P, N] sigmoids are ``_pass_bytes_per_query_row``.
+        p = max(1, max_positives)
+        per_column = 2 if fused else 1
+        return (
+            per_column * n_database * itemsize
+            + self._positive_pair_bytes(p, itemsize)
+            + p * SAME_CLASS_BYTES
+            + (0 if fused else self._pass_bytes_per_query_row(n_database, max_positives, itemsize))
+        )
+
+    def _pass_bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
+        return max(1, max_positives) * n_database * itemsize
+
+    def _similarity_affine(self) -> tuple[float, float]:
+        return 1.0 / self.tau, 0.0
+
+
+def counted_positives(
+    same_index: Tensor, same_mask: Tensor, self_columns: Tensor, count_self: bool
+) -> Tensor:
+    """[c, P] mask of the same-class columns that count as positives (the query only with ``count_self``)."""
+    return same_mask if count_self else same_mask & (same_index != self_columns[:, None])
 
 
 class NegativeRanks:
@@ -73,6 +131,9 @@ class NegativeRanks:
         c, p = index.shape
         n_cols = scores.shape[1]
         self.values = scores.new_empty(c, p)
+        if workspace.native:
+            self._native_sweep(scores, index, workspace, dloss_dranks)
+            return
         for rows in pass_row_blocks(c, p * n_cols * scores.element_size(), workspace):
             s_rows = scores[rows]
             sigma = workspace.take("sigma", (s_rows.shape[0], p, n_cols), scores.dtype)
@@ -83,6 +144,37 @@ class NegativeRanks:
                 dsigma = sigma.addcmul_(sigma, sigma, value=-1.0)  # sigma (1 - sigma)
                 torch.bmm(w[:, None, :], dsigma, out=s_rows[:, None, :])
                 s_rows.scatter_add_(1, index[rows], -w * dsigma.sum(2))
+        if dloss_dranks is not None:
+            self.gradient = scores
+
+    def _native_sweep(
+        self, scores: Tensor, index: Tensor, workspace: Workspace, dloss_dranks: RankWeights | None
+    ) -> None:
+        """The torch path's sweep with the compiled passes: each thread takes a range of the rows and walks it in
+        sub-blocks of its share of the pass bytes, ``R`` then ``G`` over the rows' spent scores from the
+        ``sigma'`` the first pass kept (the thread's own buffer). One hand-over per thread and block: a
+        hand-over per sub-block cost more than two threads gained."""
+        c, p = index.shape
+        n_cols = scores.shape[1]
+        threads = thread_count(c, n_cols * p)
+        share = Workspace(workspace.device, (workspace.pass_bytes or 0) // threads or None)
+
+        def sweep(part: slice, thread: int) -> None:
+            for sub in pass_row_blocks(part.stop - part.start, p * n_cols * 4, share):
+                rows = slice(part.start + sub.start, part.start + sub.stop)
+                s_rows = scores[rows]
+                shape = (s_rows.shape[0], p, n_cols)
+                dsigma = (
+                    None if dloss_dranks is None else workspace.take(f"sigma{thread}", shape, torch.float32)
+                )
+                ranks, slope_sums = native_sigmoid_rank_sums(s_rows, self.same_scores[rows], dsigma)
+                self.values[rows] = ranks
+                if dloss_dranks is not None and dsigma is not None:
+                    w = dloss_dranks(ranks, rows)
+                    native_sigmoid_rank_gradient(dsigma, w, s_rows)
+                    s_rows.scatter_add_(1, index[rows], -w * slope_sums)
+
+        over_threads(sweep, c, threads)
         if dloss_dranks is not None:
             self.gradient = scores
 

@@ -22,17 +22,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss, ListwiseOptions
-from ddp_rank.losses.checks import check_positive
-from ddp_rank.losses.pnp import counted_positives
+from ddp_rank.losses.base import ListwiseOptions
 from ddp_rank.losses.rows import ChunkInputs
-from ddp_rank.losses.sigmoid_ranks import NegativeRanks, add_rank_gradient
+from ddp_rank.losses.sigmoid_ranks import NegativeRanks, SigmoidRankLoss, add_rank_gradient, counted_positives
 
 if TYPE_CHECKING:  # PEP 692's Unpack, in typing from Python 3.11
     from typing_extensions import Unpack
 
 
-class SmoothAPLoss(ListwiseLoss):
+class SmoothAPLoss(SigmoidRankLoss):
     """Smooth-AP, exact and memory-linear (the authors' code builds ``[N, N, N]``).
 
     Args:
@@ -67,34 +65,13 @@ class SmoothAPLoss(ListwiseLoss):
         count_self: bool = True,
         **options: Unpack[ListwiseOptions],
     ) -> None:
-        super().__init__(**options)
-        self.tau, self.count_self = check_positive("tau", tau), count_self
-
-    def hyper_parameters(self) -> dict[str, object]:
-        return {**super().hyper_parameters(), "tau": self.tau, "count_self": self.count_self}
+        super().__init__(tau, count_self, **options)
 
     def extra_repr(self) -> str:
         return f"tau={self.tau}, count_self={self.count_self}, normalize={self.normalize}"
 
-    def _bytes_per_query_row(
-        self, n_database: int, max_positives: int, itemsize: int, fused: bool = False
-    ) -> int:
-        # The block (scores, then G over them), G's own buffer on the fused path, and the [P, P] sigmoids
-        # among the positives; the torch path's [P, N] sigmoids are ``_pass_bytes_per_query_row``.
-        p = max(1, max_positives)
-        per_column = 2 if fused else 1
-        return (
-            per_column * n_database * itemsize
-            + 2 * p * p * itemsize
-            + p * SAME_CLASS_BYTES
-            + (0 if fused else self._pass_bytes_per_query_row(n_database, max_positives, itemsize))
-        )
-
-    def _pass_bytes_per_query_row(self, n_database: int, max_positives: int, itemsize: int) -> int:
-        return max(1, max_positives) * n_database * itemsize
-
-    def _similarity_affine(self) -> tuple[float, float]:
-        return 1.0 / self.tau, 0.0
+    def _positive_pair_bytes(self, max_positives: int, itemsize: int) -> int:
+        return 2 * max_positives * max_positives * itemsize  # the [P, P] sigmoids among the positives
 
     def _score_chunk(
         self, block: Tensor, chunk: ChunkInputs, need_grad: bool

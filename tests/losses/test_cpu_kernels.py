@@ -1,10 +1,13 @@
-"""FastAP's passes compiled for the CPU (``ddp_rank/losses/cpu_kernels.py``) against the torch path and a
-float64 definition, at the edges of the bins and across tiles and threads; the build's cache, its atomic
-publication by processes building at once, and the torch path where no compiler builds them."""
+"""The losses' passes compiled for the CPU (``ddp_rank/losses/cpu_kernels.py``) against the torch path and a
+float64 definition: FastAP's at the edges of the bins, the sigmoid ranks with masked columns, positives too far
+apart to share an exponential and saturated sigmoids, both across tiles and threads; each loss through
+``kernel="auto"``; the build's cache, its atomic publication by processes building at once, and the torch path
+where no compiler builds them."""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -15,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_rank.losses import FastAPLoss, cpu_kernels
+from ddp_rank.losses import FastAPLoss, PNPLoss, SmoothAPLoss, cpu_kernels
 from ddp_rank.losses.histogram import bin_gradient, cumulative_histograms
 from ddp_rank.losses.rows import CPU_PASS_BYTES, Workspace
+from ddp_rank.losses.sigmoid_ranks import NegativeRanks
 
 NUM_BINS = 10
 # Positions on every edge, just either side of it, outside [0, num_bins] and inside; 2,500 columns: a tile of
@@ -98,6 +102,60 @@ def test_rows_split_over_threads_give_the_same_bits(built: None) -> None:
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
+def _rank_inputs(rows: int, cols: int, p: int, scale: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores ``S / tau`` (``scale`` = 1 / tau) and each row's ``p`` same-class columns: the row's own column
+    first (its highest score, as a query's similarity to itself is 1), the others anywhere."""
+    g = torch.Generator().manual_seed(seed)
+    scores = (torch.rand(rows, cols, generator=g) * 2 - 1) * scale
+    index = torch.stack([torch.randperm(cols, generator=g)[:p] for _ in range(rows)])
+    scores.scatter_(1, index[:, :1], scale)
+    return scores, index
+
+
+def _ranks(scores: torch.Tensor, index: torch.Tensor, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(R, G)`` of ``NegativeRanks`` with ``d(loss)/dR = 1 / (1 + R)`` (PNP-Ds), on a copy of ``scores``."""
+    ranks = NegativeRanks(scores.clone(), index, _workspace(native), dloss_dranks=lambda r, rows: 1 / (1 + r))
+    assert ranks.gradient is not None
+    return ranks.values, ranks.gradient
+
+
+@pytest.mark.parametrize(
+    ("cols", "p", "scale"),
+    [(13, 4, 100.0), (2500, 4, 100.0), (4099, 7, 100.0), (2500, 4, 1000.0), (300, 33, 10.0)],
+)
+def test_sigmoid_ranks_match_the_torch_path_and_float64(built: None, cols: int, p: int, scale: float) -> None:
+    """tau = 0.01 (the papers'), tau = 0.001 (positives far apart: several groups sharing an exponential, most
+    sigmoids saturated at 0 or 1) and tau = 0.1 with a class wider than a vector of columns."""
+    scores, index = _rank_inputs(24, cols, p, scale, seed=cols + p)
+    scores[1] = -math.inf  # every column masked or below every positive: exactly 0 from every sigmoid
+    scores[1].scatter_(0, index[1], torch.linspace(-scale, scale, p))
+    native, native_grad = _ranks(scores, index, native=True)
+    plain, plain_grad = _ranks(scores, index, native=False)
+    exact, exact_grad = _ranks(scores.double(), index, native=False)
+    torch.testing.assert_close(native.double(), exact, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(native, plain, rtol=1e-5, atol=1e-6)
+    scale_grad = exact_grad.abs().max()
+    assert (native_grad.double() - exact_grad).abs().max() <= 1e-5 * scale_grad
+    assert (native_grad - plain_grad).abs().max() <= 1e-5 * scale_grad
+    assert torch.equal(native[1], torch.zeros(p)) and torch.equal(native_grad[1], torch.zeros(cols))
+
+
+def test_sigmoid_ranks_without_a_gradient_and_over_threads(built: None) -> None:
+    scores, index = _rank_inputs(40, 3000, 4, 100.0, seed=9)
+    alone = NegativeRanks(scores.clone(), index, _workspace(True))
+    assert alone.gradient is None
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            results.append(_ranks(scores, index, native=True))
+    finally:
+        torch.set_num_threads(threads)
+    (one, one_grad), (three, three_grad) = results
+    assert torch.equal(one, three) and torch.equal(one_grad, three_grad) and torch.equal(alone.values, one)
+
+
 def test_blocks_the_passes_cannot_read_are_refused(built: None) -> None:
     with pytest.raises(ValueError, match="float32 \\[rows, columns\\] CPU tensors with contiguous rows"):
         cpu_kernels.native_cumulative_histograms(torch.zeros(4, 8, dtype=torch.float64), NUM_BINS)
@@ -105,10 +163,13 @@ def test_blocks_the_passes_cannot_read_are_refused(built: None) -> None:
         cpu_kernels.native_cumulative_histograms(torch.zeros(8, 4).T, NUM_BINS)
 
 
-def test_fastap_with_auto_takes_them_on_cpu_float32_and_matches_the_torch_path(built: None) -> None:
+@pytest.mark.parametrize("make", [FastAPLoss, PNPLoss, SmoothAPLoss])
+def test_each_loss_with_auto_takes_them_on_cpu_float32_and_matches_the_torch_path(
+    built: None, make: type
+) -> None:
     g = torch.Generator().manual_seed(5)
     x, labels = torch.randn(300, 16, generator=g), torch.randint(0, 40, (300,), generator=g)
-    auto, plain = FastAPLoss(chunk_rows=64), FastAPLoss(chunk_rows=64, kernel="torch")
+    auto, plain = make(chunk_rows=64), make(chunk_rows=64, kernel="torch")
     assert auto.takes_native_passes(torch.device("cpu"), torch.float32)
     assert not auto.takes_native_passes(torch.device("cpu"), torch.float64)
     assert not plain.takes_native_passes(torch.device("cpu"), torch.float32)
@@ -121,8 +182,8 @@ def test_fastap_with_auto_takes_them_on_cpu_float32_and_matches_the_torch_path(b
     (native, native_grad), (torch_path, torch_grad), (exact, exact_grad) = out
     assert native == pytest.approx(torch_path, rel=1e-6) and native == pytest.approx(exact, rel=1e-5)
     scale = exact_grad.abs().max()
-    # The gradient is piecewise constant in the positions: the two float32 paths read the same bins, so they
-    # agree to rounding; float64 may put a position in the next bin, as it may for the torch path.
+    # FastAP's gradient is piecewise constant in the positions: the two float32 paths read the same bins, so
+    # they agree to rounding; float64 may put a position in the next bin, as it may for the torch path.
     assert (native_grad - torch_grad).abs().max() <= 1e-5 * scale
     assert (native_grad - exact_grad).abs().max() <= 2 * (torch_grad - exact_grad).abs().max() + 1e-6 * scale
 
