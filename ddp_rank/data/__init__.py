@@ -10,8 +10,7 @@ processes they start) do not pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ddp_rank.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "Manifest": "ddp_rank.data.format.manifest",
@@ -44,16 +43,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    """A public name, loaded on first use and then kept in the module, so later lookups do not come here."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ddp_rank.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    """The module's names with the public ones not loaded yet, so ``dir()`` and tab completion list them."""
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

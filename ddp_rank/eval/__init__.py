@@ -8,8 +8,9 @@ a script that only reads an export should pay for neither.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ddp_rank.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # the same names for type checkers; at run time ``__getattr__`` below loads them
     from ddp_rank.eval.export import Embeddings, ExportError, load_export, save_export
@@ -42,8 +43,4 @@ __all__ = [
     "save_export",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ddp_rank.eval' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

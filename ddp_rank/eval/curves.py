@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.extras import install_hint
+from ddp_rank.extras import pyplot, save_figure
 
 __all__ = ["CURVES_KEY", "CURVE_KINDS", "draw_curve", "draw_curves", "split_curves"]
 
@@ -48,25 +48,14 @@ def draw_curve(
     entries = {name: c[SOURCE[kind]] for name, c in curves_by_name.items() if c.get(SOURCE[kind])}
     if not entries:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError(f"{kind}.png needs matplotlib: {install_hint('eval')}") from exc
+    plt = pyplot(f"{kind}.png")
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     for index, (name, curve) in enumerate(entries.items()):
         _DRAW[kind](ax, name, curve, index)
-    _AXES[kind](ax)
+    ax.set(**_AXES[kind])
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path, dpi=110)
 
 
 def draw_curves(
@@ -88,16 +77,8 @@ def _roc(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
     pts = [(x, y) for x, y in zip(curve["fpr"], curve["tpr"], strict=True) if x > 0]
     (line,) = ax.plot(*zip(*pts, strict=True), label=name) if pts else ax.plot([], [], label=name)
     for key, (fpr, tpr) in curve.get("operating_points", {}).items():
-        ax.plot([fpr], [tpr], "o", color=line.get_color(), ms=5)
         # The n-th curve's labels one line below the (n-1)-th's: close curves stay readable.
-        ax.annotate(
-            f"{key.upper()}: {100 * tpr:.1f}%",
-            (fpr, tpr),
-            fontsize=6,
-            color=line.get_color(),
-            xytext=(4, -10 - 8 * index),
-            textcoords="offset points",
-        )
+        _mark(ax, line, (fpr, tpr), "o", f"{key.upper()}: {100 * tpr:.1f}%", (4, -10 - 8 * index))
 
 
 def _det(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
@@ -106,15 +87,15 @@ def _det(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
     (line,) = ax.plot(*zip(*pts, strict=True), label=name) if pts else ax.plot([], [], label=name)
     eer = curve.get("eer")
     if eer:
-        ax.plot([eer], [eer], "D", color=line.get_color(), ms=5)
-        ax.annotate(
-            f"EER {100 * eer:.2f}%",
-            (eer, eer),
-            fontsize=6,
-            color=line.get_color(),
-            xytext=(5, 4 + 8 * index),
-            textcoords="offset points",
-        )
+        _mark(ax, line, (eer, eer), "D", f"EER {100 * eer:.2f}%", (5, 4 + 8 * index))
+
+
+def _mark(
+    ax: Any, line: Any, point: tuple[float, float], marker: str, text: str, offset: tuple[int, int]
+) -> None:
+    """A point of ``line`` drawn as ``marker`` in its colour, with ``text`` at ``offset`` points from it."""
+    ax.plot([point[0]], [point[1]], marker, color=line.get_color(), ms=5)
+    ax.annotate(text, point, fontsize=6, color=line.get_color(), xytext=offset, textcoords="offset points")
 
 
 def _cmc(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
@@ -127,33 +108,31 @@ def _pr(ax: Any, name: str, curve: Mapping[str, Any], index: int) -> None:
     ax.plot(curve["recall"], curve["precision"], label=name)
 
 
-def _roc_axes(ax: Any) -> None:
-    ax.set_xscale("log")
-    ax.set_xlabel("false positive rate (negative pairs accepted)")
-    ax.set_ylabel("true positive rate (positive pairs accepted)")
-    ax.set_title("verification ROC")
-
-
-def _det_axes(ax: Any) -> None:
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("false positive rate")
-    ax.set_ylabel("false negative rate")
-    ax.set_title("verification DET")
-
-
-def _cmc_axes(ax: Any) -> None:
-    ax.set_xscale("log")
-    ax.set_xlabel("rank")
-    ax.set_ylabel("identification rate (%)")
-    ax.set_title("closed-set identification (CMC)")
-
-
-def _pr_axes(ax: Any) -> None:
-    ax.set_xlabel("recall (positive pairs)")
-    ax.set_ylabel("precision")
-    ax.set_title("verification precision-recall")
-
-
 _DRAW = {"roc": _roc, "det": _det, "cmc": _cmc, "pr": _pr}
-_AXES = {"roc": _roc_axes, "det": _det_axes, "cmc": _cmc_axes, "pr": _pr_axes}
+# Each picture's axes, as ``Axes.set`` takes them.
+_AXES: dict[str, dict[str, str]] = {
+    "roc": {
+        "xscale": "log",
+        "xlabel": "false positive rate (negative pairs accepted)",
+        "ylabel": "true positive rate (positive pairs accepted)",
+        "title": "verification ROC",
+    },
+    "det": {
+        "xscale": "log",
+        "yscale": "log",
+        "xlabel": "false positive rate",
+        "ylabel": "false negative rate",
+        "title": "verification DET",
+    },
+    "cmc": {
+        "xscale": "log",
+        "xlabel": "rank",
+        "ylabel": "identification rate (%)",
+        "title": "closed-set identification (CMC)",
+    },
+    "pr": {
+        "xlabel": "recall (positive pairs)",
+        "ylabel": "precision",
+        "title": "verification precision-recall",
+    },
+}

@@ -39,6 +39,7 @@ __all__ = [
     "embed_batches_to_arrays",
     "load_export",
     "part_name",
+    "read_json_file",
     "save_export",
 ]
 
@@ -195,12 +196,18 @@ def load_export(path: str | os.PathLike[str]) -> Embeddings:
 _AGAIN = "export again with `ddp-rank export` (an index: build it again with `ddp-rank index`)"
 
 
+def read_json_file(path: Path, fix: str) -> Any:
+    """The JSON in ``path``; an :class:`ExportError` naming it as damaged, with ``fix``, where it cannot be read
+    or parsed."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ExportError(f"{path} is damaged (not JSON: {str(exc).splitlines()[0]}); {fix}") from exc
+
+
 def _read_manifest(path: Path) -> dict[str, Any]:
     """``export.json``, checked: an object whose ``parts`` are plain part names in this folder with rows."""
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ExportError(f"{path} is damaged (not JSON: {str(exc).splitlines()[0]}); {_AGAIN}") from exc
+    manifest = read_json_file(path, _AGAIN)
     parts = manifest.get("parts") if isinstance(manifest, dict) else None
     if not isinstance(parts, list) or not all(
         isinstance(p, dict)

@@ -40,7 +40,7 @@ from ddp_rank.eval.deployment import (
     deployment_metrics,
 )
 from ddp_rank.eval.per_query import PerQuery, per_query_refusal
-from ddp_rank.eval.retrieval import QueryScores, query_scores, retrieval_metrics
+from ddp_rank.eval.retrieval import QueryScores, query_scores
 
 __all__ = [
     "DEPLOYMENT_PROTOCOLS",
@@ -315,9 +315,9 @@ def _evaluate_retrieval(
             is_g[gallery] = True
             qi, gi = idx[~is_g], idx[is_g]
             # One relevant gallery image per query: MAP@R would repeat Recall@1, so it is left out.
-            res = retrieval_metrics(
+            res = query_scores(
                 e[qi], y[qi], e[gi], y[gi], kk, map_at_r=False, backend=backend, device=device
-            )
+            ).metrics()
             for k, v in res.items():
                 sums[k] = sums.get(k, 0.0) + v / repeats
         for k, v in sums.items():

@@ -1,7 +1,9 @@
-"""Evaluation results as a markdown table and as JSON."""
+"""Evaluation results as a markdown table, as CSV and as JSON."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -13,6 +15,7 @@ from ddp_rank.atomic_io import atomic_write_text
 __all__ = [
     "COUNTS",
     "bootstrap_note",
+    "csv_text",
     "deployment_lines",
     "format_count",
     "format_table",
@@ -152,6 +155,15 @@ def bootstrap_note(metrics: Mapping[str, Any]) -> str:
 
 
 _OVER = {"queries": "Recall@k, MAP@R", "identities": "verification, identification"}
+
+
+def csv_text(rows: Sequence[Mapping[str, object]], empty_header: str) -> str:
+    """``rows`` as CSV, the first row's keys as the header; a header of ``empty_header`` alone without rows."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else [empty_header], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
 
 
 def write_json(results: Mapping[str, object], path: str | os.PathLike[str]) -> Path:

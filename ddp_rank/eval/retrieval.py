@@ -35,7 +35,6 @@ __all__ = [
     "faiss_available",
     "knn_search",
     "query_scores",
-    "retrieval_metrics",
 ]
 
 
@@ -170,39 +169,6 @@ class QueryScores:
         return out
 
 
-def retrieval_metrics(
-    queries: Tensor,
-    query_labels: Tensor,
-    database: Tensor,
-    database_labels: Tensor,
-    ks: Sequence[int],
-    *,
-    exclude_self: bool = False,
-    map_at_r: bool = True,
-    backend: str = "auto",
-    block: int = 4096,
-    device: torch.device | str | None = None,
-) -> dict[str, float]:
-    """Recall@k for each k in ``ks`` and MAP@R of ``queries`` against ``database``.
-
-    With ``exclude_self`` the database must be the queries themselves (SOP: each image queries the rest).
-    Returns ``{"recall@1": ..., "map@r": ..., "num_queries": ..., "num_lone_queries": ...}``; a k larger than
-    the database is clipped (Recall@k then counts every non-lone query as a hit).
-    """
-    return query_scores(
-        queries,
-        query_labels,
-        database,
-        database_labels,
-        ks,
-        exclude_self=exclude_self,
-        map_at_r=map_at_r,
-        backend=backend,
-        block=block,
-        device=device,
-    ).metrics()
-
-
 def query_scores(
     queries: Tensor,
     query_labels: Tensor,
@@ -216,7 +182,13 @@ def query_scores(
     block: int = 4096,
     device: torch.device | str | None = None,
 ) -> QueryScores:
-    """Each query's hits at every k and its AP@R (see :func:`retrieval_metrics` for the arguments)."""
+    """Each query's hits at every k and its AP@R: Recall@k for each k in ``ks`` and MAP@R of ``queries``
+    against ``database`` (``.metrics()``: ``{"recall@1": ..., "map@r": ..., "num_queries": ...,
+    "num_lone_queries": ...}``).
+
+    With ``exclude_self`` the database must be the queries themselves (SOP: each image queries the rest). A k
+    larger than the database is clipped (Recall@k then counts every non-lone query as a hit).
+    """
     if exclude_self and queries.shape[0] != database.shape[0]:
         raise ValueError("exclude_self needs the database to be the queries themselves")
     ql = query_labels.detach().cpu().long()

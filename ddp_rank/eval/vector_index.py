@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ddp_rank.atomic_io import atomic_write_text
-from ddp_rank.eval.export import Embeddings, ExportError
+from ddp_rank.eval.export import Embeddings, ExportError, read_json_file
 from ddp_rank.file_checks import file_digest, size_problem
 
 __all__ = [
@@ -248,10 +248,7 @@ class SearchIndex:
 
 def _read_info(path: Path) -> dict[str, Any]:
     """``index.json``, checked: an object with the index's kind and the settings :meth:`SearchIndex.load` uses."""
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ExportError(f"{path} is damaged (not JSON: {str(exc).splitlines()[0]}); {_REBUILD}") from exc
+    info = read_json_file(path, _REBUILD)
     spec = info.get("spec") if isinstance(info, dict) else None
     needs = {"hnsw": "ef_search", "ivfpq": "nprobe"}
     if (

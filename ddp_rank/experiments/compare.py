@@ -7,12 +7,10 @@ result (where the run writes, whether it resumes, how it prints) are left out ev
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 from typing import Any
 
-from ddp_rank.eval.report import format_count, is_count
+from ddp_rank.eval.report import csv_text, format_count, is_count
 from ddp_rank.experiments.replicates import Replicates, is_replicated
 from ddp_rank.experiments.runs import RunSummary, metric_keys
 
@@ -92,12 +90,7 @@ class Comparison:
         return text + ("\n" + self.replicates.markdown() if self.replicates else "")
 
     def csv(self) -> str:
-        rows = self.rows()
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["run"], lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-        return out.getvalue()
+        return csv_text(self.rows(), "run")
 
     def points_csv(self) -> str:
         """The replicates' points as CSV (one row per point: mean, std, min, max, count per metric); the runs'

@@ -12,7 +12,7 @@ from ddp_rank.experiments.compare import differing_keys
 from ddp_rank.experiments.plot_points import draw_points
 from ddp_rank.experiments.replicates import Replicates, is_replicated
 from ddp_rank.experiments.runs import RunSummary
-from ddp_rank.extras import install_hint
+from ddp_rank.extras import pyplot, save_figure
 
 __all__ = ["plot_comparison", "plot_left_out"]
 
@@ -29,13 +29,7 @@ def plot_comparison(
     finished = [run for run in runs if run.status == "finished" and run.best(metric) is not None]
     if not finished:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError(f"compare.png needs matplotlib: {install_hint('eval')}") from exc
+    plt = pyplot("compare.png")
     everyone = differing_keys(runs)
     if is_replicated(everyone):  # runs that differ in their seeds: each point's mean and spread
         return draw_points(Replicates(runs, everyone, metric, [metric]), Path(path), x_key, plt)
@@ -66,12 +60,7 @@ def plot_comparison(
     ax.set_ylabel(f"{metric} (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path, dpi=120)
 
 
 def plot_left_out(runs: list[RunSummary], metric: str) -> list[str]:

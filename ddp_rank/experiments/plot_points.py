@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_rank.experiments.replicates import Replicates
+from ddp_rank.extras import save_figure
 
 __all__ = ["draw_points"]
 
@@ -60,8 +61,4 @@ def draw_points(replicates: Replicates, path: Path, x_key: str | None, plt: Any)
     ax.set_ylabel(f"{metric} (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)

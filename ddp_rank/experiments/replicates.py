@@ -15,8 +15,6 @@ so a batch sweep's points differ in one setting, named ``data.global_batch_size 
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import statistics
 from collections.abc import Sequence
@@ -24,7 +22,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
-from ddp_rank.eval.report import format_count, is_count
+from ddp_rank.eval.report import csv_text, format_count, is_count
 from ddp_rank.experiments.grid import REPLICATE_KEYS
 from ddp_rank.experiments.intervals import Interval, paired_t_interval
 from ddp_rank.experiments.runs import RunSummary
@@ -213,12 +211,7 @@ class Replicates:
         return "\n".join(lines) + "\n"
 
     def csv(self) -> str:
-        rows = self.rows()
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["point"], lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-        return out.getvalue()
+        return csv_text(self.rows(), "point")
 
 
 def seeds_of(run: RunSummary) -> tuple[Any, ...]:

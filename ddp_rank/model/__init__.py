@@ -8,8 +8,9 @@ import the head again, half-defined.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ddp_rank.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:  # the same names for type checkers; at run time ``__getattr__`` below loads them
     from ddp_rank.model.checkpoint_read import (
@@ -63,16 +64,4 @@ __all__ = [
     "resolve_checkpoint",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """A public name, loaded on first use and then kept in the module, so later lookups do not come here."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ddp_rank.model' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    """The module's names with the public ones not loaded yet, so ``dir()`` and tab completion list them."""
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -29,24 +29,29 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from ddp_rank.data.reading.batch import StreamBatch
 
-__all__ = ["DeviceFeed"]
+if TYPE_CHECKING:  # typing.Self from Python 3.11
+    from typing_extensions import Self
+
+__all__ = ["DeviceFeed", "InlineFeed"]
 
 _END = object()
 """Put by the reader when the loader is exhausted."""
 
 
-class DeviceFeed:
-    """Iterate ``batches`` with their tensors moved to ``device``, the next batch read (and copied) by a background
-    thread while the caller works on the current one.
+class InlineFeed:
+    """:class:`DeviceFeed`'s interface without its thread: each batch is read when it is asked for, in the
+    caller's thread, then moved to ``device``.
 
-    The batch's tensors are moved (``StreamBatch.to``); everything else (keys, step, events) passes through.
-    :meth:`close` stops the reader after the fetch in progress, and waits for it: once it returns, nothing reads
-    from ``batches`` any more (a new feed may read the same stream).
+    For a stream whose batch is one gather from memory (``FeatureStream``): reading it costs less than handing
+    it over from a thread (a wake-up, the GIL passed back and forth), and no thread competes with the step for
+    the cores. Errors are raised at their own batch, and ``consumed`` reports each batch as it is handed on, as
+    with the threaded feed.
     """
 
     def __init__(
@@ -58,16 +63,46 @@ class DeviceFeed:
         self._source = batches
         self.device = device
         self._consumed = consumed
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._start()
+
+    def __iter__(self) -> Self:
+        return self
+
+    def _start(self) -> None:
+        """What the feed sets up once it has its source: nothing here; :class:`DeviceFeed`'s reader thread."""
+
+    def __next__(self) -> StreamBatch:
+        batch = next(self._source)
+        return self._handed_on(batch if self.device.type == "cpu" else batch.to(self.device))
+
+    def close(self) -> None:
+        """Nothing is read ahead: only the source is dropped."""
+        self._source = iter(())
+
+    def _handed_on(self, batch: StreamBatch) -> StreamBatch:
+        """``batch``, reported as consumed: the position a checkpoint resumes from is past it."""
+        if self._consumed is not None:
+            self._consumed(batch)
+        return batch
+
+
+class DeviceFeed(InlineFeed):
+    """Iterate ``batches`` with their tensors moved to ``device``, the next batch read (and copied) by a background
+    thread while the caller works on the current one.
+
+    The batch's tensors are moved (``StreamBatch.to``); everything else (keys, step, events) passes through.
+    :meth:`close` stops the reader after the fetch in progress, and waits for it: once it returns, nothing reads
+    from ``batches`` any more (a new feed may read the same stream).
+    """
+
+    def _start(self) -> None:
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ready: queue.Queue[object] = queue.Queue()
         self._may_read = threading.Semaphore(1)  # the reader fetches one batch per batch handed over
         self._closed = threading.Event()
         self._done = False
         self._reader = threading.Thread(target=self._read, name="ddp_rank-device-feed", daemon=True)
         self._reader.start()
-
-    def __iter__(self) -> DeviceFeed:
-        return self
 
     def __next__(self) -> StreamBatch:
         if self._done:
@@ -90,9 +125,7 @@ class DeviceFeed:
                     # The allocator must not reuse this memory for the side stream while the step still reads it.
                     value.record_stream(current)
         self._may_read.release()  # the reader starts on the next batch while the caller works on this one
-        if self._consumed is not None:
-            self._consumed(item)
-        return item
+        return self._handed_on(item)
 
     def close(self) -> None:
         """Stop the reader (after the fetch it is in, if any) and drop the batch read ahead."""
@@ -134,39 +167,3 @@ class DeviceFeed:
         )
         with on_side:
             return host.to(self.device, non_blocking=True)
-
-
-class InlineFeed:
-    """:class:`DeviceFeed`'s interface without its thread: each batch is read when it is asked for, in the
-    caller's thread, then moved to ``device``.
-
-    For a stream whose batch is one gather from memory (``FeatureStream``): reading it costs less than handing
-    it over from a thread (a wake-up, the GIL passed back and forth), and no thread competes with the step for
-    the cores. Errors are raised at their own batch, and ``consumed`` reports each batch as it is handed on, as
-    with the threaded feed.
-    """
-
-    def __init__(
-        self,
-        batches: Iterator[StreamBatch],
-        device: torch.device,
-        consumed: Callable[[StreamBatch], None] | None = None,
-    ) -> None:
-        self._source = batches
-        self.device = device
-        self._consumed = consumed
-
-    def __iter__(self) -> InlineFeed:
-        return self
-
-    def __next__(self) -> StreamBatch:
-        batch = next(self._source)
-        if self.device.type != "cpu":
-            batch = batch.to(self.device)
-        if self._consumed is not None:
-            self._consumed(batch)
-        return batch
-
-    def close(self) -> None:
-        """Nothing is read ahead: only the source is dropped."""
-        self._source = iter(())

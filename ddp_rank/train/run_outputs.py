@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_rank.atomic_io import atomic_write_text
+from ddp_rank.extras import pyplot, save_figure
 
 __all__ = ["ConfigRecord", "MetricsLogger", "read_metrics", "write_plots", "write_summary"]
 
@@ -126,10 +127,7 @@ def write_plots(records: Sequence[Mapping[str, Any]], out_dir: str | os.PathLike
     Needs matplotlib (the ``eval`` extra); without it nothing is written and an empty list is returned.
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot("the run's pictures")
     except ImportError:
         return []
 
@@ -152,10 +150,7 @@ def write_plots(records: Sequence[Mapping[str, Any]], out_dir: str | os.PathLike
         ax.grid(alpha=0.3)
         if len(series) > 1:
             ax.legend()
-        fig.tight_layout()
-        written.append(out / name)
-        fig.savefig(written[-1], dpi=100)
-        plt.close(fig)
+        written.append(save_figure(fig, out / name, dpi=100))
 
     def points(kind: str, key: str, scale: float = 1.0) -> list[tuple[int, float]]:
         return [

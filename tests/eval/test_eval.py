@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ddp_rank.eval.protocols import EmbeddedSet, EvalError, evaluate, subset_mask, subsets_to_bits
 from ddp_rank.eval.report import format_count, format_table, write_json
-from ddp_rank.eval.retrieval import faiss_available, knn_search, retrieval_metrics
+from ddp_rank.eval.retrieval import faiss_available, knn_search, query_scores
 
 BACKENDS = [
     "torch",
@@ -35,7 +35,7 @@ def test_leave_one_out_agrees_with_pml(backend: str, seed: int) -> None:
     ref = AccuracyCalculator(include=("precision_at_1", "mean_average_precision_at_r"), k=None).get_accuracy(
         e, y
     )
-    ours = retrieval_metrics(e, y, e, y, [1, 10], exclude_self=True, backend=backend, block=64)
+    ours = query_scores(e, y, e, y, [1, 10], exclude_self=True, backend=backend, block=64).metrics()
     assert ours["recall@1"] == pytest.approx(ref["precision_at_1"], abs=1e-12)
     assert ours["map@r"] == pytest.approx(ref["mean_average_precision_at_r"], abs=1e-12)
 
@@ -49,7 +49,7 @@ def test_query_gallery_agrees_with_pml(backend: str) -> None:
     ref = AccuracyCalculator(include=("precision_at_1", "mean_average_precision_at_r"), k=None).get_accuracy(
         q, qy, g, gy, ref_includes_query=False
     )
-    ours = retrieval_metrics(q, qy, g, gy, [1], backend=backend)
+    ours = query_scores(q, qy, g, gy, [1], backend=backend).metrics()
     assert ours["recall@1"] == pytest.approx(ref["precision_at_1"], abs=1e-12)
     assert ours["map@r"] == pytest.approx(ref["mean_average_precision_at_r"], abs=1e-12)
 
@@ -59,7 +59,7 @@ def test_recall_by_hand_and_lone_queries() -> None:
         torch.tensor([[1.0, 0.0], [0.99, 0.141], [0.0, 1.0], [0.141, 0.99], [-0.9, 0.436]]), dim=1
     )
     y = torch.tensor([0, 0, 1, 2, 1])  # class 2 is alone; image 2 (class 1) is nearest to image 3 (class 2)
-    m = retrieval_metrics(e, y, e, y, [1, 2, 10], exclude_self=True)
+    m = query_scores(e, y, e, y, [1, 2, 10], exclude_self=True).metrics()
     assert m["num_lone_queries"] == 1 and m["num_queries"] == 4
     assert m["recall@1"] == pytest.approx(3 / 4)  # 0 and 1 find each other, 4 finds 2; 2 finds 3 first
     assert m["recall@2"] == 1.0
@@ -87,7 +87,7 @@ def test_inshop_protocol_uses_query_and_gallery() -> None:
     data = EmbeddedSet.from_lists(e, y.tolist(), subsets)
     out = evaluate("inshop", data, [1, 10])
     q, g = subset_mask(data, "query"), subset_mask(data, "gallery")
-    direct = retrieval_metrics(e[q], y[q], e[g], y[g], [1, 10])
+    direct = query_scores(e[q], y[q], e[g], y[g], [1, 10]).metrics()
     assert out["recall@1"] == direct["recall@1"] and out["num_queries"] == direct["num_queries"]
     with pytest.raises(EvalError, match="subset 'query' and 'gallery'"):
         evaluate("inshop", EmbeddedSet.from_lists(e, y.tolist(), [""] * 200))

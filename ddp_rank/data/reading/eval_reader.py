@@ -21,15 +21,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import get_worker_info
 
-from ddp_rank.data.features.records import decode_vector, feature_dim
+from ddp_rank.data.features.records import decode_vector
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.format.tar_scan import SpanSample
 from ddp_rank.data.reading.decode import ImageDecodeError, decode_image
-from ddp_rank.data.reading.reader import ClassReader, ClassReadError
+from ddp_rank.data.reading.reader import ClassReadError
 from ddp_rank.data.reading.shard_cache import ShardCache
-from ddp_rank.data.reading.stream import resolve_rank_world
+from ddp_rank.data.reading.split_source import SplitSource
 from ddp_rank.data.reading.transforms import TransformConfig, collate_images, test_transform
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class EvalSplitBatch:
     """Each sample's ``subset`` from its json (In-Shop: ``query`` / ``gallery``), empty where none."""
 
 
-class EvalShards(IterableDataset):
+class EvalShards(SplitSource):
     """``EvalSplitBatch``es of this rank's part of a split."""
 
     def __init__(
@@ -88,24 +88,15 @@ class EvalShards(IterableDataset):
         world_size: int | None = None,
         cache_dir: str | os.PathLike[str] | ShardCache | None = None,
     ) -> None:
-        super().__init__()
-        self.manifest = shards if isinstance(shards, Manifest) else Manifest.load(shards)
-        self.split = split
+        super().__init__(shards, split, rank, world_size, cache_dir)
         self.batch_size = batch_size
         self.transform_config = transform or TransformConfig()
-        self.rank, self.world_size = resolve_rank_world(rank, world_size)
-        self.reader = ClassReader(self.manifest, split, cache_dir=cache_dir)
         # One entry per class (a class of an indexed split may be several spans), in manifest order.
         self.classes = [
             _Class(cid, sum(span.count for _, span in spans)) for cid, spans in self.reader.where.items()
         ]
         self.total = sum(span.count for span in self.classes)
         self.start, self.stop = balanced_runs([c.count for c in self.classes], self.world_size, self.rank)
-        self._class_category = np.array(
-            [-1 if c.category is None else c.category for c in self.manifest.classes], dtype=np.int64
-        )
-        self.feature_dim = feature_dim(self.manifest)
-        """The vectors' length for feature shards (batches ``[n, dim]`` float32), None for image shards."""
 
     @property
     def num_samples(self) -> int:

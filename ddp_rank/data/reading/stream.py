@@ -31,16 +31,16 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import get_worker_info
 
-from ddp_rank.data.features.records import decode_vector, feature_dim
+from ddp_rank.data.features.records import decode_vector
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.format.tar_scan import SpanSample
 from ddp_rank.data.reading.batch import DataEvents, StreamBatch
 from ddp_rank.data.reading.decode import ImageDecodeError, decode_image
-from ddp_rank.data.reading.reader import ClassReader, ClassReadError, group_failures
+from ddp_rank.data.reading.reader import ClassReadError, group_failures
 from ddp_rank.data.reading.shard_cache import ShardCache
+from ddp_rank.data.reading.split_source import SplitSource
 from ddp_rank.data.reading.transforms import (
     TransformConfig,
     collate_images,
@@ -60,20 +60,6 @@ class DataError(RuntimeError):
     """The data layer cannot produce this rank's batch (every replacement failed too); names the shards."""
 
 
-def resolve_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """Explicit values first, then an initialised process group, then RANK / WORLD_SIZE, else (0, 1)."""
-    if rank is not None and world_size is not None:
-        found = (rank, world_size)
-    elif dist.is_available() and dist.is_initialized():
-        found = (dist.get_rank(), dist.get_world_size())
-    else:
-        found = (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
-    r, w = (rank if rank is not None else found[0]), (world_size if world_size is not None else found[1])
-    if not 0 <= r < w:
-        raise ValueError(f"rank {r} is not in [0, world_size={w})")
-    return r, w
-
-
 def image_seed(*parts: int) -> int:
     """A 63-bit seed from integers (a fast splitmix-style mix; ``SeedSequence`` costs 20 us per image)."""
     h = 0x9E3779B97F4A7C15
@@ -83,7 +69,7 @@ def image_seed(*parts: int) -> int:
     return h & _MASK
 
 
-class ShardStream(IterableDataset):
+class ShardStream(SplitSource):
     """This rank's local batches, one per step, from a shard directory or URL.
 
     Args:
@@ -135,10 +121,7 @@ class ShardStream(IterableDataset):
         world_size: int | None = None,
         cache_dir: str | os.PathLike[str] | ShardCache | None = None,
     ) -> None:
-        super().__init__()
-        self.manifest = shards if isinstance(shards, Manifest) else Manifest.load(shards)
-        self.split = split
-        self.rank, self.world_size = resolve_rank_world(rank, world_size)
+        super().__init__(shards, split, rank, world_size, cache_dir)
         self.global_batch = global_batch
         self.local_batch = local_batch_size(global_batch, self.world_size)
         self.num_workers = num_workers
@@ -150,15 +133,8 @@ class ShardStream(IterableDataset):
         )
         for left in self.plan.left_out if self.rank == 0 else ():  # every rank plans alike: say it once
             log.warning(f"category left out of the schedule: {left}")
-        self.reader = ClassReader(self.manifest, split, cache_dir=cache_dir)
         self._warned: set[tuple[str, str]] = set()  # (shard, reason) of the failures already logged
         self._position = (0, 0)
-        self._class_category = np.array(
-            [-1 if c.category is None else c.category for c in self.manifest.classes], dtype=np.int64
-        )
-        self.feature_dim = feature_dim(self.manifest)
-        """The vectors' length for feature shards (``data.features``: batches are ``[n, dim]`` float32, no
-        transform), None for image shards."""
 
     # ---------------------------------------------------------------- position
 
@@ -354,4 +330,4 @@ class ShardStream(IterableDataset):
         return keys, out
 
 
-__all__ = ["DataError", "PlanError", "ShardStream", "image_seed", "resolve_rank_world"]
+__all__ = ["DataError", "PlanError", "ShardStream", "image_seed"]

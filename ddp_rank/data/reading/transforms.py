@@ -143,10 +143,7 @@ class ResizedCropFlip:
             height, width, self.config.crop_scale, self.ratio, generator
         )
         box = (left / scale, top / scale, (left + w) / scale, (top + h) / scale)
-        out = image.resize((self.config.crop, self.config.crop), Image.Resampling.BILINEAR, box=box)
-        if self.config.flip and torch.rand(1, generator=generator).item() < 0.5:
-            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return _to_uint8_chw(out)
+        return _crop_and_flip(image, box, self.config, generator)
 
 
 class ResizeCenterCrop:
@@ -217,11 +214,7 @@ class SquareResizeCropFlip:
         resize, crop = self.config.resize, self.config.crop
         top = int(torch.randint(0, resize - crop + 1, (1,), generator=generator).item())
         left = int(torch.randint(0, resize - crop + 1, (1,), generator=generator).item())
-        box = _square_crop_box(image, resize, top, left, crop)
-        out = image.resize((crop, crop), Image.Resampling.BILINEAR, box=box)
-        if self.config.flip and torch.rand(1, generator=generator).item() < 0.5:
-            out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return _to_uint8_chw(out)
+        return _crop_and_flip(image, _square_crop_box(image, resize, top, left, crop), self.config, generator)
 
 
 class SquareResizeCenterCrop:
@@ -270,3 +263,17 @@ def uint8_to_unit(images: torch.Tensor) -> torch.Tensor:
     copy from host memory, which makes the host wait for the GPU at every call. The scalar is applied in float32
     (the multiply's compute type), the same number as the float path's float32 scale."""
     return images.to(torch.float32).mul_(1.0 / 255.0)
+
+
+def _crop_and_flip(
+    image: Image.Image,
+    box: tuple[float, float, float, float],
+    config: TransformConfig,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """``box`` of ``image`` resampled to the ``crop`` square in one PIL resize, mirrored half the time with
+    ``config.flip`` (the draw from ``generator``), as a uint8 CHW tensor."""
+    out = image.resize((config.crop, config.crop), Image.Resampling.BILINEAR, box=box)
+    if config.flip and torch.rand(1, generator=generator).item() < 0.5:
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return _to_uint8_chw(out)
