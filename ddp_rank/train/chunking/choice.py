@@ -55,7 +55,7 @@ from ddp_rank.model import freeze_batchnorm
 from ddp_rank.model.feature_head import example_input
 from ddp_rank.train.chunking.host_memory import available_memory
 from ddp_rank.train.chunking.step import PreparesBatch
-from ddp_rank.train.chunking.step_memory import FixedCosts, fixed_costs
+from ddp_rank.train.chunking.step_memory import FixedCosts, fixed_costs, format_size
 from ddp_rank.train.step_settings import StepSettings
 
 __all__ = [
@@ -111,14 +111,16 @@ class ChunkChoice:
     probe: ActivationProbe | None = None
 
     def describe(self) -> str:
-        per_image, budget = _mib(self.bytes_per_image), _mib(self.budget_bytes)
+        per_image, budget = format_size(self.bytes_per_image), format_size(self.budget_bytes)
         verdict = (
-            f"the local batch of {self.local_batch:,} fits ({_mib(self.bytes_per_image * self.local_batch)}): "
+            f"the local batch of {self.local_batch:,} fits ({format_size(self.bytes_per_image * self.local_batch)}): "
             "direct step"
             if self.chunk is None
             else f"the local batch of {self.local_batch:,} runs in chunks of {self.chunk:,}"
         )
-        fixed = f"; fixed {_mib(self.fixed.total)}: {self.fixed.describe()}" if self.fixed.total else ""
+        fixed = (
+            f"; fixed {format_size(self.fixed.total)}: {self.fixed.describe()}" if self.fixed.total else ""
+        )
         return (
             f"distributed.chunk_size=auto: {per_image} of activations per image, budget {budget} ({self.how}"
             f"{fixed}): {verdict}"
@@ -142,18 +144,16 @@ def auto_chunk(
     ranks and confirms it with one real step). Besides activations the step holds the fixed costs of
     ``ddp_rank.train.chunking.step_memory``; the loss's work space is ``loss_work_space`` plus the gathered database and
     its gradient."""
-    database = 2 * global_batch * step.model.embedding_dim * 4
-    fixed = fixed_costs(
+    fixed = step_fixed_costs(
         model,
-        step.optim.name,
-        step.optim.momentum,
-        world_size,
+        step,
+        local_batch,
+        global_batch,
         device,
-        database + loss_work_space,
-        deepspeed=deepspeed,
-        extra_parameters=extra_parameters,
-        input_batch_bytes=local_batch * _input_bytes(model, step.data.image_size),
-        prepared_batch_bytes=local_batch * prepared_input_bytes(model, step.data.image_size),
+        loss_work_space,
+        world_size,
+        deepspeed,
+        extra_parameters,
     )
     if local_processes is None:  # the processes of this node share its memory
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -173,6 +173,35 @@ def auto_chunk(
         budget = max(budget - fixed.workspaces, 0)
     chunk = choose_chunk(local_batch, probe.per_image, budget)
     return ChunkChoice(chunk, probe.per_image, budget, local_batch, f"{probe.how}; {decided}", fixed, probe)
+
+
+def step_fixed_costs(
+    model: nn.Module,
+    step: StepSettings,
+    local_batch: int,
+    global_batch: int,
+    device: torch.device,
+    loss_work_space: int,
+    world_size: int,
+    deepspeed: bool = False,
+    extra_parameters: int = 0,
+) -> FixedCosts:
+    """What the step holds on one device besides activations (``step_memory.fixed_costs``), the loss's work
+    space being ``loss_work_space`` plus the gathered database and its gradient (float32): the one estimate
+    the trainer's chunk choice and ``ddp-rank plan`` both give."""
+    database = 2 * global_batch * step.model.embedding_dim * 4
+    return fixed_costs(
+        model,
+        step.optim.name,
+        step.optim.momentum,
+        world_size,
+        device,
+        database + loss_work_space,
+        deepspeed=deepspeed,
+        extra_parameters=extra_parameters,
+        input_batch_bytes=local_batch * _input_bytes(model, step.data.image_size),
+        prepared_batch_bytes=local_batch * prepared_input_bytes(model, step.data.image_size),
+    )
 
 
 def _input_bytes(model: nn.Module, image_size: int) -> int:
@@ -199,7 +228,7 @@ def choose_chunk(local_batch: int, bytes_per_image: int, budget_bytes: int) -> i
     chunk = budget_bytes // bytes_per_image
     if chunk < 1:
         raise ValueError(
-            f"one image's activations ({_mib(bytes_per_image)}) exceed the memory budget ({_mib(budget_bytes)}): "
+            f"one image's activations ({format_size(bytes_per_image)}) exceed the memory budget ({format_size(budget_bytes)}): "
             "use a smaller data.image_size or backbone, raise distributed.memory_fraction / memory_budget_mb, or "
             "set distributed.chunk_size by hand"
         )
@@ -220,9 +249,10 @@ def memory_budget(
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(fraction * free) - fixed_bytes
-        return max(
-            budget, 0
-        ), f"{fraction:g} of {_mib(free)} free on {device}, less {_mib(fixed_bytes)} for the rest"
+        return (
+            max(budget, 0),
+            f"{fraction:g} of {format_size(free)} free on {device}, less {format_size(fixed_bytes)} for the rest",
+        )
     if budget_mb:
         # The fraction is the margin for the resident memory the per-image count misses (module docstring).
         return int(fraction * budget_mb * 2**20), (
@@ -232,8 +262,8 @@ def memory_budget(
     share = available // max(local_processes, 1)
     budget = int(fraction * share) - fixed_bytes
     return max(budget, 0), (
-        f"{fraction:g} of {_mib(share)} available ({source}) to each of {local_processes} process(es), less "
-        f"{_mib(fixed_bytes)} for the rest"
+        f"{fraction:g} of {format_size(share)} available ({source}) to each of {local_processes} process(es), less "
+        f"{format_size(fixed_bytes)} for the rest"
     )
 
 
@@ -378,15 +408,9 @@ def count_saved(limit: int | None = None) -> Iterator[list[int]]:
             total[0] += after - before
             if limit is not None and total[0] > limit:
                 raise OutOfMemoryError(
-                    f"the step's saved tensors reached {_mib(total[0])}, past the limit of {_mib(limit)}"
+                    f"the step's saved tensors reached {format_size(total[0])}, past the limit of {format_size(limit)}"
                 )
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield total
-
-
-def _mib(n: float) -> str:
-    if abs(n) < 2**20:
-        return f"{n / 2**10:,.1f} KiB"
-    return f"{n / 2**30:,.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.1f} MiB"

@@ -18,13 +18,11 @@ from ddp_rank.data.sampling.dealing import deal
 from ddp_rank.data.sampling.plan import Catalog, GlobalPlan, PlanError
 from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
 from ddp_rank.model import build_model
-from ddp_rank.model.feature_head import example_input
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.shards import check_model_input, model_input_dim
-from ddp_rank.train.chunking.choice import auto_chunk, measure_activation_bytes, prepared_input_bytes
+from ddp_rank.train.chunking.choice import auto_chunk, measure_activation_bytes, step_fixed_costs
 from ddp_rank.train.chunking.layout import BatchLayout
-from ddp_rank.train.chunking.step_memory import fixed_costs
 from ddp_rank.train.pml_loss import GENERIC_MATRICES, PML_PREFIX, generic_work_space
 from ddp_rank.train.settings import train_settings
 from ddp_rank.train.setup import build_loss
@@ -176,17 +174,8 @@ def _auto_chunk(
     confirm = "; one real step confirms it at start-up, backing off on an out-of-memory error"
     if where.type == "cuda" and not torch.cuda.is_available():
         probe = measure_activation_bytes(model, step.data.image_size, torch.device("cpu"), dtype)
-        database = 2 * layout.global_batch * step.model.embedding_dim * 4
-        inputs = example_input(model, layout.local_batch, step.data.image_size, torch.device("meta"))
-        fixed = fixed_costs(
-            model,
-            step.optim.name,
-            step.optim.momentum,
-            world_size,
-            where,
-            database + work_bytes,
-            input_batch_bytes=inputs.numel() * inputs.element_size(),
-            prepared_batch_bytes=layout.local_batch * prepared_input_bytes(model, step.data.image_size),
+        fixed = step_fixed_costs(
+            model, step, layout.local_batch, layout.global_batch, where, work_bytes, world_size
         )
         return None, (
             f"{format_bytes(probe.per_image)} of activations per image ({probe.how}, on this CPU); fixed "

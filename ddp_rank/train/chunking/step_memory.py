@@ -34,10 +34,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-__all__ = ["DDP_BUCKET_CAP_MB", "FixedCosts", "collective_reserve", "fixed_costs", "optimizer_state_copies"]
+__all__ = ["FixedCosts", "collective_reserve", "fixed_costs", "format_size", "optimizer_state_copies"]
 
-DDP_BUCKET_CAP_MB = 25
-"""DDP's ``bucket_cap_mb`` as accelerate leaves it (``DistributedDataParallelKwargs`` sets none)."""
 NCCL_DEFAULT_BUFFSIZE = 4 * 2**20
 NCCL_DEFAULT_CHANNELS = 32
 
@@ -79,7 +77,7 @@ class FixedCosts:
     def describe(self) -> str:
         """``weights 98.0 MiB + gradients 97.5 MiB + ...`` (the kinds that are not zero), for the log and the plan."""
         parts = [
-            f"{f.name.replace('_', ' ')} {_mib(getattr(self, f.name))}"
+            f"{f.name.replace('_', ' ')} {format_size(getattr(self, f.name))}"
             for f in fields(self)
             if getattr(self, f.name)
         ]
@@ -144,7 +142,8 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-def _mib(n: float) -> str:
-    if n < 2**20:
+def format_size(n: float) -> str:
+    """Bytes in KiB, MiB or GiB, whichever reads best, for the chunk choice's log lines and errors."""
+    if abs(n) < 2**20:
         return f"{n / 2**10:,.1f} KiB"
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.1f} MiB"
+    return f"{n / 2**30:,.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:,.1f} MiB"
