@@ -25,6 +25,7 @@ from ddp_rank.distributed.process_group import (
     end_process_group,
     is_distributed,
     max_over_ranks,
+    min_over_ranks,
     rank,
     world_size,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "global_batch_loss",
     "is_distributed",
     "max_over_ranks",
+    "min_over_ranks",
     "padded_all_gather",
     "padded_reduce_scatter",
     "rank",

@@ -49,15 +49,6 @@ def agree(error: str | None, stop: bool = False, group: ProcessGroup | None = No
     raise RankFailure(f"rank {first_rank}{others}: {first}")
 
 
-def min_over_ranks(value: int, group: ProcessGroup | None = None) -> int:
-    """Collective: the smallest ``value`` of all ranks (a setting every rank must share, measured per rank)."""
-    if not is_distributed(group):
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return int(t.item())
-
-
 def gather_counts(counts: Mapping[str, Any], group: ProcessGroup | None = None) -> dict[str, Any]:
     """Collective: integers summed over ranks, lists merged (sorted, unique), from every rank's ``counts``."""
     if is_distributed(group):

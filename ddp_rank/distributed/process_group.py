@@ -44,11 +44,20 @@ def collective_device(group: ProcessGroup | None = None) -> torch.device:
 
 
 def max_over_ranks(value: int, group: ProcessGroup | None = None) -> int:
-    """The largest `value` over the ranks of `group` (`value` itself without a process group)."""
+    """Collective: the largest ``value`` over the ranks of ``group`` (``value`` itself without a process group)."""
+    return _int_over_ranks(value, dist.ReduceOp.MAX, group)
+
+
+def min_over_ranks(value: int, group: ProcessGroup | None = None) -> int:
+    """Collective: the smallest ``value`` over the ranks (a setting every rank must share, measured per rank)."""
+    return _int_over_ranks(value, dist.ReduceOp.MIN, group)
+
+
+def _int_over_ranks(value: int, op: dist.ReduceOp.RedOpType, group: ProcessGroup | None) -> int:
     if not is_distributed(group):
         return value
     tensor = torch.tensor([value], dtype=torch.int64, device=collective_device(group))
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(tensor, op=op, group=group)
     return int(tensor.item())
 
 

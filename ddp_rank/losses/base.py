@@ -112,8 +112,9 @@ class ListwiseLoss(nn.Module, abc.ABC):
             the fused kernels took 1.14-1.27x the fp32 matmul floor, the torch path 2.0-3.0x
             (``benchmarks/results/gpu-2026-11-27.md``). On CPU, ``"auto"`` takes the passes compiled for the CPU
             that runs them (``cpu_kernels.py``, built on first use where a C compiler is found) for float32
-            blocks: at N = 8,192 on one thread FastAP went from 1.27x to 1.01-1.03x the floor of its three
-            matmuls, PNP-Dq from 1.29-1.33x to 1.09-1.13x (``benchmarks/results/loss-floor-*.md``).
+            blocks: at N = 8,192 on one thread FastAP went from 1.23-1.27x to 0.99-1.03x the floor of its three
+            matmuls, PNP-Dq from 1.29-1.33x to 1.09-1.13x (``benchmarks/results/loss-floor-*.md``). PNP's and
+            Smooth-AP's are taken on one thread only (``SigmoidRankLoss.takes_native_passes``).
     """
 
     def __init__(

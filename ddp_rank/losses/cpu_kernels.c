@@ -142,8 +142,9 @@ void bin_gradient_f32(const float *t, int64_t rows, int64_t cols, int64_t stride
             const float *x = row + start;
             float lo, hi;
             tile_range(x, n, &lo, &hi);
-            const int first = lo <= 0.f ? 0 : (lo >= top ? num_bins - 1 : (int)lo);
-            const int last = hi >= top ? num_bins - 1 : (hi <= 0.f ? 0 : (int)hi);
+            /* Comparisons a NaN fails fall to the widest range (a NaN position reads 0, as outside [0, num_bins]). */
+            const int first = lo > 0.f ? (lo < top ? (int)lo : num_bins - 1) : 0;
+            const int last = hi < top ? (hi > 0.f ? (int)hi : 0) : num_bins - 1;
             for (int64_t j = 0; j < n; ++j) g[j] = s[first];
             for (int l = first + 1; l <= last; ++l) {
                 const vf level = splat((float)l), slope = splat(s[l]);

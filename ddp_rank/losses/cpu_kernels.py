@@ -44,8 +44,6 @@ __all__ = [
     "native_kernels_run",
     "native_sigmoid_rank_gradient",
     "native_sigmoid_rank_sums",
-    "over_threads",
-    "thread_count",
 ]
 
 _log = logging.getLogger(__name__)
@@ -83,13 +81,13 @@ def native_cumulative_histograms(t: Tensor, num_bins: int) -> Tensor:
     out = torch.empty(t.shape[0], num_bins + 1, dtype=torch.float32)
     lib = _required()
 
-    def run(rows: slice, thread: int) -> None:
+    def run(rows: slice) -> None:
         block = t[rows]
         lib.cumulative_histograms_f32(
             block.data_ptr(), block.shape[0], block.shape[1], block.stride(0), num_bins, out[rows].data_ptr()
         )
 
-    over_threads(run, t.shape[0], thread_count(*t.shape))
+    _over_threads(run, t.shape[0], _thread_count(*t.shape))
     return out
 
 
@@ -97,11 +95,13 @@ def native_bin_gradient(t: Tensor, slopes: Tensor, out: Tensor) -> Tensor:
     """``out[r, j] = slopes[r, min(floor(t[r, j]), num_bins - 1)]`` where ``0 <= t[r, j] <= num_bins``, else 0
     (``histogram.bin_gradient``); ``out`` may be ``t`` itself. Returns ``out``."""
     _check_rows(t, out)
+    _check_shape("out", out, tuple(t.shape))
     slopes = slopes.to(torch.float32).contiguous()
+    _check_shape("slopes", slopes, (t.shape[0], slopes.shape[-1]))
     num_bins = slopes.shape[1]
     lib = _required()
 
-    def run(rows: slice, thread: int) -> None:
+    def run(rows: slice) -> None:
         block, into = t[rows], out[rows]
         lib.bin_gradient_f32(
             block.data_ptr(),
@@ -114,7 +114,7 @@ def native_bin_gradient(t: Tensor, slopes: Tensor, out: Tensor) -> Tensor:
             into.stride(0),
         )
 
-    over_threads(run, t.shape[0], thread_count(*t.shape))
+    _over_threads(run, t.shape[0], _thread_count(*t.shape))
     return out
 
 
@@ -124,16 +124,23 @@ def native_sigmoid_rank_sums(
     """``(R, slope_sums)``, both ``[c, P]``: ``R[r, i] = sum_j sigmoid(scores[r, j] - same_scores[r, i])`` and
     the sums of ``s (1 - s)``, for ``scores [c, N]`` whose same-class columns hold -inf
     (``sigmoid_ranks.NegativeRanks``); with ``dsigma`` (``[c, P, N]``, contiguous), each ``s (1 - s)`` too.
-    In the calling thread: the caller splits a block over threads (``over_threads``)."""
+    In the calling thread."""
     _check_rows(scores)
     n_rows, n_cols = scores.shape
     same = same_scores.to(torch.float32).contiguous()
+    _check_shape("same_scores", same, (n_rows, same.shape[-1]))
     p = same.shape[1]
     if dsigma is not None and (
-        dsigma.shape != (n_rows, p, n_cols) or not dsigma.is_contiguous() or dsigma.dtype != torch.float32
+        dsigma.shape != (n_rows, p, n_cols)
+        or not dsigma.is_contiguous()
+        or dsigma.dtype != torch.float32
+        or dsigma.device.type != "cpu"
     ):
         raise ValueError(f"dsigma must be a contiguous float32 [{n_rows}, {p}, {n_cols}] tensor")
-    ranks, slope_sums = torch.empty(n_rows, p), torch.empty(n_rows, p)
+    ranks, slope_sums = (
+        torch.empty(n_rows, p, dtype=torch.float32),
+        torch.empty(n_rows, p, dtype=torch.float32),
+    )
     lib = _required()
 
     lib.sigmoid_rank_sums_f32(
@@ -155,9 +162,11 @@ def native_sigmoid_rank_gradient(dsigma: Tensor, weights: Tensor, out: Tensor) -
     ``out`` may be the scores the ranks were taken from. In the calling thread. Returns ``out``."""
     _check_rows(out)
     n_rows, p, n_cols = dsigma.shape
-    if not dsigma.is_contiguous() or dsigma.dtype != torch.float32 or out.shape != (n_rows, n_cols):
-        raise ValueError("dsigma must be contiguous float32 [c, P, N] and out [c, N]")
+    if dsigma.device.type != "cpu" or not dsigma.is_contiguous() or dsigma.dtype != torch.float32:
+        raise ValueError("dsigma must be a contiguous float32 [c, P, N] CPU tensor")
+    _check_shape("out", out, (n_rows, n_cols))
     w = weights.to(torch.float32).contiguous()
+    _check_shape("weights", w, (n_rows, p))
     lib = _required()
 
     lib.sigmoid_rank_gradient_f32(
@@ -260,24 +269,33 @@ def _check_rows(*tensors: Tensor) -> None:
             )
 
 
-def thread_count(n_rows: int, row_elements: int) -> int:
+def _check_shape(name: str, t: Tensor, shape: tuple[int, ...]) -> None:
+    """The C passes trust their row and column counts: a tensor of another shape, or not on the CPU, is refused
+    here."""
+    if tuple(t.shape) != shape or t.device.type != "cpu":
+        raise ValueError(
+            f"{name} must be a CPU tensor of shape {shape} for these rows, got {tuple(t.shape)} on {t.device}"
+        )
+
+
+def _thread_count(n_rows: int, row_elements: int) -> int:
     """Threads a pass over ``n_rows`` rows of ``row_elements`` each takes: ``torch.get_num_threads()``, fewer
     where a thread's share would be under ``MIN_ELEMENTS_PER_THREAD``."""
     return max(1, min(torch.get_num_threads(), n_rows, (n_rows * row_elements) // MIN_ELEMENTS_PER_THREAD))
 
 
-def over_threads(run: Callable[[slice, int], None], n_rows: int, threads: int) -> None:
-    """``run(rows, thread)`` over ``n_rows`` rows split into ``threads`` ranges, the last in the calling thread
-    (the compiled passes release the GIL); the first error raised is raised here, after every range ended."""
+def _over_threads(run: Callable[[slice], None], n_rows: int, threads: int) -> None:
+    """``run(rows)`` over ``n_rows`` rows split into ``threads`` ranges, the last in the calling thread (the
+    compiled passes release the GIL); the first error raised is raised here, after every range ended."""
     step = -(-n_rows // max(1, threads))
     ranges = [slice(start, min(n_rows, start + step)) for start in range(0, n_rows, step)]
     if len(ranges) <= 1:
-        run(slice(0, n_rows), 0)
+        run(slice(0, n_rows))
         return
     pool = _pool(len(ranges) - 1, os.getpid())
-    futures = [pool.submit(run, rows, thread) for thread, rows in enumerate(ranges[:-1])]
+    futures = [pool.submit(run, rows) for rows in ranges[:-1]]
     try:
-        run(ranges[-1], len(ranges) - 1)
+        run(ranges[-1])
     finally:
         concurrent.futures.wait(futures)
     for future in futures:

@@ -19,7 +19,7 @@ Three implementations of each:
 - ``native``: the torch path's two passes as C compiled for the CPU (``cpu_kernels.py``, where
   ``workspace.native``): one loop over each row, which skips the bins a tile of it does not reach.
 
-Both form every ``clamp(l + 1 - t, 0, 1)`` before adding it: summing ``clamp(t, l, l + 1)`` and subtracting the
+All three form every ``clamp(l + 1 - t, 0, 1)`` before adding it: summing ``clamp(t, l, l + 1)`` and subtracting the
 total from ``(l + 1) N`` would cancel away float32's digits at large N.
 """
 

@@ -21,7 +21,10 @@ them, and the ranks and the gradient come out of one sweep over the block. Three
   path does.
 - ``native``: the torch path's sweep with its passes as C compiled for the CPU (``cpu_kernels.py``, where
   ``workspace.native``): per sub-block, one pass for ``R``, the slope sums and ``sigma'`` (one exponential per
-  column for all of a row's positives), and one for ``G``.
+  column for all of a row's positives), and one for ``G``. Taken on one thread only
+  (``SigmoidRankLoss.takes_native_passes``): on the 2-core test machine they did not scale to two threads and
+  were then slower than the torch path, whose ops each split over the threads (1.34-1.40x the floor against
+  1.30-1.36x; ``benchmarks/results/loss-floor-2026-11-29.md``).
 """
 
 from __future__ import annotations
@@ -35,12 +38,7 @@ from torch import Tensor
 
 from ddp_rank.losses.base import SAME_CLASS_BYTES, ListwiseLoss, ListwiseOptions
 from ddp_rank.losses.checks import check_positive
-from ddp_rank.losses.cpu_kernels import (
-    native_sigmoid_rank_gradient,
-    native_sigmoid_rank_sums,
-    over_threads,
-    thread_count,
-)
+from ddp_rank.losses.cpu_kernels import native_sigmoid_rank_gradient, native_sigmoid_rank_sums
 from ddp_rank.losses.rows import Workspace, pass_row_blocks
 from ddp_rank.losses.triton_kernels import fused_sigmoid_rank_gradient, fused_sigmoid_rank_sums
 
@@ -87,6 +85,10 @@ class SigmoidRankLoss(ListwiseLoss):
 
     def _similarity_affine(self) -> tuple[float, float]:
         return 1.0 / self.tau, 0.0
+
+    def takes_native_passes(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """The compiled rank passes on one thread only (the module docstring says why)."""
+        return torch.get_num_threads() == 1 and super().takes_native_passes(device, dtype)
 
 
 def counted_positives(
@@ -150,31 +152,20 @@ class NegativeRanks:
     def _native_sweep(
         self, scores: Tensor, index: Tensor, workspace: Workspace, dloss_dranks: RankWeights | None
     ) -> None:
-        """The torch path's sweep with the compiled passes: each thread takes a range of the rows and walks it in
-        sub-blocks of its share of the pass bytes, ``R`` then ``G`` over the rows' spent scores from the
-        ``sigma'`` the first pass kept (the thread's own buffer). One hand-over per thread and block: a
-        hand-over per sub-block cost more than two threads gained."""
+        """The torch path's sweep with the compiled passes: per sub-block, ``R`` and ``sigma'``, then ``G``
+        over the rows' spent scores from the ``sigma'`` the first pass kept."""
         c, p = index.shape
         n_cols = scores.shape[1]
-        threads = thread_count(c, n_cols * p)
-        share = Workspace(workspace.device, (workspace.pass_bytes or 0) // threads or None)
-
-        def sweep(part: slice, thread: int) -> None:
-            for sub in pass_row_blocks(part.stop - part.start, p * n_cols * 4, share):
-                rows = slice(part.start + sub.start, part.start + sub.stop)
-                s_rows = scores[rows]
-                shape = (s_rows.shape[0], p, n_cols)
-                dsigma = (
-                    None if dloss_dranks is None else workspace.take(f"sigma{thread}", shape, torch.float32)
-                )
-                ranks, slope_sums = native_sigmoid_rank_sums(s_rows, self.same_scores[rows], dsigma)
-                self.values[rows] = ranks
-                if dloss_dranks is not None and dsigma is not None:
-                    w = dloss_dranks(ranks, rows)
-                    native_sigmoid_rank_gradient(dsigma, w, s_rows)
-                    s_rows.scatter_add_(1, index[rows], -w * slope_sums)
-
-        over_threads(sweep, c, threads)
+        for rows in pass_row_blocks(c, p * n_cols * 4, workspace):
+            s_rows = scores[rows]
+            shape = (s_rows.shape[0], p, n_cols)
+            dsigma = None if dloss_dranks is None else workspace.take("sigma", shape, torch.float32)
+            ranks, slope_sums = native_sigmoid_rank_sums(s_rows, self.same_scores[rows], dsigma)
+            self.values[rows] = ranks
+            if dloss_dranks is not None and dsigma is not None:
+                w = dloss_dranks(ranks, rows)
+                native_sigmoid_rank_gradient(dsigma, w, s_rows)
+                s_rows.scatter_add_(1, index[rows], -w * slope_sums)
         if dloss_dranks is not None:
             self.gradient = scores
 

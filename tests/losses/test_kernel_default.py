@@ -145,7 +145,10 @@ def test_without_triton_auto_takes_the_torch_path_quietly(
     assert make()(x, labels).item() == make(kernel="torch")(x, labels).item()
 
 
-def test_auto_says_once_per_device_and_dtype_which_path_it_took(kernel_log: _Records) -> None:
+def test_auto_says_once_per_device_and_dtype_which_path_it_took(
+    kernel_log: _Records, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the rank losses' compiled passes: one thread
     g = torch.Generator().manual_seed(0)
     x, labels = torch.randn(40, 8, generator=g), torch.arange(40) // 4
     for loss in (PNPLoss(), PNPLoss(), FastAPLoss()):

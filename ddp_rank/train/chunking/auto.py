@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_rank.distributed.agreement import RankFailure, min_over_ranks, raise_if_any_failed
+from ddp_rank.distributed import min_over_ranks
+from ddp_rank.distributed.agreement import RankFailure, raise_if_any_failed
 from ddp_rank.losses import ListwiseLoss
 from ddp_rank.runtime import TrainError
 from ddp_rank.train.backends import StepBackend

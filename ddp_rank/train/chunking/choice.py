@@ -187,8 +187,9 @@ def step_fixed_costs(
     extra_parameters: int = 0,
 ) -> FixedCosts:
     """What the step holds on one device besides activations (``step_memory.fixed_costs``), the loss's work
-    space being ``loss_work_space`` plus the gathered database and its gradient (float32): the one estimate
-    the trainer's chunk choice and ``ddp-rank plan`` both give."""
+    space being ``loss_work_space`` plus the gathered database and its gradient (float32). The trainer's chunk
+    choice and ``ddp-rank plan`` both take it (the plan without DeepSpeed and without a loss's own
+    parameters, which only the trainer knows)."""
     database = 2 * global_batch * step.model.embedding_dim * 4
     return fixed_costs(
         model,
