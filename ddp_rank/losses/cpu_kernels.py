@@ -15,8 +15,9 @@ CPU (``-march=native``), into a cache shared by the processes of a machine: ``$D
 named by a digest of the source, the compiler, the flags and the CPU's features, so a change of any of them
 builds anew, and it is written under a temporary name and renamed, so that ranks building at once never load
 half a file. Without a compiler, or where the build fails, the torch path runs (``kernel="auto"`` says so once
-in the log). Calls release the GIL (ctypes), so the rows of a block are split over
-``torch.get_num_threads()`` Python threads.
+in the log). Calls release the GIL (ctypes), so FastAP's passes split a block's rows over
+``torch.get_num_threads()`` Python threads; the rank passes run in the calling thread, and the rank losses take
+them on one thread only (``sigmoid_ranks.SigmoidRankLoss.takes_native_passes``).
 """
 
 from __future__ import annotations
