@@ -246,8 +246,8 @@ static void rank_tile(const float *x, int64_t n, const float *q, int32_t p, doub
     }
 }
 
-/* ranks[r, i] = sum_j sigmoid(scores[r, j] - same[r, i]) ([rows, p]), masked columns holding -inf; with dsigma
- * (else NULL), also slope_sums[r, i] = sum_j s (1 - s) and dsigma[r, i, j] = s (1 - s) ([rows, p, cols]). */
+/* ranks[r, i] = sum_j sigmoid(scores[r, j] - same[r, i]) and slope_sums[r, i] = sum_j s (1 - s) ([rows, p]),
+ * masked columns holding -inf; with dsigma (else NULL), also dsigma[r, i, j] = s (1 - s) ([rows, p, cols]). */
 void sigmoid_rank_sums_f32(const float *scores, int64_t rows, int64_t cols, int64_t stride, const float *same,
                            int32_t p, float *ranks, float *slope_sums, float *dsigma) {
     float e[TILE], keep[TILE], x[TILE], d_tail[TILE];
@@ -273,7 +273,7 @@ void sigmoid_rank_sums_f32(const float *scores, int64_t rows, int64_t cols, int6
         }
         for (int i = 0; i < p; ++i) {
             ranks[r * p + i] = (float)rank[i];
-            if (slope_sums) slope_sums[r * p + i] = (float)slope[i];
+            slope_sums[r * p + i] = (float)slope[i];
         }
     }
 }

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "c_compiler",
     "kernel_cache_dir",
     "native_bin_gradient",
     "native_cumulative_histograms",
@@ -202,7 +203,9 @@ def library() -> ctypes.CDLL | None:
 
 
 def _built_library() -> Path:
-    compiler = _compiler()
+    compiler = c_compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout.splitlines()[:1]
@@ -235,11 +238,13 @@ def _built_library() -> Path:
     raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {'; '.join(errors)}")
 
 
-def _compiler() -> str:
+def c_compiler() -> str | None:
+    """The C compiler the passes are built with: ``$CC``, else the first of ``cc``, ``gcc`` and ``clang`` on the
+    PATH; None where there is none."""
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
-    raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
+    return None
 
 
 def _cpu_features() -> str:
