@@ -69,7 +69,7 @@ def bare_run(shards: Path, batch: int, steps: int, run: Path, images_per_class: 
     from ddp_rank.data.reading.reader import ClassReader
     from ddp_rank.model import build_model
     from ddp_rank.train.optim import build_optimizer, build_scheduler
-    from ddp_rank.train.settings import build_loss
+    from ddp_rank.train.setup import build_loss
 
     cfg = load_config(None, overrides(shards, batch, steps, run))
     manifest = Manifest.load(shards)
@@ -80,7 +80,7 @@ def bare_run(shards: Path, batch: int, steps: int, run: Path, images_per_class: 
     starts = torch.from_numpy(table.starts)[classes]
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cfg.data.image_size, dim)
-    loss_fn = build_loss(cfg)
+    loss_fn = build_loss(cfg.loss)
     optimizer = build_optimizer(model.parameter_groups(cfg.optim.lr, cfg.optim.head_lr_mult, 0.0), cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, steps)
     generator = torch.Generator().manual_seed(0)

@@ -138,7 +138,7 @@ def _bare_setup(args: argparse.Namespace) -> dict[str, Any]:
     from ddp_rank.model.net import build_model, is_convolutional
     from ddp_rank.runtime.determinism import set_deterministic
     from ddp_rank.train.optim import build_optimizer
-    from ddp_rank.train.trainer import build_loss
+    from ddp_rank.train.setup import build_loss
 
     cfg = load_config(None, _overrides(args))
     set_deterministic(args.deterministic_run)
@@ -154,7 +154,7 @@ def _bare_setup(args: argparse.Namespace) -> dict[str, Any]:
     n, side = args.batch, args.image_size
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
     return {
-        "device": device, "model": model, "optimizer": optimizer, "loss_fn": build_loss(cfg), "dtype": dtype,
+        "device": device, "model": model, "optimizer": optimizer, "loss_fn": build_loss(cfg.loss), "dtype": dtype,
         "images": torch.randint(0, 256, (n, 3, side, side), dtype=torch.uint8, device=device),
         "labels": (torch.arange(n, device=device) // 4).long(),  # classes of 4, as the random sampler's default
         "scaler": torch.amp.GradScaler(device.type) if dtype == torch.float16 else None,
@@ -258,7 +258,8 @@ def trainer_worker(args: argparse.Namespace) -> None:
     )
     from ddp_rank.distributed.collectives import all_reduce_sum, padded_reduce_scatter
     from ddp_rank.distributed.process_group import is_distributed
-    from ddp_rank.train.trainer import Trainer, build_loss
+    from ddp_rank.train.setup import build_loss
+    from ddp_rank.train.trainer import Trainer
 
     trainer = Trainer(load_config(None, _overrides(args)))
     if args.capture != "none" and args.compiler != "inductor":  # the small CPU form in the tests
@@ -268,7 +269,7 @@ def trainer_worker(args: argparse.Namespace) -> None:
             trainer.backend, trainer.chunk_size, args.capture, args.compiler
         )
     counter = CommCounter()
-    trainer.loss_fn = GlobalBatchLoss(build_loss(trainer.cfg), comm_counter=counter)
+    trainer.loss_fn = GlobalBatchLoss(build_loss(trainer.cfg.loss), comm_counter=counter)
     mark = _Mark.make()
     log: dict[str, float] = {}
     base_loss = trainer.loss_fn

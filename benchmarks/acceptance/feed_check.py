@@ -95,8 +95,7 @@ class Bench:
         from ddp_rank.model import build_model
         from ddp_rank.train import PlainBackend
         from ddp_rank.train.optim import build_optimizer
-        from ddp_rank.train.settings import build_loss
-        from ddp_rank.train.setup import build_stream, wants_channels_last
+        from ddp_rank.train.setup import build_loss, build_stream, wants_channels_last
 
         cfg = load_config(None, [f"data.shards={shards}", "data.test_split=", f"data.image_size={args.image_size}",
                                  f"data.resize_size={args.image_size}", f"data.global_batch_size={args.batch}",
@@ -119,7 +118,7 @@ class Bench:
         )
         autocast = torch.bfloat16 if self.device.type == "cuda" else None
         self.backend = PlainBackend(model, autocast_dtype=autocast)
-        self.loss_fn = build_loss(cfg)
+        self.loss_fn = build_loss(cfg.loss)
 
     def step(self, batch: StreamBatch) -> None:
         from ddp_rank.train import forward_backward

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-__all__ = ["CPU_CORES", "add_config_arguments", "add_max_image_pixels", "pixel_count"]
+__all__ = ["CPU_CORES", "add_config_arguments", "add_max_image_pixels", "add_on_bad", "pixel_count"]
 
 CPU_CORES = os.cpu_count() or 1
 """The default of the commands' ``--workers``."""
@@ -45,3 +45,12 @@ def add_max_image_pixels(p: argparse.ArgumentParser, what: str) -> None:
         help=f"an image larger than this (width x height, from its header) {what} "
         f"(data.max_image_pixels; default {DEFAULT_MAX_IMAGE_PIXELS:,})",
     )
+
+
+def add_on_bad(p: argparse.ArgumentParser, default: str, what: str) -> None:
+    """``--on-bad error|skip`` (``what``: its help): stop at an input that does not read, or leave it out.
+
+    The choices are the readers' ``OnBad`` (``ddp_rank.data.building.listing``), alike in every command; only
+    the default and what counts as bad differ.
+    """
+    p.add_argument("--on-bad", choices=("error", "skip"), default=default, help=what)

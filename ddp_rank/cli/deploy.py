@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.cli.arguments import add_config_arguments, pixel_count
+from ddp_rank.cli.arguments import add_config_arguments, add_on_bad, pixel_count
 from ddp_rank.config import ConfigError
 
 __all__ = ["register"]
@@ -39,11 +39,10 @@ def register(subparsers: Any) -> None:
     source.add_argument("--images", help="a folder of images (searched recursively; keys: relative paths)")
     source.add_argument("--shards-url", help="WebDataset shards: a URL or path, brace patterns allowed")
     p.add_argument("--output", required=True, help="export directory to write")
-    p.add_argument(
-        "--on-bad",
-        choices=("error", "skip"),
-        default="skip",
-        help="an image that does not decode: leave it out with a line naming it (default; --images and "
+    add_on_bad(
+        p,
+        "skip",
+        "an image that does not decode: leave it out with a line naming it (default; --images and "
         "--shards-url also list it in export.json) or stop at it (--images, --shards-url)",
     )
     p.add_argument(
@@ -87,11 +86,8 @@ def register(subparsers: Any) -> None:
         "when it shares the class of the query's top-1 (framed grey), red otherwise (all grey for an unlabelled "
         "image-folder export), as the legend under them says",
     )
-    p.add_argument(
-        "--on-bad",
-        choices=("error", "skip"),
-        default="skip",
-        help="a query that does not decode: leave it out with a line naming it (default) or stop at it",
+    add_on_bad(
+        p, "skip", "a query that does not decode: leave it out with a line naming it (default) or stop at it"
     )
     p.add_argument(
         "--max-image-pixels",

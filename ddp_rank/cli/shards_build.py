@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ddp_rank.cli.arguments import CPU_CORES, add_max_image_pixels
+from ddp_rank.cli.arguments import CPU_CORES, add_max_image_pixels, add_on_bad
 from ddp_rank.data.building.build import BuildOptions, build_shards
 from ddp_rank.data.building.listing import (
     RELATIVE_PATH_RULE,
@@ -90,12 +91,7 @@ def add_build(sub: Any) -> None:
     p.add_argument(
         "--min-class-size", type=int, default=2, help="fewest images of a class per split (see --on-bad)"
     )
-    p.add_argument(
-        "--on-bad",
-        choices=("error", "skip"),
-        default="error",
-        help="stop on bad input (default) or skip it and list what was skipped",
-    )
+    add_on_bad(p, "error", "stop on bad input (default) or skip it and list what was skipped")
     add_max_image_pixels(p, "is unreadable (see --on-bad)")
     p.add_argument(
         "--workers", type=int, default=CPU_CORES, help="encoding processes (default: the CPU cores)"
@@ -175,29 +171,22 @@ def _columns(args: argparse.Namespace) -> dict[str, str]:
     return {known: name for known, name in given.items() if name}
 
 
+def _build_options(args: argparse.Namespace) -> BuildOptions:
+    """The ``BuildOptions`` of ``shards build``: each field is the option of its name (``--format`` has
+    ``dest="image_format"``) but the two given in other units, ``--max-mb`` and ``--no-progress``.
+
+    A field added without an option of its name fails here, at the first build, rather than going unset.
+    """
+    converted: dict[str, Any] = {"max_bytes": int(args.max_mb * 2**20), "progress": not args.no_progress}
+    same_name = {f.name: getattr(args, f.name) for f in fields(BuildOptions) if f.name not in converted}
+    return BuildOptions(**same_name, **converted)
+
+
 def _build(args: argparse.Namespace) -> int:
     report = Report()
     try:
         records = load_records(args.source, args.on_bad, report, _columns(args))
-        options = BuildOptions(
-            max_samples=args.max_samples,
-            max_bytes=int(args.max_mb * 2**20),
-            test_fraction=args.test_fraction,
-            test_classes=args.test_classes,
-            split_seed=args.split_seed,
-            val_fraction=args.val_fraction,
-            resize=args.resize,
-            image_format=args.image_format,
-            quality=args.quality,
-            min_class_size=args.min_class_size,
-            on_bad=args.on_bad,
-            max_image_pixels=args.max_image_pixels,
-            workers=args.workers,
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
-            shared_classes=args.shared_classes,
-        )
-        build_shards(records, args.out, options, report)
+        build_shards(records, args.out, _build_options(args), report)
     except ClassLeakError as exc:  # the listing's split: name the file
         print(f"error: {exc.at(args.source)}", file=sys.stderr)
         return 2

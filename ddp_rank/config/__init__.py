@@ -16,6 +16,9 @@ the standard library, PyYAML, pydantic and :mod:`ddp_rank.atomic_io`: never torc
 """
 
 from ddp_rank.config.checks import ConfigError
+from ddp_rank.config.data_section import DataConfig
+from ddp_rank.config.distributed_section import DistributedConfig
+from ddp_rank.config.eval_section import EvalConfig
 from ddp_rank.config.loader import (
     config_from_dict,
     describe,
@@ -24,20 +27,11 @@ from ddp_rank.config.loader import (
     save_config,
     to_dict,
 )
-from ddp_rank.config.schema import (
-    BACKBONES,
-    FEATURES_BACKBONE,
-    TIMM_PREFIX,
-    Config,
-    DataConfig,
-    DistributedConfig,
-    EvalConfig,
-    LossConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    config_json_schema,
-)
+from ddp_rank.config.loss_section import LossConfig
+from ddp_rank.config.model_section import BACKBONES, FEATURES_BACKBONE, TIMM_PREFIX, ModelConfig
+from ddp_rank.config.optim_section import OptimConfig
+from ddp_rank.config.schema import Config, config_json_schema
+from ddp_rank.config.train_section import TrainConfig
 
 __all__ = [
     "BACKBONES",

@@ -20,26 +20,12 @@ from ddp_rank.config.checks import ConfigError, _Model, _Section, _section_key
 from ddp_rank.config.data_section import DataConfig
 from ddp_rank.config.distributed_section import DistributedConfig
 from ddp_rank.config.eval_section import EvalConfig
-from ddp_rank.config.loss_section import LISTWISE_LOSSES, LossConfig
-from ddp_rank.config.model_section import BACKBONES, FEATURES_BACKBONE, TIMM_PREFIX, ModelConfig
+from ddp_rank.config.loss_section import LossConfig
+from ddp_rank.config.model_section import ModelConfig
 from ddp_rank.config.optim_section import OptimConfig
 from ddp_rank.config.train_section import TrainConfig
 
-__all__ = [
-    "BACKBONES",
-    "FEATURES_BACKBONE",
-    "LISTWISE_LOSSES",
-    "TIMM_PREFIX",
-    "Config",
-    "DataConfig",
-    "DistributedConfig",
-    "EvalConfig",
-    "LossConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "TrainConfig",
-    "config_json_schema",
-]
+__all__ = ["Config", "config_json_schema"]
 
 
 class Config(_Model):

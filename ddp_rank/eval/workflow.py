@@ -31,7 +31,7 @@ from ddp_rank.eval.settings import evaluation_settings, load_run_config
 from ddp_rank.eval.sources import folder_batches, split_batches, url_shard_batches
 from ddp_rank.model import resolve_checkpoint
 from ddp_rank.runtime import autocast_dtype, make_accelerator, open_shards
-from ddp_rank.runtime.shards import check_split as _check_in_manifest
+from ddp_rank.runtime.shards import check_split
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +39,21 @@ __all__ = [
     "RAW_PIXEL_SIZE",
     "Evaluation",
     "build_eval_model",
-    "check_split",
     "describe_export",
     "draw_curve_pictures",
     "evaluate_and_record",
     "export_embeddings",
     "load_run_config",
+    "open_and_check_split",
     "results_table",
 ]
 
 
-def check_split(cfg: Config, split: str | None) -> None:
+def open_and_check_split(cfg: Config, split: str | None) -> None:
     """The shards open (``split`` None) and hold ``split``; errors say how to fix it."""
     manifest = open_shards(cfg.data.shards, cfg.model.backbone)
     if split is not None:
-        _check_in_manifest(manifest, cfg.data.shards, split)
+        check_split(manifest, cfg.data.shards, split)
 
 
 def _splits_to_evaluate(cfg: Config, split: str | None) -> tuple[str | None, str]:
@@ -69,7 +69,7 @@ def _splits_to_evaluate(cfg: Config, split: str | None) -> tuple[str | None, str
     target = split or cfg.data.test_split
     if not target:
         raise ConfigError("no split to evaluate: pass --split or set data.test_split")
-    check_split(cfg, target)
+    open_and_check_split(cfg, target)
     return split, target
 
 
@@ -141,7 +141,7 @@ def evaluate_and_record(
             "--bootstrap resamples the queries (sop, inshop) or the identities (verification, identification); "
             "VehicleID's figures average random galleries (eval.vehicleid_repeats): leave out --bootstrap"
         )
-    check_split(cfg, None)
+    open_and_check_split(cfg, None)
     split, described = _splits_to_evaluate(cfg, split)
     if checkpoint is not None and baseline is not None:
         raise ConfigError("pass either --checkpoint or --baseline, not both")
@@ -236,7 +236,7 @@ def export_embeddings(
             raise ConfigError(
                 "nothing to export: pass --split, --images or --shards-url (or set data.test_split)"
             )
-        check_split(cfg, split)
+        open_and_check_split(cfg, split)
         source: dict[str, Any] = {"kind": "split", "shards": cfg.data.shards, "split": split}
     elif images is not None:
         source = {"kind": "images", "folder": images}

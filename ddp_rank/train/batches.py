@@ -57,13 +57,43 @@ class TrainBatches:
         """The data events of every rank so far (a collective: call it on every rank)."""
         return gather_counts(self.events.as_dict())
 
-    def restart(self) -> None:
-        """Forget the batch read ahead (after the stream was moved, e.g. by a resume)."""
+    def state_dict(self) -> dict[str, Any]:
+        """The first batch not trained on (the stream's position) and what decides which samples each step draws
+        (:meth:`schedule`): a checkpoint's ``stream`` record."""
+        return {**self.stream.state_dict(), **self.schedule()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the saved position, on any world size and worker count (the plan depends on neither);
+        the batch read ahead is dropped. Whether the saved schedule may be continued is
+        :meth:`schedule_changes`' to say."""
+        self.stream.load_state_dict(state)
+        self.close()
+
+    def schedule(self) -> dict[str, Any]:
+        """The data schedule: the sampler's settings (``data.sampler=auto`` resolved) and the epoch's length."""
+        s = self.stream.schedule_config
+        return {
+            "seed": s.seed,
+            "sampler": s.strategy,
+            "categories_per_batch": s.categories_per_batch,
+            "batches_per_pair": s.batches_per_pair,
+            "images_per_class": s.images_per_class,
+            "category_aware": s.category_aware,
+            "steps_per_epoch": self.stream.steps_per_epoch,
+        }
+
+    def schedule_changes(self, saved: dict[str, Any]) -> str:
+        """The settings of :meth:`schedule` that differ from the ``saved`` record, as ``key: saved -> now``
+        (empty when none does: the resumed run sees the batches of the one it continues)."""
+        return ", ".join(
+            f"{k}: {saved[k]} -> {v}" for k, v in self.schedule().items() if k in saved and saved[k] != v
+        )
+
+    def close(self) -> None:
+        """Forget the batch read ahead (safe to call twice)."""
         if self._feed is not None:
             self._feed.close()
             self._feed = None
-
-    close = restart
 
     def _fetch(self) -> StreamBatch:
         # None at the end of an epoch: the loader's next iter starts the next one.

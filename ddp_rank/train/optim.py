@@ -20,7 +20,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from ddp_rank.config import OptimConfig
 
-__all__ = ["build_optimizer", "build_scheduler", "lr_factor"]
+__all__ = ["apply_optim_config", "build_optimizer", "build_scheduler", "lr_factor"]
 
 
 def build_optimizer(param_groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -62,3 +62,28 @@ def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
     """The ``LambdaLR`` for :func:`lr_factor`; step it once per optimizer step."""
     return LambdaLR(optimizer, lr_factor(cfg, total_steps))
+
+
+def apply_optim_config(
+    optimizer: torch.optim.Optimizer,
+    scheduler: LambdaLR,
+    fresh_groups: list[dict[str, Any]],
+    cfg: OptimConfig,
+    total_steps: int,
+    step: int,
+) -> None:
+    """Make ``cfg``'s hyper-parameters apply at ``step`` to a restored optimizer and schedule, which carry their
+    checkpoint's (base rates, weight decay, betas, momentum): a forced resume with new values. ``fresh_groups``
+    are the parameter groups as this config builds them (their ``lr``, ``weight_decay``)."""
+    factor = lr_factor(cfg, total_steps)(step)
+    for group, new in zip(optimizer.param_groups, fresh_groups):
+        group["initial_lr"] = new["lr"]
+        group["lr"] = new["lr"] * factor
+        group["weight_decay"] = new["weight_decay"]
+        if "betas" in group:
+            group["betas"] = tuple(cfg.betas)
+        if "momentum" in group:
+            group["momentum"] = cfg.momentum
+    scheduler.base_lrs = [g["lr"] for g in fresh_groups]
+    scheduler.last_epoch = step
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]

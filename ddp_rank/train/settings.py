@@ -5,7 +5,6 @@ config's ``data`` section (with ``Config.data_seed``), the network the ``model``
 section, the optimizer the ``optim`` section, the checkpointing the ``train`` section; the step (batch layout,
 chunk, BatchNorm, capture, clipping), the evaluation and the reporting, which read keys of several sections, their
 settings. Below the trainer no module reads the whole config (``tests/test_settings.py`` keeps it so).
-``build_loss(cfg)`` and ``check_inputs(cfg)`` keep the config-level names the trainer module has exported.
 """
 
 from __future__ import annotations
@@ -22,19 +21,14 @@ from ddp_rank.config import (
     save_config,
     to_dict,
 )
-from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.eval.runner import EvalSettings
 from ddp_rank.eval.settings import evaluation_settings
-from ddp_rank.losses import ListwiseLoss
-from ddp_rank.train import setup
 from ddp_rank.train.run_outputs import ConfigRecord
 from ddp_rank.train.run_report import ReportSettings
 from ddp_rank.train.step_settings import StepSettings
 
 __all__ = [
     "TrainSettings",
-    "build_loss",
-    "check_inputs",
     "config_record",
     "report_settings",
     "step_settings",
@@ -92,14 +86,3 @@ def train_settings(cfg: Config) -> TrainSettings:
         train=cfg.train,
         report=report_settings(cfg, evaluation),
     )
-
-
-def build_loss(cfg: Config) -> ListwiseLoss:
-    """The listwise loss of ``cfg.loss`` (:func:`ddp_rank.train.setup.build_loss`)."""
-    return setup.build_loss(cfg.loss)
-
-
-def check_inputs(cfg: Config) -> Manifest:
-    """The start-up checks of ``cfg``'s shards and evaluation
-    (:func:`ddp_rank.train.setup.open_and_check_inputs`); returns the manifest."""
-    return setup.open_and_check_inputs(evaluation_settings(cfg), cfg.model.backbone, cfg.train.best_metric)

@@ -22,7 +22,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +41,14 @@ from ddp_rank.runtime.failure import end_process_after_failure, end_process_now,
 from ddp_rank.train.backends import backend_for_accelerator
 from ddp_rank.train.batches import TrainBatches
 from ddp_rank.train.batchnorm import match_batchnorm_buffers_to_weights, sync_batchnorm_buffers
-from ddp_rank.train.checkpoints import resume as resume_
-from ddp_rank.train.checkpoints.state_files import save_state_files
+from ddp_rank.train.checkpoints.checkpointer import Checkpointer
+from ddp_rank.train.checkpoints.resume import resume
 from ddp_rank.train.checkpoints.write import CheckpointManager
 from ddp_rank.train.chunking.auto import choose_chunk_for_run, confirm_chunk_for_run
 from ddp_rank.train.chunking.captured import captured_chunk_for
 from ddp_rank.train.chunking.layout import BatchLayout
 from ddp_rank.train.chunking.step import forward_backward
-from ddp_rank.train.optim import build_optimizer, build_scheduler
+from ddp_rank.train.optim import apply_optim_config, build_optimizer, build_scheduler
 from ddp_rank.train.preemption import (
     EXIT_REQUEUE,
     RunStopped,
@@ -59,7 +58,7 @@ from ddp_rank.train.preemption import (
 )
 from ddp_rank.train.run_report import RunReport, StepResult
 from ddp_rank.train.run_state import RunState
-from ddp_rank.train.settings import build_loss, check_inputs, train_settings
+from ddp_rank.train.settings import train_settings
 from ddp_rank.train.setup import (
     build_network,
     build_stream,
@@ -70,6 +69,7 @@ from ddp_rank.train.setup import (
     uses_deepspeed,
 )
 from ddp_rank.train.trackers import run_accelerator
+from ddp_rank.train.train_state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -77,20 +77,9 @@ __all__ = [
     "StepResult",
     "TrainError",
     "Trainer",
-    "build_loss",
-    "check_inputs",
     "make_accelerator",
     "run_training",
 ]
-
-
-@dataclass
-class _Progress:
-    """Running state of the loop that is not in the accelerate checkpoint (written to ``meta.json``)."""
-
-    step: int = 0
-    best_value: float | None = None
-    best_step: int | None = None
 
 
 class Trainer:
@@ -155,9 +144,6 @@ class Trainer:
         self.model, self.optimizer = acc.prepare(model, optimizer)
         if self.deepspeed:
             match_batchnorm_buffers_to_weights(self.model)
-        # The scheduler and a loss's own parameters are saved by the trainer as JSON and safetensors (state_files),
-        # not registered with accelerate, which unpickles those without restriction.
-        self.loss_state = training_loss.loss if self.loss_parameters else None
         self.backend = backend_for_accelerator(acc, self.model)
         if choice is not None:  # the model is on its device now: one real step confirms the chunk
             self.layout = confirm_chunk_for_run(
@@ -181,9 +167,26 @@ class Trainer:
             grad_reduction="sum" if s.step.distributed.grad_reduction == "sum" else "mean",
             miner=training_loss.miner,
         )
-        self.progress = _Progress()
+        self.progress = TrainState(
+            self.steps_per_epoch,
+            self.total_steps,
+            self.world_size,
+            s.data.global_batch_size,
+            s.train.best_metric,
+        )
         self.checkpoints = CheckpointManager(
             self.out_dir / "checkpoints", s.train.keep_last, self.is_main, acc.wait_for_everyone
+        )
+        self.checkpointer = Checkpointer(
+            self.checkpoints,
+            acc,
+            self.model,
+            scheduler=self.scheduler,
+            loss=training_loss.loss if self.loss_parameters else None,
+            train=self.progress,
+            data=self.batches,
+            config=s.report.config.values,
+            deepspeed=self.deepspeed,
         )
 
     def parameter_groups(self, model: EmbeddingNet) -> list[dict[str, Any]]:
@@ -256,18 +259,25 @@ class Trainer:
             )
         return StepResult(loss, out.chunks, t1 - t0, time.perf_counter() - t0, lr, grad_norm)
 
-    # ------------------------------------------------------------------ state (train/checkpoints/resume.py)
+    # ------------------------------------------------------------------ state (train/checkpoints/)
     def state_dict(self) -> dict[str, Any]:
-        """The loop state that goes to ``meta.json`` (the rest is in the accelerate checkpoint)."""
-        return resume_.state_dict(self)
+        """What ``meta.json`` records: the loop's state, the data's, the config (the rest is in the files)."""
+        return self.checkpointer.meta()
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:
         """Continue at ``meta['step']``: the stream is positioned there and the best-so-far restored."""
-        resume_.load_state_dict(self, meta)
+        self.checkpointer.load_meta(meta, self.settings.train.force_resume)
 
     def resume(self) -> Path | None:
         """Apply ``train.resume``; returns the checkpoint continued from, or None for a fresh start."""
-        return resume_.resume(self)
+        s = self.settings
+        resumed = resume(self.checkpointer, s.train, s.report.config, self.report.note)
+        if resumed is None:
+            return None
+        if resumed.changes:  # forced: this config's optimizer settings apply from here
+            fresh = self.parameter_groups(self.unwrapped)
+            apply_optim_config(self.optimizer, self.scheduler, fresh, s.optim, self.total_steps, self.step)
+        return resumed.path
 
     def sync_batchnorm(self) -> None:
         """Collective: BatchNorm running statistics become their mean over the ranks (``ddp_rank.train.batchnorm``),
@@ -278,23 +288,10 @@ class Trainer:
         """Atomic checkpoint of the current step (all ranks)."""
         self.sync_batchnorm()
         fresh = self.checkpoints.last_saved_step != self.step
-        path = self.checkpoints.save(self.step, self.state_dict(), self._save_state)
+        path = self.checkpointer.save(self.step)
         if fresh and self.is_main:
             log.info(f"checkpoint {path}")
         return path
-
-    def _save_state(self, directory: Path) -> None:
-        self.accelerator.save_state(str(directory))
-        if self.is_main:
-            save_state_files(directory, self.scheduler, self.loss_state)
-        if self.deepspeed:
-            # DeepSpeed keeps weights in its own layout; also write plain weights so `ddp-rank eval` can load them
-            # (ZeRO-1/2 do not partition parameters, so every rank holds them all).
-            state = self.accelerator.get_state_dict(self.model)
-            if self.is_main:
-                from safetensors.torch import save_file
-
-                save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, Any]:

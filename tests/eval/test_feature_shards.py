@@ -27,7 +27,7 @@ from ddp_rank.data.reading.stream import ShardStream
 from ddp_rank.model import build_model
 from ddp_rank.model.feature_head import FeatureHeadNet, image_features, weights_digest
 from ddp_rank.runtime.data_setup import schedule_config
-from ddp_rank.train.settings import build_loss
+from ddp_rank.train.setup import build_loss
 from ddp_rank.train.trainer import run_training
 from tests.helpers.training import REPO, TINY_OVERRIDES, build_tiny_shards, cpu_env, final_weights, launch
 
@@ -240,7 +240,7 @@ def test_one_training_step_of_the_head_matches_autograd_by_hand(
     schedule = schedule_config(cfg.data, Manifest.load(built["feat"]), cfg.data_seed)
     stream = ShardStream(built["feat"], 16, schedule=schedule, rank=0, world_size=1)
     batch = stream.batch(0, 0)
-    build_loss(cfg)(net(batch.images), batch.labels).backward()
+    build_loss(cfg.loss)(net(batch.images), batch.labels).backward()
     after = final_weights(tmp_path / "run")
     assert set(after) == {f"head.{k}" for k in ("0.weight", "0.bias", "2.weight", "2.bias")}
     moved = 0.0

@@ -17,6 +17,7 @@ from typing import Any
 
 import ddp_rank.train.trainer as trainer_module
 from ddp_rank.cli import main
+from ddp_rank.train.checkpoints.checkpointer import Checkpointer
 
 PHASE, STEP, SIGNAL = sys.argv[1], int(sys.argv[2]), signal.Signals[sys.argv[3]]
 RANK = int(os.environ.get("RANK", "0"))
@@ -32,7 +33,7 @@ _state: dict[str, Any] = {}
 _forward_backward, _evaluate, _save_state = (
     trainer_module.forward_backward,
     trainer_module.Trainer.evaluate,
-    trainer_module.Trainer._save_state,
+    Checkpointer.save_files,
 )
 _init = trainer_module.Trainer.__init__
 
@@ -55,7 +56,7 @@ def _evaluate_signalled(self: Any) -> Any:
 
 
 def _save_state_signalled(self: Any, directory: Any) -> None:
-    if self.step == STEP:
+    if self.train.step == STEP:
         _signal_me()
     _save_state(self, directory)
 
@@ -66,6 +67,6 @@ if PHASE == "step":
 elif PHASE == "eval":
     trainer_module.Trainer.evaluate = _evaluate_signalled  # type: ignore[method-assign]
 else:
-    trainer_module.Trainer._save_state = _save_state_signalled  # type: ignore[method-assign]
+    Checkpointer.save_files = _save_state_signalled  # type: ignore[method-assign]
 
 sys.exit(main(["train", *sys.argv[4:]]))

@@ -10,9 +10,13 @@ from pathlib import Path
 
 import torch
 
+from ddp_rank.config import Config
 from ddp_rank.data.building.build import BuildOptions, build_shards
 from ddp_rank.data.building.listing import read_image_folder
 from ddp_rank.data.building.synthetic import write_image_folder
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.eval.settings import evaluation_settings
+from ddp_rank.train.setup import open_and_check_inputs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,6 +45,11 @@ def build_tiny_shards(root: Path) -> Path:
     out = root / "shards"
     build_shards(read_image_folder(root / "images"), out, BuildOptions(test_fraction=0.34, progress=False))
     return out
+
+
+def check_inputs(cfg: Config) -> Manifest:
+    """The trainer's start-up checks of ``cfg``'s shards and evaluation; returns the manifest."""
+    return open_and_check_inputs(evaluation_settings(cfg), cfg.model.backbone, cfg.train.best_metric)
 
 
 def final_weights(run_dir: Path, step: int | None = None) -> dict[str, torch.Tensor]:

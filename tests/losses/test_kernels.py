@@ -370,12 +370,12 @@ def test_the_config_picks_the_kernel_and_the_ranks_need_not_agree_on_it(name: st
     """``loss.kernel`` reaches every loss; it changes rounding only, so it stays out of the cross-rank
     signature (ranks of one job may run on different hardware)."""
     from ddp_rank.config import ConfigError, load_config
-    from ddp_rank.train.trainer import build_loss
+    from ddp_rank.train.setup import build_loss
 
-    fused = build_loss(load_config(None, [f"loss.name={name}", "loss.kernel=triton"]))
+    fused = build_loss(load_config(None, [f"loss.name={name}", "loss.kernel=triton"]).loss)
     assert fused.kernel == "triton"
-    plain = build_loss(load_config(None, [f"loss.name={name}"]))
+    plain = build_loss(load_config(None, [f"loss.name={name}"]).loss)
     assert plain.kernel == "auto" and plain.signature() == fused.signature()
-    assert build_loss(load_config(None, [f"loss.name={name}", "loss.kernel=torch"])).kernel == "torch"
+    assert build_loss(load_config(None, [f"loss.name={name}", "loss.kernel=torch"]).loss).kernel == "torch"
     with pytest.raises(ConfigError, match="kernel"):
         load_config(None, ["loss.kernel=cuda"])

@@ -1,8 +1,8 @@
 """Checkpoints that hold no code: a pickle that would run code, planted in any file that a resume, ``eval``,
 ``export`` or ``model.init_from`` reads, with the digests of ``meta.json`` rewritten to match (whoever hands over a
 run directory can rewrite them too), never runs: the command ends with one line naming the file. The scheduler
-and a proxy loss's parameters are written as JSON and safetensors and resume exactly; checkpoints of the format
-before (accelerate's ``custom_checkpoint_*.pkl``) still resume, read weights-only."""
+and a proxy loss's parameters are written as JSON and safetensors and resume exactly; a checkpoint of the format
+before (accelerate's ``custom_checkpoint_*.pkl``) is refused in one line."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ddp_rank.cli import main
 from ddp_rank.config import load_config
 from ddp_rank.file_checks import digest_files
 from ddp_rank.model.checkpoint_read import FILES_KEY, META_NAME, CheckpointError, checkpoint_problem
-from ddp_rank.model.safe_pickles import load_torch_file, unsafe_pickle_problem
+from ddp_rank.model.safe_pickles import unsafe_pickle_problem
 from ddp_rank.train.checkpoints.state_files import LOSS_FILE, SCHEDULER_FILE
 from ddp_rank.train.trainer import Trainer, run_training
 from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards
@@ -107,21 +107,6 @@ def plant(checkpoint: Path, name: str, marker: Path) -> None:
     torch.save({"state": RunsCode(marker)}, checkpoint / name)
 
 
-def to_earlier_format(checkpoint: Path, scheduler_state: dict[str, Any] | None = None) -> None:
-    """Turn a checkpoint into what the version before wrote: accelerate's ``torch.save`` of the registered
-    objects' state_dicts (``custom_checkpoint_0.pkl``: the scheduler, ``_1``: the loss) instead of our files."""
-    from safetensors.torch import load_file
-
-    state = json.loads((checkpoint / SCHEDULER_FILE).read_text())["state"]
-    torch.save(
-        scheduler_state if scheduler_state is not None else state, checkpoint / "custom_checkpoint_0.pkl"
-    )
-    torch.save(OrderedDict(load_file(str(checkpoint / LOSS_FILE))), checkpoint / "custom_checkpoint_1.pkl")
-    (checkpoint / SCHEDULER_FILE).unlink()
-    (checkpoint / LOSS_FILE).unlink()
-    rewrite_digests(checkpoint)
-
-
 def one_line(capsys: pytest.CaptureFixture) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
@@ -147,16 +132,15 @@ def test_a_checkpoint_holds_json_and_safetensors_for_the_state_the_trainer_owns(
 
 
 # The files a resume reads (weights as a torch file too: accelerate reads pytorch_model.bin when there is no
-# model.safetensors), and those of the format before, which it reads weights-only to migrate them.
-RESUME_FILES = ["optimizer.bin", "random_states_0.pkl", "pytorch_model.bin", "custom_checkpoint_0.pkl",
-                "custom_checkpoint_1.pkl"]  # fmt: skip
+# model.safetensors), and a file of the format before, which the scan reads before it refuses the format.
+RESUME_FILES = ["optimizer.bin", "random_states_0.pkl", "pytorch_model.bin", "custom_checkpoint_0.pkl"]
 # Each layer alone: "scan" is everything as shipped; "blind scan": the static scan sees nothing (a global built at
 # run time), the weights-only trial load refuses; "loads only": no check before, accelerate's and the project's
 # loads are weights-only. accelerate skips random states it cannot read (an info line): that resume goes on, with
 # nothing run; the checks before the load are what make it refuse.
 CASES = [*((name, "scan") for name in RESUME_FILES), ("optimizer.bin", "blind scan"),
          ("random_states_0.pkl", "blind scan"), ("optimizer.bin", "loads only"), ("pytorch_model.bin", "loads only"),
-         ("custom_checkpoint_1.pkl", "loads only"), ("random_states_0.pkl", "loads only")]  # fmt: skip
+         ("random_states_0.pkl", "loads only")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "layer"), CASES)
@@ -165,8 +149,6 @@ def test_a_resume_runs_no_planted_code(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     marker = tmp_path / "ran"
-    if name.startswith("custom_checkpoint"):
-        to_earlier_format(ckpt(run))
     plant(ckpt(run), name, marker)
     rewrite_digests(ckpt(run))
     if layer == "blind scan":
@@ -282,33 +264,29 @@ def test_scheduler_and_proxies_resume_exactly(shards: Path, run: Path) -> None:
         trainer.close()
 
 
-def test_a_checkpoint_of_the_format_before_resumes_as_the_new_one(
-    shards: Path, run: Path, tmp_path: Path
+def test_a_checkpoint_of_the_format_before_is_refused_in_one_line(
+    shards: Path, run: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    """The same checkpoint in the format before (custom_checkpoint_*.pkl, as accelerate wrote them) resumes to
-    the same scheduler, proxies and next step."""
-    earlier = tmp_path / "earlier"
-    shutil.copytree(run, earlier)
-    to_earlier_format(ckpt(earlier))
-    results = []
-    for directory in (run, earlier):
-        trainer = _resumed(shards, directory)
-        try:
-            schedule = trainer.scheduler.state_dict()
-            proxies = trainer.loss_parameters[0].detach().clone()
-            loss = trainer.train_step().loss
-            results.append((schedule, proxies, loss, trainer.loss_parameters[0].detach().clone()))
-        finally:
-            trainer.close()
-    (s_new, p_new, l_new, after_new), (s_old, p_old, l_old, after_old) = results
-    assert s_new == s_old and l_new == l_old
-    assert torch.equal(p_new, p_old) and torch.equal(after_new, after_old)
+    """The version before this one saved the schedule and a loss's parameters through accelerate
+    (``custom_checkpoint_*.pkl``): such a run does not resume, and its weights still start a new one."""
+    from safetensors.torch import load_file
+
+    state = json.loads((ckpt(run) / SCHEDULER_FILE).read_text())["state"]
+    torch.save(state, ckpt(run) / "custom_checkpoint_0.pkl")
+    torch.save(OrderedDict(load_file(str(ckpt(run) / LOSS_FILE))), ckpt(run) / "custom_checkpoint_1.pkl")
+    (ckpt(run) / SCHEDULER_FILE).unlink()
+    (ckpt(run) / LOSS_FILE).unlink()
+    rewrite_digests(ckpt(run))
+    assert main(["train", *overrides(shards, run, 3)]) == 2
+    line = one_line(capsys)
+    assert f"checkpoint {ckpt(run)} was written by an earlier version" in line, line
+    assert f"model.init_from={ckpt(run)}" in line, line
 
 
 @pytest.mark.parametrize(
     ("state", "words"),
     [
-        ({"last_epoch": torch.tensor(2)}, "holds more than plain values: its state.last_epoch is a Tensor"),
+        ({"last_epoch": float("nan")}, "holds more than plain values: its state.last_epoch is nan"),
         ({"last_epoch": 2, "optimizer_hook": "x"}, "has keys this LambdaLR does not: optimizer_hook"),
         (
             {"last_epoch": 2, "lr_lambdas": [{"__code__": 1}, None, None]},
@@ -316,15 +294,12 @@ def test_a_checkpoint_of_the_format_before_resumes_as_the_new_one(
         ),
     ],
 )
-def test_a_scheduler_state_of_the_format_before_holding_more_is_refused(
+def test_a_scheduler_record_holding_more_is_refused(
     shards: Path, run: Path, state: dict[str, Any], words: str, capsys: pytest.CaptureFixture
 ) -> None:
-    to_earlier_format(ckpt(run), state)
+    record = json.loads((ckpt(run) / SCHEDULER_FILE).read_text())
+    (ckpt(run) / SCHEDULER_FILE).write_text(json.dumps({**record, "state": state}))
+    rewrite_digests(ckpt(run))
     assert main(["train", *overrides(shards, run, 3)]) == 2
     line = one_line(capsys)
-    assert f"checkpoint {ckpt(run)}: custom_checkpoint_0.pkl {words}" in line, line
-
-
-def test_legacy_files_are_read_weights_only(tmp_path: Path) -> None:
-    torch.save({"last_epoch": 1}, tmp_path / "custom_checkpoint_0.pkl")
-    assert load_torch_file(tmp_path / "custom_checkpoint_0.pkl") == {"last_epoch": 1}
+    assert f"checkpoint {ckpt(run)}: {SCHEDULER_FILE} {words}" in line, line

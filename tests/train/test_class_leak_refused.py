@@ -15,8 +15,7 @@ from ddp_rank.data.building.build import BuildOptions, build_shards
 from ddp_rank.data.building.listing import read_image_folder
 from ddp_rank.data.building.synthetic import write_image_folder
 from ddp_rank.train import setup
-from ddp_rank.train.trainer import check_inputs
-from tests.helpers.training import TINY_OVERRIDES
+from tests.helpers.training import TINY_OVERRIDES, check_inputs
 
 
 def _shards(tmp_path: Path, reason: str | None) -> Path:

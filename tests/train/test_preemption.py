@@ -109,8 +109,8 @@ class _Ignored(IterableDataset):
 
 def test_dataloader_workers_ignore_every_signal_that_can_stop_a_run() -> None:
     """A scheduler and a launcher signal the workers too; what to do is the main process's decision."""
+    from ddp_rank.config import TrainConfig
     from ddp_rank.config.checks import field_choices
-    from ddp_rank.config.schema import TrainConfig
 
     choices = field_choices(TrainConfig, "stop_signals") or ()
     assert set(choices) <= set(STOP_SIGNALS)

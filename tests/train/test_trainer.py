@@ -13,8 +13,8 @@ import torch
 from ddp_rank.cli import main
 from ddp_rank.config import load_config
 from ddp_rank.model.checkpoint_read import CheckpointError
-from ddp_rank.train.trainer import Trainer, TrainError, check_inputs, run_training
-from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards, final_weights
+from ddp_rank.train.trainer import Trainer, TrainError, run_training
+from tests.helpers.training import TINY_OVERRIDES, build_tiny_shards, check_inputs, final_weights
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +35,11 @@ def test_train_step_and_state(shards: Path, tmp_path: Path) -> None:
         assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
         state = trainer.state_dict()
         assert state["step"] == 1 and state["world_size"] == 1 and state["global_batch_size"] == 16
-        trainer.load_state_dict(state | {"step": 2})
-        assert trainer.stream.position == divmod(2, trainer.steps_per_epoch)
+        # The data's state is its own: the first batch not trained on, which is the loop's step.
+        assert (state["stream"]["epoch"], state["stream"]["step"]) == divmod(1, trainer.steps_per_epoch)
+        position = dict(zip(("epoch", "step"), divmod(2, trainer.steps_per_epoch)))
+        trainer.load_state_dict(state | {"step": 2, "stream": {**state["stream"], **position}})
+        assert trainer.step == 2 and trainer.stream.position == divmod(2, trainer.steps_per_epoch)
     finally:
         trainer.close()
 
@@ -65,13 +68,13 @@ def test_resume_refuses_a_changed_data_schedule_unless_forced(shards: Path, tmp_
         with pytest.raises(CheckpointError, match="seed: 7 -> 0"):
             trainer.load_state_dict(state | {"stream": {**state["stream"], "seed": 7}})
         # The layout is not part of the schedule: another worker count (or world size) continues the sequence.
-        trainer.load_state_dict(state | {"step": 1, "stream": {**state["stream"], "num_workers": 3}})
+        trainer.load_state_dict(state | {"stream": {**state["stream"], "step": 1, "num_workers": 3}})
         assert trainer.stream.position == divmod(1, trainer.steps_per_epoch)
         # The trainer reads the train section it was started with (frozen: a forced resume is another section).
         forced = trainer.settings.train.replaced(force_resume=True)
         trainer.settings = dataclasses.replace(trainer.settings, train=forced)
         trainer.load_state_dict(
-            state | {"step": 2, "stream": {**state["stream"], "seed": 7, "num_workers": 3}}
+            state | {"step": 2, "stream": {**state["stream"], "step": 2, "seed": 7, "num_workers": 3}}
         )
         assert trainer.stream.position == divmod(2, trainer.steps_per_epoch)
     finally:

@@ -7,7 +7,7 @@ layout and plan) and categories; each sample's image becomes ``<key>.f16``, the 
 manifest records all of that under ``build.features`` with the digest of the weights, so that an image searched
 later is embedded the same way.
 
-The resumable writing (``prepare_destination``, ``claim_build``, ``write_shard``, ``finish_build``) is shared
+The resumable writing (``prepare_destination``, ``claim_build``, ``write_feature_shard``, ``finish_build``) is shared
 with ``ddp-rank shards whiten`` (``features.whiten``), which maps stored vectors instead of embedding images.
 
 Work sharing and resume: the shards still to write are dealt round-robin to the ranks of the launch; each
@@ -58,7 +58,7 @@ __all__ = [
     "open_build_source",
     "prepare_destination",
     "shard_json",
-    "write_shard",
+    "write_feature_shard",
 ]
 
 PROGRESS_DIR = ".features-build"
@@ -133,7 +133,7 @@ def build_feature_shards(
     )
     try:
         for split, shard in mine:
-            info = write_shard(src, split, shard, dst, embed, bar)
+            info = write_feature_shard(src, split, shard, dst, embed, bar)
             atomic_write_text(done_path(progress, shard), json.dumps(shard_json(info)) + "\n")
             if on_shard is not None:
                 on_shard(info)
@@ -254,7 +254,7 @@ class _Embedder:
     @torch.no_grad()
     def __call__(self, images: list[bytes]) -> list[bytes]:
         """The vectors of ``images``; an image that does not decode raises ``ImageDecodeError`` named by its
-        position in ``images`` (``write_shard`` names the sample)."""
+        position in ``images`` (``write_feature_shard`` names the sample)."""
         out: list[bytes] = []
         config = self.transform_config
         for start in range(0, len(images), self.batch):
@@ -281,7 +281,7 @@ class VectorMaker(Protocol):
         ...
 
 
-def write_shard(
+def write_feature_shard(
     src: Manifest, split: str, shard: ShardInfo, dst: Path, embed: VectorMaker, bar: tqdm
 ) -> ShardInfo:
     """Embed one source shard's classes and write its feature shard (same path, classes, keys, json)."""

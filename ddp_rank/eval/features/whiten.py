@@ -45,7 +45,7 @@ from ddp_rank.eval.features.build import (
     open_build_source,
     prepare_destination,
     shard_json,
-    write_shard,
+    write_feature_shard,
 )
 
 __all__ = ["WhitenOptions", "whiten_feature_shards"]
@@ -93,7 +93,7 @@ def whiten_feature_shards(
     total = sum(shard.samples for _, shard in todo)
     with tqdm(total=total, unit="vec", desc="whiten", disable=not options.progress) as bar:
         for split, shard in todo:
-            info = write_shard(src, split, shard, dst, apply, bar)
+            info = write_feature_shard(src, split, shard, dst, apply, bar)
             atomic_write_text(done_path(progress, shard), json.dumps(shard_json(info)) + "\n")
             if on_shard is not None:
                 on_shard(info)

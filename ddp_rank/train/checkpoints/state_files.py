@@ -3,10 +3,8 @@ parameters (a proxy loss's proxies) as safetensors. Neither format can hold code
 
 Why not ``accelerator.register_for_checkpointing``: accelerate 1.15 restores registered objects from
 ``custom_checkpoint_<i>.pkl`` with ``torch.load(weights_only=False)`` (``load_custom_state``), so such a file from
-someone else runs whatever it holds at resume. Checkpoints written before this change hold exactly those files
-(``custom_checkpoint_0.pkl``: the scheduler, ``custom_checkpoint_1.pkl``: the loss, when it has parameters);
-they are read weights-only (``ddp_rank.model.safe_pickles``), must hold the same plain state, and are
-resumed as before; anything else in them is refused in one line.
+someone else runs whatever it holds at resume. (Checkpoints of the versions that wrote those files do not
+resume; their weights still start a run with ``model.init_from``.)
 
 The scheduler's state (``last_epoch``, ``_step_count``, ``base_lrs``, ``_last_lr`` ...) is numbers, booleans,
 strings and lists of them: it is checked to be exactly that when written and when read, and only the keys this
@@ -17,11 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import re
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,24 +23,11 @@ from torch import nn
 
 from ddp_rank.atomic_io import atomic_write_text
 from ddp_rank.model.checkpoint_read import CheckpointError
-from ddp_rank.model.safe_pickles import UnsafePickleError, load_torch_file
 
-__all__ = [
-    "LOSS_FILE",
-    "SCHEDULER_FILE",
-    "accelerate_view",
-    "load_state_files",
-    "plain_json",
-    "save_state_files",
-]
+__all__ = ["LOSS_FILE", "SCHEDULER_FILE", "load_state_files", "plain_json", "save_state_files"]
 
 SCHEDULER_FILE = "scheduler.json"
 LOSS_FILE = "loss_state.safetensors"
-LEGACY_SCHEDULER = "custom_checkpoint_0.pkl"
-LEGACY_LOSS = "custom_checkpoint_1.pkl"
-"""What accelerate wrote for the objects registered with it before this module existed (their order)."""
-LEGACY_RE = re.compile(r"^custom_checkpoint_\d+\.pkl$")
-"""accelerate's names for them: its ``load_state`` refuses a folder with more than are registered (none now)."""
 FORMAT = 1
 
 
@@ -86,25 +66,8 @@ def save_state_files(directory: Path, scheduler: Any, loss: nn.Module | None) ->
         save_file(tensors, str(directory / LOSS_FILE))
 
 
-@contextmanager
-def accelerate_view(checkpoint: Path) -> Iterator[Path]:
-    """The folder to give ``accelerator.load_state``: ``checkpoint`` itself, or for a checkpoint of the format
-    before, a temporary folder of links to all its files but ``custom_checkpoint_*.pkl`` (which
-    :func:`load_state_files` reads weights-only; accelerate would refuse them as unregistered objects, or, were
-    they registered, unpickle them without restriction). The checkpoint itself is never changed."""
-    entries = sorted(checkpoint.iterdir())
-    if not any(LEGACY_RE.match(p.name) for p in entries):
-        yield checkpoint
-        return
-    with tempfile.TemporaryDirectory(prefix="ddp-rank-resume-") as tmp:
-        for p in entries:
-            if not LEGACY_RE.match(p.name):
-                os.symlink(p.resolve(), Path(tmp) / p.name)
-        yield Path(tmp)
-
-
 def load_state_files(directory: Path, scheduler: Any, loss: nn.Module | None) -> None:
-    """Restore the scheduler and the loss's parameters of a checkpoint (this format or the one before); a
+    """Restore the scheduler and the loss's parameters of a checkpoint; a
     :class:`CheckpointError` in one line naming the file when they are missing or hold anything else."""
     scheduler.load_state_dict(_scheduler_state(directory, scheduler))
     if loss is not None:
@@ -128,22 +91,16 @@ def _refuse(directory: Path, name: str, why: str) -> CheckpointError:
 def _scheduler_state(directory: Path, scheduler: Any) -> dict[str, Any]:
     """The saved scheduler state, checked: plain values, only keys this scheduler has."""
     current = scheduler.state_dict()
-    if (directory / SCHEDULER_FILE).is_file():
-        name = SCHEDULER_FILE
-        try:
-            record = json.loads((directory / SCHEDULER_FILE).read_text())
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise _refuse(directory, name, f"is not valid JSON ({type(exc).__name__})") from None
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
-            raise _refuse(directory, name, f"is not a scheduler record of format {FORMAT}")
-        state = record.get("state")
-    elif (directory / LEGACY_SCHEDULER).is_file():
-        name = LEGACY_SCHEDULER
-        state = _legacy(directory, name)
-    else:
-        raise _refuse(
-            directory, SCHEDULER_FILE, f"is missing (and so is {LEGACY_SCHEDULER} of earlier versions)"
-        )
+    name = SCHEDULER_FILE
+    if not (directory / name).is_file():
+        raise _refuse(directory, name, "is missing")
+    try:
+        record = json.loads((directory / name).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise _refuse(directory, name, f"is not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise _refuse(directory, name, f"is not a scheduler record of format {FORMAT}")
+    state = record.get("state")
     if not isinstance(state, dict):
         raise _refuse(directory, name, "does not hold a scheduler state (a mapping)")
     try:
@@ -162,28 +119,11 @@ def _scheduler_state(directory: Path, scheduler: Any) -> dict[str, Any]:
 
 
 def _loss_state(directory: Path) -> dict[str, torch.Tensor]:
-    if (directory / LOSS_FILE).is_file():
-        from safetensors.torch import load_file
+    if not (directory / LOSS_FILE).is_file():
+        raise _refuse(directory, LOSS_FILE, "is missing")
+    from safetensors.torch import load_file
 
-        try:
-            return load_file(str(directory / LOSS_FILE))
-        except Exception as exc:
-            raise _refuse(directory, LOSS_FILE, f"cannot be read ({type(exc).__name__})") from None
-    if not (directory / LEGACY_LOSS).is_file():
-        raise _refuse(directory, LOSS_FILE, f"is missing (and so is {LEGACY_LOSS} of earlier versions)")
-    state = _legacy(directory, LEGACY_LOSS)
-    if not isinstance(state, dict) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
-    ):
-        raise _refuse(directory, LEGACY_LOSS, "does not hold a state of named tensors")
-    return dict(state)
-
-
-def _legacy(directory: Path, name: str) -> Any:
-    """A ``custom_checkpoint_<i>.pkl`` of an earlier version, read weights-only with torch's default types."""
     try:
-        return load_torch_file(directory / name)
-    except UnsafePickleError as exc:
-        raise _refuse(directory, name, str(exc).removeprefix(f"{name} ")) from None
+        return load_file(str(directory / LOSS_FILE))
     except Exception as exc:
-        raise _refuse(directory, name, f"cannot be read weights-only ({type(exc).__name__})") from None
+        raise _refuse(directory, LOSS_FILE, f"cannot be read ({type(exc).__name__})") from None
