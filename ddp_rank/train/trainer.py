@@ -265,7 +265,7 @@ class Trainer:
         return self.checkpointer.meta()
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:
-        """Continue at ``meta['step']``: the stream is positioned there and the best-so-far restored."""
+        """Continue where ``meta`` left the loop (its step, the best so far) and the data (``meta['stream']``)."""
         self.checkpointer.load_meta(meta, self.settings.train.force_resume)
 
     def resume(self) -> Path | None:

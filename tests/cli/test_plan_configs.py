@@ -137,7 +137,7 @@ def test_plan_reports_the_work_space_the_step_uses(tmp_path: Path) -> None:
     facts, problems = describe_plan(cfg, 2, device="cpu")
     assert not problems
     line = dict(facts)["loss work space per rank"]
-    assert "on cpu" in line and "budget 32 MiB" in line and "1 chunk(s) of 64 query rows" in line
+    assert "on cpu" in line and "budget 32.0 MiB" in line and "1 chunk(s) of 64 query rows" in line
     assert "GiB" not in line
 
 

@@ -248,8 +248,31 @@ def test_the_trainer_confirms_its_chunk_and_backs_off_from_a_probe_that_under_co
 def test_the_prepared_batch_is_counted_where_the_chunked_step_holds_one() -> None:
     """uint8 images become float32 (4 bytes a pixel) once for both passes; feature vectors are taken as they are."""
     from ddp_rank.model.feature_head import FeatureHeadNet
-    from ddp_rank.train.chunking.choice import prepared_input_bytes
+    from ddp_rank.train.chunking.choice import input_bytes
 
-    assert prepared_input_bytes(_model(), 16) == 4 * 3 * 16 * 16
-    assert prepared_input_bytes(FeatureHeadNet(32, 8), 16) == 0
-    assert prepared_input_bytes(nn.Linear(3, 2), 16) == 0, "no prepare_batch: each chunk prepares its own"
+    assert input_bytes(_model(), 16) == (3 * 16 * 16, 4 * 3 * 16 * 16)
+    assert input_bytes(FeatureHeadNet(32, 8), 16) == (4 * 32, 0)
+    assert input_bytes(nn.Linear(3, 2), 16)[1] == 0, "no prepare_batch: each chunk prepares its own"
+
+
+def test_no_trial_step_where_the_step_holds_a_collective_and_the_log_says_so(
+    shards: Path, tmp_path: Path, ddp_rank_log: pytest.LogCaptureFixture
+) -> None:
+    """With ``model.sync_bn`` the forward exchanges BatchNorm statistics between the ranks: one rank cannot run a
+    trial step alone, so none runs, and the log says why (the chunk stays the one chosen from the probe)."""
+    from ddp_rank.train.trainer import Trainer
+
+    ddp_rank_log.set_level(logging.INFO, logger="ddp_rank")
+    cfg = load_config(None, [*TINY_OVERRIDES, f"data.shards={shards}", f"train.output_dir={tmp_path / 'run'}",
+                             "data.test_split=", "train.steps=1", "model.sync_bn=true"])  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        said = " | ".join(r.getMessage() for r in ddp_rank_log.records if "chunk_size=auto" in r.getMessage())
+        assert trainer.layout.batchnorm.kind == "global" and trainer.layout.chunk_size is None
+        assert (
+            "the direct step, not confirmed by a trial step (BatchNorm synchronised over the ranks exchanges "
+            "statistics inside the forward)" in said
+        ), said
+        assert "confirmed by a trial step of" not in said
+    finally:
+        trainer.close()

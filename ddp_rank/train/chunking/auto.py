@@ -17,13 +17,11 @@ from torch import nn
 
 from ddp_rank.distributed import min_over_ranks
 from ddp_rank.distributed.agreement import RankFailure, raise_if_any_failed
-from ddp_rank.losses import ListwiseLoss
 from ddp_rank.runtime import TrainError
 from ddp_rank.train.backends import StepBackend
-from ddp_rank.train.chunking.choice import ChunkChoice, auto_chunk
+from ddp_rank.train.chunking.choice import ChunkChoice, auto_chunk, loss_work_space, most_positives
 from ddp_rank.train.chunking.confirm import Confirmation, confirm_chunk, trial_step
 from ddp_rank.train.chunking.layout import BatchLayout
-from ddp_rank.train.pml_loss import generic_work_space
 from ddp_rank.train.step_settings import StepSettings
 
 __all__ = ["choose_chunk_for_run", "confirm_chunk_for_run"]
@@ -45,13 +43,8 @@ def choose_chunk_for_run(
 ) -> tuple[BatchLayout, ChunkChoice]:
     """Collective: measure, choose, agree on the smallest chunk over the ranks. (The layout of that chunk, this
     rank's choice, whose figures the trial step uses.) A failure on any rank is a TrainError on every rank."""
-    positives = (
-        step.data.images_per_class if step.data.sampler == "pk" else min(largest_class, layout.global_batch)
-    )
-    if isinstance(loss, ListwiseLoss):
-        work, _ = loss.work_space(layout.local_batch, layout.global_batch, positives, device)
-    else:
-        work = generic_work_space(layout.global_batch)
+    positives = most_positives(step.data, largest_class)
+    work, _ = loss_work_space(loss, layout.local_batch, layout.global_batch, positives, device)
     extra = sum(p.numel() * p.element_size() for p in loss_parameters)
     error: str | None = None
     try:
@@ -83,9 +76,7 @@ def choose_chunk_for_run(
             if chunk != (choice.chunk or layout.local_batch)
             else ""
         )
-        if agreed.chunk_size is not None and agreed.chunk_size != chunk:
-            ranks += f"; {agreed.chunk_size:,} to hold whole BatchNorm groups of {agreed.batchnorm.group}"
-        log.info(choice.describe() + ranks)
+        log.info(choice.describe() + ranks + agreed.rounding_note(chunk))
     return agreed, choice
 
 

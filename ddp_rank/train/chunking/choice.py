@@ -51,27 +51,27 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ddp_rank.config import DataConfig
+from ddp_rank.losses import ListwiseLoss
 from ddp_rank.model import freeze_batchnorm
 from ddp_rank.model.feature_head import example_input
 from ddp_rank.train.chunking.host_memory import available_memory
 from ddp_rank.train.chunking.step import PreparesBatch
 from ddp_rank.train.chunking.step_memory import FixedCosts, fixed_costs, format_size
+from ddp_rank.train.pml_loss import generic_work_space
 from ddp_rank.train.step_settings import StepSettings
 
 __all__ = [
     "ActivationProbe",
     "ChunkChoice",
-    "OutOfMemoryError",
     "auto_chunk",
     "choose_chunk",
+    "loss_work_space",
     "measure_activation_bytes",
     "memory_budget",
+    "most_positives",
     "probe_sizes",
 ]
-
-OutOfMemoryError: type[Exception] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-"""The allocator's out-of-memory error: ``torch.OutOfMemoryError`` in recent releases, ``torch.cuda.OutOfMemoryError``
-(the same class there) in the older ones pyproject.toml accepts."""
 
 PROBE_START = {"cuda": 2, "cpu": 1}
 """The first probe batch (run twice: the first run only warms up). One image on CPU, where the saved bytes grow
@@ -191,6 +191,7 @@ def step_fixed_costs(
     choice and ``ddp-rank plan`` both take it (the plan without DeepSpeed and without a loss's own
     parameters, which only the trainer knows)."""
     database = 2 * global_batch * step.model.embedding_dim * 4
+    fed, prepared = input_bytes(model, step.data.image_size)
     return fixed_costs(
         model,
         step.optim.name,
@@ -200,25 +201,38 @@ def step_fixed_costs(
         database + loss_work_space,
         deepspeed=deepspeed,
         extra_parameters=extra_parameters,
-        input_batch_bytes=local_batch * _input_bytes(model, step.data.image_size),
-        prepared_batch_bytes=local_batch * prepared_input_bytes(model, step.data.image_size),
+        input_batch_bytes=local_batch * fed,
+        prepared_batch_bytes=local_batch * prepared,
     )
 
 
-def _input_bytes(model: nn.Module, image_size: int) -> int:
-    """Bytes of one input of ``model`` as the trainer feeds it (uint8 pixels, or a feature vector)."""
+def input_bytes(model: nn.Module, image_size: int) -> tuple[int, int]:
+    """Bytes of one input of ``model``: as the trainer feeds it (uint8 pixels, or a feature vector), and as the
+    chunked step keeps it prepared for both passes (a :class:`PreparesBatch` model fed uint8 images: floats in
+    the weights' dtype; 0 where nothing is prepared ahead: feature vectors, which are taken as they are, or a
+    model that prepares each chunk in its own forward)."""
     one = example_input(model, 1, image_size, torch.device("meta"))
-    return one.numel() * one.element_size()
+    prepares = isinstance(model, PreparesBatch) and one.dtype == torch.uint8
+    prepared = one.numel() * next(model.parameters()).element_size() if prepares else 0
+    return one.numel() * one.element_size(), prepared
 
 
-def prepared_input_bytes(model: nn.Module, image_size: int) -> int:
-    """Bytes of one input as the chunked step keeps it prepared for both passes (a :class:`PreparesBatch` model
-    fed uint8 images: floats in the weights' dtype); 0 where nothing is prepared ahead (feature vectors, which
-    are taken as they are, or a model that prepares each chunk in its own forward)."""
-    one = example_input(model, 1, image_size, torch.device("meta"))
-    if not isinstance(model, PreparesBatch) or one.dtype != torch.uint8:
-        return 0
-    return one.numel() * next(model.parameters()).element_size()
+def loss_work_space(
+    loss: nn.Module | None, local_batch: int, global_batch: int, positives: int, device: torch.device
+) -> tuple[int, int]:
+    """(bytes, query rows) of the largest chunk of this rank's query rows a step's loss holds besides the gathered
+    database: a listwise loss's own chunk plan for classes of up to ``positives`` images, else (a
+    pytorch-metric-learning loss, or None for one not built) :func:`generic_work_space` over the whole batch.
+    The run's chunk choice and ``ddp-rank plan`` both take it."""
+    if isinstance(loss, ListwiseLoss):
+        return loss.work_space(local_batch, global_batch, positives, device)
+    return generic_work_space(global_batch), local_batch
+
+
+def most_positives(data: DataConfig, largest_class: int) -> int:
+    """The most images of one class a step can hold: K under the ``pk`` sampler (``data.sampler=auto`` never
+    resolves to it), else the largest class of the split, at most the global batch."""
+    return data.images_per_class if data.sampler == "pk" else min(largest_class, data.global_batch_size)
 
 
 def choose_chunk(local_batch: int, bytes_per_image: int, budget_bytes: int) -> int | None:
@@ -317,7 +331,7 @@ def measure_activation_bytes(
                 if device.type == "cuda" and n > start:
                     _step_bytes(probe, images, autocast_dtype)
                 measured[n] = _step_bytes(probe, images, autocast_dtype)
-            except OutOfMemoryError:
+            except torch.OutOfMemoryError:
                 if len(measured) < 2:
                     raise
                 stopped = f"out of memory at {n} images"
@@ -408,7 +422,7 @@ def count_saved(limit: int | None = None) -> Iterator[list[int]]:
             per_storage[view[0]] = after
             total[0] += after - before
             if limit is not None and total[0] > limit:
-                raise OutOfMemoryError(
+                raise torch.OutOfMemoryError(
                     f"the step's saved tensors reached {format_size(total[0])}, past the limit of {format_size(limit)}"
                 )
         return t

@@ -34,7 +34,7 @@ from torch import nn
 from ddp_rank.distributed.agreement import agree
 from ddp_rank.model import freeze_batchnorm
 from ddp_rank.model.feature_head import example_input
-from ddp_rank.train.chunking.choice import OutOfMemoryError, count_saved
+from ddp_rank.train.chunking.choice import count_saved
 
 __all__ = ["BACK_OFF", "Confirmation", "confirm_chunk", "trial_step"]
 
@@ -91,7 +91,7 @@ def confirm_chunk(
         ran_out, error = False, None
         try:
             try_step(rows)
-        except OutOfMemoryError as exc:
+        except torch.OutOfMemoryError as exc:
             ran_out = True
             first_error = first_error or str(exc).strip().splitlines()[0]
         except Exception as exc:  # told to every rank, then raised on every rank

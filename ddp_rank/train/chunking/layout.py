@@ -67,3 +67,10 @@ class BatchLayout:
         """``128 (64 per rank, chunked step in chunks of 32)`` for logs and summaries."""
         step = f"chunked step in chunks of {self.chunk_size}" if self.chunk_size else "direct step"
         return f"{self.global_batch} ({self.local_batch} per rank, {step})"
+
+    def rounding_note(self, chosen: int | None) -> str:
+        """``; 24 to hold whole BatchNorm groups of 8`` when this layout's chunk is ``chosen`` rounded down to
+        whole groups (``from_settings``), else nothing: the words after a chunk choice in the logs and the plan."""
+        if self.chunk_size is None or self.chunk_size == chosen:
+            return ""
+        return f"; {self.chunk_size:,} to hold whole BatchNorm groups of {self.batchnorm.group}"

@@ -21,23 +21,23 @@ from ddp_rank.model import build_model
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.shards import check_model_input, model_input_dim
-from ddp_rank.train.chunking.choice import auto_chunk, measure_activation_bytes, step_fixed_costs
+from ddp_rank.train.chunking.choice import (
+    auto_chunk,
+    loss_work_space,
+    measure_activation_bytes,
+    most_positives,
+    step_fixed_costs,
+)
 from ddp_rank.train.chunking.layout import BatchLayout
-from ddp_rank.train.pml_loss import GENERIC_MATRICES, PML_PREFIX, generic_work_space
+from ddp_rank.train.chunking.step_memory import format_size
+from ddp_rank.train.pml_loss import GENERIC_MATRICES, PML_PREFIX
 from ddp_rank.train.settings import train_settings
 from ddp_rank.train.setup import build_loss
 from ddp_rank.train.step_settings import StepSettings
 
-__all__ = ["describe_plan", "format_bytes"]
+__all__ = ["describe_plan"]
 
 Facts = list[tuple[str, str]]
-
-
-def format_bytes(n: float) -> str:
-    """``512 KiB``, ``48 MiB``, ``1.50 GiB``."""
-    if n < 2**20:
-        return f"{n / 2**10:,.0f} KiB"
-    return f"{n / 2**20:,.0f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
 def describe_plan(
@@ -91,7 +91,7 @@ def describe_plan(
     facts.append(("ranks / local batch", f"{world_size} / {layout.local_batch:,} images"))
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     largest_class = max(catalog.class_sizes.values(), default=1)
-    max_positives = data.images_per_class if strategy == "pk" else min(largest_class, data.global_batch_size)
+    max_positives = most_positives(data, largest_class)
     work_line, work_bytes = _work_space(cfg.loss, cfg.model.embedding_dim, layout, max_positives, where)
     try:  # the trainer's accelerator resolves it the same way: ``auto`` follows the launcher
         precision = resolve_mixed_precision(cfg.train.mixed_precision)
@@ -178,8 +178,8 @@ def _auto_chunk(
             model, step, layout.local_batch, layout.global_batch, where, work_bytes, world_size
         )
         return None, (
-            f"{format_bytes(probe.per_image)} of activations per image ({probe.how}, on this CPU); fixed "
-            f"{format_bytes(fixed.total)} per GPU: {fixed.describe()}, plus the workspaces measured there; the "
+            f"{format_size(probe.per_image)} of activations per image ({probe.how}, on this CPU); fixed "
+            f"{format_size(fixed.total)} per GPU: {fixed.describe()}, plus the workspaces measured there; the "
             f"chunk is chosen at start-up from the GPU's free memory (distributed.memory_fraction="
             f"{step.distributed.memory_fraction:g}){confirm}"
         )
@@ -198,12 +198,7 @@ def _auto_chunk(
     chosen = BatchLayout.from_settings(
         step, world_size, chunk_size=choice.chunk or 0
     )  # whole BatchNorm groups
-    rounded = (
-        f"; {chosen.chunk_size:,} to hold whole BatchNorm groups of {chosen.batchnorm.group}"
-        if chosen.chunk_size is not None and chosen.chunk_size != choice.chunk
-        else ""
-    )
-    return chosen, choice.describe() + rounded + confirm
+    return chosen, choice.describe() + chosen.rounding_note(choice.chunk) + confirm
 
 
 def _work_space(
@@ -211,23 +206,23 @@ def _work_space(
 ) -> tuple[str, int]:
     """What the step's loss will hold on one rank: the gathered database and its gradient (float32), and the
     largest chunk of this rank's query rows as the loss's own chunk plan sizes it, beside the chunk budget."""
-    if loss_cfg.name.startswith(PML_PREFIX):
+    pml = loss_cfg.name.startswith(PML_PREFIX)
+    loss = None if pml else build_loss(loss_cfg)
+    work, rows = loss_work_space(loss, layout.local_batch, layout.global_batch, max_positives, where)
+    if loss is None:
         database = layout.global_batch * embedding_dim * 4
-        work = generic_work_space(layout.global_batch)
         line = (
-            f"about {format_bytes(database + work)} on {where.type} (a pytorch-metric-learning loss: the whole "
+            f"about {format_size(database + work)} on {where.type} (a pytorch-metric-learning loss: the whole "
             f"loss on the gathered {layout.global_batch:,} x {layout.global_batch:,} batch on every rank, "
             f"estimated as {GENERIC_MATRICES} float32 matrices of that size)"
         )
         return line, work
-    loss = build_loss(loss_cfg)
-    chunk_bytes, rows = loss.work_space(layout.local_batch, layout.global_batch, max_positives, where)
     budget = loss.memory_budget or DEFAULT_BUDGET_BYTES["cuda" if where.type == "cuda" else "cpu"]
     database = 2 * layout.global_batch * embedding_dim * 4
     chunks = -(-layout.local_batch // max(rows, 1))
     line = (
-        f"{format_bytes(database + chunk_bytes)} on {where.type} (database {format_bytes(database)} + "
-        f"{chunks} chunk(s) of {rows:,} query rows, {format_bytes(chunk_bytes)} each; budget "
-        f"{format_bytes(budget)}, classes of up to {max_positives} images)"
+        f"{format_size(database + work)} on {where.type} (database {format_size(database)} + "
+        f"{chunks} chunk(s) of {rows:,} query rows, {format_size(work)} each; budget "
+        f"{format_size(budget)}, classes of up to {max_positives} images)"
     )
-    return line, chunk_bytes
+    return line, work
