@@ -63,10 +63,13 @@ class TrainBatches:
         return {**self.stream.state_dict(), **self.schedule()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at the saved position, on any world size and worker count (the plan depends on neither);
-        the batch read ahead is dropped. Whether the saved schedule may be continued is
-        :meth:`schedule_changes`' to say."""
-        self.stream.load_state_dict(state)
+        """Continue after the batches trained on, on any world size and worker count (the plan depends on
+        neither); the batch read ahead is dropped. The saved position counts in the saved epochs' length, so a
+        forced resume with another ``data.steps_per_epoch`` continues after as many steps. Whether the saved
+        schedule may be continued is :meth:`schedule_changes`' to say."""
+        length = int(state.get("steps_per_epoch", self.stream.steps_per_epoch))
+        trained = int(state["epoch"]) * length + int(state["step"])
+        self.stream.set_position(*divmod(trained, self.stream.steps_per_epoch))
         self.close()
 
     def schedule(self) -> dict[str, Any]:

@@ -283,6 +283,19 @@ def test_a_checkpoint_of_the_format_before_is_refused_in_one_line(
     assert f"model.init_from={ckpt(run)}" in line, line
 
 
+def test_a_checkpoint_without_a_data_position_is_refused_before_anything_loads(
+    shards: Path, run: Path, capsys: pytest.CaptureFixture
+) -> None:
+    meta = json.loads((ckpt(run) / META_NAME).read_text())
+    (ckpt(run) / META_NAME).write_text(json.dumps({**meta, "stream": {"seed": 0}}))
+    before = json.loads((run / "run.json").read_text())
+    assert main(["train", *overrides(shards, run, 3)]) == 2
+    line = one_line(capsys)
+    assert f"checkpoint {ckpt(run)}: its meta.json records no data position" in line, line
+    assert "and a new train.output_dir" in line, line
+    assert json.loads((run / "run.json").read_text()) == before, "a refused resume keeps the run's record"
+
+
 @pytest.mark.parametrize(
     ("state", "words"),
     [

@@ -77,6 +77,29 @@ def test_resume_refuses_a_changed_data_schedule_unless_forced(shards: Path, tmp_
             state | {"step": 2, "stream": {**state["stream"], "step": 2, "seed": 7, "num_workers": 3}}
         )
         assert trainer.stream.position == divmod(2, trainer.steps_per_epoch)
+        # Forced with another epoch length: the position counts the saved epochs' steps, as many are skipped.
+        length = trainer.steps_per_epoch
+        saved = {**state["stream"], "epoch": 1, "step": 2, "steps_per_epoch": length + 2}
+        trainer.load_state_dict(state | {"step": length + 4, "stream": saved})
+        assert trainer.stream.position == divmod(length + 4, length)
+    finally:
+        trainer.close()
+
+
+def test_a_state_of_another_global_batch_or_without_a_data_position_is_refused_in_one_line(
+    shards: Path, tmp_path: Path
+) -> None:
+    trainer = Trainer(cfg_for(shards, tmp_path / "run", "train.steps=3"))
+    try:
+        state = trainer.state_dict()
+        # Another global batch changes the epoch's length too: the refusal names the batch, which no force allows.
+        other = state | {"global_batch_size": 8, "stream": {**state["stream"], "steps_per_epoch": 99}}
+        with pytest.raises(CheckpointError, match=r"data\.global_batch_size=8, this run uses 16"):
+            trainer.load_state_dict(other)
+        odd = ({}, {"epoch": None}, {"step": -1}, {"steps_per_epoch": 0})
+        for stream in ({**state["stream"], **o} if o else o for o in odd):
+            with pytest.raises(CheckpointError, match="records no data position"):
+                trainer.load_state_dict(state | {"stream": stream})
     finally:
         trainer.close()
 

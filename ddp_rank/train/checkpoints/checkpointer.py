@@ -66,19 +66,34 @@ class Checkpointer:
         """What ``meta.json`` records of the run (the manager adds the files' digests)."""
         return {**self.train.state_dict(), "stream": self.data.state_dict(), "config": self.config}
 
+    def check(self, path: Path, meta: dict[str, Any]) -> None:
+        """Refuse, in one line naming ``path``, a checkpoint this version cannot continue (before anything of it
+        is loaded): one written before the state files existed, or one whose ``meta.json`` holds no data position."""
+        again = f"start a new run from its weights with model.init_from={path} and a new train.output_dir"
+        if not (path / SCHEDULER_FILE).is_file() and any(path.glob("custom_checkpoint_*.pkl")):
+            raise CheckpointError(
+                f"checkpoint {path} was written by an earlier version of ddp-rank, whose checkpoints do not "
+                f"resume; {again}"
+            )
+        problem = _position_problem(meta)
+        if problem:
+            raise CheckpointError(f"checkpoint {path}: {problem}; resume from another checkpoint, or {again}")
+
     def load_meta(self, meta: dict[str, Any], force: bool = False) -> None:
-        """Continue the loop and the data where ``meta`` left them. A changed data schedule is refused unless
-        ``force`` (``train.force_resume``): the resumed run would not see the batches of the one it continues."""
-        saved = meta.get("stream")
-        if not isinstance(saved, dict) or not {"epoch", "step"} <= set(saved):
-            raise CheckpointError("its meta.json has no data position (stream.epoch, stream.step)")
+        """Continue the loop and the data where ``meta`` left them. Another global batch is refused
+        (``TrainState``), then a changed data schedule unless ``force`` (``train.force_resume``): the resumed run
+        would not see the batches of the one it continues."""
+        problem = _position_problem(meta)
+        if problem:
+            raise CheckpointError(problem)
+        saved = meta["stream"]
         changes = self.data.schedule_changes(saved)
+        self.train.load_state_dict(meta)
         if changes and not force:
             raise CheckpointError(
                 f"the data schedule differs from the checkpoint's ({changes}), so the resumed run would not see "
                 "the batches of the interrupted one; restore those settings, or set train.force_resume=true"
             )
-        self.train.load_state_dict(meta)
         self.data.load_state_dict(saved)
 
     # -- files --------------------------------------------------------------------------------------------
@@ -112,13 +127,8 @@ class Checkpointer:
             )
 
     def load_files(self, path: Path) -> None:
-        """``accelerator.load_state`` of a checked checkpoint, then the schedule and the loss's parameters; a
-        failure is one line naming the checkpoint."""
-        if not (path / SCHEDULER_FILE).is_file() and any(path.glob("custom_checkpoint_*.pkl")):
-            raise CheckpointError(
-                f"checkpoint {path} was written by an earlier version of ddp-rank, whose checkpoints do not "
-                f"resume; start a new run from its weights with model.init_from={path}"
-            )
+        """``accelerator.load_state`` of a checked checkpoint (:meth:`check`, :meth:`refuse_unsafe_files`), then
+        the schedule and the loss's parameters; a failure is one line naming the checkpoint."""
         try:
             with weights_only_loads(self._allowed_types()):
                 self.accelerator.load_state(str(path))
@@ -133,6 +143,24 @@ class Checkpointer:
         """The types beyond torch's defaults a checkpoint of this run may hold: numpy's random state, and
         DeepSpeed's own classes under DeepSpeed."""
         return [*RNG_STATE_TYPES, *(deepspeed_types() if self.deepspeed else [])]
+
+
+_POSITION = ("epoch", "step", "steps_per_epoch")
+
+
+def _position_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with the data position ``meta.json`` records (``stream.epoch``, ``stream.step``: whole
+    numbers from 0, in epochs of ``stream.steps_per_epoch`` steps), or None."""
+    stream = meta.get("stream")
+    epoch, step, length = (stream.get(k) if isinstance(stream, dict) else None for k in _POSITION)
+    if _whole(epoch, 0) and _whole(step, 0) and (length is None or _whole(length, 1)):
+        return None
+    found = ", ".join(f"{k} {v!r}" for k, v in zip(_POSITION, (epoch, step, length)))
+    return f"its meta.json records no data position (stream: {found})"
+
+
+def _whole(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def _load_error(exc: BaseException) -> str:

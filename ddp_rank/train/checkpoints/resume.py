@@ -73,6 +73,7 @@ def resume(
     if path is None:
         return None
     meta = read_meta(path)
+    checkpointer.check(path, meta)
     checkpointer.refuse_unsafe_files(path)
     force = train.force_resume
     # Only DeepSpeed's partitioned optimizer state ties a checkpoint to its world size: the data plan does not.
