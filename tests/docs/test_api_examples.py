@@ -9,6 +9,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import inspect
+import logging
 import tempfile
 from pathlib import Path
 
@@ -54,6 +55,9 @@ def test_the_example_runs_and_prints_what_it_says(
 ) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.chdir(tmp_path)
+    # A run made earlier in this process (a CLI test) left the ``ddp_rank`` logger writing INFO to stdout, where a
+    # first use's log line (a loss's kernel) would join what the example prints; a user's script has no such handler.
+    monkeypatch.setattr(logging.getLogger("ddp_rank"), "handlers", [])
     runner = doctest.DocTestRunner(optionflags=FLAGS)
     report: list[str] = []
     result = runner.run(test, out=report.append)

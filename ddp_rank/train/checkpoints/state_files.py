@@ -67,8 +67,8 @@ def save_state_files(directory: Path, scheduler: Any, loss: nn.Module | None) ->
 
 
 def load_state_files(directory: Path, scheduler: Any, loss: nn.Module | None) -> None:
-    """Restore the scheduler and the loss's parameters of a checkpoint; a
-    :class:`CheckpointError` in one line naming the file when they are missing or hold anything else."""
+    """Restore the scheduler and the loss's parameters of a checkpoint; a :class:`CheckpointError` in one line
+    naming the file when they are missing or hold anything else."""
     scheduler.load_state_dict(_scheduler_state(directory, scheduler))
     if loss is not None:
         state = _loss_state(directory)
