@@ -276,3 +276,40 @@ def test_no_trial_step_where_the_step_holds_a_collective_and_the_log_says_so(
         assert "confirmed by a trial step of" not in said
     finally:
         trainer.close()
+
+
+def _ranks_measure_apart(rank: int, world: int) -> tuple[int | None, int | None, str]:
+    """Rank 1's probe finds twice the bytes per image of rank 0's: every rank takes rank 1's smaller chunk, and
+    rank 0's log says it is the smallest over the ranks."""
+    from ddp_rank.losses import FastAPLoss
+    from ddp_rank.train.chunking import auto
+    from ddp_rank.train.chunking.layout import BatchLayout
+
+    measure = chunk_choice.measure_activation_bytes
+
+    def probe(*args: Any, **kwargs: Any) -> ActivationProbe:
+        right = measure(*args, **kwargs)
+        return dataclasses.replace(right, per_image=right.per_image * (1 + rank))
+
+    chunk_choice.measure_activation_bytes = probe
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    auto.log.addHandler(handler)
+    auto.log.setLevel(logging.INFO)
+    cfg = load_config(None, [*TINY_OVERRIDES, "data.global_batch_size=64", "distributed.memory_budget_mb=1"])
+    step = step_settings(cfg)
+    layout, choice = auto.choose_chunk_for_run(
+        step, BatchLayout.from_settings(step, world), _model(), FastAPLoss(), torch.device("cpu"), None,
+        largest_class=4, loss_parameters=[], deepspeed=False, is_main=rank == 0,
+    )  # fmt: skip
+    return layout.chunk_size, choice.chunk, " | ".join(said)
+
+
+@pytest.mark.distributed
+def test_every_rank_takes_the_smallest_chunk_and_rank_0_says_so() -> None:
+    (agreed_0, own_0, said_0), (agreed_1, own_1, said_1) = run_distributed(_ranks_measure_apart, world_size=2)
+    assert own_1 is not None and agreed_0 == agreed_1 == own_1, (own_0, own_1, agreed_0)
+    assert own_0 is None or own_0 > own_1
+    assert f"the smallest over the ranks: {own_1:,}" in said_0, said_0
+    assert said_1 == "", "only rank 0 logs the choice"
