@@ -66,6 +66,7 @@ __all__ = [
     "ChunkChoice",
     "auto_chunk",
     "choose_chunk",
+    "database_bytes",
     "loss_work_space",
     "measure_activation_bytes",
     "memory_budget",
@@ -190,7 +191,7 @@ def step_fixed_costs(
     space being ``loss_work_space`` plus the gathered database and its gradient (float32). The trainer's chunk
     choice and ``ddp-rank plan`` both take it (the plan without DeepSpeed and without a loss's own
     parameters, which only the trainer knows)."""
-    database = 2 * global_batch * step.model.embedding_dim * 4
+    database = database_bytes(global_batch, step.model.embedding_dim)
     fed, prepared = input_bytes(model, step.data.image_size)
     return fixed_costs(
         model,
@@ -204,6 +205,12 @@ def step_fixed_costs(
         input_batch_bytes=local_batch * fed,
         prepared_batch_bytes=local_batch * prepared,
     )
+
+
+def database_bytes(global_batch: int, embedding_dim: int) -> int:
+    """What every rank holds of the gathered batch while the loss runs: its embeddings and their gradient,
+    float32."""
+    return 2 * global_batch * embedding_dim * 4
 
 
 def input_bytes(model: nn.Module, image_size: int) -> tuple[int, int]:

@@ -23,6 +23,7 @@ from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
 from ddp_rank.runtime.shards import check_model_input, model_input_dim
 from ddp_rank.train.chunking.choice import (
     auto_chunk,
+    database_bytes,
     loss_work_space,
     measure_activation_bytes,
     most_positives,
@@ -218,7 +219,7 @@ def _work_space(
         )
         return line, work
     budget = loss.memory_budget or DEFAULT_BUDGET_BYTES["cuda" if where.type == "cuda" else "cpu"]
-    database = 2 * layout.global_batch * embedding_dim * 4
+    database = database_bytes(layout.global_batch, embedding_dim)
     chunks = -(-layout.local_batch // max(rows, 1))
     line = (
         f"{format_size(database + work)} on {where.type} (database {format_size(database)} + "
