@@ -1,28 +1,34 @@
 """The ``ddp-rank`` command: a thin dispatcher over the sub-commands of this package.
 
 Every command-line front end lives here, at the top of the layers, one module per group of sub-commands
-(``shards``, ``plan``, ``train``, ``eval``, ``deploy`` for export / index / search, ``sweep``, ``compare``). Each exposes
-``register(subparsers)``, which adds its parser and sets ``func`` (a callable taking the parsed namespace and
-returning an exit code); the work itself is in the library below. Config-driven commands take their
-``--config`` and overrides from ``ddp_rank.cli.arguments``.
+(``shards``, ``plan``, ``train``, ``eval``, ``deploy`` for export / index / search, ``sweep``, ``compare``). Each
+declares its sub-commands as ``ddp_rank.cli.command.Command`` records (name, help, ``arguments(parser)`` and
+``run(args)``, which returns an exit code); ``build_parser`` makes their parsers. The work itself is in the
+library below. Config-driven commands take their ``--config`` and overrides from ``ddp_rank.cli.arguments``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 from collections.abc import Sequence
 
-# Modules that provide a ``register(subparsers)`` function, in the order they appear in ``--help``.
-_COMMAND_MODULES: tuple[str, ...] = (
-    "ddp_rank.cli.shards",
-    "ddp_rank.cli.plan",
-    "ddp_rank.cli.train",
-    "ddp_rank.cli.eval",
-    "ddp_rank.cli.deploy",
-    "ddp_rank.cli.sweep",
-    "ddp_rank.cli.compare",
-)
+from ddp_rank.cli.command import Command, add_commands
+
+
+def _commands() -> list[Command]:
+    """Every sub-command, in the order they appear in ``--help``."""
+    from ddp_rank.cli import compare, deploy, plan, shards, sweep, train
+    from ddp_rank.cli import eval as evaluate
+
+    return [
+        shards.COMMAND,
+        plan.COMMAND,
+        train.COMMAND,
+        evaluate.COMMAND,
+        *deploy.COMMANDS,
+        sweep.COMMAND,
+        compare.COMMAND,
+    ]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,9 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ddp-rank",
         description="Distributed deep metric learning with global-batch listwise ranking losses.",
     )
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module_name in _COMMAND_MODULES:
-        importlib.import_module(module_name).register(subparsers)
+    add_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True), _commands())
     return parser
 
 

@@ -22,20 +22,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["register", "run"]
+from ddp_rank.cli.command import EXIT_USAGE, Command
 
-EXIT_USAGE = 2
+__all__ = ["COMMAND", "run"]
 
 
-def register(subparsers: Any) -> None:
-    """Add the ``compare`` sub-command."""
-    p = subparsers.add_parser(
-        "compare",
-        help="one table of several runs: the settings that differ, best / last metrics, time, speed",
-        description="Compare run directories (globs welcome; a sweep's folder stands for its runs): the config "
-        "values that differ between them, steps and images seen, best and last metrics, wall time and images/s. "
-        "Crashed, stopped and unfinished runs are listed as such.",
-    )
+def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories or globs")
     form = p.add_mutually_exclusive_group()
     form.add_argument("--csv", action="store_true", help="CSV instead of markdown")
@@ -71,7 +63,6 @@ def register(subparsers: Any) -> None:
         "under them, from each run's retrieval.json (written by ddp-rank eval and by a run's evaluations); runs "
         "without one are named and left out",
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -208,3 +199,14 @@ def _draw_grid(paths: list[Any], path: str) -> int:
     picture, runs, queries = drawn
     note(f"retrieval grid: {picture} ({queries} queries; left to right: {', '.join(str(r) for r in runs)})")
     return 0
+
+
+COMMAND = Command(
+    "compare",
+    help="one table of several runs: the settings that differ, best / last metrics, time, speed",
+    description="Compare run directories (globs welcome; a sweep's folder stands for its runs): the config "
+    "values that differ between them, steps and images seen, best and last metrics, wall time and images/s. "
+    "Crashed, stopped and unfinished runs are listed as such.",
+    arguments=_arguments,
+    run=run,
+)

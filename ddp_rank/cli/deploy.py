@@ -17,21 +17,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from ddp_rank.cli.arguments import add_config_arguments, add_on_bad, pixel_count
+from ddp_rank.cli.command import Command
 from ddp_rank.config import ConfigError
 
-__all__ = ["register"]
+__all__ = ["COMMANDS"]
 
 
-def register(subparsers: Any) -> None:
-    """Add the ``export``, ``index`` and ``search`` sub-commands."""
-    p = subparsers.add_parser(
-        "export",
-        help="embed a split, an image folder or shards at a URL; write embeddings with keys, labels, categories",
-        description="Embed every image of the source with a checkpoint; each process writes its part as .npz.",
-    )
+def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", help="run directory (best, else latest checkpoint) or a step-* directory")
     add_config_arguments(p, "experiment YAML; default: the run's own config.yaml")
     source = p.add_mutually_exclusive_group()
@@ -50,12 +44,9 @@ def register(subparsers: Any) -> None:
         type=pixel_count,
         help="largest image decoded, width x height from its header (sets data.max_image_pixels)",
     )
-    p.set_defaults(func=_run_export)
 
-    p = subparsers.add_parser(
-        "index",
-        help="build a faiss index (flat, ivfpq, hnsw) from an export and print its recall against exact search",
-    )
+
+def _index_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("export", help="export directory written by `ddp-rank export`")
     p.add_argument("--output", required=True, help="index directory to write")
     p.add_argument("--kind", choices=("flat", "ivfpq", "hnsw"), default="flat", help="flat = exact search")
@@ -67,12 +58,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ef-search", type=int, default=128, help="hnsw: candidates per query")
     p.add_argument("--recall-k", type=int, default=10, help="k of the recall measured against exact search")
     p.add_argument("--recall-queries", type=int, default=1000, help="queries of that measurement")
-    p.set_defaults(func=_run_index)
 
-    p = subparsers.add_parser(
-        "search",
-        help="embed query images and print the top-k keys of an index, with their class names and source files",
-    )
+
+def _search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("index", help="index directory written by `ddp-rank index`")
     p.add_argument("images", nargs="+", help="query image files or folders")
     p.add_argument("-k", type=int, default=5, help="results per query")
@@ -95,7 +83,6 @@ def register(subparsers: Any) -> None:
         help="largest query image decoded, width x height from its header (default: the export's "
         "data.max_image_pixels)",
     )
-    p.set_defaults(func=_run_search)
 
 
 def _fail(command: str, exc: Exception) -> int:
@@ -236,3 +223,26 @@ def _run_search(args: argparse.Namespace) -> int:
     if grid is not None:
         print(f"grid: {grid}")
     return 0
+
+
+COMMANDS = (
+    Command(
+        "export",
+        help="embed a split, an image folder or shards at a URL; write embeddings with keys, labels, categories",
+        description="Embed every image of the source with a checkpoint; each process writes its part as .npz.",
+        arguments=_export_arguments,
+        run=_run_export,
+    ),
+    Command(
+        "index",
+        help="build a faiss index (flat, ivfpq, hnsw) from an export and print its recall against exact search",
+        arguments=_index_arguments,
+        run=_run_index,
+    ),
+    Command(
+        "search",
+        help="embed query images and print the top-k keys of an index, with their class names and source files",
+        arguments=_search_arguments,
+        run=_run_search,
+    ),
+)

@@ -20,27 +20,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from ddp_rank.cli.arguments import add_config_arguments
+from ddp_rank.cli.command import Command
 from ddp_rank.config import ConfigError
 
-__all__ = ["register", "run"]
+__all__ = ["COMMAND", "run"]
 
 
-def register(subparsers: Any) -> None:
-    """Add the ``eval`` sub-command."""
-    p = subparsers.add_parser(
-        "eval",
-        help="retrieval evaluation (Recall@k, MAP@R) with the SOP / In-Shop / VehicleID protocols, or "
-        "verification (TPR@FPR, ROC AUC, EER) and identification (CMC, FNIR@FPIR)",
-        description="Embed the test split of data.shards and report Recall@k and MAP@R, or the verification / "
-        "identification figures (eval.protocol, eval.metrics); their curves are drawn beside the results JSON as "
-        "<name>-roc.png, -det.png, -pr.png, -cmc.png; <name>-retrieval-<row>.png beside it shows "
-        "eval.grid_queries sampled queries and their top-k, framed green (the query's class) or red, captioned "
-        "with the class names and files, a legend under them (recorded in retrieval.json; a training run's own "
-        "retrieval.png is kept).",
-    )
+def _arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(
         p,
         "experiment YAML; default with --checkpoint: the run's own config.yaml (else the checkpoint's meta.json)",
@@ -83,7 +71,6 @@ def register(subparsers: Any) -> None:
         "('key'), in the order scored, lone queries left out; two runs evaluated on one split can then be "
         "compared query by query (ddp_rank.experiments.query_pairs). sop and inshop only",
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,3 +113,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddp-rank eval: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+COMMAND = Command(
+    "eval",
+    help="retrieval evaluation (Recall@k, MAP@R) with the SOP / In-Shop / VehicleID protocols, or "
+    "verification (TPR@FPR, ROC AUC, EER) and identification (CMC, FNIR@FPIR)",
+    description="Embed the test split of data.shards and report Recall@k and MAP@R, or the verification / "
+    "identification figures (eval.protocol, eval.metrics); their curves are drawn beside the results JSON as "
+    "<name>-roc.png, -det.png, -pr.png, -cmc.png; <name>-retrieval-<row>.png beside it shows "
+    "eval.grid_queries sampled queries and their top-k, framed green (the query's class) or red, captioned "
+    "with the class names and files, a legend under them (recorded in retrieval.json; a training run's own "
+    "retrieval.png is kept).",
+    arguments=_arguments,
+    run=run,
+)

@@ -16,20 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from ddp_rank.cli.arguments import add_config_arguments
+from ddp_rank.cli.command import EXIT_USAGE, Command
 from ddp_rank.config import ConfigError, load_config
 
 EXIT_CANNOT_START = 1
-EXIT_USAGE = 2
 
 
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "plan",
-        help="dry run: steps per epoch, categories used and left out, per-rank batch and memory, from the manifest",
-    )
+def _arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, "experiment YAML (configs/*.yaml)")
     p.add_argument(
         "--world-size",
@@ -43,7 +38,6 @@ def register(subparsers: Any) -> None:
         choices=("cuda", "cpu"),
         help="where the run will compute, for its work space (default: a GPU if this machine has one)",
     )
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,3 +62,11 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_CANNOT_START
     print("\nok: the run can start")
     return 0
+
+
+COMMAND = Command(
+    "plan",
+    help="dry run: steps per epoch, categories used and left out, per-rank batch and memory, from the manifest",
+    arguments=_arguments,
+    run=run,
+)

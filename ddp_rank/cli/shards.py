@@ -27,41 +27,25 @@ from typing import Any
 
 from ddp_rank.cli import shards_build, shards_features
 from ddp_rank.cli.arguments import CPU_CORES, add_max_image_pixels
+from ddp_rank.cli.command import Command
 from ddp_rank.cli.shards_convert import convert_command
 from ddp_rank.data.building.verify import verify_shards
 from ddp_rank.data.format.class_leaks import SHARED_CLASSES_HELP, SHARED_CLASSES_OPTION, record_shared_classes
 from ddp_rank.data.format.info import format_info
 
 
-def register(subparsers: Any) -> None:
-    shards = subparsers.add_parser("shards", help="prepare, check and describe WebDataset shards")
-    sub = shards.add_subparsers(dest="shards_command", metavar="SUBCOMMAND", required=True)
-    shards_build.add_build(sub)
-    verify = sub.add_parser("verify", help="check checksums, counts and that every image decodes")
-    verify.add_argument("directory", help="shard directory or URL (holding manifest.json)")
-    verify.add_argument("--no-decode", action="store_true", help="skip decoding the images (faster)")
-    verify.add_argument("--workers", type=int, default=CPU_CORES, help="processes (default: the CPU cores)")
-    add_max_image_pixels(verify, "is a problem, as in training")
-    verify.set_defaults(func=_verify)
-    info = sub.add_parser("info", help="table of classes, images, shards and size per split and category")
-    info.add_argument("directory", help="shard directory or URL (holding manifest.json)")
-    info.set_defaults(func=_info)
-    _add_index(sub)
-    _add_reshard(sub)
-    shards_features.register(sub)
-    shards_build.add_listing(sub)
-    serve = sub.add_parser("serve", help="serve a shard directory over HTTP with Range requests")
-    serve.add_argument("directory", help="shard directory to serve")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.set_defaults(func=_serve)
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", help="shard directory or URL (holding manifest.json)")
+    p.add_argument("--no-decode", action="store_true", help="skip decoding the images (faster)")
+    p.add_argument("--workers", type=int, default=CPU_CORES, help="processes (default: the CPU cores)")
+    add_max_image_pixels(p, "is a problem, as in training")
 
 
-def _add_index(sub: Any) -> None:
-    p = sub.add_parser(
-        "index",
-        help="write manifest.json for WebDataset shards made by other tools (the tars are not rewritten)",
-    )
+def _info_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", help="shard directory or URL (holding manifest.json)")
+
+
+def _index_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "directory",
         help="directory or URL holding the .tar shards, or the shards themselves: a brace pattern "
@@ -78,7 +62,6 @@ def _add_index(sub: Any) -> None:
         "in the manifest in place",
     )
     p.add_argument(SHARED_CLASSES_OPTION, default=None, metavar="REASON", help=SHARED_CLASSES_HELP)
-    p.set_defaults(func=_index)
 
 
 def _add_index_options(p: argparse.ArgumentParser, category_default: str | None) -> None:
@@ -126,12 +109,7 @@ def _index_options(args: argparse.Namespace) -> Any:
     )
 
 
-def _add_reshard(sub: Any) -> None:
-    p = sub.add_parser(
-        "reshard",
-        help="rewrite shards of any layout (local or a URL; indexed, or plain or compressed tars with the index "
-        "options) into one category per shard, classes contiguous",
-    )
+def _reshard_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "source",
         help="directory or URL holding manifest.json (shards made by `shards index`, or any); or shards "
@@ -151,7 +129,6 @@ def _add_reshard(sub: Any) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(SHARED_CLASSES_OPTION, default=None, metavar="REASON", help=SHARED_CLASSES_HELP)
     _add_index_options(p, None)
-    p.set_defaults(func=_reshard)
 
 
 def _reshard(args: argparse.Namespace) -> int:
@@ -244,6 +221,12 @@ def _index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", help="shard directory to serve")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from ddp_rank.data.reading.serve import serve_forever
 
@@ -257,3 +240,45 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"ddp-rank shards serve: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+COMMAND = Command(
+    "shards",
+    help="prepare, check and describe WebDataset shards",
+    subcommands=(
+        shards_build.BUILD,
+        Command(
+            "verify",
+            help="check checksums, counts and that every image decodes",
+            arguments=_verify_arguments,
+            run=_verify,
+        ),
+        Command(
+            "info",
+            help="table of classes, images, shards and size per split and category",
+            arguments=_info_arguments,
+            run=_info,
+        ),
+        Command(
+            "index",
+            help="write manifest.json for WebDataset shards made by other tools (the tars are not rewritten)",
+            arguments=_index_arguments,
+            run=_index,
+        ),
+        Command(
+            "reshard",
+            help="rewrite shards of any layout (local or a URL; indexed, or plain or compressed tars with the "
+            "index options) into one category per shard, classes contiguous",
+            arguments=_reshard_arguments,
+            run=_reshard,
+        ),
+        *shards_features.COMMANDS,
+        shards_build.LISTING,
+        Command(
+            "serve",
+            help="serve a shard directory over HTTP with Range requests",
+            arguments=_serve_arguments,
+            run=_serve,
+        ),
+    ),
+)

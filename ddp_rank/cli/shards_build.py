@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_rank.cli.arguments import CPU_CORES, add_max_image_pixels, add_on_bad
+from ddp_rank.cli.command import Command
 from ddp_rank.data.building.build import BuildOptions, build_shards
 from ddp_rank.data.building.listing import (
     RELATIVE_PATH_RULE,
@@ -39,13 +40,7 @@ examples:
 """
 
 
-def add_build(sub: Any) -> None:
-    p = sub.add_parser(
-        "build",
-        help="write shards + manifest.json from an image folder or a CSV/TSV listing",
-        description=_BUILD_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _build_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "source",
         help="image folder (root/<category>/<class>/<img> or root/<class>/<img>) or .csv/.tsv listing "
@@ -103,17 +98,9 @@ def add_build(sub: Any) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(SHARED_CLASSES_OPTION, default=None, metavar="REASON", help=SHARED_CLASSES_HELP)
-    p.set_defaults(func=_build)
 
 
-def add_listing(sub: Any) -> None:
-    p = sub.add_parser(
-        "listing",
-        help="write a listing CSV from a public dataset's own files (a recipe)",
-        description="Write a listing CSV from a public dataset's own files. cub and cars write the field's "
-        "split (the first half of the classes by id train, the second half test) and the real class names; "
-        "sop, inshop, vehicleid and inat keep their files' splits. Then: ddp-rank shards build OUT.csv SHARDS.",
-    )
+def _listing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", choices=sorted(RECIPES), help="the public dataset whose files are read")
     p.add_argument(
         "root",
@@ -138,7 +125,6 @@ def add_listing(sub: Any) -> None:
     )
     p.add_argument("--test-list", default=None, help="inat: the published test split")
     p.add_argument("--workers", type=int, default=CPU_CORES, help="emoji, words: render workers")
-    p.set_defaults(func=_listing)
 
 
 def _print_report(report: Report) -> None:
@@ -230,3 +216,22 @@ def _listing(args: argparse.Namespace) -> int:
     categories = len({r.category for r in records if r.category is not None})
     print(f"wrote {args.out}: {n} images, {classes} classes, {categories} categories")
     return 0
+
+
+BUILD = Command(
+    "build",
+    help="write shards + manifest.json from an image folder or a CSV/TSV listing",
+    description=_BUILD_DESCRIPTION,
+    raw_description=True,
+    arguments=_build_arguments,
+    run=_build,
+)
+LISTING = Command(
+    "listing",
+    help="write a listing CSV from a public dataset's own files (a recipe)",
+    description="Write a listing CSV from a public dataset's own files. cub and cars write the field's "
+    "split (the first half of the classes by id train, the second half test) and the real class names; "
+    "sop, inshop, vehicleid and inat keep their files' splits. Then: ddp-rank shards build OUT.csv SHARDS.",
+    arguments=_listing_arguments,
+    run=_listing,
+)

@@ -5,40 +5,23 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
+from ddp_rank.cli.command import Command
 from ddp_rank.data.format.info import format_info
 
 
-def register(sub: Any) -> None:
-    """Add ``features`` and ``whiten`` to the ``shards`` subcommands."""
-    _add_features(sub)
-    _add_whiten(sub)
-
-
-def _add_features(sub: Any) -> None:
+def _features_arguments(p: argparse.ArgumentParser) -> None:
     from ddp_rank.cli.arguments import add_config_arguments
 
-    p = sub.add_parser(
-        "features",
-        help="embed every image of a shard set once with the config's frozen backbone: feature shards "
-        "(train a head on them with model.backbone=features)",
-    )
     p.add_argument("source", help="image shard directory or URL (made by `shards build` or `shards index`)")
     p.add_argument("out", help="directory to write the feature shards to (new, or an unfinished build)")
     add_config_arguments(p, "experiment YAML: model.backbone/weights/pooling and data.* sizes and crop")
     p.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
     p.add_argument("--overwrite", action="store_true", help="replace the feature shards in OUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_features)
 
 
-def _add_whiten(sub: Any) -> None:
-    p = sub.add_parser(
-        "whiten",
-        help="PCA-whiten the vectors of feature shards (fitted on the training split): a head trains on them "
-        "in a few epochs",
-    )
+def _whiten_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="feature shard directory or URL (made by `shards features`)")
     p.add_argument("out", help="directory to write the whitened shards to (new, or an unfinished build)")
     p.add_argument("--dim", type=int, default=None, help="axes kept, largest variance first (default: all)")
@@ -51,7 +34,6 @@ def _add_whiten(sub: Any) -> None:
     p.add_argument("--split", default="train", help="the split the map is fitted on (default: train)")
     p.add_argument("--overwrite", action="store_true", help="replace the whitened shards in OUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_whiten)
 
 
 def _features(args: argparse.Namespace) -> int:
@@ -98,3 +80,21 @@ def _whiten(args: argparse.Namespace) -> int:
     print(f"whitened: {kept} of {len(eigenvalues)} axes, {share:.1%} of the {args.split} vectors' variance")
     print(format_info(args.out))
     return 0
+
+
+COMMANDS = (
+    Command(
+        "features",
+        help="embed every image of a shard set once with the config's frozen backbone: feature shards "
+        "(train a head on them with model.backbone=features)",
+        arguments=_features_arguments,
+        run=_features,
+    ),
+    Command(
+        "whiten",
+        help="PCA-whiten the vectors of feature shards (fitted on the training split): a head trains on them "
+        "in a few epochs",
+        arguments=_whiten_arguments,
+        run=_whiten,
+    ),
+)

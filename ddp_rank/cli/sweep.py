@@ -16,24 +16,14 @@ import argparse
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 from ddp_rank.cli.arguments import add_config_arguments
+from ddp_rank.cli.command import EXIT_USAGE, Command
 
-__all__ = ["register", "run"]
-
-EXIT_USAGE = 2
+__all__ = ["COMMAND", "run"]
 
 
-def register(subparsers: Any) -> None:
-    """Add the ``sweep`` sub-command."""
-    p = subparsers.add_parser(
-        "sweep",
-        help="train a grid of config values (key=v1,v2,...) one run per point, then compare them",
-        description="Expand key=v1,v2,... overrides into a grid, train each point into "
-        "<train.output_dir>/<key=value,...>/ (skipping points already finished, continuing interrupted ones), "
-        "and end with the comparison table (compare.md, compare.png in the sweep's folder).",
-    )
+def _arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, "experiment YAML the points start from")
     p.add_argument(
         "--equal",
@@ -76,7 +66,6 @@ def register(subparsers: Any) -> None:
         "set-up are paid once, and each point trains exactly as in a process of its own",
     )
     p.add_argument("--metric", default="recall@1", help="the metric of the comparison and its plot")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,3 +132,14 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+COMMAND = Command(
+    "sweep",
+    help="train a grid of config values (key=v1,v2,...) one run per point, then compare them",
+    description="Expand key=v1,v2,... overrides into a grid, train each point into "
+    "<train.output_dir>/<key=value,...>/ (skipping points already finished, continuing interrupted ones), "
+    "and end with the comparison table (compare.md, compare.png in the sweep's folder).",
+    arguments=_arguments,
+    run=run,
+)

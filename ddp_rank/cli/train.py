@@ -11,27 +11,17 @@ Examples::
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from ddp_rank.cli.arguments import add_config_arguments
+from ddp_rank.cli.command import EXIT_USAGE, Command
 from ddp_rank.config import ConfigError, describe, load_config
 
-__all__ = ["register", "run"]
-
-EXIT_USAGE = 2
+__all__ = ["COMMAND", "run"]
 
 
-def register(subparsers: Any) -> None:
-    """Add the ``train`` sub-command."""
-    p = subparsers.add_parser(
-        "train",
-        help="train an embedding network with a global-batch ranking loss (also under accelerate launch)",
-        description="Train with the config FILE, overridden by section.key=value pairs "
-        "(see --help-config). The merged config is saved as OUTPUT_DIR/config.yaml.",
-    )
+def _arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, "experiment YAML (configs/*.yaml); defaults are used without it")
     p.add_argument("--help-config", action="store_true", help="list every config key and exit")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,3 +45,13 @@ def run(args: argparse.Namespace) -> int:
     if summary.get("world_size") is not None and launch_rank() == 0:
         print(f"done: {summary['steps']} steps, outputs in {cfg.train.output_dir}")
     return 0
+
+
+COMMAND = Command(
+    "train",
+    help="train an embedding network with a global-batch ranking loss (also under accelerate launch)",
+    description="Train with the config FILE, overridden by section.key=value pairs "
+    "(see --help-config). The merged config is saved as OUTPUT_DIR/config.yaml.",
+    arguments=_arguments,
+    run=run,
+)

@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ __all__ = [
     "RetrievalPicture",
     "RetrievalRecord",
     "ShardImages",
+    "ShownSample",
     "decode_thumbnail",
     "draw_records",
     "eval_picture_file",
@@ -73,6 +74,7 @@ RECORD_FILE = "retrieval.json"
 
 ImageFetch = Callable[[int, str], "Any"]
 """``fetch(label, key)`` -> a PIL image, or None when it cannot be read."""
+Shown = TypeVar("Shown", bound="ShownSample")
 
 
 class RecordError(ValueError):
@@ -80,23 +82,29 @@ class RecordError(ValueError):
 
 
 @dataclass(frozen=True)
-class Neighbour:
+class ShownSample:
+    """A sample the picture shows, by its key and class id, with the names its user knows it by."""
+
     key: str
     label: int
-    score: float
     name: str = ""
     """The class name the manifest gives ``label`` (``""``: none known)."""
     source: str = ""
     """The file the sample was built from, as its json records it (``""``: none recorded)."""
 
 
-@dataclass(frozen=True)
-class QueryRow:
-    key: str
-    label: int
+@dataclass(frozen=True, kw_only=True)
+class Neighbour(ShownSample):
+    """A retrieved sample and its similarity to the query."""
+
+    score: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueryRow(ShownSample):
+    """A sampled query and what it retrieved, nearest first."""
+
     neighbours: tuple[Neighbour, ...]
-    name: str = ""
-    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -118,13 +126,8 @@ class RetrievalRecord:
         try:
             queries = tuple(
                 QueryRow(
-                    str(q["key"]),
-                    int(q["label"]),
-                    tuple(
-                        Neighbour(str(n["key"]), int(n["label"]), float(n["score"]), *_names(n))
-                        for n in q["neighbours"]
-                    ),
-                    *_names(q),
+                    *_shown(q),
+                    neighbours=tuple(Neighbour(*_shown(n), score=float(n["score"])) for n in q["neighbours"]),
                 )
                 for q in data["queries"]
             )
@@ -138,9 +141,14 @@ class RetrievalRecord:
             ) from exc
 
 
-def _names(entry: Mapping[str, Any]) -> tuple[str, str]:
-    """(name, source) of a record's entry: ``""`` in a record written before names were kept."""
-    return str(entry.get("name") or ""), str(entry.get("source") or "")
+def _shown(entry: Mapping[str, Any]) -> tuple[str, int, str, str]:
+    """(key, label, name, source) of a record's entry: names ``""`` in a record written before they were kept."""
+    return (
+        str(entry["key"]),
+        int(entry["label"]),
+        str(entry.get("name") or ""),
+        str(entry.get("source") or ""),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -261,19 +269,15 @@ def record_from_embedded(
             keys_by_class[label] = {key_index(key): key for key in images.samples(label)}
         return keys_by_class[label].get(int(index[row]), f"<unread sample of class {label}>")
 
-    def named(row: int) -> tuple[str, int, str, str]:
+    def shown(row: int) -> tuple[str, int, str, str]:
         key, label = key_of(row), int(labels[row])
         names = images.names(label, key)
         return key, label, names.name, names.source
 
     queries_out = []
     for q, row, score in zip(queries, rows, scores):
-        key, label, name, source = named(int(q))
-        neighbours = []
-        for r, s in zip(row, score):
-            n_key, n_label, n_name, n_source = named(int(r))
-            neighbours.append(Neighbour(n_key, n_label, round(float(s), 6), n_name, n_source))
-        queries_out.append(QueryRow(key, label, tuple(neighbours), name, source))
+        neighbours = tuple(Neighbour(*shown(int(r)), score=round(float(s), 6)) for r, s in zip(row, score))
+        queries_out.append(QueryRow(*shown(int(q)), neighbours=neighbours))
     return RetrievalRecord(shards, split, protocol, int(seed), tuple(queries_out))
 
 
@@ -363,7 +367,7 @@ def with_names(record: RetrievalRecord, names: Callable[[int, str], SampleName])
     """``record`` with the names a record written before they were kept lacks, from ``names(label, key)``
     (e.g. :meth:`ShardImages.names`); the names it has are kept."""
 
-    def named(row: Any) -> Any:
+    def named(row: Shown) -> Shown:
         if row.name:
             return row
         found = names(row.label, row.key)

@@ -2,8 +2,9 @@
 
 The evaluation's settings (its ``eval`` and ``data`` sections, ``train.seed``) are the eval layer's own; the
 trainer and ``ddp-rank eval`` / ``export`` call :func:`evaluation_settings` once at start-up and hand the result
-down. :func:`load_run_config` finds the config a
-checkpoint or an export was made with, so that a command reading a run needs nothing from a layer above it.
+down; a run checks them against its shards at start-up with :func:`check_evaluation`. :func:`load_run_config`
+finds the config a checkpoint or an export was made with, so that a command reading a run needs nothing from a
+layer above it.
 """
 
 from __future__ import annotations
@@ -12,15 +13,43 @@ from pathlib import Path
 from typing import Any
 
 from ddp_rank.config import Config, ConfigError, DataConfig, ModelConfig, config_from_dict, load_config
-from ddp_rank.eval.runner import EvalSettings
+from ddp_rank.data.format.manifest import Manifest
+from ddp_rank.eval.protocols import metric_names
+from ddp_rank.eval.runner import EvalSettings, vehicleid_splits
 from ddp_rank.model import read_meta, resolve_checkpoint
 
-__all__ = ["evaluation_settings", "index_settings", "load_run_config"]
+__all__ = ["check_evaluation", "evaluation_settings", "index_settings", "load_run_config"]
 
 
 def evaluation_settings(cfg: Config) -> EvalSettings:
     """The evaluation's settings: the ``eval`` and ``data`` sections as they are, and ``train.seed``."""
     return EvalSettings(cfg.eval, cfg.data, cfg.train.seed)
+
+
+def check_evaluation(settings: EvalSettings, best_metric: str, manifest: Manifest) -> None:
+    """What the evaluation needs, checked at start-up rather than at the first evaluation: the test lists of
+    VehicleID recipe shards, and ``best_metric`` (``train.best_metric``) among the metrics the protocol will
+    report."""
+    if not settings.data.test_split:
+        return
+    e = settings.eval
+    sizes: list[str] = list(e.vehicleid_sizes)
+    if e.protocol == "vehicleid":
+        sizes = list(vehicleid_splits(settings, manifest)) or sizes
+    names = metric_names(
+        e.protocol,
+        list(e.ks) or None,
+        map_at_r=e.map_at_r,
+        vehicleid_sizes=sizes,
+        metrics=list(e.metrics),
+        deployment=settings.deployment,
+    )
+    if best_metric not in names:
+        valid = [n for n in names if not n.rsplit("/", 1)[-1].startswith("num_")]
+        raise ConfigError(
+            f"train.best_metric='{best_metric}' is not among the metrics eval.protocol="
+            f"{e.protocol} reports with these settings; valid: {', '.join(valid)}"
+        )
 
 
 def load_run_config(config: str | None, checkpoint: str | None, overrides: list[str]) -> Config:

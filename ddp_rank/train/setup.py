@@ -19,8 +19,8 @@ from ddp_rank.data.reading.feature_stream import FeatureStream
 from ddp_rank.data.reading.shard_cache import open_cache
 from ddp_rank.data.reading.stream import ShardStream
 from ddp_rank.data.reading.transforms import transform_from_config
-from ddp_rank.eval.protocols import metric_names
-from ddp_rank.eval.runner import EvalSettings, vehicleid_splits
+from ddp_rank.eval.runner import EvalSettings
+from ddp_rank.eval.settings import check_evaluation
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, ListwiseOptions, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
 from ddp_rank.runtime import TrainError, open_shards
@@ -38,7 +38,6 @@ __all__ = [
     "build_network",
     "build_stream",
     "build_training_loss",
-    "check_evaluation",
     "configure_deepspeed",
     "open_and_check_inputs",
     "trainable_loss_parameters",
@@ -109,32 +108,6 @@ def build_loss(lc: LossConfig) -> ListwiseLoss:
             variant=lc.pnp_variant, tau=lc.tau, b=lc.b, alpha=lc.alpha, count_self=lc.count_self, **common
         )
     return SmoothAPLoss(tau=lc.tau, count_self=lc.count_self, **common)
-
-
-def check_evaluation(settings: EvalSettings, best_metric: str, manifest: Manifest) -> None:
-    """What the evaluation needs, checked at start-up rather than at the first evaluation: the test lists of
-    VehicleID recipe shards, and ``best_metric`` (``train.best_metric``) among the metrics the protocol will
-    report."""
-    if not settings.data.test_split:
-        return
-    e = settings.eval
-    sizes: list[str] = list(e.vehicleid_sizes)
-    if e.protocol == "vehicleid":
-        sizes = list(vehicleid_splits(settings, manifest)) or sizes
-    names = metric_names(
-        e.protocol,
-        list(e.ks) or None,
-        map_at_r=e.map_at_r,
-        vehicleid_sizes=sizes,
-        metrics=list(e.metrics),
-        deployment=settings.deployment,
-    )
-    if best_metric not in names:
-        valid = [n for n in names if not n.rsplit("/", 1)[-1].startswith("num_")]
-        raise ConfigError(
-            f"train.best_metric='{best_metric}' is not among the metrics eval.protocol="
-            f"{e.protocol} reports with these settings; valid: {', '.join(valid)}"
-        )
 
 
 def open_and_check_inputs(evaluation: EvalSettings, backbone: str, best_metric: str) -> Manifest:

@@ -107,8 +107,7 @@ def test_settings_are_checked_at_start_up() -> None:
 
 
 def test_best_metric_is_checked_against_the_deployment_figures() -> None:
-    from ddp_rank.eval.settings import evaluation_settings
-    from ddp_rank.train.setup import check_evaluation
+    from ddp_rank.eval.settings import check_evaluation, evaluation_settings
 
     cfg = load_config(None, ["eval.protocol=verification"])  # best_metric stays recall@1: not reported
     with pytest.raises(

@@ -72,7 +72,7 @@ def test_long_names_are_shortened_in_the_middle_to_the_cell_width() -> None:
     source = "/data/birds/001/Black_footed_Albatross_0001_1.jpg"
     record = RetrievalRecord(
         "shards", "test", "sop", 0,
-        (QueryRow("c0000003_00000", 3, (Neighbour("c0000004_00001", 4, 0.5),), LONG, source),),
+        (QueryRow("c0000003_00000", 3, LONG, source, neighbours=(Neighbour("c0000004_00001", 4, score=0.5),)),),
     )  # fmt: skip
     queries, blocks = record_cells([record], [lambda label, key: None])
     assert caption_lines(queries[0], layout) == [short, "Black_fo..01_1.jpg"]  # the file, not its folder
@@ -102,7 +102,9 @@ def test_a_record_without_names_takes_them_from_its_shards_and_keeps_its_own(nam
         other = next(iter(images.samples(1)))
         old = RetrievalRecord(
             str(named_shards), "test", "sop", 0,
-            (QueryRow(key, 0, (Neighbour(other, 1, 0.9), Neighbour(other, 1, 0.8, "kept", "k.png"))),),
+            (QueryRow(key, 0, neighbours=(
+                Neighbour(other, 1, score=0.9), Neighbour(other, 1, "kept", "k.png", score=0.8)
+            )),),
         )  # fmt: skip
         filled = with_names(old, images.names).queries[0]
     finally:

@@ -15,7 +15,6 @@ and a worker would compete with the step for the cores.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ from ddp_rank.data.reading.batch import DataEvents, StreamBatch
 from ddp_rank.data.reading.feature_table import MEMORY_MAP_BYTES, FeatureTable, load_feature_table
 from ddp_rank.data.reading.reader import ClassReadError
 from ddp_rank.data.reading.stream import ShardStream
+from ddp_rank.data.sampling.plan import Piece
 
 __all__ = ["FeatureStream"]
 
@@ -79,16 +79,11 @@ class FeatureStream(ShardStream):
         )
 
     def _load(
-        self,
-        epoch: int,
-        step: int,
-        class_id: int,
-        images: Sequence[int],
-        transform: Any,
-        events: DataEvents,
+        self, epoch: int, step: int, piece: Piece, transform: Any, events: DataEvents
     ) -> tuple[list[str], list[torch.Tensor]]:
         """One class of a step the fast path left to ``ShardStream.batch``: from the table, failing where the
         per-sample path would (the class's read error, or the first chosen row that does not decode)."""
+        class_id = piece.class_id
         if class_id in self.table.failures:
             # A new error each time: the stored one, raised again, would carry every earlier raise's traceback
             # (and the frames it holds) for as long as the run draws that class.
@@ -96,7 +91,7 @@ class FeatureStream(ShardStream):
             raise ClassReadError(failure.class_id, failure.shard, failure.reason)
         first = int(self.table.starts[class_id])
         keys, out = [], []
-        for index in images:
+        for index in piece.images:
             row = first + int(index)
             key = str(self.table.keys[row])
             if row in self.table.bad_rows:

@@ -88,18 +88,16 @@ class ShardStream(SplitSource):
     call ``advance(batch)`` (or ``set_epoch``) yourself, since worker copies cannot report back.
 
     Examples:
-        The first step's batch of one process, from shards of two categories (the ``hard`` sampler that
-        ``auto`` picks here draws whole classes of each category):
+        The first step's batch of one process, from shards of a synthetic image folder of two categories of
+        two classes of three images (the ``hard`` sampler that ``auto`` picks here draws whole classes of each
+        category):
 
         >>> import tempfile
         >>> from pathlib import Path
-        >>> from PIL import Image
         >>> from ddp_rank.data import BuildOptions, ShardStream, TransformConfig, build_shards, read_image_folder
+        >>> from ddp_rank.data.building.synthetic import write_image_folder
         >>> root = Path(tempfile.mkdtemp())
-        >>> for category, product, view in [(c, p, v) for c in ("mugs", "lamps") for p in (0, 1) for v in (0, 1, 2)]:
-        ...     folder = root / "images" / category / f"{category}-{product}"
-        ...     folder.mkdir(parents=True, exist_ok=True)
-        ...     Image.new("RGB", (8, 8), (40 * product, 80 * view, 0)).save(folder / f"{view}.png")
+        >>> _ = write_image_folder(root / "images", [[3, 3], [3, 3]])  # images per class, per category
         >>> _ = build_shards(read_image_folder(root / "images"), root / "shards", BuildOptions(progress=False))
         >>> stream = ShardStream(root / "shards", 6, rank=0, world_size=1, transform=TransformConfig(resize=8, crop=8))
         >>> batch = next(iter(stream))
@@ -233,13 +231,13 @@ class ShardStream(SplitSource):
         docstring); ``taken`` holds the replacements this batch already used, so none is used twice."""
         failures: list[ClassReadError] = []
         candidates: Sequence[int] | None = None
-        class_id, images = piece.class_id, piece.images
+        drawn = piece  # the piece, then each replacement tried in its place
         while True:
             try:
-                keys, tensors = self._load(epoch, step, class_id, images, transform, events)
+                keys, tensors = self._load(epoch, step, drawn, transform, events)
                 if failures:
                     events.replaced_classes += len(failures)
-                return class_id, keys, tensors
+                return drawn.class_id, keys, tensors
             except ClassReadError as exc:
                 failures.append(exc)
                 events.note_bad_shard(exc.shard)
@@ -261,7 +259,7 @@ class ShardStream(SplitSource):
             order = np.random.default_rng(
                 image_seed(self.schedule_config.seed, epoch, step, class_id)
             ).permutation(n)
-            images = order[: piece.size].tolist()
+            drawn = Piece(class_id, order[: piece.size].tolist(), piece.group)
 
     def _warn_once(self, failure: ClassReadError) -> None:
         """A class replaced: its failure's cause (shard and reason) in full the first time this stream meets it,
@@ -277,19 +275,16 @@ class ShardStream(SplitSource):
         )
 
     def _load(
-        self,
-        epoch: int,
-        step: int,
-        class_id: int,
-        images: Sequence[int],
-        transform: Any,
-        events: DataEvents,
+        self, epoch: int, step: int, piece: Piece, transform: Any, events: DataEvents
     ) -> tuple[list[str], list[torch.Tensor]]:
+        """(keys, tensors) of ``piece``'s images, each decoded and transformed with its own seed; raises
+        ``ClassReadError`` where the class cannot be read or an image does not decode."""
+        class_id = piece.class_id
         samples = self.reader.read(class_id)
         if self.feature_dim is not None:
-            return self._load_vectors(class_id, samples, images, events)
+            return self._load_vectors(class_id, samples, piece.images, events)
         keys, out = [], []
-        for index in images:
+        for index in piece.images:
             sample: SpanSample = samples[index]
             try:
                 decoded = decode_image(
