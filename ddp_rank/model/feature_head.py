@@ -30,7 +30,6 @@ __all__ = [
     "ImageFeatureNet",
     "RawFeatures",
     "build_seeded",
-    "example_input",
     "image_features",
     "weights_digest",
 ]
@@ -160,13 +159,6 @@ def weights_digest(module: nn.Module) -> str:
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
-
-
-def example_input(model: nn.Module, n: int, image_size: int, device: torch.device) -> torch.Tensor:
-    """A batch of ``n`` inputs of the shape ``model`` takes: vectors for a feature head, uint8 images else."""
-    if isinstance(model, FeatureHeadNet):
-        return torch.randn(n, model.input_dim, device=device)
-    return torch.randint(0, 256, (n, 3, image_size, image_size), dtype=torch.uint8, device=device)
 
 
 def _weight_dtype(module: nn.Module) -> torch.dtype:

@@ -12,7 +12,7 @@ from ddp_rank.runtime.accelerator import (
     resolve_mixed_precision,
 )
 from ddp_rank.runtime.errors import AGREED_ERRORS, TrainError
-from ddp_rank.runtime.shards import check_split, open_shards
+from ddp_rank.runtime.shards import check_split, open_shards, open_training_shards
 
 __all__ = [
     "AGREED_ERRORS",
@@ -21,6 +21,7 @@ __all__ = [
     "check_split",
     "make_accelerator",
     "open_shards",
+    "open_training_shards",
     "precision_dtype",
     "resolve_mixed_precision",
 ]

@@ -44,15 +44,15 @@ def build_pml(name: str, miner_name: str, num_classes: int, embedding_size: int)
     ``embedding_size`` default to the shards' class count and ``model.embedding_dim`` for the losses that take
     them (the proxy losses)."""
     defaults = {"num_classes": num_classes, "embedding_size": embedding_size}
+    # Both texts parsed before anything is imported or built: a typo in either is met first, in one line.
     loss_spec = parse_call(name, "loss.name", _EXAMPLES["losses"])
+    miner_spec = parse_call(miner_name, "loss.miner", _EXAMPLES["miners"]) if miner_name else None
     loss = _build("losses", "loss.name", name, loss_spec, defaults)
-    miner = None
     description = "pytorch-metric-learning " + _describe(loss, loss_spec, defaults)
-    if miner_name:
-        miner_spec = parse_call(miner_name, "loss.miner", _EXAMPLES["miners"])
-        miner = _build("miners", "loss.miner", miner_name, miner_spec, {})
-        description += " with the miner " + miner_spec.describe()
-    return PmlParts(loss, miner, description)
+    if miner_spec is None:
+        return PmlParts(loss, None, description)
+    miner = _build("miners", "loss.miner", miner_name, miner_spec, {})
+    return PmlParts(loss, miner, f"{description} with the miner {miner_spec.describe()}")
 
 
 def generic_work_space(global_batch: int) -> int:

@@ -30,7 +30,6 @@ from ddp_rank.train.step_settings import StepSettings
 __all__ = [
     "TrainSettings",
     "config_record",
-    "report_settings",
     "step_settings",
     "train_settings",
 ]
@@ -65,24 +64,18 @@ def step_settings(cfg: Config) -> StepSettings:
     return StepSettings(cfg.data, cfg.model, cfg.distributed, cfg.optim)
 
 
-def report_settings(cfg: Config, evaluation: EvalSettings | None = None) -> ReportSettings:
-    """The reporting's settings: the ``train`` section, the evaluation's settings (``data.test_split``, the
-    retrieval picture's) and the config record."""
-    evaluation = evaluation if evaluation is not None else evaluation_settings(cfg)
-    return ReportSettings(cfg.train, evaluation, config_record(cfg))
-
-
 def train_settings(cfg: Config) -> TrainSettings:
     """Every part's settings of a training run of ``cfg``."""
-    evaluation = evaluation_settings(cfg)
+    step, record, evaluation = step_settings(cfg), config_record(cfg), evaluation_settings(cfg)
     return TrainSettings(
         data=cfg.data,
         data_seed=cfg.data_seed,
         model=cfg.model,
         loss=cfg.loss,
         optim=cfg.optim,
-        step=step_settings(cfg),
+        step=step,
         evaluation=evaluation,
         train=cfg.train,
-        report=report_settings(cfg, evaluation),
+        # The reporting's: the train section, the evaluation's (data.test_split, the retrieval picture's), the record.
+        report=ReportSettings(cfg.train, evaluation, record),
     )

@@ -1,5 +1,6 @@
-"""Starting a run: the checks that must fail before any process group exists, and the parts a trainer is built
-from (the loss, the data stream, the network, DeepSpeed's batch settings)."""
+"""Starting a run: the parts a trainer is built from (the loss, the data stream, the network, DeepSpeed's batch
+settings). The checks that must fail before any process group exists are those of the layers that own them:
+``ddp_rank.runtime.open_training_shards`` (the shards) and ``ddp_rank.eval.settings.check_evaluation``."""
 
 from __future__ import annotations
 
@@ -14,18 +15,16 @@ from torch import nn
 
 from ddp_rank.config import ConfigError, DataConfig, LossConfig, ModelConfig
 from ddp_rank.data.features.records import feature_dim
-from ddp_rank.data.format.manifest import Manifest, is_url
+from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.reading.feature_stream import FeatureStream
 from ddp_rank.data.reading.shard_cache import open_cache
 from ddp_rank.data.reading.stream import ShardStream
 from ddp_rank.data.reading.transforms import transform_from_config
-from ddp_rank.eval.runner import EvalSettings
-from ddp_rank.eval.settings import check_evaluation
 from ddp_rank.losses import FastAPLoss, ListwiseLoss, ListwiseOptions, PNPLoss, SmoothAPLoss
 from ddp_rank.model import EmbeddingNet, build_model, init_from, is_convolutional
-from ddp_rank.runtime import TrainError, open_shards
+from ddp_rank.runtime import TrainError
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
-from ddp_rank.runtime.shards import check_held_out_classes, model_input_dim
+from ddp_rank.runtime.shards import model_input_dim
 from ddp_rank.train.batchnorm import convert_to_cross_rank
 from ddp_rank.train.bn_mode import BatchNormMode
 from ddp_rank.train.chunking.layout import BatchLayout
@@ -39,7 +38,6 @@ __all__ = [
     "build_stream",
     "build_training_loss",
     "configure_deepspeed",
-    "open_and_check_inputs",
     "trainable_loss_parameters",
     "uses_deepspeed",
     "wants_channels_last",
@@ -110,33 +108,6 @@ def build_loss(lc: LossConfig) -> ListwiseLoss:
     return SmoothAPLoss(tau=lc.tau, count_self=lc.count_self, **common)
 
 
-def open_and_check_inputs(evaluation: EvalSettings, backbone: str, best_metric: str) -> Manifest:
-    """Fail fast, before any process group exists, on a missing shard directory or split, or on an evaluation
-    setting that would only fail at the first evaluation. Returns the manifest, loaded once for the run.
-    ``evaluation``: the evaluation's settings, with the data's; ``backbone``: ``model.backbone``;
-    ``best_metric``: ``train.best_metric``."""
-    data = evaluation.data
-    manifest = open_shards(data.shards, backbone)
-    for key, split in (("train_split", data.train_split), ("test_split", data.test_split)):
-        if split and split not in manifest.splits:
-            raise TrainError(
-                f"data.{key}='{split}' is not a split of {data.shards} (it has {sorted(manifest.splits)}); "
-                f"set data.{key}"
-                + (" (or data.test_split= to train without evaluation)" if key == "test_split" else "")
-            )
-    check_held_out_classes(manifest, data.shards, data.train_split)
-    local = not is_url(manifest.location)
-    train_shards = manifest.split(data.train_split).shards
-    missing = [s.path for s in train_shards if local and not manifest.shard_path(s).is_file()]
-    if missing:
-        raise TrainError(
-            f"{len(missing)} shard file(s) of {data.shards} are missing, e.g. {missing[0]}: copy the whole "
-            "shard directory or rebuild it (`ddp-rank shards verify` checks it)"
-        )
-    check_evaluation(evaluation, best_metric, manifest)
-    return manifest
-
-
 def build_stream(
     data: DataConfig, seed: int, manifest: Manifest, rank: int, world_size: int, run_dir: Path | None = None
 ) -> ShardStream:
@@ -147,15 +118,16 @@ def build_stream(
     if rank == 0 and data.sampler == "auto":
         strategy, why = resolve_sampler(data, manifest)
         log.info(f"sampler {strategy}: {why}")
-    cache = open_cache(data.cache_dir, data.cache_max_gb)
-    features = feature_dim(manifest) is not None
-    table_dir = cache.directory if cache is not None else run_dir / "feature-table" if run_dir else None
-    try:
+    try:  # the sampler settings first: settings these shards cannot meet are refused before the cache is made
+        schedule = schedule_config(data, manifest, seed)
+        cache = open_cache(data.cache_dir, data.cache_max_gb)
+        features = feature_dim(manifest) is not None
+        table_dir = cache.directory if cache is not None else run_dir / "feature-table" if run_dir else None
         return (partial(FeatureStream, table_dir=table_dir) if features else ShardStream)(
             manifest,
             data.global_batch_size,
             split=data.train_split,
-            schedule=schedule_config(data, manifest, seed),
+            schedule=schedule,
             transform=transform_from_config(data, augment=data.augment, pixels="uint8"),
             augment=data.augment,
             num_workers=data.num_workers,

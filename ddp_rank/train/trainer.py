@@ -9,7 +9,7 @@ One ``Trainer`` per process. Every process of a job runs the same code on its ow
 
 The layers stay apart: the losses know no ranks, the distributed layer no images, the data layer no losses;
 only the training package knows all three. Its parts: ``settings`` (each part below gets its config sections,
-never the whole config), ``setup`` (start-up checks, building the parts), ``chunking`` (the batch layout, the
+never the whole config), ``setup`` (building the parts), ``chunking`` (the batch layout, the
 chunk), ``batches`` (this rank's batches, read ahead), ``checkpoints`` (the state saved, the resume and its
 checks), ``run_report`` (logs, tables, summary). ``train_step`` / ``state_dict`` /
 ``load_state_dict`` are the units the tests drive; ``fit`` is the loop with evaluation and checkpoints;
@@ -33,9 +33,10 @@ from ddp_rank.data.reading.batch import StreamBatch
 from ddp_rank.distributed import GlobalBatchLoss, average_gradients, end_process_group
 from ddp_rank.distributed.agreement import RankFailure
 from ddp_rank.eval.runner import evaluate_model
+from ddp_rank.eval.settings import check_evaluation
 from ddp_rank.logs import configure_run_logging
 from ddp_rank.model import EmbeddingNet, freeze_batchnorm
-from ddp_rank.runtime import AGREED_ERRORS, TrainError, autocast_dtype, make_accelerator
+from ddp_rank.runtime import AGREED_ERRORS, TrainError, autocast_dtype, make_accelerator, open_training_shards
 from ddp_rank.runtime.determinism import set_deterministic
 from ddp_rank.runtime.failure import end_process_after_failure, end_process_now, launch_rank
 from ddp_rank.train.backends import backend_for_accelerator
@@ -64,7 +65,6 @@ from ddp_rank.train.setup import (
     build_stream,
     build_training_loss,
     configure_deepspeed,
-    open_and_check_inputs,
     trainable_loss_parameters,
     uses_deepspeed,
 )
@@ -87,8 +87,12 @@ class Trainer:
 
     def __init__(self, cfg: Config, accelerator: Any | None = None, stop: StopRequest | None = None) -> None:
         self.cfg = cfg
+        # Given by run_training, which takes the signals over before the (long) start-up; else made here.
+        self.stop = stop if stop is not None else StopRequest(cfg.train.stop_signals, cfg.train.stop_grace_s)
         self.settings = s = train_settings(cfg)  # the config translated once: each part gets its own below
-        self.manifest = open_and_check_inputs(s.evaluation, s.model.backbone, s.train.best_metric)
+        # Fail fast, before any process group exists: the shards, then what the evaluation needs of them.
+        self.manifest = open_training_shards(s.data, s.model.backbone)
+        check_evaluation(s.evaluation, s.train.best_metric, self.manifest)
         # Before the first CUDA matmul: cuBLAS reads its workspace setting when it starts.
         set_deterministic(s.train.deterministic, s.train.deterministic_fill)
         # A passed accelerator must carry train.log_with.
@@ -97,17 +101,15 @@ class Trainer:
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
         self.device = acc.device
-        self.layout = BatchLayout.from_settings(s.step, self.world_size)  # the chunk: below, when 'auto'
         self.out_dir = Path(s.train.output_dir)
-        configure_run_logging(self.rank, self.out_dir)
+        configure_run_logging(self.rank, self.out_dir)  # before any line the start-up logs
+        self.layout = BatchLayout.from_settings(s.step, self.world_size)  # the chunk: below, when 'auto'
 
         # Same initial weights on every rank (DDP would broadcast them anyway; ZeRO would not check).
         torch.manual_seed(s.train.seed)
         self.stream = build_stream(
             s.data, s.data_seed, self.manifest, self.rank, self.world_size, self.out_dir
         )
-        # Given by run_training, which takes the signals over before the (long) start-up; else made here.
-        self.stop = stop if stop is not None else StopRequest(s.train.stop_signals, s.train.stop_grace_s)
         self.batches = TrainBatches(self.stream, self.device, lambda: self.stop.requested)
         self.steps_per_epoch = self.stream.steps_per_epoch
         self.total_steps = s.train.steps or s.train.epochs * self.steps_per_epoch

@@ -15,8 +15,8 @@ from ddp_rank.data.building.build import BuildOptions, build_shards
 from ddp_rank.data.building.listing import read_image_folder
 from ddp_rank.data.building.synthetic import write_image_folder
 from ddp_rank.data.format.manifest import Manifest
-from ddp_rank.eval.settings import evaluation_settings
-from ddp_rank.train.setup import open_and_check_inputs
+from ddp_rank.eval.settings import check_evaluation, evaluation_settings
+from ddp_rank.runtime.shards import open_training_shards
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,9 @@ def build_tiny_shards(root: Path) -> Path:
 
 def check_inputs(cfg: Config) -> Manifest:
     """The trainer's start-up checks of ``cfg``'s shards and evaluation; returns the manifest."""
-    return open_and_check_inputs(evaluation_settings(cfg), cfg.model.backbone, cfg.train.best_metric)
+    manifest = open_training_shards(cfg.data, cfg.model.backbone)
+    check_evaluation(evaluation_settings(cfg), cfg.train.best_metric, manifest)
+    return manifest
 
 
 def final_weights(run_dir: Path, step: int | None = None) -> dict[str, torch.Tensor]:

@@ -54,7 +54,7 @@ from torch import nn
 from ddp_rank.config import DataConfig
 from ddp_rank.losses import ListwiseLoss
 from ddp_rank.model import freeze_batchnorm
-from ddp_rank.model.feature_head import example_input
+from ddp_rank.model.feature_head import FeatureHeadNet
 from ddp_rank.train.chunking.host_memory import available_memory
 from ddp_rank.train.chunking.step import PreparesBatch
 from ddp_rank.train.chunking.step_memory import FixedCosts, fixed_costs, format_size
@@ -67,6 +67,7 @@ __all__ = [
     "auto_chunk",
     "choose_chunk",
     "database_bytes",
+    "example_input",
     "loss_work_space",
     "measure_activation_bytes",
     "memory_budget",
@@ -211,6 +212,14 @@ def database_bytes(global_batch: int, embedding_dim: int) -> int:
     """What every rank holds of the gathered batch while the loss runs: its embeddings and their gradient,
     float32."""
     return 2 * global_batch * embedding_dim * 4
+
+
+def example_input(model: nn.Module, n: int, image_size: int, device: torch.device) -> torch.Tensor:
+    """A batch of ``n`` inputs of the shape ``model`` takes, for the probe and the trial step: random vectors for
+    a feature head, random uint8 images else."""
+    if isinstance(model, FeatureHeadNet):
+        return torch.randn(n, model.input_dim, device=device)
+    return torch.randint(0, 256, (n, 3, image_size, image_size), dtype=torch.uint8, device=device)
 
 
 def input_bytes(model: nn.Module, image_size: int) -> tuple[int, int]:

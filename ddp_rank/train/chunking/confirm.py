@@ -33,8 +33,7 @@ from torch import nn
 
 from ddp_rank.distributed.agreement import agree
 from ddp_rank.model import freeze_batchnorm
-from ddp_rank.model.feature_head import example_input
-from ddp_rank.train.chunking.choice import count_saved
+from ddp_rank.train.chunking.choice import count_saved, example_input
 
 __all__ = ["BACK_OFF", "Confirmation", "confirm_chunk", "trial_step"]
 

@@ -12,6 +12,7 @@ import time
 import torch
 
 from ddp_rank.config import Config, ConfigError, LossConfig, ModelConfig
+from ddp_rank.data.features.records import check_model_input
 from ddp_rank.data.format.fragmentation import fragmentation
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.sampling.dealing import deal
@@ -20,7 +21,7 @@ from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
 from ddp_rank.model import build_model
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
-from ddp_rank.runtime.shards import check_model_input, model_input_dim
+from ddp_rank.runtime.shards import model_input_dim
 from ddp_rank.train.chunking.choice import (
     auto_chunk,
     database_bytes,
