@@ -21,7 +21,7 @@ def tarball_name(package: str, version: str) -> str:
     return f"{package.removeprefix('@').replace('/', '-')}-{version}.tgz"
 
 
-def pack(cache: Path, package: str, version: str) -> Path:
+def npm_pack(cache: Path, package: str, version: str) -> Path:
     """``npm pack package@version`` into ``cache`` unless it is there already; returns the tarball's path."""
     cache.mkdir(parents=True, exist_ok=True)
     tgz = cache / tarball_name(package, version)
@@ -63,5 +63,5 @@ def unpack(tgz: Path, dest: Path, prefixes: Sequence[str]) -> Path:
 
 def fetch(cache: Path, package: str, version: str, prefixes: Sequence[str]) -> Path:
     """Pack (if needed) and unpack ``package@version`` under ``cache``; returns its ``package`` folder."""
-    tgz = pack(cache, package, version)
+    tgz = npm_pack(cache, package, version)
     return unpack(tgz, cache / tgz.name.removesuffix(".tgz"), prefixes)
