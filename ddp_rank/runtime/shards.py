@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ddp_rank.config import FEATURES_BACKBONE, ConfigError, DataConfig
-from ddp_rank.data.features.records import check_model_input, feature_dim
+from ddp_rank.data.features.records import FeatureRecordError, feature_dim, feature_record
 from ddp_rank.data.format.class_leaks import BUILT_FIX, leak_line, manifest_leak
 from ddp_rank.data.format.manifest import MANIFEST_NAME, Manifest, is_url, join_location
 from ddp_rank.runtime.errors import TrainError
@@ -13,7 +13,8 @@ __all__ = ["check_split", "model_input_dim", "open_shards", "open_training_shard
 
 def open_shards(shards: str, backbone: str) -> Manifest:
     """The manifest of ``shards`` (``data.shards``), checked to hold what ``backbone`` (``model.backbone``)
-    reads, or an error that says how to get one."""
+    reads, or an error that says how to get one: ``model.backbone=features`` reads feature shards with a backbone
+    record, any other backbone image shards. A run, ``ddp-rank plan``, ``eval`` and ``export`` open them so."""
     if not shards:
         raise ConfigError(
             "data.shards is empty: set it to a shard directory built by `ddp-rank shards build`"
@@ -26,7 +27,21 @@ def open_shards(shards: str, backbone: str) -> Manifest:
         ) from exc
     except ValueError as exc:
         raise TrainError(f"data.shards='{shards}': {exc}") from exc
-    check_model_input(manifest, shards, backbone)
+    try:
+        record = feature_record(manifest)
+    except FeatureRecordError as exc:
+        raise ConfigError(f"data.shards='{shards}': {exc}; rebuild with `ddp-rank shards features`") from exc
+    if backbone == FEATURES_BACKBONE and record is None:
+        raise ConfigError(
+            f"model.backbone={FEATURES_BACKBONE}: {shards}/manifest.json has no build.features record "
+            "(the backbone, its weights' digest, the transform and the dimension of the vectors); make feature "
+            "shards with `ddp-rank shards features IMAGE_SHARDS DST --config CONFIG` and set data.shards=DST"
+        )
+    if record is not None and backbone != FEATURES_BACKBONE:
+        raise ConfigError(
+            f"data.shards='{shards}' holds {record.dim}-d feature vectors (made by {record.backbone}), "
+            f"not images: set model.backbone={FEATURES_BACKBONE} to train a head on them"
+        )
     return manifest
 
 

@@ -45,6 +45,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_PLAN_FIX = "`ddp-rank plan --config ...` shows what the shards allow"
+"""The fix a refused data stream names: the plan of the same config says what the shards hold."""
+
 
 @dataclass(frozen=True)
 class TrainingLoss:
@@ -118,11 +121,14 @@ def build_stream(
     if rank == 0 and data.sampler == "auto":
         strategy, why = resolve_sampler(data, manifest)
         log.info(f"sampler {strategy}: {why}")
-    try:  # the sampler settings first: settings these shards cannot meet are refused before the cache is made
+    try:  # settings that cannot go together (steps_per_epoch with hard_unlabelled, say)
         schedule = schedule_config(data, manifest, seed)
-        cache = open_cache(data.cache_dir, data.cache_max_gb)
-        features = feature_dim(manifest) is not None
-        table_dir = cache.directory if cache is not None else run_dir / "feature-table" if run_dir else None
+    except ValueError as exc:
+        raise TrainError(f"data: {exc}; {_PLAN_FIX}") from exc
+    cache = open_cache(data.cache_dir, data.cache_max_gb)
+    features = feature_dim(manifest) is not None
+    table_dir = cache.directory if cache is not None else run_dir / "feature-table" if run_dir else None
+    try:
         return (partial(FeatureStream, table_dir=table_dir) if features else ShardStream)(
             manifest,
             data.global_batch_size,
@@ -136,7 +142,7 @@ def build_stream(
             cache_dir=cache,
         )
     except ValueError as exc:  # the sampler settings cannot be met by these shards
-        raise TrainError(f"data: {exc}; `ddp-rank plan --config ...` shows what the shards allow") from exc
+        raise TrainError(f"data: {exc}; {_PLAN_FIX}") from exc
 
 
 def build_network(

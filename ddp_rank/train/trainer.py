@@ -101,9 +101,9 @@ class Trainer:
         self.rank = acc.process_index
         self.is_main = acc.is_main_process
         self.device = acc.device
-        self.out_dir = Path(s.train.output_dir)
-        configure_run_logging(self.rank, self.out_dir)  # before any line the start-up logs
         self.layout = BatchLayout.from_settings(s.step, self.world_size)  # the chunk: below, when 'auto'
+        self.out_dir = Path(s.train.output_dir)
+        configure_run_logging(self.rank, self.out_dir)
 
         # Same initial weights on every rank (DDP would broadcast them anyway; ZeRO would not check).
         torch.manual_seed(s.train.seed)

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from ddp_rank.config import FEATURES_BACKBONE, ConfigError
 from ddp_rank.data.features.whitening import WhiteningRecord
 from ddp_rank.data.format.manifest import Manifest
 
@@ -138,26 +137,6 @@ def feature_dim(manifest: Manifest) -> int | None:
     return None if record is None else record.dim
 
 
-def check_model_input(manifest: Manifest, shards: str, backbone: str) -> None:
-    """``model.backbone=features`` reads feature shards with a backbone record, any other backbone image shards;
-    anything else is refused with the fix. ``shards``: where ``manifest`` came from, for the messages."""
-    try:
-        record = feature_record(manifest)
-    except FeatureRecordError as exc:
-        raise ConfigError(f"data.shards='{shards}': {exc}; rebuild with `ddp-rank shards features`") from exc
-    if backbone == FEATURES_BACKBONE and record is None:
-        raise ConfigError(
-            f"model.backbone={FEATURES_BACKBONE}: {shards}/manifest.json has no build.features record "
-            "(the backbone, its weights' digest, the transform and the dimension of the vectors); make feature "
-            "shards with `ddp-rank shards features IMAGE_SHARDS DST --config CONFIG` and set data.shards=DST"
-        )
-    if record is not None and backbone != FEATURES_BACKBONE:
-        raise ConfigError(
-            f"data.shards='{shards}' holds {record.dim}-d feature vectors (made by {record.backbone}), "
-            f"not images: set model.backbone={FEATURES_BACKBONE} to train a head on them"
-        )
-
-
 def encode_vector(vector: np.ndarray) -> bytes:
     """A vector as the bytes of its ``.f16`` member (raw little-endian float16)."""
     return np.ascontiguousarray(vector, dtype=FEATURE_DTYPE).tobytes()
@@ -178,7 +157,6 @@ __all__ = [
     "FEATURE_EXTENSION",
     "FeatureRecord",
     "FeatureRecordError",
-    "check_model_input",
     "decode_vector",
     "encode_vector",
     "feature_dim",

@@ -12,16 +12,16 @@ import time
 import torch
 
 from ddp_rank.config import Config, ConfigError, LossConfig, ModelConfig
-from ddp_rank.data.features.records import check_model_input
 from ddp_rank.data.format.fragmentation import fragmentation
 from ddp_rank.data.format.manifest import Manifest
 from ddp_rank.data.sampling.dealing import deal
 from ddp_rank.data.sampling.plan import Catalog, GlobalPlan, PlanError
 from ddp_rank.losses.rows import DEFAULT_BUDGET_BYTES
 from ddp_rank.model import build_model
+from ddp_rank.runtime import TrainError
 from ddp_rank.runtime.accelerator import precision_dtype, resolve_mixed_precision
 from ddp_rank.runtime.data_setup import resolve_sampler, schedule_config
-from ddp_rank.runtime.shards import model_input_dim
+from ddp_rank.runtime.shards import model_input_dim, open_shards
 from ddp_rank.train.chunking.choice import (
     auto_chunk,
     database_bytes,
@@ -58,15 +58,13 @@ def describe_plan(
         layout = BatchLayout.from_settings(settings.step, world_size)
     except ConfigError as exc:
         problems.append(str(exc))
-    try:
-        manifest = Manifest.load(data.shards)
+    try:  # opened as the run opens them: the same refusals
+        manifest = open_shards(data.shards, settings.model.backbone)
         catalog = Catalog.from_manifest(manifest, data.train_split)
+    except (ConfigError, TrainError) as exc:
+        return facts, [*problems, str(exc)]
     except (OSError, ValueError, KeyError) as exc:
         return facts, [*problems, f"data.shards: {exc}"]
-    try:
-        check_model_input(manifest, data.shards, settings.model.backbone)
-    except ConfigError as exc:
-        return facts, [*problems, str(exc)]
     images = sum(catalog.class_sizes.values())
     facts.append(("usable classes / images", f"{len(catalog.class_sizes):,} / {images:,}"))
     if catalog.singletons:
