@@ -44,7 +44,7 @@ def build_pml(name: str, miner_name: str, num_classes: int, embedding_size: int)
     ``embedding_size`` default to the shards' class count and ``model.embedding_dim`` for the losses that take
     them (the proxy losses)."""
     defaults = {"num_classes": num_classes, "embedding_size": embedding_size}
-    # Both texts parsed before anything is imported or built: a typo in either is met first, in one line.
+    # Both texts parsed before anything is imported or built: a malformed one is refused before either is built.
     loss_spec = parse_call(name, "loss.name", _EXAMPLES["losses"])
     miner_spec = parse_call(miner_name, "loss.miner", _EXAMPLES["miners"]) if miner_name else None
     loss = _build("losses", "loss.name", name, loss_spec, defaults)

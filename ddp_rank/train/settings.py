@@ -76,6 +76,6 @@ def train_settings(cfg: Config) -> TrainSettings:
         step=step,
         evaluation=evaluation,
         train=cfg.train,
-        # The reporting's: the train section, the evaluation's (data.test_split, the retrieval picture's), the record.
+        # The reporting's: the train section, the evaluation's settings and the config record.
         report=ReportSettings(cfg.train, evaluation, record),
     )
